@@ -1,0 +1,130 @@
+"""Run folders (DESIGN.md §3): config.json, run.log, metrics.csv and atomic checkpoints."""
+
+from __future__ import annotations
+
+import csv
+import importlib.metadata
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+LIBRARIES = ("torch", "torchvision", "numpy", "scikit-learn", "pandas", "accelerate", "timm", "flwr")
+
+
+def git_revision() -> str:
+    """The repository's HEAD commit (with '+dirty' for local changes), or 'unknown'."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        revision = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return revision + ("+dirty" if dirty else "")
+
+
+def library_versions() -> dict[str, str]:
+    """Installed versions of the libraries whose behaviour a run depends on."""
+    versions = {"python": sys.version.split()[0]}
+    for name in LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def write_config(out_dir: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """Write ``config.json``: every argument plus git revision and library versions."""
+    record = {"args": config, "git_revision": git_revision(), "versions": library_versions(), "command": sys.argv}
+    atomic_write_text(Path(out_dir) / "config.json", json.dumps(record, indent=2, default=str, sort_keys=True))
+    return record
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a text file via a temp file and rename, so a reader never sees half of it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
+        handle.write(text)
+    os.replace(handle.name, path)
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    """torch.save via a temp file and rename: a crash never leaves a truncated checkpoint."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temp_name = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    os.close(handle)
+    try:
+        torch.save(obj, temp_name)
+        os.replace(temp_name, path)
+    finally:
+        if os.path.exists(temp_name):
+            os.remove(temp_name)
+
+
+def load_checkpoint(path: Path) -> Any:
+    """torch.load with ``weights_only=True`` (checkpoints hold tensors, numbers, strings, dicts)."""
+    return torch.load(Path(path), map_location="cpu", weights_only=True)
+
+
+def setup_logging(out_dir: Path, name: str = "taskhet") -> logging.Logger:
+    """A logger that writes to the console and, with timestamps, to ``out_dir/run.log``."""
+    logger = logging.getLogger(f"{name}.{Path(out_dir).resolve()}")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    if not logger.handlers:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        file_handler = logging.FileHandler(Path(out_dir) / "run.log")
+        file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        console = logging.StreamHandler()
+        console.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(file_handler)
+        logger.addHandler(console)
+    return logger
+
+
+class MetricsCSV:
+    """Appends rows to a long-format metrics CSV (header written once).
+
+    ``truncate_after`` lets a resumed run drop rows from after its checkpoint, so
+    a resumed run's file ends identical to an uninterrupted one.
+    """
+
+    def __init__(self, path: Path, columns: Iterable[str]) -> None:
+        self.path = Path(path)
+        self.columns = list(columns)
+        if not self.path.exists():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("w", newline="") as handle:
+                csv.writer(handle).writerow(self.columns)
+
+    def write(self, rows: Iterable[dict[str, Any]]) -> None:
+        """Append rows (dicts with exactly the columns) and flush."""
+        with self.path.open("a", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=self.columns)
+            for row in rows:
+                writer.writerow({key: _format(value) for key, value in row.items()})
+
+    def truncate_after(self, column: str, last_kept: int) -> None:
+        """Drop rows whose integer ``column`` is greater than ``last_kept``."""
+        with self.path.open(newline="") as handle:
+            rows = [row for row in csv.DictReader(handle) if int(row[column]) <= last_kept]
+        with self.path.open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=self.columns)
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+def _format(value: Any) -> Any:
+    # repr-exact floats: a resumed run's CSV must equal an uninterrupted run's byte for byte.
+    if isinstance(value, float):
+        return repr(value)
+    return value
