@@ -1,0 +1,155 @@
+"""Experiment files for run_pipeline.py: one YAML file, validated before any work starts.
+
+The schema below is the complete list of keys with their defaults. A key that is
+not in it, a task, algorithm or partition scheme that is not registered, is an
+error naming the key, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from utils.errors import TaskHetError
+
+GROUPINGS = ("label_based", "embedding_based")
+
+# Every key an experiment file may set, with its default. Nested dicts are sections;
+# a value of None means "no default: the file must set it" only where noted in README.
+SCHEMA: dict[str, Any] = {
+    "name": "experiment",
+    "data": {
+        "source": "synthetic",  # synthetic | taskonomy
+        "root": "data/synthetic",
+        "synthetic": {"n_buildings": 24, "n_views": 50, "image_size": 64, "seed": 0},
+        "buildings": None,  # taskonomy only: list of buildings to include (None: all on disk)
+        "top_k_classes": 16,
+        "test_fraction": 0.2,
+        "split_by": "building",
+    },
+    "tasks": ["depth_euclidean", "normal", "segment_semantic", "class_scene"],
+    "model": {"encoder": "resnet50", "weights": "none", "image_size": 64, "embedding_grid": 0},
+    "centralized": {
+        "n_epochs": 10,
+        "batch_size": 32,
+        "init_lr": 1e-3,
+        "optimizer": "adamw",
+        "scheduler": "cosine",
+        "weight_decay": 1e-4,
+        "early_stopping_patience": 0,
+    },
+    "embeddings": {"n_clusters": 10, "pca_dim": None},
+    "partition": {
+        "groupings": list(GROUPINGS),
+        "scheme": "dirichlet_mixture",
+        "alphas": [0.1, 1.0],
+        "n_clients": 10,
+        "client_test_fraction": 0.2,
+        "size_skew": None,
+    },
+    "federated": {
+        "algorithms": {"fedavg": {}, "fedprox": {"mu": 0.01}, "scaffold": {}, "fedrep": {}},
+        "n_rounds": 10,
+        "local_steps": 5,
+        "batch_size": 16,
+        "init_lr": 0.01,
+        "lr_schedule": "constant",
+        "client_fraction": 1.0,
+        "eval_every": 1,
+        "init_from": "scratch",
+    },
+    "seeds": [0, 1],
+    "use_accelerator": True,
+}
+
+# Sections whose values are free-form mappings (algorithm name -> its hyperparameters).
+FREE_FORM = {"federated.algorithms"}
+
+
+@dataclass(frozen=True)
+class Combination:
+    """One federated run of the experiment grid."""
+
+    task: str
+    grouping: str
+    alpha: float
+    algorithm: str
+    seed: int
+
+    def label(self) -> str:
+        return f"{self.task} · {self.grouping} · α={self.alpha:g} · {self.algorithm} · seed {self.seed}"
+
+
+def load_experiment(path: Path) -> dict[str, Any]:
+    """Read, merge with defaults and validate an experiment file (errors name the key)."""
+    path = Path(path)
+    if not path.is_file():
+        raise TaskHetError(f"experiment file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise TaskHetError(f"{path}: not valid YAML: {error}") from error
+    if not isinstance(raw, dict):
+        raise TaskHetError(f"{path}: expected a mapping of keys at the top level")
+    config = _merge(copy.deepcopy(SCHEMA), raw, prefix="", source=path)
+    validate_names(config, path)
+    return config
+
+
+def _merge(defaults: dict[str, Any], given: dict[str, Any], prefix: str, source: Path) -> dict[str, Any]:
+    for key, value in given.items():
+        dotted = f"{prefix}{key}"
+        if key not in defaults:
+            allowed = ", ".join(sorted(defaults))
+            raise TaskHetError(f"{source}: unknown key {dotted!r}; allowed here: {allowed}")
+        if isinstance(defaults[key], dict) and dotted not in FREE_FORM:
+            if not isinstance(value, dict):
+                raise TaskHetError(f"{source}: key {dotted!r} must be a mapping")
+            defaults[key] = _merge(defaults[key], value, prefix=f"{dotted}.", source=source)
+        else:
+            defaults[key] = value
+    return defaults
+
+
+def validate_names(config: dict[str, Any], source: Path) -> None:
+    """Check tasks, encoder, algorithms, scheme and groupings against the registries."""
+    from models import list_encoders
+    from models.tasks import list_tasks
+    from network.algorithms import list_algorithms
+    from utils.partition import list_schemes
+
+    def check(key: str, values: list[str], known: list[str]) -> None:
+        for value in values:
+            if value not in known:
+                raise TaskHetError(f"{source}: {key} {value!r} is unknown; choose from: {', '.join(known)}")
+
+    check("tasks", list(config["tasks"]), list_tasks())
+    check("model.encoder", [config["model"]["encoder"]], list_encoders())
+    check("federated.algorithms", list(config["federated"]["algorithms"]), list_algorithms())
+    check("partition.scheme", [config["partition"]["scheme"]], list_schemes())
+    check("partition.groupings", list(config["partition"]["groupings"]), list(GROUPINGS))
+    check("data.source", [config["data"]["source"]], ["synthetic", "taskonomy"])
+    for alpha in config["partition"]["alphas"]:
+        if not float(alpha) > 0:
+            raise TaskHetError(f"{source}: partition.alphas must be > 0, got {alpha}")
+    if not config["seeds"]:
+        raise TaskHetError(f"{source}: seeds must list at least one seed")
+
+
+def combinations(config: dict[str, Any]) -> list[Combination]:
+    """Every federated run of the grid, in the order the pipeline runs them."""
+    return [
+        Combination(task, grouping, float(alpha), algorithm, int(seed))
+        for task, grouping, alpha, algorithm, seed in itertools.product(
+            config["tasks"],
+            config["partition"]["groupings"],
+            config["partition"]["alphas"],
+            list(config["federated"]["algorithms"]),
+            config["seeds"],
+        )
+    ]
