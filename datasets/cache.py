@@ -1,0 +1,109 @@
+"""A decoded-sample cache: memory-mapped arrays filled on first read.
+
+Decoding a Taskonomy sample means opening a dozen PNGs, converting and resizing
+them; every epoch would repeat that. The cache keeps each decoded array of a
+sample in one ``.npy`` memory map per array name (``[N, ...]``), keyed by the
+manifest's content, the data root, the decoded domains and the resolution, so a
+changed manifest or resolution never reads stale data. The first pass decodes
+and writes a row; later reads (other epochs, other DataLoader workers, later
+runs) copy the row from the map, which the OS keeps in its page cache.
+
+A row is marked filled only after its arrays are written, so a run killed mid-row
+decodes that row again next time. Workers write disjoint rows of shared maps;
+two workers that decode the same row write the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+
+# Bump when decoders change what a cached row holds, so old caches are not reused.
+CACHE_FORMAT_VERSION = 1
+FILLED = "_filled"
+
+
+def cache_key(root: Path, manifest: pd.DataFrame, domains: Sequence[str], image_size: int) -> str:
+    """A hex digest of everything a cached row depends on (row order included)."""
+    digest = hashlib.sha256()
+    header = {"version": CACHE_FORMAT_VERSION, "root": str(Path(root).resolve()), "domains": list(domains), "image_size": int(image_size)}
+    digest.update(json.dumps(header, sort_keys=True).encode())
+    digest.update(manifest[["sample_id", "rgb_path"]].to_csv(index=False).encode())
+    return digest.hexdigest()
+
+
+class DecodedSampleCache:
+    """Memory-mapped storage for decoded samples, one row per manifest row.
+
+    Args:
+        cache_dir: parent folder; the cache lives in ``cache_dir/decoded_<key prefix>/``.
+        key: from :func:`cache_key`.
+        num_samples: rows.
+        layout: array name -> (per-sample shape, dtype).
+    """
+
+    def __init__(self, cache_dir: Path, key: str, num_samples: int, layout: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> None:
+        self.directory = Path(cache_dir) / f"decoded_{key[:32]}"
+        self.num_samples = int(num_samples)
+        self.layout = {name: (tuple(shape), np.dtype(dtype)) for name, (shape, dtype) in layout.items()}
+        self._maps: dict[str, np.memmap] | None = None
+        if not self.directory.is_dir():
+            self._create(key)
+
+    def _create(self, key: str) -> None:
+        """Allocate the (sparse) maps in a temp folder, then rename: readers never see half a cache."""
+        self.directory.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=self.directory.parent, prefix=".decoded_tmp_"))
+        try:
+            for name, (shape, dtype) in self.layout.items():
+                np.lib.format.open_memmap(staging / f"{name}.npy", mode="w+", dtype=dtype, shape=(self.num_samples, *shape)).flush()
+            np.lib.format.open_memmap(staging / f"{FILLED}.npy", mode="w+", dtype=np.uint8, shape=(self.num_samples,)).flush()
+            layout = {name: [list(shape), dtype.str] for name, (shape, dtype) in self.layout.items()}
+            (staging / "key.json").write_text(json.dumps({"key": key, "num_samples": self.num_samples, "layout": layout}, indent=2))
+            os.rename(staging, self.directory)
+        except OSError:
+            # Another process created the same cache first; its copy is equivalent.
+            if not self.directory.is_dir():
+                raise
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging)
+
+    def _open(self) -> dict[str, np.memmap]:
+        # Opened lazily so each DataLoader worker maps the files itself.
+        if self._maps is None:
+            names = [*self.layout, FILLED]
+            self._maps = {name: np.load(self.directory / f"{name}.npy", mmap_mode="r+") for name in names}
+        return self._maps
+
+    def __getstate__(self) -> dict:
+        # Memory maps pickle as full in-memory copies; workers re-open them instead.
+        state = self.__dict__.copy()
+        state["_maps"] = None
+        return state
+
+    def num_filled(self) -> int:
+        """How many rows are decoded already."""
+        return int(self._open()[FILLED].sum())
+
+    def get(self, index: int) -> dict[str, np.ndarray] | None:
+        """Copies of a row's arrays, or None if the row was never filled."""
+        maps = self._open()
+        if not maps[FILLED][index]:
+            return None
+        return {name: np.array(maps[name][index]) for name in self.layout}
+
+    def put(self, index: int, arrays: Mapping[str, np.ndarray]) -> None:
+        """Write a row (every array of the layout), then mark it filled."""
+        maps = self._open()
+        for name in self.layout:
+            maps[name][index] = arrays[name]
+        maps[FILLED][index] = 1

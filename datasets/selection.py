@@ -1,0 +1,275 @@
+"""Step 1 as a library: pick the samples of an experiment and label them with a scene class.
+
+A sample's scene label is the argmax of its ``class_scene`` Places365 scores. The
+K most frequent labels are kept and renumbered 0..K-1 (most frequent first), and
+the kept samples are split into train/test by sample or by building. The result
+is the manifest of DESIGN.md §3. ``extract_datapoints_for_experiments.py`` and
+``run_pipeline.py`` both call :func:`select_datapoints` and :func:`write_selection`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+from tqdm import tqdm
+
+from datasets.synthetic import PLACES_FILE, SPLIT_FILE
+from datasets.taskonomy import (
+    DOMAIN_SPECS,
+    DOMAINS,
+    MANIFEST_COLUMNS,
+    NUM_SCENE_SCORES,
+    check_data_root,
+    discover_samples,
+    get_domain,
+)
+from utils.errors import TaskHetError
+from utils.run_dir import atomic_write_text
+from utils.seeding import numpy_rng
+
+SPLIT_BY = ("sample", "building")
+# Every task domain the loader decodes; mask_valid is optional (used when on disk).
+DEFAULT_TASK_DOMAINS = tuple(domain for domain in DOMAINS if domain not in ("rgb", "mask_valid"))
+SPLIT_CSV_COLUMNS = ("id", "train", "val", "test")
+
+
+@dataclass(frozen=True)
+class SelectionConfig:
+    """Arguments of step 1 (names as in the original ``extract_datapoints_for_experiments.py``).
+
+    Attributes:
+        data_path: data root in the omnidata layout.
+        client_file_name: split CSV (``id,train,val,test``), relative to ``data_path`` unless absolute.
+        scene_class_file_name: Places365 class-name list, relative to ``data_path`` unless absolute.
+        taskonomy_clients_to_include: an int N uses the first N buildings of the split CSV (as
+            the original script); a tuple of building ids uses those; None uses all.
+        domains: domains every kept sample must have (rgb and class_scene are always required).
+        top_k_classes: keep the K most frequent scene labels.
+        test_fraction: share of samples (or buildings) in the test split, in (0, 1).
+        split_by: "sample" or "building" (no building in both splits).
+        seed: root seed of the split.
+    """
+
+    data_path: Path
+    client_file_name: str = SPLIT_FILE
+    scene_class_file_name: str = PLACES_FILE
+    taskonomy_clients_to_include: int | tuple[str, ...] | None = None
+    domains: tuple[str, ...] = DEFAULT_TASK_DOMAINS
+    top_k_classes: int = 16
+    test_fraction: float = 0.2
+    split_by: str = "sample"
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Raise :class:`TaskHetError` naming the first bad argument."""
+        if self.top_k_classes < 1:
+            raise TaskHetError(f"--top_k_classes must be >= 1, got {self.top_k_classes}")
+        if not 0.0 < self.test_fraction < 1.0:
+            raise TaskHetError(f"--test_fraction must be in (0, 1), got {self.test_fraction}")
+        if self.split_by not in SPLIT_BY:
+            raise TaskHetError(f"--split_by must be one of {', '.join(SPLIT_BY)}, got {self.split_by!r}")
+        include = self.taskonomy_clients_to_include
+        if (isinstance(include, int) and include < 1) or (isinstance(include, tuple) and not include):
+            raise TaskHetError(f"--taskonomy_clients_to_include must be a count >= 1 or building ids, got {include!r}")
+        for domain in self.domains:
+            get_domain(domain)
+
+
+@dataclass
+class Selection:
+    """What step 1 selected.
+
+    Attributes:
+        manifest: one row per kept sample, columns :data:`MANIFEST_COLUMNS`.
+        class_counts: one row per kept class: ``scene_class, scene_name, places_index, num_samples, num_train, num_test``.
+        buildings: buildings searched, in split-CSV order.
+        num_complete: complete samples found before the top-K filter.
+        num_labels_found: distinct scene labels among them.
+        config: the arguments.
+    """
+
+    manifest: pd.DataFrame
+    class_counts: pd.DataFrame
+    buildings: list[str]
+    num_complete: int
+    num_labels_found: int
+    config: SelectionConfig = field(repr=False)
+
+
+def _resolve(root: Path, name: str) -> Path:
+    return Path(name) if Path(name).is_absolute() else Path(root) / name
+
+
+def read_split_csv(path: Path) -> list[str]:
+    """Building ids of a Taskonomy split CSV (``id,train,val,test``), in file order."""
+    if not path.is_file():
+        raise TaskHetError(f"split CSV {path} does not exist (--client_file_name)")
+    try:
+        table = pd.read_csv(path, dtype={"id": str}, keep_default_na=False)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as error:
+        raise TaskHetError(f"split CSV {path}: not a readable CSV ({error})") from error
+    missing = [column for column in SPLIT_CSV_COLUMNS if column not in table.columns]
+    if missing:
+        raise TaskHetError(f"split CSV {path}: missing column(s) {', '.join(missing)}; expected {','.join(SPLIT_CSV_COLUMNS)}")
+    ids = [building.strip() for building in table["id"]]
+    for row, building in enumerate(ids):
+        if not building:
+            raise TaskHetError(f"split CSV {path}: row {row + 2} has an empty id")
+    duplicated = pd.Series(ids).duplicated()
+    if duplicated.any():
+        row = int(np.flatnonzero(duplicated)[0])
+        raise TaskHetError(f"split CSV {path}: row {row + 2} repeats building {ids[row]!r}")
+    return ids
+
+
+def read_scene_names(path: Path) -> list[str]:
+    """The 365 Places365 class names in label order.
+
+    Accepts one name per line (``places_class_names.txt``) or the official
+    ``categories_places365.txt`` lines (``/b/bedroom 52``).
+    """
+    if not path.is_file():
+        raise TaskHetError(f"scene class file {path} does not exist (--scene_class_file_name)")
+    names = []
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if not parts:
+            continue
+        name = parts[0]
+        if name.startswith("/") and name.count("/") >= 2:
+            name = name.split("/", 2)[2]
+        names.append(name)
+    if len(names) != NUM_SCENE_SCORES:
+        raise TaskHetError(f"scene class file {path}: {len(names)} names, expected {NUM_SCENE_SCORES} (Places365)")
+    return names
+
+
+def scene_labels(root: Path, paths: pd.Series, progress: bool = True) -> np.ndarray:
+    """Places365 label (argmax of the class_scene scores) of each file."""
+    decode = DOMAIN_SPECS["class_scene"].decode
+    labels = [int(np.argmax(decode(Path(root) / path)[0])) for path in tqdm(paths, desc="reading scene scores", unit="sample", disable=not progress)]
+    return np.asarray(labels, dtype=np.int64)
+
+
+def split_samples(samples: pd.DataFrame, test_fraction: float, split_by: str, seed: int) -> np.ndarray:
+    """"train"/"test" per row; ``split_by="building"`` puts whole buildings in one split."""
+    rng = numpy_rng(seed, "step1_split", split_by)
+    if split_by == "building":
+        buildings = sorted(set(samples["building"]))
+        if len(buildings) < 2:
+            raise TaskHetError(f"--split_by building needs at least 2 buildings with kept samples, found {len(buildings)}")
+        num_test = int(np.clip(round(test_fraction * len(buildings)), 1, len(buildings) - 1))
+        test_buildings = {buildings[position] for position in rng.permutation(len(buildings))[:num_test]}
+        return np.where(samples["building"].isin(test_buildings), "test", "train")
+    if len(samples) < 2:
+        raise TaskHetError(f"a train/test split needs at least 2 samples, found {len(samples)}")
+    num_test = int(np.clip(round(test_fraction * len(samples)), 1, len(samples) - 1))
+    split = np.full(len(samples), "train", dtype=object)
+    split[rng.permutation(len(samples))[:num_test]] = "test"
+    return split
+
+
+def select_datapoints(config: SelectionConfig, progress: bool = True) -> Selection:
+    """Find complete samples, label them, keep the top-K labels and split them.
+
+    Raises:
+        TaskHetError: missing data root, domain folder, split CSV, name list or
+            building folder; a corrupt class_scene file; bad arguments; no samples.
+    """
+    config.validate()
+    root = Path(config.data_path)
+    domains = list(dict.fromkeys(["rgb", "class_scene", *config.domains]))
+    check_data_root(root, domains)
+    split_csv = _resolve(root, config.client_file_name)
+    buildings = read_split_csv(split_csv)
+    include = config.taskonomy_clients_to_include
+    if isinstance(include, int):
+        buildings = buildings[:include]
+    elif include is not None:
+        unknown = [building for building in include if building not in buildings]
+        if unknown:
+            raise TaskHetError(f"--taskonomy_clients_to_include: building(s) {', '.join(unknown)} not in split CSV {split_csv}")
+        buildings = list(include)
+    names = read_scene_names(_resolve(root, config.scene_class_file_name))
+    samples = discover_samples(root, domains, buildings)
+    if samples.empty:
+        raise TaskHetError(f"empty selection: no sample in {root} has every domain ({', '.join(domains)}) in buildings {', '.join(buildings)}")
+    samples["places_index"] = scene_labels(root, samples["path_class_scene"], progress)
+    counts = samples["places_index"].value_counts()
+    # Most frequent first; ties by Places365 index, so the order never depends on hashing.
+    ranked = sorted(counts.index, key=lambda label: (-counts[label], label))
+    kept = ranked[: config.top_k_classes]
+    remap = {label: rank for rank, label in enumerate(kept)}
+    chosen = samples[samples["places_index"].isin(kept)].reset_index(drop=True)
+    chosen["scene_class"] = chosen["places_index"].map(remap).astype(np.int64)
+    chosen["scene_name"] = [names[label] for label in chosen["places_index"]]
+    chosen["rgb_path"] = chosen["path_rgb"]
+    chosen["split"] = split_samples(chosen, config.test_fraction, config.split_by, config.seed)
+    manifest = chosen[list(MANIFEST_COLUMNS)].copy()
+    class_counts = pd.DataFrame(
+        {
+            "scene_class": range(len(kept)),
+            "scene_name": [names[label] for label in kept],
+            "places_index": kept,
+            "num_samples": [int((chosen["places_index"] == label).sum()) for label in kept],
+            "num_train": [int(((chosen["places_index"] == label) & (chosen["split"] == "train")).sum()) for label in kept],
+            "num_test": [int(((chosen["places_index"] == label) & (chosen["split"] == "test")).sum()) for label in kept],
+        }
+    )
+    return Selection(manifest, class_counts, buildings, len(samples), len(counts), config)
+
+
+def plot_class_distribution(class_counts: pd.DataFrame, path: Path) -> None:
+    """Bar chart of kept samples per scene class (train and test stacked), as a PNG."""
+    # The object-oriented Figure renders with Agg and never touches pyplot's global state.
+    figure = Figure(figsize=(max(4.0, 0.5 * len(class_counts) + 2), 4.0))
+    axis = figure.subplots()
+    positions = np.arange(len(class_counts))
+    axis.bar(positions, class_counts["num_train"], label="train", color="#3b6ea5")
+    axis.bar(positions, class_counts["num_test"], bottom=class_counts["num_train"], label="test", color="#e0a030")
+    axis.set_xticks(positions, [f"{row.scene_class}: {row.scene_name}" for row in class_counts.itertuples()], rotation=90)
+    axis.set_ylabel("samples")
+    axis.set_title("Samples per scene class")
+    axis.grid(axis="y", alpha=0.4)
+    axis.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
+def write_selection(selection: Selection, out_dir: Path) -> dict[str, Path]:
+    """Write ``manifest.csv``, ``class_counts.csv`` and ``class_distribution.png`` into ``out_dir``.
+
+    Returns:
+        {"manifest": ..., "class_counts": ..., "plot": ...} paths.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"manifest": out_dir / "manifest.csv", "class_counts": out_dir / "class_counts.csv", "plot": out_dir / "class_distribution.png"}
+    atomic_write_text(paths["manifest"], selection.manifest.to_csv(index=False))
+    atomic_write_text(paths["class_counts"], selection.class_counts.to_csv(index=False))
+    plot_class_distribution(selection.class_counts, paths["plot"])
+    return paths
+
+
+def summary_line(selection: Selection) -> str:
+    """One line: what was kept, from what, and how it is split."""
+    manifest, config = selection.manifest, selection.config
+    num_train = int((manifest["split"] == "train").sum())
+    return (
+        f"step 1: kept {len(manifest)} of {selection.num_complete} complete samples from "
+        f"{manifest['building'].nunique()} of {len(selection.buildings)} buildings; "
+        f"{len(selection.class_counts)} scene classes (top {config.top_k_classes} of {selection.num_labels_found} found); "
+        f"split by {config.split_by}: {num_train} train / {len(manifest) - num_train} test"
+    )
+
+
+def log_selection(selection: Selection, logger: logging.Logger) -> None:
+    """Log the summary line and the kept classes."""
+    logger.info(summary_line(selection))
+    for row in selection.class_counts.itertuples():
+        logger.info(f"  class {row.scene_class}: {row.scene_name} (Places365 {row.places_index}): {row.num_samples} samples")

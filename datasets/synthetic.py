@@ -1,0 +1,723 @@
+"""Synthetic buildings, ray-cast with numpy and written in the Taskonomy/omnidata layout.
+
+Real Taskonomy cannot be downloaded everywhere, so the embedded default data is
+rendered here and read by :mod:`datasets.taskonomy` unchanged. A building is one
+room: its size, its wall/floor/ceiling textures (pattern, frequency, palette),
+one directional light (direction, intensity, ambient) and a few windows (holes
+where rays find no surface). It holds objects (boxes, spheres, cylinders) of
+semantic classes 1..16, and its scene class (a real Places365 index) is set by
+which objects it holds. Room size, texture frequency and lighting are drawn from
+random streams that never see the scene class, so the variation that dense tasks
+care about (depth range, edge density, shading) is not explained by the label.
+
+Every view is a camera looking at a "point" of the room; all pixels' rays are
+cast at once. Ground truth comes from the geometry (depth, normals, reshading,
+semantics, occlusion edges, 3D keypoints, curvature, validity), except texture
+edges and 2D keypoints, which are computed on the rendered image as in
+Taskonomy. Encodings follow ``docs/DATA.md``. Everything derives from one seed:
+the same seed and sizes give byte-identical files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+import numpy as np
+import pandas as pd
+from PIL import Image
+from scipy import ndimage
+from tqdm import tqdm
+
+from datasets.taskonomy import DEPTH_INVALID, DEPTH_UNITS_PER_METRE, DOMAINS, NORMAL_INVALID, NUM_SCENE_SCORES, domain_dir, get_domain
+from utils.errors import TaskHetError
+from utils.seeding import numpy_rng
+
+META_FILE = "synthetic_meta.json"
+FORMAT_VERSION = 1
+SPLIT_FILE = "train_val_test_synthetic.csv"
+PLACES_FILE = "places_class_names.txt"
+BUILDINGS_FILE = "synthetic_buildings.csv"
+PLACES365_SOURCE = Path(__file__).with_name("places365_categories.txt")
+KEYPOINT_SIGMA_M = 0.12
+EDGE_TEXTURE_SCALE = 0.3
+HARRIS_SCALE = 5e-5
+OCCLUSION_JUMP = 0.04
+CURVATURE_SCALE = 4.0
+
+
+@dataclass(frozen=True)
+class ObjectClass:
+    """A semantic class: its primitive, size range (x, y, z extents in m), lift off the floor and colour."""
+
+    class_id: int
+    name: str
+    shape: str
+    size_min: tuple[float, float, float]
+    size_max: tuple[float, float, float]
+    lift: tuple[float, float]
+    colour: tuple[float, float, float]
+
+
+# Ids 1..16 follow Taskonomy's indoor COCO classes; 0 is walls/floor/ceiling/no surface (unlabelled).
+OBJECT_CLASSES = (
+    ObjectClass(1, "bottle", "cylinder", (0.15, 0.15, 0.35), (0.25, 0.25, 0.6), (0.6, 1.0), (0.15, 0.55, 0.30)),
+    ObjectClass(2, "chair", "box", (0.45, 0.45, 0.8), (0.6, 0.6, 1.0), (0.0, 0.0), (0.55, 0.35, 0.20)),
+    ObjectClass(3, "couch", "box", (1.6, 0.8, 0.7), (2.2, 1.0, 0.9), (0.0, 0.0), (0.60, 0.20, 0.25)),
+    ObjectClass(4, "potted_plant", "sphere", (0.5, 0.5, 0.5), (0.8, 0.8, 0.8), (0.0, 0.3), (0.20, 0.70, 0.20)),
+    ObjectClass(5, "bed", "box", (1.4, 1.9, 0.5), (2.0, 2.2, 0.7), (0.0, 0.0), (0.85, 0.85, 0.95)),
+    ObjectClass(6, "dining_table", "box", (1.2, 0.8, 0.72), (2.0, 1.2, 0.78), (0.0, 0.0), (0.45, 0.30, 0.15)),
+    ObjectClass(7, "toilet", "cylinder", (0.4, 0.4, 0.4), (0.5, 0.5, 0.5), (0.0, 0.0), (0.95, 0.95, 0.95)),
+    ObjectClass(8, "tv", "box", (0.9, 0.08, 0.55), (1.4, 0.12, 0.8), (0.6, 1.0), (0.05, 0.05, 0.08)),
+    ObjectClass(9, "microwave", "box", (0.45, 0.35, 0.28), (0.55, 0.45, 0.35), (0.8, 1.0), (0.70, 0.70, 0.72)),
+    ObjectClass(10, "oven", "box", (0.6, 0.6, 0.85), (0.75, 0.7, 0.95), (0.0, 0.0), (0.30, 0.30, 0.32)),
+    ObjectClass(11, "toaster", "box", (0.25, 0.18, 0.2), (0.35, 0.25, 0.25), (0.8, 1.0), (0.85, 0.20, 0.15)),
+    ObjectClass(12, "sink", "box", (0.5, 0.45, 0.85), (0.8, 0.55, 0.95), (0.0, 0.0), (0.75, 0.85, 0.90)),
+    ObjectClass(13, "refrigerator", "box", (0.7, 0.7, 1.7), (0.9, 0.8, 2.0), (0.0, 0.0), (0.90, 0.90, 0.88)),
+    ObjectClass(14, "book", "box", (0.2, 0.15, 0.3), (0.3, 0.2, 0.45), (0.5, 1.2), (0.20, 0.30, 0.75)),
+    ObjectClass(15, "clock", "sphere", (0.3, 0.3, 0.3), (0.4, 0.4, 0.4), (1.5, 1.9), (0.95, 0.80, 0.20)),
+    ObjectClass(16, "vase", "cylinder", (0.2, 0.2, 0.4), (0.3, 0.3, 0.6), (0.0, 0.8), (0.60, 0.30, 0.70)),
+)
+CLASS_BY_NAME = MappingProxyType({object_class.name: object_class for object_class in OBJECT_CLASSES})
+
+
+@dataclass(frozen=True)
+class SceneType:
+    """A Places365 scene: objects it always holds, and objects it holds with probability 1/2 each."""
+
+    places_name: str
+    core: tuple[str, ...]
+    optional: tuple[str, ...]
+
+
+SCENE_TYPES = (
+    SceneType("bedroom", ("bed",), ("clock", "book", "vase", "chair", "tv")),
+    SceneType("kitchen", ("refrigerator", "oven"), ("microwave", "toaster", "sink", "bottle", "dining_table")),
+    SceneType("office", ("chair", "dining_table"), ("tv", "book", "clock", "potted_plant")),
+    SceneType("living_room", ("couch", "tv"), ("potted_plant", "vase", "chair", "clock", "book")),
+    SceneType("bathroom", ("toilet", "sink"), ("bottle", "vase")),
+    SceneType("dining_room", ("dining_table", "chair", "chair"), ("vase", "bottle", "clock", "potted_plant")),
+    SceneType("classroom", ("dining_table", "chair", "chair", "chair"), ("clock", "book", "tv")),
+    SceneType("conference_room", ("dining_table", "chair", "chair", "tv"), ("clock", "bottle", "potted_plant")),
+    SceneType("corridor", ("potted_plant",), ("clock", "vase")),
+    SceneType("home_office", ("chair", "book", "tv"), ("potted_plant", "clock", "bottle")),
+    SceneType("waiting_room", ("couch", "chair"), ("potted_plant", "clock", "book", "tv")),
+    SceneType("storage_room", ("book", "bottle"), ("refrigerator", "vase", "microwave")),
+)
+
+
+def places365_names() -> list[str]:
+    """The 365 Places365 class names in label order (``bedroom``, ``bakery/shop``, ...)."""
+    lines = PLACES365_SOURCE.read_text().split("\n")
+    return [line.rsplit(" ", 1)[0].split("/", 2)[2] for line in lines if line.strip()]
+
+
+@dataclass(frozen=True)
+class RenderConfig:
+    """What to render. Files depend only on these values."""
+
+    num_buildings: int = 24
+    views_per_building: int = 50
+    views_per_point: int = 5
+    image_size: int = 64
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Raise :class:`TaskHetError` naming the first bad value."""
+        for name in ("num_buildings", "views_per_building", "views_per_point", "image_size"):
+            if getattr(self, name) < 1:
+                raise TaskHetError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.image_size < 8:
+            raise TaskHetError(f"image_size must be >= 8 pixels, got {self.image_size}")
+
+
+@dataclass(frozen=True)
+class Texture:
+    """A procedural surface pattern mixing two colours; frequency in cycles per metre."""
+
+    colour_a: tuple[float, float, float]
+    colour_b: tuple[float, float, float]
+    frequency: float
+    pattern: int
+
+
+@dataclass(frozen=True)
+class Primitive:
+    """An object: ``half_size`` is (hx, hy, hz) for boxes, (r, r, r) for spheres, (r, r, half height) for cylinders."""
+
+    shape: str
+    class_id: int
+    centre: tuple[float, float, float]
+    half_size: tuple[float, float, float]
+    yaw: float
+    texture: Texture
+
+    @property
+    def footprint_radius(self) -> float:
+        """Radius of a circle around the object's floor footprint (any yaw), for placement."""
+        return math.hypot(self.half_size[0], self.half_size[1]) if self.shape == "box" else self.half_size[0]
+
+
+@dataclass(frozen=True)
+class Building:
+    """One room with its objects, textures and light."""
+
+    name: str
+    scene_type: int
+    places_index: int
+    size: tuple[float, float, float]
+    wall: Texture
+    floor: Texture
+    ceiling: Texture
+    texture_frequency: float
+    light_direction: tuple[float, float, float]
+    light_intensity: float
+    ambient: float
+    openings: tuple[tuple[int, float, float, float, float], ...]
+    objects: tuple[Primitive, ...]
+
+
+@dataclass(frozen=True)
+class Camera:
+    """A view: pose (orthonormal right/up/forward, world z up) and horizontal field of view in radians."""
+
+    point: int
+    view: int
+    position: tuple[float, float, float]
+    forward: tuple[float, float, float]
+    right: tuple[float, float, float]
+    up: tuple[float, float, float]
+    fov: float
+
+
+@dataclass
+class ViewRender:
+    """The float ground truth of one view (H x W): what the files encode.
+
+    ``depth_*`` are metres (inf where no surface); ``normal`` is camera-frame unit
+    vectors (x right, y up, z towards the camera); ``surface`` is -1 for no surface,
+    0..5 for room faces, 6+k for object k.
+    """
+
+    rgb: np.ndarray
+    depth_euclidean: np.ndarray
+    depth_zbuffer: np.ndarray
+    normal: np.ndarray
+    reshading: np.ndarray
+    semantic: np.ndarray
+    hit: np.ndarray
+    curvature: np.ndarray
+    keypoints3d: np.ndarray
+    surface: np.ndarray
+
+
+def _texture(rng: np.random.Generator, frequency: float) -> Texture:
+    base = rng.uniform(0.25, 0.9, size=3)
+    contrast = rng.uniform(0.1, 0.45)
+    other = np.clip(base + rng.choice([-1.0, 1.0]) * contrast * rng.uniform(0.5, 1.0, size=3), 0.05, 1.0)
+    return Texture(tuple(base.round(4)), tuple(other.round(4)), float(frequency), int(rng.integers(0, 4)))
+
+
+def assign_scene_types(config: RenderConfig) -> list[int]:
+    """Scene type per building: a seeded permutation, repeated, so every type appears before any repeats."""
+    order = numpy_rng(config.seed, "scene_types").permutation(len(SCENE_TYPES))
+    return [int(order[index % len(order)]) for index in range(config.num_buildings)]
+
+
+def building_name(index: int) -> str:
+    """Names are lower-case words like Taskonomy's (no underscores: they appear inside sample ids)."""
+    return f"synth{index:03d}"
+
+
+def make_building(config: RenderConfig, index: int, scene_type: int, places_index: int) -> Building:
+    """Draw one building. Room, textures and light use streams independent of the scene type.
+
+    Args:
+        config: the render's config (its seed).
+        index: building number (names the building and its random streams).
+        scene_type: index into :data:`SCENE_TYPES`; decides the objects only.
+        places_index: the scene's Places365 label (stored for the class_scene scores).
+    """
+    room_rng = numpy_rng(config.seed, "room", index)
+    size = (room_rng.uniform(3.5, 9.0), room_rng.uniform(3.5, 9.0), room_rng.uniform(2.5, 3.6))
+    texture_frequency = float(np.exp(room_rng.uniform(np.log(0.5), np.log(4.0))))
+    wall, floor, ceiling = (_texture(room_rng, texture_frequency * room_rng.uniform(0.7, 1.4)) for _ in range(3))
+    elevation, azimuth = room_rng.uniform(np.radians(30), np.radians(80)), room_rng.uniform(0, 2 * np.pi)
+    light = (np.cos(elevation) * np.cos(azimuth), np.cos(elevation) * np.sin(azimuth), np.sin(elevation))
+    openings = []
+    for _ in range(int(room_rng.integers(0, 3))):
+        face = int(room_rng.integers(0, 4))
+        wall_length = size[1] if face < 2 else size[0]
+        width = room_rng.uniform(0.8, min(2.0, wall_length - 0.5))
+        start = room_rng.uniform(0.2, wall_length - width - 0.2)
+        bottom = room_rng.uniform(0.7, 1.2)
+        openings.append((face, start, start + width, bottom, min(bottom + room_rng.uniform(0.8, 1.5), size[2] - 0.2)))
+    objects = _place_objects(numpy_rng(config.seed, "objects", index), SCENE_TYPES[scene_type], size)
+    return Building(
+        name=building_name(index), scene_type=scene_type, places_index=places_index, size=size,
+        wall=wall, floor=floor, ceiling=ceiling, texture_frequency=texture_frequency,
+        light_direction=light, light_intensity=float(room_rng.uniform(0.4, 1.0)), ambient=float(room_rng.uniform(0.15, 0.45)),
+        openings=tuple(openings), objects=objects,
+    )
+
+
+def _place_objects(rng: np.random.Generator, scene: SceneType, room: tuple[float, float, float]) -> tuple[Primitive, ...]:
+    names = list(scene.core) + [name for name in scene.optional if rng.random() < 0.5]
+    placed: list[Primitive] = []
+    for name in names:
+        object_class = CLASS_BY_NAME[name]
+        extent = rng.uniform(object_class.size_min, object_class.size_max)
+        if object_class.shape == "sphere":
+            extent[:] = extent[0]
+        elif object_class.shape == "cylinder":
+            extent[1] = extent[0]
+        half = tuple(float(value) for value in extent / 2)
+        lift = rng.uniform(*object_class.lift)
+        yaw = float(rng.uniform(0, np.pi)) if object_class.shape == "box" else 0.0
+        colour = np.clip(np.array(object_class.colour) * rng.uniform(0.85, 1.15, size=3), 0.02, 1.0)
+        texture = Texture(tuple(colour.round(4)), tuple((colour * 0.7).round(4)), float(rng.uniform(2.0, 8.0)), int(rng.integers(0, 4)))
+        candidate = Primitive(object_class.shape, object_class.class_id, (0.0, 0.0, lift + half[2]), half, yaw, texture)
+        radius = candidate.footprint_radius
+        for _ in range(50):
+            # Bounded retries: a crowded room drops the object rather than looping forever.
+            x, y = rng.uniform(radius + 0.1, room[0] - radius - 0.1), rng.uniform(radius + 0.1, room[1] - radius - 0.1)
+            if all(math.hypot(x - other.centre[0], y - other.centre[1]) > radius + other.footprint_radius + 0.1 for other in placed):
+                placed.append(Primitive(candidate.shape, candidate.class_id, (float(x), float(y), candidate.centre[2]), half, yaw, texture))
+                break
+    return tuple(placed)
+
+
+def make_cameras(config: RenderConfig, building: Building, index: int) -> list[Camera]:
+    """Cameras of one building: ``views_per_building`` views, ``views_per_point`` per target point.
+
+    Args:
+        config: the render's config.
+        building: from :func:`make_building`.
+        index: the building's number (its random stream).
+    """
+    rng = numpy_rng(config.seed, "views", index)
+    size = np.array(building.size)
+    cameras: list[Camera] = []
+    for point in range(math.ceil(config.views_per_building / config.views_per_point)):
+        if building.objects and rng.random() < 0.6:
+            target = np.array(building.objects[int(rng.integers(len(building.objects)))].centre)
+        else:
+            target = rng.uniform([0.3, 0.3, 0.3], size - 0.3)
+        target = target + rng.normal(0.0, 0.15, size=3)
+        num_views = min(config.views_per_point, config.views_per_building - point * config.views_per_point)
+        for view in range(num_views):
+            position = _free_position(rng, building, target)
+            forward = (target - position) / np.linalg.norm(target - position)
+            right = np.cross(forward, [0.0, 0.0, 1.0])
+            right /= np.linalg.norm(right)
+            up = np.cross(right, forward)
+            fov = float(np.radians(rng.uniform(50.0, 75.0)))
+            cameras.append(Camera(point, view, tuple(position), tuple(forward), tuple(right), tuple(up), fov))
+    return cameras
+
+
+def _free_position(rng: np.random.Generator, building: Building, target: np.ndarray) -> np.ndarray:
+    size = np.array(building.size)
+    for _ in range(500):
+        position = np.array([rng.uniform(0.3, size[0] - 0.3), rng.uniform(0.3, size[1] - 0.3), rng.uniform(1.1, min(1.8, size[2] - 0.3))])
+        clear = all(math.hypot(position[0] - obj.centre[0], position[1] - obj.centre[1]) > obj.footprint_radius + 0.25 for obj in building.objects)
+        if clear and np.linalg.norm(target - position) > 0.8 and np.linalg.norm((target - position)[:2]) > 0.6:
+            return position
+    raise RuntimeError(f"no free camera position in {building.name}; object placement leaves too little room")
+
+
+def _pattern(u: np.ndarray, v: np.ndarray, texture: Texture) -> np.ndarray:
+    """A pattern value in [0, 1] at surface coordinates (metres)."""
+    f = texture.frequency
+    if texture.pattern == 0:
+        return 0.5 + 0.5 * np.sin(2 * np.pi * f * u)
+    if texture.pattern == 1:
+        return (np.floor(f * u) + np.floor(f * v)) % 2
+    if texture.pattern == 2:
+        return 0.5 + 0.5 * np.sin(2 * np.pi * f * (u + 0.3 * np.sin(2 * np.pi * f * v) / f))
+    return ((f * u) % 1.0 < 0.1) | ((f * v) % 1.0 < 0.1)
+
+
+def _albedo(u: np.ndarray, v: np.ndarray, texture: Texture) -> np.ndarray:
+    mix = _pattern(u, v, texture).astype(np.float64)[:, None]
+    return np.array(texture.colour_a) * (1 - mix) + np.array(texture.colour_b) * mix
+
+
+def _yaw_matrix(yaw: float) -> np.ndarray:
+    """World -> object-local rotation (inverse of a rotation by ``yaw`` about z)."""
+    c, s = math.cos(yaw), math.sin(yaw)
+    return np.array([[c, s, 0.0], [-s, c, 0.0], [0.0, 0.0, 1.0]])
+
+
+def _safe(directions: np.ndarray) -> np.ndarray:
+    # Rays parallel to a slab would divide by zero; a tiny component gives the same (infinite) answer.
+    return np.where(np.abs(directions) < 1e-12, 1e-12, directions)
+
+
+def _intersect_room(origin: np.ndarray, directions: np.ndarray, building: Building) -> tuple[np.ndarray, np.ndarray]:
+    """Exit distance from inside the room, and the face id (2*axis + side); windows give inf."""
+    size = np.array(building.size)
+    d = _safe(directions)
+    t_axes = (np.where(d > 0, size, 0.0) - origin) / d
+    axis = np.argmin(t_axes, axis=1)
+    rows = np.arange(len(d))
+    t = t_axes[rows, axis]
+    face = 2 * axis + (d[rows, axis] > 0)
+    points = origin + t[:, None] * directions
+    for wall, start, end, bottom, top in building.openings:
+        along = points[:, 1] if wall < 2 else points[:, 0]
+        hole = (face == wall) & (along > start) & (along < end) & (points[:, 2] > bottom) & (points[:, 2] < top)
+        t = np.where(hole, np.inf, t)
+    return t, face
+
+
+def _intersect(origin: np.ndarray, directions: np.ndarray, primitive: Primitive) -> np.ndarray:
+    """Distance to the first hit of each ray with one object (inf for a miss); rays are unit length."""
+    centre, half = np.array(primitive.centre), np.array(primitive.half_size)
+    if primitive.shape == "box":
+        rotation = _yaw_matrix(primitive.yaw)
+        local_origin, local_dirs = rotation @ (origin - centre), _safe(directions @ rotation.T)
+        t1, t2 = (-half - local_origin) / local_dirs, (half - local_origin) / local_dirs
+        near, far = np.minimum(t1, t2).max(axis=1), np.maximum(t1, t2).min(axis=1)
+        return np.where((near <= far) & (near > 1e-6), near, np.inf)
+    offset = origin - centre
+    if primitive.shape == "sphere":
+        b = directions @ offset
+        discriminant = b * b - (offset @ offset - half[0] ** 2)
+        t = -b - np.sqrt(np.maximum(discriminant, 0.0))
+        return np.where((discriminant >= 0) & (t > 1e-6), t, np.inf)
+    dx, dy, dz = directions[:, 0], directions[:, 1], directions[:, 2]
+    a = np.maximum(dx * dx + dy * dy, 1e-12)
+    b = offset[0] * dx + offset[1] * dy
+    discriminant = b * b - a * (offset[0] ** 2 + offset[1] ** 2 - half[0] ** 2)
+    t_side = (-b - np.sqrt(np.maximum(discriminant, 0.0))) / a
+    z_side = offset[2] + t_side * dz
+    t_side = np.where((discriminant >= 0) & (t_side > 1e-6) & (np.abs(z_side) <= half[2]), t_side, np.inf)
+    best = t_side
+    for cap in (half[2], -half[2]):
+        t_cap = (cap - offset[2]) / _safe(dz)
+        radial = (offset[0] + t_cap * dx) ** 2 + (offset[1] + t_cap * dy) ** 2
+        best = np.minimum(best, np.where((t_cap > 1e-6) & (radial <= half[0] ** 2), t_cap, np.inf))
+    return best
+
+
+def _box_keypoints(distances: np.ndarray) -> np.ndarray:
+    """3D keypoint strength from the distances (m) to a face's two pairs of edges: 0.5 on an edge, 1 at a corner."""
+    near = np.min(distances, axis=1)
+    sigma2 = 2 * KEYPOINT_SIGMA_M**2
+    return 0.5 * np.exp(-(near**2) / sigma2) + 0.5 * np.exp(-np.sum(distances**2, axis=1) / sigma2)
+
+
+def _room_surface(points: np.ndarray, face: np.ndarray, building: Building) -> dict[str, np.ndarray]:
+    size = np.array(building.size)
+    axis = face // 2
+    normal = np.zeros_like(points)
+    normal[np.arange(len(points)), axis] = np.where(face % 2 == 1, -1.0, 1.0)
+    albedo = np.empty_like(points)
+    tangent_distances = np.empty((len(points), 2))
+    for axis_value, texture in ((0, building.wall), (1, building.wall), (2, None)):
+        rows = axis == axis_value
+        u_axis, v_axis = [k for k in range(3) if k != axis_value]
+        u, v = points[rows, u_axis], points[rows, v_axis]
+        if texture is None:
+            floor = face[rows] == 4
+            albedo[rows] = np.where(floor[:, None], _albedo(u, v, building.floor), _albedo(u, v, building.ceiling))
+        else:
+            albedo[rows] = _albedo(u, v, texture)
+        tangent_distances[rows, 0] = np.minimum(u, size[u_axis] - u)
+        tangent_distances[rows, 1] = np.minimum(v, size[v_axis] - v)
+    return {"normal": normal, "albedo": albedo, "curvature": np.zeros((len(points), 2)), "keypoints3d": _box_keypoints(tangent_distances)}
+
+
+def _object_surface(points: np.ndarray, primitive: Primitive) -> dict[str, np.ndarray]:
+    centre, half = np.array(primitive.centre), np.array(primitive.half_size)
+    count = len(points)
+    if primitive.shape == "box":
+        rotation = _yaw_matrix(primitive.yaw)
+        local = (points - centre) @ rotation.T
+        axis = np.argmax(np.abs(local) / half, axis=1)
+        local_normal = np.zeros_like(local)
+        local_normal[np.arange(count), axis] = np.sign(local[np.arange(count), axis])
+        normal = local_normal @ rotation
+        tangent = np.array([[k for k in range(3) if k != a] for a in range(3)])[axis]
+        distances = half[tangent] - np.abs(np.take_along_axis(local, tangent, axis=1))
+        uv = np.take_along_axis(local, tangent, axis=1)
+        albedo = _albedo(uv[:, 0], uv[:, 1], primitive.texture)
+        return {"normal": normal, "albedo": albedo, "curvature": np.zeros((count, 2)), "keypoints3d": _box_keypoints(distances)}
+    offset = points - centre
+    if primitive.shape == "sphere":
+        normal = offset / half[0]
+        u, v = np.arctan2(offset[:, 1], offset[:, 0]) * half[0], offset[:, 2]
+        curvature = np.full((count, 2), 1.0 / half[0])
+        return {"normal": normal, "albedo": _albedo(u, v, primitive.texture), "curvature": curvature, "keypoints3d": np.zeros(count)}
+    radial = np.hypot(offset[:, 0], offset[:, 1])
+    on_cap = np.abs(np.abs(offset[:, 2]) - half[2]) < np.abs(radial - half[0])
+    side_normal = np.stack([offset[:, 0], offset[:, 1], np.zeros(count)], axis=1) / np.maximum(radial, 1e-9)[:, None]
+    cap_normal = np.stack([np.zeros(count), np.zeros(count), np.sign(offset[:, 2])], axis=1)
+    normal = np.where(on_cap[:, None], cap_normal, side_normal)
+    rim_distance = np.where(on_cap, half[0] - radial, half[2] - np.abs(offset[:, 2]))
+    curvature = np.stack([np.where(on_cap, 0.0, 1.0 / half[0]), np.zeros(count)], axis=1)
+    u = np.arctan2(offset[:, 1], offset[:, 0]) * half[0]
+    keypoints = 0.5 * np.exp(-(rim_distance**2) / (2 * KEYPOINT_SIGMA_M**2))
+    return {"normal": normal, "albedo": _albedo(u, offset[:, 2], primitive.texture), "curvature": curvature, "keypoints3d": keypoints}
+
+
+def camera_rays(camera: Camera, image_size: int) -> np.ndarray:
+    """Unit ray directions [H*W, 3], row-major from the top-left pixel centre."""
+    tan_half = math.tan(camera.fov / 2)
+    centres = (np.arange(image_size) + 0.5) / image_size * 2 - 1
+    xs, ys = centres * tan_half, -centres * tan_half
+    directions = np.array(camera.forward) + xs[None, :, None] * np.array(camera.right) + ys[:, None, None] * np.array(camera.up)
+    directions = directions.reshape(-1, 3)
+    return directions / np.linalg.norm(directions, axis=1, keepdims=True)
+
+
+def render_view(building: Building, camera: Camera, image_size: int) -> ViewRender:
+    """Ray-cast every pixel of one view at once and shade it.
+
+    Each primitive is intersected with all rays in one vectorised call; the nearest
+    hit per pixel then selects whose surface attributes (normal, albedo, curvature,
+    3D keypoints) fill that pixel.
+
+    Returns:
+        The float ground truth at ``image_size`` x ``image_size``.
+    """
+    origin = np.array(camera.position)
+    directions = camera_rays(camera, image_size)
+    room_t, room_face = _intersect_room(origin, directions, building)
+    distances = np.stack([room_t, *(_intersect(origin, directions, obj) for obj in building.objects)])
+    nearest = np.argmin(distances, axis=0)
+    t = distances[nearest, np.arange(len(directions))]
+    hit = np.isfinite(t)
+    points = origin + np.where(hit, t, 0.0)[:, None] * directions
+    count = len(directions)
+    normal, albedo = np.zeros((count, 3)), np.zeros((count, 3))
+    curvature, keypoints3d = np.zeros((count, 2)), np.zeros(count)
+    semantic = np.zeros(count, dtype=np.uint8)
+    surface = np.full(count, -1, dtype=np.int64)
+    room_rows = hit & (nearest == 0)
+    parts = [(room_rows, _room_surface(points[room_rows], room_face[room_rows], building))]
+    surface[room_rows] = room_face[room_rows]
+    for k, obj in enumerate(building.objects):
+        rows = hit & (nearest == k + 1)
+        parts.append((rows, _object_surface(points[rows], obj)))
+        semantic[rows] = obj.class_id
+        surface[rows] = 6 + k
+    for rows, attributes in parts:
+        normal[rows], albedo[rows] = attributes["normal"], attributes["albedo"]
+        curvature[rows], keypoints3d[rows] = attributes["curvature"], attributes["keypoints3d"]
+    shading = building.ambient + building.light_intensity * np.clip(normal @ np.array(building.light_direction), 0.0, None)
+    sky = np.array([0.55, 0.75, 0.95]) + 0.3 * np.clip(directions[:, 2:3], 0, 1)
+    rgb = np.where(hit[:, None], np.clip(albedo * shading[:, None], 0, 1), np.clip(sky, 0, 1))
+    forward = np.array(camera.forward)
+    camera_normal = normal @ np.stack([np.array(camera.right), np.array(camera.up), -forward], axis=1)
+    shape = (image_size, image_size)
+    return ViewRender(
+        rgb=rgb.reshape(*shape, 3),
+        depth_euclidean=t.reshape(shape),
+        depth_zbuffer=(t * (directions @ forward)).reshape(shape),
+        normal=camera_normal.reshape(*shape, 3),
+        reshading=np.where(hit, np.clip(shading, 0, 1), 0.0).reshape(shape),
+        semantic=semantic.reshape(shape),
+        hit=hit.reshape(shape),
+        curvature=curvature.reshape(*shape, 2),
+        keypoints3d=np.where(hit, keypoints3d, 0.0).reshape(shape),
+        surface=surface.reshape(shape),
+    )
+
+
+def occlusion_edges(depth: np.ndarray, surface: np.ndarray) -> np.ndarray:
+    """Occluding-side pixels of depth discontinuities between different surfaces (bool [H, W])."""
+    edges = np.zeros(depth.shape, dtype=bool)
+    padded_depth = np.pad(depth, 1, mode="edge")
+    padded_surface = np.pad(surface, 1, mode="edge")
+    height, width = depth.shape
+    for dy, dx in ((-1, 0), (1, 0), (0, -1), (0, 1)):
+        neighbour = padded_depth[1 + dy : 1 + dy + height, 1 + dx : 1 + dx + width]
+        neighbour_surface = padded_surface[1 + dy : 1 + dy + height, 1 + dx : 1 + dx + width]
+        with np.errstate(invalid="ignore"):
+            jump = np.abs(neighbour - depth) > OCCLUSION_JUMP * np.minimum(neighbour, depth)
+        # Room faces never occlude each other (the room is convex seen from inside), so their creases are not edges.
+        both_room = (surface < 6) & (neighbour_surface >= 0) & (neighbour_surface < 6)
+        edges |= (neighbour_surface != surface) & ~both_room & np.isfinite(depth) & (neighbour > depth) & (jump | ~np.isfinite(neighbour))
+    return edges
+
+
+def image_features(rgb_uint8: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Texture edges (Sobel magnitude) and 2D keypoints (Harris response) of the written image, in [0, 1]."""
+    grey = ndimage.gaussian_filter(rgb_uint8.astype(np.float64) @ np.array([0.299, 0.587, 0.114]) / 255.0, 0.7)
+    gx, gy = ndimage.sobel(grey, axis=1) / 8.0, ndimage.sobel(grey, axis=0) / 8.0
+    edges = np.clip(np.hypot(gx, gy) / EDGE_TEXTURE_SCALE, 0, 1)
+    sxx, syy, sxy = (ndimage.gaussian_filter(product, 1.0) for product in (gx * gx, gy * gy, gx * gy))
+    response = sxx * syy - sxy * sxy - 0.05 * (sxx + syy) ** 2
+    return edges, np.clip(response / HARRIS_SCALE, 0, 1)
+
+
+def scene_places_indices() -> tuple[int, ...]:
+    """The Places365 label index of each of :data:`SCENE_TYPES`."""
+    names = places365_names()
+    return tuple(names.index(scene.places_name) for scene in SCENE_TYPES)
+
+
+def scene_scores(rng: np.random.Generator, building: Building, semantic: np.ndarray, places_indices: tuple[int, ...]) -> np.ndarray:
+    """365 Places365 scores summing to 1, peaked (> 0.5) at the building's class.
+
+    The remaining mass goes to the scene types whose objects the view shows, so
+    views differ the way a classifier's outputs would.
+
+    Args:
+        rng: the building's score stream.
+        building: the building (its ``places_index`` gets the peak).
+        semantic: the view's class-id image.
+        places_indices: from :func:`scene_places_indices`.
+    """
+    peak = rng.uniform(0.55, 0.9)
+    visible = np.bincount(semantic.ravel(), minlength=len(OBJECT_CLASSES) + 1)[1:] / semantic.size
+    others = rng.random(NUM_SCENE_SCORES) * 0.02
+    for scene, places_index in zip(SCENE_TYPES, places_indices):
+        held = {CLASS_BY_NAME[name].class_id for name in scene.core + scene.optional}
+        others[places_index] += sum(visible[class_id - 1] for class_id in held)
+    others[building.places_index] = 0.0
+    scores = others / others.sum() * (1 - peak)
+    scores[building.places_index] = peak
+    return scores.astype(np.float32)
+
+
+def encode_view(render: ViewRender, scores: np.ndarray) -> dict[str, np.ndarray]:
+    """File contents per domain (uint8/uint16 images, the float32 score vector), per docs/DATA.md."""
+    hit = render.hit
+
+    def depth_png(depth: np.ndarray) -> np.ndarray:
+        units = np.clip(np.round(np.where(hit, depth, 0.0) * DEPTH_UNITS_PER_METRE), 0, DEPTH_INVALID - 1)
+        return np.where(hit, units, DEPTH_INVALID).astype(np.uint16)
+
+    def unit16(values: np.ndarray) -> np.ndarray:
+        return np.round(np.clip(values, 0, 1) * 65535).astype(np.uint16)
+
+    rgb = np.round(render.rgb * 255).astype(np.uint8)
+    edges, keypoints2d = image_features(rgb)
+    normal = np.where(hit[..., None], np.round((render.normal + 1) / 2 * 255), NORMAL_INVALID).astype(np.uint8)
+    curvature = np.zeros((*hit.shape, 3), dtype=np.uint8)
+    curvature[..., :2] = np.where(hit[..., None], 128 + np.round(127 * np.tanh(render.curvature / CURVATURE_SCALE)), 0)
+    return {
+        "rgb": rgb,
+        "depth_euclidean": depth_png(render.depth_euclidean),
+        "depth_zbuffer": depth_png(render.depth_zbuffer),
+        "normal": normal,
+        "reshading": np.round(render.reshading * 255).astype(np.uint8),
+        "segment_semantic": render.semantic,
+        "edge_texture": unit16(edges),
+        "edge_occlusion": unit16(occlusion_edges(render.depth_euclidean, render.surface).astype(np.float64)),
+        "keypoints2d": unit16(keypoints2d),
+        "keypoints3d": unit16(render.keypoints3d),
+        "principal_curvature": curvature,
+        "mask_valid": np.where(hit, 255, 0).astype(np.uint8),
+        "class_scene": scores,
+    }
+
+
+def _write(path: Path, content: np.ndarray) -> None:
+    if path.suffix == ".npy":
+        np.save(path, content)
+    else:
+        Image.fromarray(content).save(path)
+
+
+def render_building(config: RenderConfig, index: int, scene_type: int, out_dir: Path) -> dict:
+    """Render and write every view of one building.
+
+    Returns:
+        Its row of ``synthetic_buildings.csv``: building, scene_name, places_index,
+        room_x_m/room_y_m/room_z_m, texture_frequency, light_intensity, ambient,
+        num_objects, num_openings.
+    """
+    places_indices = scene_places_indices()
+    places_index = places_indices[scene_type]
+    building = make_building(config, index, scene_type, places_index)
+    for domain in DOMAINS:
+        domain_dir(out_dir, domain, building.name).mkdir(parents=True, exist_ok=True)
+    scores_rng = numpy_rng(config.seed, "scene_scores", index)
+    for camera in make_cameras(config, building, index):
+        render = render_view(building, camera, config.image_size)
+        for domain, content in encode_view(render, scene_scores(scores_rng, building, render.semantic, places_indices)).items():
+            _write(domain_dir(out_dir, domain, building.name) / get_domain(domain).file_name(camera.point, camera.view), content)
+    return {
+        "building": building.name, "scene_name": SCENE_TYPES[scene_type].places_name, "places_index": places_index,
+        "room_x_m": round(building.size[0], 3), "room_y_m": round(building.size[1], 3), "room_z_m": round(building.size[2], 3),
+        "texture_frequency": round(building.texture_frequency, 4), "light_intensity": round(building.light_intensity, 4),
+        "ambient": round(building.ambient, 4), "num_objects": len(building.objects), "num_openings": len(building.openings),
+    }
+
+
+def _render_job(job: tuple[RenderConfig, int, int, Path]) -> dict:
+    return render_building(*job)
+
+
+def _prepare_out_dir(out_dir: Path, config: RenderConfig) -> bool:
+    """True if ``out_dir`` already holds this exact render; clears an older render of ours otherwise."""
+    meta_path = out_dir / META_FILE
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("complete") and meta.get("config") == asdict(config) and meta.get("format_version") == FORMAT_VERSION:
+            return True
+        for domain in DOMAINS:
+            shutil.rmtree(out_dir / domain, ignore_errors=True)
+    elif out_dir.exists() and any(out_dir.iterdir()):
+        raise TaskHetError(f"{out_dir} is not empty and holds no {META_FILE}: refusing to render into it; choose another --out")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta_path.write_text(json.dumps({"format_version": FORMAT_VERSION, "config": asdict(config), "complete": False}, indent=2))
+    return False
+
+
+def write_split_csv(path: Path, buildings: list[str], seed: int) -> None:
+    """Taskonomy's split format: ``id,train,val,test``, one building per row (70/15/15, seeded)."""
+    order = numpy_rng(seed, "split_csv").permutation(len(buildings))
+    num_test = len(buildings) * 15 // 100
+    num_val = len(buildings) * 15 // 100
+    rows = []
+    for rank, position in enumerate(order):
+        split = "test" if rank < num_test else "val" if rank < num_test + num_val else "train"
+        rows.append({"id": buildings[position], "train": int(split == "train"), "val": int(split == "val"), "test": int(split == "test")})
+    pd.DataFrame(rows).sort_values("id").to_csv(path, index=False)
+
+
+def render_dataset(out_dir: Path, config: RenderConfig, workers: int = 2, progress: bool = True) -> Path:
+    """Render ``config.num_buildings`` buildings into ``out_dir`` in the Taskonomy layout.
+
+    Also writes ``train_val_test_synthetic.csv`` (``id,train,val,test``),
+    ``places_class_names.txt`` (365 names, one per line, line = label index) and
+    ``synthetic_buildings.csv`` (per-building room size, texture frequency, light).
+    An existing complete render with the same config is kept as is.
+
+    Returns:
+        ``out_dir``.
+    """
+    config.validate()
+    out_dir = Path(out_dir)
+    if _prepare_out_dir(out_dir, config):
+        return out_dir
+    scene_types = assign_scene_types(config)
+    jobs = [(config, index, scene_types[index], out_dir) for index in range(config.num_buildings)]
+    bar = tqdm(total=len(jobs), desc="rendering buildings", unit="building", disable=not progress)
+    if workers > 1 and len(jobs) > 1:
+        with multiprocessing.get_context().Pool(min(workers, len(jobs))) as pool:
+            rows = []
+            for row in pool.imap(_render_job, jobs):
+                rows.append(row)
+                bar.update()
+    else:
+        rows = []
+        for job in jobs:
+            rows.append(_render_job(job))
+            bar.update()
+    bar.close()
+    pd.DataFrame(rows).to_csv(out_dir / BUILDINGS_FILE, index=False)
+    write_split_csv(out_dir / SPLIT_FILE, [row["building"] for row in rows], config.seed)
+    (out_dir / PLACES_FILE).write_text("\n".join(places365_names()) + "\n")
+    (out_dir / META_FILE).write_text(json.dumps({"format_version": FORMAT_VERSION, "config": asdict(config), "complete": True}, indent=2))
+    return out_dir

@@ -1,0 +1,456 @@
+"""Taskonomy data in the omnidata layout: the domain table, one decoder per domain, and the Dataset.
+
+Layout (real downloads and the synthetic renderer alike)::
+
+    <root>/<domain>/taskonomy/<building>/point_<p>_view_<v>_domain_<token>.<ext>
+
+A sample is one (building, point, view). The ``<token>`` in a file name is
+usually the folder name, but real files spell two domains differently
+(``segment_semantic/…_domain_segmentsemantic.png``, ``class_scene/…_domain_class_places.npy``);
+:data:`DOMAIN_SPECS` is the one place that knows the spellings, and files are
+matched on point/view, never on the exact token. ``docs/DATA.md`` documents every
+decoder (file type, units, scale, invalid code, returned tensor, mask).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from PIL import Image, UnidentifiedImageError
+from torch.utils.data import Dataset
+
+from datasets.cache import DecodedSampleCache, cache_key
+from utils.errors import TaskHetError
+
+NUM_SEMANTIC_CLASSES = 17
+NUM_SCENE_SCORES = 365
+DEPTH_INVALID = 65535
+DEPTH_UNITS_PER_METRE = 512.0
+NORMAL_INVALID = 128
+MANIFEST_COLUMNS = ("sample_id", "building", "point", "view", "rgb_path", "scene_class", "scene_name", "split")
+SPLITS = ("train", "test")
+FILE_PATTERN = re.compile(r".*point_(\d+)_view_(\d+)_domain_(\w+)\.(png|npy)")
+
+Decoded = tuple[np.ndarray, "np.ndarray | None"]
+
+
+@dataclass(frozen=True)
+class DomainSpec:
+    """How one domain is stored and decoded.
+
+    Attributes:
+        name: domain (and folder) name.
+        file_tokens: spellings of the domain in file names; the first is the one written.
+        extension: file extension without the dot.
+        channels: channels of the decoded array (0 for the per-image class_scene vector).
+        decode: path -> (values, validity). ``values`` is float32 ``[C, H, W]`` (int64 ``[H, W]``
+            for segment_semantic, bool ``[1, H, W]`` for mask_valid, float32 ``[365]`` for
+            class_scene) at the file's resolution; ``validity`` is a bool
+            ``[H, W]`` array of the domain's own valid pixels, or None when it marks none invalid.
+        interpolation: "bilinear" (rgb) or "nearest" (labels) when resizing; "none" for class_scene.
+    """
+
+    name: str
+    file_tokens: tuple[str, ...]
+    extension: str
+    channels: int
+    decode: Callable[[Path], Decoded]
+    interpolation: str
+
+    @property
+    def dense(self) -> bool:
+        """True for per-pixel domains (everything but class_scene)."""
+        return self.interpolation != "none"
+
+    def file_name(self, point: int, view: int) -> str:
+        """The canonical file name of a sample in this domain (real Taskonomy spelling)."""
+        return f"point_{point}_view_{view}_domain_{self.file_tokens[0]}.{self.extension}"
+
+
+def _read_png(path: Path, modes: Sequence[str]) -> np.ndarray:
+    """Decode a PNG whose PIL mode is one of ``modes`` into an ``[H, W]`` or ``[H, W, C]`` array."""
+    try:
+        with Image.open(path) as image:
+            image.load()
+            mode = image.mode
+            if mode not in modes:
+                raise TaskHetError(f"{path}: PNG mode {mode!r}, expected one of {', '.join(modes)}")
+            if mode == "P":
+                # Palette images store the class id as the palette index.
+                return np.array(image.getdata(), dtype=np.uint8).reshape(image.height, image.width)
+            return np.array(image)
+    except TaskHetError:
+        raise
+    except (OSError, ValueError, SyntaxError, UnidentifiedImageError) as error:
+        raise TaskHetError(f"{path}: not a readable PNG ({error})") from error
+
+
+def _first_channel(array: np.ndarray) -> np.ndarray:
+    return array if array.ndim == 2 else array[..., 0]
+
+
+def decode_rgb(path: Path) -> Decoded:
+    """8-bit RGB(A) PNG -> float32 [3, H, W] in [0, 1]; every pixel valid."""
+    pixels = _read_png(path, ("RGB", "RGBA"))[..., :3]
+    return pixels.transpose(2, 0, 1).astype(np.float32) / 255.0, None
+
+
+def decode_depth(path: Path) -> Decoded:
+    """16-bit PNG in 1/512 m -> float32 [1, H, W] metres; 65535 = no surface (set to 0, invalid)."""
+    raw = _first_channel(_read_png(path, ("I;16", "I;16B", "I"))).astype(np.int64)
+    valid = raw != DEPTH_INVALID
+    metres = np.where(valid, raw / DEPTH_UNITS_PER_METRE, 0.0).astype(np.float32)
+    return metres[None], valid
+
+
+def decode_normal(path: Path) -> Decoded:
+    """8-bit RGB PNG -> float32 [3, H, W] in [-1, 1] (x right, y up, z towards the camera); (128,128,128) invalid."""
+    pixels = _read_png(path, ("RGB", "RGBA"))[..., :3]
+    valid = ~np.all(pixels == NORMAL_INVALID, axis=-1)
+    return pixels.transpose(2, 0, 1).astype(np.float32) / 255.0 * 2.0 - 1.0, valid
+
+
+def decode_reshading(path: Path) -> Decoded:
+    """8-bit grey (or RGB, first channel) PNG -> float32 [1, H, W] in [0, 1]."""
+    pixels = _first_channel(_read_png(path, ("L", "RGB", "RGBA")))
+    return pixels[None].astype(np.float32) / 255.0, None
+
+
+def decode_segment_semantic(path: Path) -> Decoded:
+    """8-bit class-id PNG -> int64 [H, W] in 0..16; ids outside that range count as 0 (unlabelled)."""
+    ids = _first_channel(_read_png(path, ("L", "P", "RGB", "RGBA"))).astype(np.int64)
+    return np.where(ids < NUM_SEMANTIC_CLASSES, ids, 0), None
+
+
+def decode_unit16(path: Path) -> Decoded:
+    """16-bit PNG -> float32 [1, H, W] = value / 65535 (edges, keypoints)."""
+    raw = _first_channel(_read_png(path, ("I;16", "I;16B", "I")))
+    return raw[None].astype(np.float32) / 65535.0, None
+
+
+def decode_principal_curvature(path: Path) -> Decoded:
+    """8-bit RGB PNG -> float32 [2, H, W] = first two channels / 255; (0, 0) invalid (omnidata mask_val 0)."""
+    pixels = _read_png(path, ("RGB", "RGBA"))[..., :2]
+    valid = np.any(pixels != 0, axis=-1)
+    return pixels.transpose(2, 0, 1).astype(np.float32) / 255.0, valid
+
+
+def decode_mask_valid(path: Path) -> Decoded:
+    """8/16-bit PNG -> bool [1, H, W]; 0 = invalid."""
+    valid = _first_channel(_read_png(path, ("L", "1", "I;16", "I;16B", "I", "RGB"))) > 0
+    return valid[None], valid
+
+
+def decode_class_scene(path: Path) -> Decoded:
+    """.npy of 365 Places365 scores -> float32 [365]."""
+    try:
+        scores = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as error:
+        raise TaskHetError(f"{path}: not a readable .npy file ({error})") from error
+    if scores.shape != (NUM_SCENE_SCORES,):
+        raise TaskHetError(f"{path}: expected {NUM_SCENE_SCORES} Places365 scores, got shape {scores.shape}")
+    return scores.astype(np.float32), None
+
+
+DOMAIN_SPECS: Mapping[str, DomainSpec] = MappingProxyType(
+    {
+        spec.name: spec
+        for spec in (
+            DomainSpec("rgb", ("rgb",), "png", 3, decode_rgb, "bilinear"),
+            DomainSpec("depth_euclidean", ("depth_euclidean",), "png", 1, decode_depth, "nearest"),
+            DomainSpec("depth_zbuffer", ("depth_zbuffer",), "png", 1, decode_depth, "nearest"),
+            DomainSpec("normal", ("normal", "normals"), "png", 3, decode_normal, "nearest"),
+            DomainSpec("reshading", ("reshading",), "png", 1, decode_reshading, "nearest"),
+            DomainSpec("segment_semantic", ("segmentsemantic", "segment_semantic"), "png", 1, decode_segment_semantic, "nearest"),
+            DomainSpec("edge_texture", ("edge_texture",), "png", 1, decode_unit16, "nearest"),
+            DomainSpec("edge_occlusion", ("edge_occlusion",), "png", 1, decode_unit16, "nearest"),
+            DomainSpec("keypoints2d", ("keypoints2d",), "png", 1, decode_unit16, "nearest"),
+            DomainSpec("keypoints3d", ("keypoints3d",), "png", 1, decode_unit16, "nearest"),
+            DomainSpec("principal_curvature", ("principal_curvature", "curvature"), "png", 2, decode_principal_curvature, "nearest"),
+            DomainSpec("mask_valid", ("mask_valid",), "png", 1, decode_mask_valid, "nearest"),
+            DomainSpec("class_scene", ("class_places", "class_scene"), "npy", 0, decode_class_scene, "none"),
+        )
+    }
+)
+DOMAINS = tuple(DOMAIN_SPECS)
+
+
+def get_domain(name: str) -> DomainSpec:
+    """The spec of a domain; a :class:`TaskHetError` listing the known domains otherwise."""
+    if name not in DOMAIN_SPECS:
+        raise TaskHetError(f"unknown domain {name!r}; known domains: {', '.join(DOMAINS)}")
+    return DOMAIN_SPECS[name]
+
+
+def sample_id(building: str, point: int, view: int) -> str:
+    """The key of a sample everywhere after step 1."""
+    return f"{building}_point_{point}_view_{view}"
+
+
+def domain_dir(root: Path, domain: str, building: str | None = None) -> Path:
+    """``<root>/<domain>/taskonomy[/<building>]``."""
+    folder = Path(root) / domain / "taskonomy"
+    return folder if building is None else folder / building
+
+
+def index_building(root: Path, domain: str, building: str) -> dict[tuple[int, int], Path]:
+    """Map (point, view) -> file for one building folder of one domain.
+
+    Files are matched on point/view (any spelling of the domain token), so real and
+    synthetic spellings both work; other files in the folder (e.g. CSVs) are ignored.
+
+    Raises:
+        TaskHetError: the folder is missing, or two files claim the same point/view.
+    """
+    spec = get_domain(domain)
+    folder = domain_dir(root, domain, building)
+    if not folder.is_dir():
+        raise TaskHetError(f"building {building!r} has no {domain} folder: {folder} does not exist")
+    files: dict[tuple[int, int], Path] = {}
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            match = FILE_PATTERN.fullmatch(entry.name)
+            if match is None or match.group(4) != spec.extension:
+                continue
+            key = (int(match.group(1)), int(match.group(2)))
+            if key in files:
+                raise TaskHetError(f"{folder}: two files for point {key[0]} view {key[1]}: {files[key].name} and {entry.name}")
+            files[key] = folder / entry.name
+    return files
+
+
+def check_data_root(root: Path, domains: Sequence[str], buildings: Sequence[str] = ()) -> None:
+    """Fail with one clear message if the root, a domain folder or a building folder is missing."""
+    root = Path(root)
+    if not root.is_dir():
+        raise TaskHetError(f"data root {root} does not exist (render synthetic data or download Taskonomy first)")
+    for domain in domains:
+        get_domain(domain)
+        folder = domain_dir(root, domain)
+        if not folder.is_dir():
+            raise TaskHetError(f"domain folder {folder} is missing: the data root has no {domain!r} data")
+        for building in buildings:
+            if not (folder / building).is_dir():
+                raise TaskHetError(f"building {building!r} is not on disk: {folder / building} does not exist")
+
+
+def list_buildings(root: Path) -> list[str]:
+    """Buildings that have an rgb folder, sorted."""
+    folder = domain_dir(root, "rgb")
+    if not folder.is_dir():
+        raise TaskHetError(f"domain folder {folder} is missing: the data root has no 'rgb' data")
+    return sorted(entry.name for entry in folder.iterdir() if entry.is_dir())
+
+
+def discover_samples(root: Path, domains: Sequence[str], buildings: Sequence[str]) -> pd.DataFrame:
+    """Complete samples on disk: those with a file in every one of ``domains``.
+
+    Args:
+        root: data root.
+        domains: domains a sample must have (rgb is always required).
+        buildings: buildings to search, in order.
+
+    Returns:
+        DataFrame with columns ``sample_id, building, point, view`` and ``path_<domain>``
+        (relative to ``root``, as str) for each domain; sorted by building order, point, view.
+    """
+    domains = list(dict.fromkeys(["rgb", *domains]))
+    check_data_root(root, domains, buildings)
+    rows = []
+    for building in buildings:
+        indices = {domain: index_building(root, domain, building) for domain in domains}
+        complete = set.intersection(*(set(index) for index in indices.values()))
+        for point, view in sorted(complete):
+            row = {"sample_id": sample_id(building, point, view), "building": building, "point": point, "view": view}
+            for domain in domains:
+                row[f"path_{domain}"] = indices[domain][(point, view)].relative_to(root).as_posix()
+            rows.append(row)
+    columns = ["sample_id", "building", "point", "view", *(f"path_{domain}" for domain in domains)]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def validate_manifest(manifest: pd.DataFrame, source: str = "manifest") -> pd.DataFrame:
+    """Check a manifest's columns and values; returns it with a fresh 0..N-1 index.
+
+    Raises:
+        TaskHetError: naming ``source`` and the first bad column or row.
+    """
+    missing = [column for column in MANIFEST_COLUMNS if column not in manifest.columns]
+    if missing:
+        raise TaskHetError(f"{source}: missing column(s) {', '.join(missing)}; expected {', '.join(MANIFEST_COLUMNS)}")
+    if manifest.empty:
+        raise TaskHetError(f"{source}: has no rows")
+    manifest = manifest.reset_index(drop=True)
+    duplicated = manifest["sample_id"].duplicated()
+    if duplicated.any():
+        row = int(np.flatnonzero(duplicated)[0])
+        raise TaskHetError(f"{source}: row {row + 2} repeats sample_id {manifest.at[row, 'sample_id']!r}")
+    bad_split = ~manifest["split"].isin(SPLITS)
+    if bad_split.any():
+        row = int(np.flatnonzero(bad_split)[0])
+        raise TaskHetError(f"{source}: row {row + 2} has split {manifest.at[row, 'split']!r}, expected one of {SPLITS}")
+    for column in ("point", "view", "scene_class"):
+        values = pd.to_numeric(manifest[column], errors="coerce")
+        bad = values.isna() | (values < 0) | (values != values.round())
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            raise TaskHetError(f"{source}: row {row + 2} has {column} {manifest.at[row, column]!r}, expected an integer >= 0")
+        manifest[column] = values.astype(np.int64)
+    return manifest
+
+
+def read_manifest(path: Path) -> pd.DataFrame:
+    """Read and validate a step-1 ``manifest.csv`` (columns: :data:`MANIFEST_COLUMNS`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise TaskHetError(f"manifest {path} does not exist (run step 1, extract_datapoints_for_experiments.py)")
+    text_columns = {column: str for column in ("sample_id", "building", "rgb_path", "scene_name", "split")}
+    try:
+        manifest = pd.read_csv(path, dtype=text_columns, keep_default_na=False)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as error:
+        raise TaskHetError(f"manifest {path}: not a readable CSV ({error})") from error
+    return validate_manifest(manifest, str(path))
+
+
+def resize(values: np.ndarray, size: int, interpolation: str) -> np.ndarray:
+    """Resize a ``[C, H, W]`` (or ``[H, W]``) array to ``size x size``.
+
+    Bilinear with antialiasing (as PIL does when shrinking) for rgb; nearest-exact
+    (PIL's NEAREST pixel choice) for labels, so ids and invalid codes never blend.
+    """
+    if values.shape[-2:] == (size, size):
+        return values
+    tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+    tensor = tensor[None, None] if values.ndim == 2 else tensor[None]
+    if interpolation == "bilinear":
+        out = F.interpolate(tensor, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
+    else:
+        out = F.interpolate(tensor, size=(size, size), mode="nearest-exact")
+    out = out[0, 0] if values.ndim == 2 else out[0]
+    return out.numpy().astype(values.dtype)
+
+
+def array_layout(domains: Sequence[str], image_size: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Shape and storage dtype of each decoded array of a sample (the domains plus "mask")."""
+    layout: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+    for domain in domains:
+        spec = get_domain(domain)
+        if domain == "class_scene":
+            layout[domain] = ((NUM_SCENE_SCORES,), np.dtype(np.float32))
+        elif domain == "segment_semantic":
+            layout[domain] = ((image_size, image_size), np.dtype(np.uint8))
+        elif domain == "mask_valid":
+            layout[domain] = ((1, image_size, image_size), np.dtype(np.bool_))
+        else:
+            layout[domain] = ((spec.channels, image_size, image_size), np.dtype(np.float32))
+    layout["mask"] = ((1, image_size, image_size), np.dtype(np.bool_))
+    return layout
+
+
+class TaskonomyDataset(Dataset):
+    """The samples of a manifest, decoded at one resolution.
+
+    A sample is a dict: ``"rgb"`` float32 [3,H,W] in [0,1]; one entry per requested
+    domain (shapes and units in ``docs/DATA.md``); ``"mask"`` bool [1,H,W] = mask_valid
+    (when on disk) AND each requested domain's own validity; ``"scene_class"`` int64
+    scalar (the manifest's label 0..K-1); ``"sample_id"`` str.
+
+    With ``cache_dir``, decoded arrays go to a memory-mapped cache on first read
+    (see :mod:`datasets.cache`) and later reads (epochs, workers) come from it.
+
+    Args:
+        root: data root (manifest ``rgb_path`` values are relative to it).
+        manifest: step-1 manifest (see :func:`read_manifest`).
+        domains: domains to load besides rgb.
+        image_size: output side length in pixels.
+        cache_dir: folder for the decoded-sample cache, or None for no cache.
+    """
+
+    def __init__(self, root: Path, manifest: pd.DataFrame, domains: Sequence[str], image_size: int, cache_dir: Path | None = None) -> None:
+        if image_size < 1:
+            raise TaskHetError(f"image_size must be >= 1, got {image_size}")
+        self.root = Path(root)
+        self.image_size = int(image_size)
+        self.manifest = validate_manifest(manifest)
+        # Plain lists: pandas row access would cost more than a cached read.
+        self.sample_ids = [str(value) for value in self.manifest["sample_id"]]
+        self.scene_classes = self.manifest["scene_class"].to_numpy(dtype=np.int64)
+        self.output_domains = tuple(dict.fromkeys(["rgb", *domains]))
+        check_data_root(self.root, self.output_domains, sorted(set(self.manifest["building"])))
+        self.paths = self._index_files()
+        self.layout = array_layout(self.output_domains, self.image_size)
+        self.cache = None
+        if cache_dir is not None:
+            # The decoded set (which includes an optional mask_valid) changes the mask, so it is part of the key.
+            key = cache_key(self.root, self.manifest, tuple(self.paths), self.image_size)
+            self.cache = DecodedSampleCache(Path(cache_dir), key, len(self.manifest), self.layout)
+
+    def _index_files(self) -> dict[str, list[Path | None]]:
+        """Per domain, each manifest row's file; mask_valid is used wherever it is on disk."""
+        paths: dict[str, list[Path | None]] = {"rgb": [self.root / path for path in self.manifest["rgb_path"]]}
+        for sample, path in zip(self.sample_ids, paths["rgb"]):
+            if not path.is_file():
+                raise TaskHetError(f"sample {sample}: rgb file {path} does not exist (manifest rgb_path is relative to {self.root})")
+        optional_mask = "mask_valid" not in self.output_domains and domain_dir(self.root, "mask_valid").is_dir()
+        wanted = [domain for domain in self.output_domains if domain != "rgb"] + (["mask_valid"] if optional_mask else [])
+        for domain in wanted:
+            required = domain in self.output_domains
+            indices: dict[str, dict[tuple[int, int], Path]] = {}
+            column: list[Path | None] = []
+            for row in self.manifest.itertuples(index=False):
+                if row.building not in indices:
+                    folder_exists = domain_dir(self.root, domain, row.building).is_dir()
+                    indices[row.building] = index_building(self.root, domain, row.building) if required or folder_exists else {}
+                path = indices[row.building].get((row.point, row.view))
+                if path is None and required:
+                    raise TaskHetError(f"sample {row.sample_id} has no {domain} file in {domain_dir(self.root, domain, row.building)}")
+                column.append(path)
+            if any(path is not None for path in column):
+                paths[domain] = column
+        return paths
+
+    def __len__(self) -> int:
+        return len(self.manifest)
+
+    def decode(self, index: int) -> dict[str, np.ndarray]:
+        """Decode one sample from its files: arrays as laid out by :func:`array_layout`."""
+        arrays: dict[str, np.ndarray] = {}
+        mask = np.ones((1, self.image_size, self.image_size), dtype=bool)
+        for domain, column in self.paths.items():
+            path = column[index]
+            spec = DOMAIN_SPECS[domain]
+            if path is None:
+                continue
+            values, valid = spec.decode(path)
+            if spec.dense:
+                values = resize(values.astype(np.float32) if values.dtype == bool else values, self.image_size, spec.interpolation)
+                if valid is not None:
+                    mask &= resize(valid.astype(np.float32), self.image_size, "nearest")[None] > 0.5
+            if domain in self.output_domains:
+                shape, dtype = self.layout[domain]
+                arrays[domain] = np.asarray(values > 0.5 if dtype == np.bool_ else values).astype(dtype).reshape(shape)
+        arrays["mask"] = mask
+        return arrays
+
+    def __getitem__(self, index: int) -> dict:
+        arrays = None if self.cache is None else self.cache.get(index)
+        if arrays is None:
+            arrays = self.decode(index)
+            if self.cache is not None:
+                self.cache.put(index, arrays)
+        sample: dict = {}
+        for name, array in arrays.items():
+            tensor = torch.from_numpy(np.array(array))
+            sample[name] = tensor.long() if name == "segment_semantic" else tensor
+        sample["scene_class"] = torch.tensor(int(self.scene_classes[index]), dtype=torch.int64)
+        sample["sample_id"] = self.sample_ids[index]
+        return sample

@@ -1,0 +1,181 @@
+"""Step 1 (extract_datapoints_for_experiments.py and datasets.selection) on tiny rendered data."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import extract_datapoints_for_experiments as step1
+from datasets.selection import SelectionConfig, read_scene_names, select_datapoints, summary_line, write_selection
+from datasets.synthetic import PLACES_FILE, SPLIT_FILE
+from datasets.taskonomy import DOMAINS, MANIFEST_COLUMNS, domain_dir, read_manifest
+from tests.fixtures import render_tiny_dataset, tiny_data_root  # noqa: F401
+from utils.errors import TaskHetError
+
+
+@pytest.fixture
+def data_copy(tiny_data_root, tmp_path) -> Path:
+    """A writable copy of the tiny data root (for tests that damage it)."""
+    return Path(shutil.copytree(tiny_data_root, tmp_path / "data"))
+
+
+def config_for(root: Path, **changes) -> SelectionConfig:
+    return replace(SelectionConfig(data_path=root, top_k_classes=16, test_fraction=0.25), **changes)
+
+
+def test_manifest_has_one_row_per_complete_sample(tiny_data_root):
+    selection = select_datapoints(config_for(tiny_data_root), progress=False)
+    manifest = selection.manifest
+    assert list(manifest.columns) == list(MANIFEST_COLUMNS)
+    assert len(manifest) == 4 * 6 and manifest["sample_id"].is_unique
+    expected_ids = {f"synth00{b}_point_{p}_view_{v}" for b in range(4) for p in range(2) for v in range(3)}
+    assert set(manifest["sample_id"]) == expected_ids
+    for row in manifest.itertuples():
+        assert row.sample_id == f"{row.building}_point_{row.point}_view_{row.view}"
+        assert not Path(row.rgb_path).is_absolute() and (tiny_data_root / row.rgb_path).is_file()
+    assert set(manifest["split"]) == {"train", "test"}
+    assert (manifest["split"] == "test").sum() == 6
+
+
+def test_incomplete_samples_are_left_out(data_copy):
+    (domain_dir(data_copy, "keypoints3d", "synth002") / "point_1_view_0_domain_keypoints3d.png").unlink()
+    manifest = select_datapoints(config_for(data_copy), progress=False).manifest
+    assert len(manifest) == 23 and "synth002_point_1_view_0" not in set(manifest["sample_id"])
+    only_depth = select_datapoints(config_for(data_copy, domains=("depth_euclidean",)), progress=False).manifest
+    assert len(only_depth) == 24
+
+
+def test_scene_label_is_argmax_of_class_scene_remapped_by_frequency(data_copy):
+    # Relabel one view of synth001 as synth000's class, so that class is the most frequent.
+    first_class = int(np.argmax(np.load(domain_dir(data_copy, "class_scene", "synth000") / "point_0_view_0_domain_class_places.npy")))
+    moved = domain_dir(data_copy, "class_scene", "synth001") / "point_1_view_2_domain_class_places.npy"
+    scores = np.zeros(365, np.float32)
+    scores[first_class] = 1.0
+    np.save(moved, scores)
+    selection = select_datapoints(config_for(data_copy, top_k_classes=2), progress=False)
+    names = read_scene_names(data_copy / PLACES_FILE)
+    counts = selection.class_counts
+    assert list(counts["scene_class"]) == [0, 1]
+    assert counts.at[0, "places_index"] == first_class and counts.at[0, "num_samples"] == 7
+    assert list(counts["scene_name"]) == [names[index] for index in counts["places_index"]]
+    manifest = selection.manifest
+    assert set(manifest["scene_class"]) == {0, 1}
+    assert manifest.loc[manifest["sample_id"] == "synth001_point_1_view_2", "scene_class"].item() == 0
+    assert selection.num_labels_found == 4 and len(manifest) == int(counts["num_samples"].sum())
+
+
+def test_split_by_building_keeps_buildings_whole(tiny_data_root):
+    manifest = select_datapoints(config_for(tiny_data_root, split_by="building", test_fraction=0.5), progress=False).manifest
+    splits_per_building = manifest.groupby("building")["split"].nunique()
+    assert (splits_per_building == 1).all()
+    assert manifest.groupby("split")["building"].nunique().to_dict() == {"test": 2, "train": 2}
+
+
+def test_split_is_seeded(tiny_data_root):
+    first = select_datapoints(config_for(tiny_data_root, seed=3), progress=False).manifest
+    again = select_datapoints(config_for(tiny_data_root, seed=3), progress=False).manifest
+    other = select_datapoints(config_for(tiny_data_root, seed=4), progress=False).manifest
+    assert first.equals(again)
+    assert not first["split"].equals(other["split"])
+
+
+def test_clients_to_include_takes_first_buildings_or_named_ones(tiny_data_root):
+    order = pd.read_csv(tiny_data_root / SPLIT_FILE)["id"].tolist()
+    first_two = select_datapoints(config_for(tiny_data_root, taskonomy_clients_to_include=2), progress=False).manifest
+    assert set(first_two["building"]) == set(order[:2])
+    named = select_datapoints(config_for(tiny_data_root, taskonomy_clients_to_include=("synth003", "synth001")), progress=False)
+    assert set(named.manifest["building"]) == {"synth001", "synth003"} and named.buildings == ["synth003", "synth001"]
+    with pytest.raises(TaskHetError, match="synth009 not in split CSV"):
+        select_datapoints(config_for(tiny_data_root, taskonomy_clients_to_include=("synth009",)), progress=False)
+
+
+def test_missing_data_root_or_domain_folder(data_copy):
+    with pytest.raises(TaskHetError, match="data root .*absent does not exist"):
+        select_datapoints(config_for(data_copy / "absent"), progress=False)
+    shutil.rmtree(data_copy / "edge_texture")
+    with pytest.raises(TaskHetError, match="domain folder .*edge_texture/taskonomy is missing"):
+        select_datapoints(config_for(data_copy), progress=False)
+
+
+def test_building_in_split_csv_not_on_disk(data_copy):
+    with (data_copy / SPLIT_FILE).open("a") as handle:
+        handle.write("ghosttown,1,0,0\n")
+    with pytest.raises(TaskHetError, match="building 'ghosttown' is not on disk"):
+        select_datapoints(config_for(data_copy), progress=False)
+
+
+def test_corrupt_class_scene_file_is_named(data_copy):
+    path = domain_dir(data_copy, "class_scene", "synth003") / "point_0_view_1_domain_class_places.npy"
+    path.write_bytes(b"not numpy")
+    with pytest.raises(TaskHetError, match=str(path)):
+        select_datapoints(config_for(data_copy), progress=False)
+
+
+def test_bad_arguments_are_refused(tiny_data_root):
+    for changes, message in (
+        ({"top_k_classes": 0}, "--top_k_classes must be >= 1, got 0"),
+        ({"test_fraction": 1.0}, "--test_fraction must be in"),
+        ({"split_by": "room"}, "--split_by must be one of"),
+        ({"domains": ("depth",)}, "unknown domain 'depth'"),
+        ({"scene_class_file_name": "nope.txt"}, "scene class file .*nope.txt does not exist"),
+        ({"client_file_name": "nope.csv"}, "split CSV .*nope.csv does not exist"),
+    ):
+        with pytest.raises(TaskHetError, match=message):
+            select_datapoints(config_for(tiny_data_root, **changes), progress=False)
+
+
+def test_empty_selection_is_an_error(tmp_path):
+    root = render_tiny_dataset(tmp_path / "data", n_buildings=2, n_views=2)
+    for path in domain_dir(root, "normal", "synth000").iterdir():
+        path.unlink()
+    with pytest.raises(TaskHetError, match="empty selection"):
+        select_datapoints(config_for(root, domains=("normal",), taskonomy_clients_to_include=("synth000",)), progress=False)
+
+
+def test_split_by_building_needs_two_buildings(tiny_data_root):
+    with pytest.raises(TaskHetError, match="at least 2 buildings"):
+        select_datapoints(config_for(tiny_data_root, split_by="building", top_k_classes=1), progress=False)
+
+
+def test_write_selection_outputs(tiny_data_root, tmp_path):
+    selection = select_datapoints(config_for(tiny_data_root, top_k_classes=3), progress=False)
+    paths = write_selection(selection, tmp_path / "out")
+    assert read_manifest(paths["manifest"]).equals(selection.manifest)
+    assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert pd.read_csv(paths["class_counts"])["num_samples"].sum() == len(selection.manifest) == 18
+    line = summary_line(selection)
+    assert "kept 18 of 24 complete samples" in line and "3 scene classes (top 3 of 4 found)" in line
+
+
+def test_cli_end_to_end(tiny_data_root, tmp_path, capsys):
+    out = tmp_path / "step1"
+    argv = ["--data_path", str(tiny_data_root), "--out", str(out), "--tasks", "depth_euclidean,normal", "class_scene",
+            "--top_k_classes", "4", "--split_by", "building", "--test_fraction", "0.25", "--no-progress"]
+    manifest_path = step1.main(argv)
+    assert manifest_path == out / "manifest.csv"
+    manifest = read_manifest(manifest_path)
+    assert len(manifest) == 24 and manifest.groupby("building")["split"].nunique().max() == 1
+    for name in ("class_counts.csv", "class_distribution.png", "config.json", "run.log"):
+        assert (out / name).is_file(), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["args"]["top_k_classes"] == 4 and config["args"]["split_by"] == "building"
+    assert "step 1: kept 24 of 24 complete samples" in capsys.readouterr().err + (out / "run.log").read_text()
+
+
+def test_cli_rejects_top_k_zero_with_one_line(tiny_data_root, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        step1.run_main(step1.main, ["--data_path", str(tiny_data_root), "--out", str(tmp_path), "--top_k_classes", "0"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: --top_k_classes must be >= 1, got 0"
+    assert not (tmp_path / "manifest.csv").exists()
+
+
+def test_default_tasks_cover_every_task_domain():
+    defaults = step1.build_parser().parse_args([]).tasks
+    assert set(defaults) == set(DOMAINS) - {"rgb", "mask_valid"}

@@ -1,0 +1,184 @@
+"""The synthetic renderer: renderer -> loader round trip, determinism, layout and the side files."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from PIL import Image
+
+import render_synthetic_buildings
+from datasets.selection import read_scene_names, read_split_csv
+from datasets.synthetic import (
+    BUILDINGS_FILE,
+    PLACES_FILE,
+    SCENE_TYPES,
+    SPLIT_FILE,
+    assign_scene_types,
+    make_building,
+    make_cameras,
+    render_dataset,
+    render_view,
+    scene_places_indices,
+)
+from datasets.taskonomy import DEPTH_UNITS_PER_METRE, DOMAIN_SPECS, DOMAINS, NUM_SEMANTIC_CLASSES, TaskonomyDataset, domain_dir, read_manifest
+from tests.fixtures import render_tiny_dataset, tiny_data_root, tiny_manifest, tiny_render_config  # noqa: F401
+from utils.errors import TaskHetError
+
+
+def rendered_views(config):
+    """Float ground truth of every view, keyed by sample id, recomputed from the config."""
+    scene_types = assign_scene_types(config)
+    views = {}
+    for index in range(config.num_buildings):
+        building = make_building(config, index, scene_types[index], scene_places_indices()[scene_types[index]])
+        for camera in make_cameras(config, building, index):
+            views[f"{building.name}_point_{camera.point}_view_{camera.view}"] = render_view(building, camera, config.image_size)
+    return views
+
+
+def test_round_trip_matches_renderer_ground_truth(tiny_data_root, tiny_manifest):
+    config = tiny_render_config()
+    views = rendered_views(config)
+    domains = ["depth_euclidean", "depth_zbuffer", "normal", "segment_semantic", "mask_valid", "reshading"]
+    dataset = TaskonomyDataset(tiny_data_root, read_manifest(tiny_manifest), domains, config.image_size)
+    assert len(dataset) == config.num_buildings * config.views_per_building
+    no_surface_pixels = 0
+    for index in range(len(dataset)):
+        sample = dataset[index]
+        truth = views[sample["sample_id"]]
+        hit = truth.hit
+        no_surface_pixels += int((~hit).sum())
+        for name in ("depth_euclidean", "depth_zbuffer"):
+            decoded = sample[name][0].numpy()
+            expected = getattr(truth, name)
+            assert np.all(np.abs(decoded[hit] - expected[hit]) <= 0.5 / DEPTH_UNITS_PER_METRE + 1e-6)
+            assert np.all(decoded[~hit] == 0)
+        normal = sample["normal"].numpy()
+        lengths = np.linalg.norm(normal, axis=0)
+        assert np.all(np.abs(lengths[hit] - 1.0) < 0.02)
+        np.testing.assert_allclose(normal[:, hit], truth.normal[hit].T, atol=1.0 / 255 + 1e-6)
+        semantic = sample["segment_semantic"].numpy()
+        assert semantic.min() >= 0 and semantic.max() < NUM_SEMANTIC_CLASSES
+        np.testing.assert_array_equal(semantic, truth.semantic)
+        np.testing.assert_array_equal(sample["mask"][0].numpy(), hit)
+        np.testing.assert_array_equal(sample["mask_valid"][0].numpy(), hit)
+        assert np.all(sample["reshading"][0].numpy()[~hit] == 0)
+    assert no_surface_pixels > 0, "the tiny render should include windows, or the mask check tests nothing"
+
+
+def test_same_seed_gives_byte_identical_files(tmp_path):
+    first = render_tiny_dataset(tmp_path / "a", n_buildings=2, n_views=3)
+    second = render_tiny_dataset(tmp_path / "b", n_buildings=2, n_views=3)
+    other_seed = render_tiny_dataset(tmp_path / "c", n_buildings=2, n_views=3, seed=1)
+    files = sorted(path.relative_to(first) for path in first.rglob("*") if path.is_file())
+    assert files == sorted(path.relative_to(second) for path in second.rglob("*") if path.is_file())
+    assert len(files) == 2 * 3 * len(DOMAINS) + 4
+    for relative in files:
+        assert (first / relative).read_bytes() == (second / relative).read_bytes(), relative
+    rgb = Path("rgb/taskonomy/synth000/point_0_view_0_domain_rgb.png")
+    assert (first / rgb).read_bytes() != (other_seed / rgb).read_bytes()
+
+
+def test_parallel_render_equals_serial(tmp_path):
+    config = tiny_render_config(n_buildings=3, n_views=2)
+    serial = render_dataset(tmp_path / "serial", config, workers=1, progress=False)
+    parallel = render_dataset(tmp_path / "parallel", config, workers=2, progress=False)
+    for path in serial.rglob("*.png"):
+        assert path.read_bytes() == (parallel / path.relative_to(serial)).read_bytes()
+
+
+def test_layout_and_encodings_follow_taskonomy(tiny_data_root):
+    folder = domain_dir(tiny_data_root, "segment_semantic", "synth000")
+    assert (folder / "point_0_view_0_domain_segmentsemantic.png").is_file()
+    assert (domain_dir(tiny_data_root, "class_scene", "synth000") / "point_0_view_0_domain_class_places.npy").is_file()
+    modes = {"rgb": "RGB", "normal": "RGB", "depth_euclidean": "I;16", "edge_texture": "I;16", "segment_semantic": "L", "mask_valid": "L"}
+    for domain, mode in modes.items():
+        name = DOMAIN_SPECS[domain].file_name(0, 0)
+        with Image.open(domain_dir(tiny_data_root, domain, "synth000") / name) as image:
+            assert image.mode == mode and image.size == (32, 32)
+    depth = np.array(Image.open(domain_dir(tiny_data_root, "depth_euclidean", "synth000") / "point_0_view_0_domain_depth_euclidean.png"))
+    assert depth.dtype == np.uint16
+
+
+def test_scene_scores_peak_at_the_building_class(tiny_data_root):
+    buildings = pd.read_csv(tiny_data_root / BUILDINGS_FILE)
+    names = read_scene_names(tiny_data_root / PLACES_FILE)
+    for row in buildings.itertuples():
+        assert names[row.places_index] == row.scene_name
+        for path in domain_dir(tiny_data_root, "class_scene", row.building).glob("*.npy"):
+            scores = np.load(path)
+            assert scores.shape == (365,) and scores.dtype == np.float32
+            assert abs(float(scores.sum()) - 1.0) < 1e-4
+            assert int(np.argmax(scores)) == row.places_index
+    assert buildings["scene_name"].nunique() == len(buildings)
+
+
+def test_places_names_use_real_places365_indices(tiny_data_root):
+    names = read_scene_names(tiny_data_root / PLACES_FILE)
+    assert (names[45], names[52], names[203], names[215], names[244]) == ("bathroom", "bedroom", "kitchen", "living_room", "office")
+    assert {SCENE_TYPES[i].places_name for i in range(len(SCENE_TYPES))} <= set(names)
+
+
+def test_split_csv_has_taskonomy_format(tiny_data_root):
+    table = pd.read_csv(tiny_data_root / SPLIT_FILE)
+    assert list(table.columns) == ["id", "train", "val", "test"]
+    assert (table[["train", "val", "test"]].sum(axis=1) == 1).all()
+    assert read_split_csv(tiny_data_root / SPLIT_FILE) == sorted(p.name for p in domain_dir(tiny_data_root, "rgb").iterdir())
+
+
+def test_room_and_light_do_not_depend_on_scene_class():
+    config = tiny_render_config(n_buildings=6)
+    for index in range(6):
+        first, second = (make_building(config, index, scene_type, 0) for scene_type in (0, 5))
+        assert first.objects != second.objects
+        assert (first.size, first.wall, first.floor, first.ceiling, first.light_direction, first.light_intensity, first.ambient) == (
+            second.size, second.wall, second.floor, second.ceiling, second.light_direction, second.light_intensity, second.ambient)
+
+
+def test_ground_truth_ranges(tiny_data_root, tiny_manifest):
+    domains = ["edge_texture", "edge_occlusion", "keypoints2d", "keypoints3d", "principal_curvature"]
+    dataset = TaskonomyDataset(tiny_data_root, read_manifest(tiny_manifest), domains, 32)
+    maxima = {name: 0.0 for name in dataset.output_domains}
+    for index in range(len(dataset)):
+        sample = dataset[index]
+        for name in maxima:
+            values = sample[name]
+            assert values.min() >= 0 and values.max() <= 1
+            maxima[name] = max(maxima[name], float(values.max()))
+        assert not sample["edge_occlusion"][~sample["mask"]].any()
+    assert all(value > 0.2 for value in maxima.values()), maxima
+
+
+def test_rerender_with_same_config_is_skipped_and_foreign_folder_refused(tmp_path):
+    root = render_tiny_dataset(tmp_path / "data", n_buildings=1, n_views=2)
+    rgb = root / "rgb/taskonomy/synth000/point_0_view_0_domain_rgb.png"
+    os.utime(rgb, (0, 0))
+    render_tiny_dataset(tmp_path / "data", n_buildings=1, n_views=2)
+    assert rgb.stat().st_mtime == 0
+    render_tiny_dataset(tmp_path / "data", n_buildings=1, n_views=3)
+    assert rgb.stat().st_mtime != 0
+    assert (root / "rgb/taskonomy/synth000/point_0_view_2_domain_rgb.png").is_file()
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(TaskHetError, match="not empty"):
+        render_tiny_dataset(foreign)
+
+
+def test_bad_render_config_is_refused(tmp_path):
+    with pytest.raises(TaskHetError, match="image_size"):
+        render_dataset(tmp_path, replace(tiny_render_config(), image_size=4), progress=False)
+
+
+def test_cli_renders_requested_sizes(tmp_path, capsys):
+    argv = ["--out", str(tmp_path / "cli"), "--n_buildings", "2", "--n_views", "2", "--image_size", "16", "--no-progress"]
+    out = render_synthetic_buildings.main(argv)
+    assert "2 buildings x 2 views at 16px" in capsys.readouterr().out
+    assert len(list((out / "rgb/taskonomy").iterdir())) == 2
+    with Image.open(out / "normal/taskonomy/synth001/point_0_view_1_domain_normal.png") as image:
+        assert image.size == (16, 16)
