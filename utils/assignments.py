@@ -1,0 +1,214 @@
+"""assignments.csv and its assignments.json sidecar (DESIGN.md §3): write, read, validate.
+
+assignments.csv has one row per assigned sample: ``sample_id, client_id, group, subset``
+(``subset`` is ``train`` or ``test``: the client-train / client-test split). The sidecar
+records how the file was made (scheme, alpha, seed, n_clients, source files and their
+sha256). A user may edit the CSV between steps; :func:`load_assignments` checks an
+edited file against the manifest and names every problem row.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from utils.errors import TaskHetError
+from utils.run_dir import atomic_write_text
+from utils.stages import file_sha256
+
+COLUMNS = ("sample_id", "client_id", "group", "subset")
+SUBSETS = ("train", "test")
+# An error message lists at most this many rows per kind of problem (and the total count).
+MAX_LISTED = 50
+
+
+def sidecar_path(csv_path: Path) -> Path:
+    """``assignments.json`` next to ``assignments.csv``."""
+    return Path(csv_path).with_suffix(".json")
+
+
+def source_record(path: Path) -> dict[str, str]:
+    """``{"path", "sha256"}`` of an input file, for the sidecar."""
+    return {"path": str(Path(path)), "sha256": file_sha256(Path(path))}
+
+
+def write_assignments(csv_path: Path, table: pd.DataFrame, meta: dict[str, Any]) -> None:
+    """Write assignments.csv (rows sorted by client, then sample id) and its sidecar.
+
+    Args:
+        csv_path: where assignments.csv goes; the sidecar gets the ``.json`` suffix.
+        table: the columns of :data:`COLUMNS`.
+        meta: JSON-serialisable record (scheme, alpha, seed, n_clients, sources, ...).
+    """
+    missing = [c for c in COLUMNS if c not in table.columns]
+    if missing:
+        raise ValueError(f"assignments table lacks columns {missing}")
+    ordered = table[list(COLUMNS)].sort_values(["client_id", "sample_id"], kind="stable")
+    atomic_write_text(Path(csv_path), ordered.to_csv(index=False))
+    atomic_write_text(sidecar_path(csv_path), json.dumps(meta, indent=2, sort_keys=True, default=str))
+
+
+def read_assignments(csv_path: Path) -> pd.DataFrame:
+    """Read assignments.csv, checking columns and cell formats.
+
+    Returns:
+        DataFrame with :data:`COLUMNS` (``client_id`` int64, the others str) and a
+        ``row`` column: the line number in the file (the header is line 1).
+
+    Raises:
+        TaskHetError: a missing file or column, or rows with a bad cell (all named).
+    """
+    csv_path = Path(csv_path)
+    if not csv_path.is_file():
+        raise TaskHetError(f"{csv_path} does not exist (make it with make_client_assignments.py)")
+    table = pd.read_csv(csv_path, dtype=str, keep_default_na=False)
+    missing = [c for c in COLUMNS if c not in table.columns]
+    if missing:
+        raise TaskHetError(f"{csv_path}: missing columns {missing}; expected {', '.join(COLUMNS)}")
+    table = table[list(COLUMNS)].copy()
+    table["row"] = np.arange(len(table)) + 2
+    problems = []
+    blank_id = table["sample_id"].str.strip() == ""
+    problems.append(_describe(table, blank_id, "empty sample_id"))
+    client = pd.to_numeric(table["client_id"], errors="coerce")
+    bad_client = client.isna() | (client < 0) | (client != client.round())
+    problems.append(_describe(table, bad_client, "client_id is not an integer >= 0"))
+    problems.append(_describe(table, ~table["subset"].isin(SUBSETS), f"subset not in {SUBSETS}"))
+    _raise_if_any(csv_path, problems)
+    table["client_id"] = client.astype(np.int64)
+    return table
+
+
+def read_meta(csv_path: Path) -> dict[str, Any]:
+    """The sidecar's record, or an empty dict when there is none (a hand-written file)."""
+    path = sidecar_path(csv_path)
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise TaskHetError(f"{path}: not valid JSON: {error}") from error
+
+
+def validate_assignments(table: pd.DataFrame, manifest: pd.DataFrame, n_clients: int | None, source: str) -> None:
+    """Check assignments against the manifest; one TaskHetError naming every problem row.
+
+    Problems: a sample id not in the manifest, an id on two rows, a sample of the
+    manifest's test split (the global test set never goes to clients), a client id
+    outside ``0..n_clients-1``, and a client with no train rows (rows named) or no rows
+    at all (client named).
+
+    Args:
+        table: from :func:`read_assignments` (with its ``row`` column).
+        manifest: the step-1 manifest (``sample_id``, ``split``).
+        n_clients: expected number of clients (from the sidecar); None: the largest id + 1.
+        source: the file name used in the message.
+    """
+    split_of = manifest.set_index("sample_id")["split"]
+    known = table["sample_id"].isin(split_of.index)
+    problems = [_describe(table, ~known, "unknown sample id (not in the manifest)")]
+    problems.append(_describe(table, table["sample_id"].duplicated(keep=False), "duplicated sample id"))
+    in_test = known & (table["sample_id"].map(split_of) == "test")
+    problems.append(_describe(table, in_test, "sample from the manifest's test split"))
+    expected = int(table["client_id"].max()) + 1 if n_clients is None else int(n_clients)
+    problems.append(_describe(table, table["client_id"] >= expected, f"client_id >= n_clients ({expected})"))
+    train_rows = table["subset"] == "train"
+    clients_with_rows = set(table["client_id"].unique().tolist())
+    no_train = sorted(clients_with_rows - set(table.loc[train_rows, "client_id"].unique().tolist()))
+    problems.append(_describe(table, table["client_id"].isin(no_train), "client with no train samples"))
+    empty = sorted(set(range(expected)) - clients_with_rows)
+    if empty:
+        listed = ", ".join(map(str, empty[:MAX_LISTED])) + (f" ... ({len(empty)} in all)" if len(empty) > MAX_LISTED else "")
+        problems.append(f"empty clients (no rows): {listed}")
+    _raise_if_any(Path(source), problems)
+
+
+def load_assignments(csv_path: Path, manifest: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """Read assignments.csv and its sidecar, and validate them against the manifest.
+
+    Returns:
+        ``(table, meta)``: the table of :func:`read_assignments`, the sidecar record.
+    """
+    table = read_assignments(csv_path)
+    meta = read_meta(csv_path)
+    validate_assignments(table, manifest, meta.get("n_clients"), str(csv_path))
+    return table, meta
+
+
+def _describe(table: pd.DataFrame, bad: pd.Series, what: str) -> str:
+    if not bad.any():
+        return ""
+    rows = table.loc[bad, ["row", "sample_id"]]
+    listed = ", ".join(f"row {row} ({sample_id!r})" for row, sample_id in rows.head(MAX_LISTED).itertuples(index=False))
+    more = f" ... ({len(rows)} rows in all)" if len(rows) > MAX_LISTED else ""
+    return f"{what}: {listed}{more}"
+
+
+def _raise_if_any(source: Path, problems: list[str]) -> None:
+    problems = [p for p in problems if p]
+    if problems:
+        raise TaskHetError(f"{source}: " + "; ".join(problems))
+
+
+def resolve_groups(manifest: pd.DataFrame, groups: str) -> tuple[pd.Series, Path | None]:
+    """The group of every manifest row, from a manifest column or a clusters CSV.
+
+    Args:
+        manifest: the step-1 manifest.
+        groups: a manifest column name (``scene_class``: label-based) or the path of a
+            ``clusters.csv`` with ``sample_id, cluster`` (embedding-based).
+
+    Returns:
+        ``(group per manifest row, the clusters file or None)``; integer-like groups
+        come back as int64 so that they sort numerically (2 before 10).
+
+    Raises:
+        TaskHetError: neither a column nor a file, or a file that misses manifest samples.
+    """
+    if groups in manifest.columns:
+        return _numeric_if_integer(manifest[groups]), None
+    path = Path(groups)
+    if not path.is_file():
+        raise TaskHetError(f"--groups {groups!r} is neither a manifest column ({', '.join(manifest.columns)}) nor an existing clusters CSV")
+    clusters = pd.read_csv(path, dtype=str, keep_default_na=False)
+    if not {"sample_id", "cluster"} <= set(clusters.columns):
+        raise TaskHetError(f"{path}: expected columns sample_id, cluster; found {', '.join(clusters.columns)}")
+    duplicated = clusters["sample_id"].duplicated()
+    if duplicated.any():
+        raise TaskHetError(f"{path}: sample id {clusters.loc[duplicated, 'sample_id'].iloc[0]!r} appears twice (row {int(np.flatnonzero(duplicated)[0]) + 2})")
+    cluster_of = clusters.set_index("sample_id")["cluster"]
+    mapped = manifest["sample_id"].map(cluster_of)
+    if mapped.isna().any():
+        missing = manifest.loc[mapped.isna(), "sample_id"]
+        raise TaskHetError(f"{path}: has no cluster for {len(missing)} manifest samples, e.g. {missing.iloc[0]!r}; was it made from this manifest?")
+    return _numeric_if_integer(mapped), path
+
+
+def _numeric_if_integer(values: pd.Series) -> pd.Series:
+    numbers = pd.to_numeric(values, errors="coerce")
+    if numbers.notna().all() and (numbers == numbers.round()).all():
+        return numbers.astype(np.int64)
+    return values.astype(str)
+
+
+def assignments_table(sample_ids: np.ndarray, groups: np.ndarray, client_of: np.ndarray, is_test: np.ndarray) -> pd.DataFrame:
+    """The assignments.csv rows of the assigned samples (unused ones are left out).
+
+    Args:
+        sample_ids, groups: [n_samples] per partitioned sample.
+        client_of: int [n_samples], ``-1`` for unused.
+        is_test: bool [n_samples], client-test samples.
+    """
+    held = client_of >= 0
+    return pd.DataFrame(
+        {
+            "sample_id": np.asarray(sample_ids)[held],
+            "client_id": client_of[held],
+            "group": np.asarray(groups)[held],
+            "subset": np.where(is_test[held], "test", "train"),
+        }
+    )

@@ -1,0 +1,207 @@
+"""KMeans clusters of task embeddings (step 3) and how they relate to scene labels.
+
+The clusters are the embedding-based groups of the paper; their agreement with scene
+labels (NMI, ARI, contingency table) measures how far embedding-based partitions can
+differ from label-based ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+from sklearn.cluster import KMeans, MiniBatchKMeans  # noqa: E402
+from sklearn.decomposition import PCA  # noqa: E402
+from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score, silhouette_score  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from utils.errors import TaskHetError  # noqa: E402
+from utils.seeding import derive_seed  # noqa: E402
+
+# Full KMeans (Lloyd) is exact but O(n·k·d) per iteration over all samples; above this
+# many samples MiniBatchKMeans is used, which is much faster at a small cost in inertia.
+MINIBATCH_THRESHOLD = 100_000
+# Silhouette is O(n²); it is computed on a seeded subsample of this size.
+SILHOUETTE_SAMPLE = 10_000
+SCATTER_POINTS = 20_000
+
+
+@torch.inference_mode()
+def embed_samples(model: nn.Module, loader: DataLoader, device: torch.device) -> tuple[np.ndarray, list[str]]:
+    """Embed every sample of a loader with a TaskModel in eval mode, in float32.
+
+    Eval mode makes batch norm use its running statistics, so a sample's embedding
+    does not depend on the batch it is in. No autocast: step 3's clusters should not
+    depend on the device's reduced precision.
+
+    Args:
+        model: ``model(rgb) -> (prediction, embedding [B, D])``, already on ``device``.
+        loader: batches with ``"rgb"`` [B, 3, H, W] and ``"sample_id"`` (list of str), in order.
+        device: where the model is.
+
+    Returns:
+        ``(embeddings float32 [N, D] in loader order, sample ids)``.
+    """
+    model.eval()
+    chunks, sample_ids = [], []
+    for batch in tqdm(loader, desc="embedding", leave=False, dynamic_ncols=True):
+        _, embedding = model(batch["rgb"].to(device, non_blocking=True))
+        chunks.append(embedding.float().cpu().numpy())
+        sample_ids.extend(batch["sample_id"])
+    return np.concatenate(chunks).astype(np.float32, copy=False), sample_ids
+
+
+def sklearn_seed(seed: int, *keys: object) -> int:
+    """A derived seed in scikit-learn's accepted range [0, 2**32)."""
+    return derive_seed(seed, *keys) % (2**32)
+
+
+@dataclass(frozen=True)
+class Clustering:
+    """Result of :func:`cluster_embeddings`.
+
+    Attributes:
+        labels: int64 [n_samples], cluster per sample (0..n_clusters-1).
+        centers: float32 [n_clusters, d], in the clustered space (after PCA, if any).
+        features: float32 [n_samples, d], the clustered features.
+        algorithm: "KMeans" or "MiniBatchKMeans".
+        pca_explained_variance: fraction of variance PCA kept, or None without PCA.
+    """
+
+    labels: np.ndarray
+    centers: np.ndarray
+    features: np.ndarray
+    algorithm: str
+    pca_explained_variance: float | None
+
+
+def cluster_embeddings(
+    embeddings: np.ndarray,
+    n_clusters: int,
+    seed: int,
+    pca_dim: int | None = None,
+    n_init: int = 10,
+    minibatch_threshold: int = MINIBATCH_THRESHOLD,
+) -> Clustering:
+    """Optional PCA, then KMeans with explicit ``n_init`` and ``random_state``.
+
+    Args:
+        embeddings: float [n_samples, D].
+        n_clusters: number of clusters (``--n_clusters``).
+        seed: root seed (PCA and KMeans get derived seeds).
+        pca_dim: reduce to this many components first (``--pca_dim``); None keeps D.
+        n_init: KMeans restarts; the best inertia wins.
+        minibatch_threshold: use MiniBatchKMeans above this many samples.
+    """
+    embeddings = np.asarray(embeddings, dtype=np.float32)
+    n_samples, dim = embeddings.shape
+    if not 1 <= n_clusters <= n_samples:
+        raise TaskHetError(f"--n_clusters must be between 1 and the number of samples ({n_samples}), got {n_clusters}")
+    if not np.isfinite(embeddings).all():
+        raise TaskHetError("the embeddings contain NaN or inf; check the step-2 checkpoint")
+    explained = None
+    features = embeddings
+    if pca_dim is not None:
+        if not 1 <= pca_dim <= min(n_samples, dim):
+            raise TaskHetError(f"--pca_dim must be between 1 and min(samples, embedding dim) = {min(n_samples, dim)}, got {pca_dim}")
+        pca = PCA(n_components=pca_dim, random_state=sklearn_seed(seed, "pca"))
+        features = pca.fit_transform(embeddings).astype(np.float32)
+        explained = float(pca.explained_variance_ratio_.sum())
+    estimator_class = MiniBatchKMeans if n_samples > minibatch_threshold else KMeans
+    estimator = estimator_class(n_clusters=n_clusters, n_init=n_init, random_state=sklearn_seed(seed, "kmeans"))
+    labels = estimator.fit_predict(features).astype(np.int64)
+    return Clustering(labels, estimator.cluster_centers_.astype(np.float32), features, estimator_class.__name__, explained)
+
+
+def contingency(labels: np.ndarray, scene_labels: np.ndarray) -> pd.DataFrame:
+    """Counts of samples per (cluster, scene class): rows clusters, columns scene classes."""
+    return pd.crosstab(pd.Series(labels, name="cluster"), pd.Series(scene_labels, name="scene_class"))
+
+
+def cluster_diagnostics(features: np.ndarray, labels: np.ndarray, scene_labels: np.ndarray, seed: int) -> dict[str, Any]:
+    """Cluster sizes, silhouette score and the agreement with scene labels.
+
+    Returns:
+        ``{"cluster_sizes": list[int], "silhouette": float (NaN with one cluster),
+        "nmi": float, "ari": float}``; NMI/ARI are 1 when clusters equal scene classes
+        and ~0 when unrelated.
+    """
+    n_labels = np.unique(labels).size
+    silhouette = float("nan")
+    if 2 <= n_labels <= labels.size - 1:
+        sample = min(labels.size, SILHOUETTE_SAMPLE)
+        silhouette = float(silhouette_score(features, labels, sample_size=sample, random_state=sklearn_seed(seed, "silhouette")))
+    return {
+        "cluster_sizes": np.bincount(labels).tolist(),
+        "silhouette": silhouette,
+        "nmi": float(normalized_mutual_info_score(scene_labels, labels)),
+        "ari": float(adjusted_rand_score(scene_labels, labels)),
+    }
+
+
+def plot_scatter(features: np.ndarray, colours: np.ndarray, path: Path, title: str, seed: int) -> None:
+    """2-D PCA scatter of ``features`` coloured by ``colours`` (a seeded subsample if large)."""
+    rng = np.random.default_rng(derive_seed(seed, "scatter"))
+    keep = np.sort(rng.choice(features.shape[0], size=min(features.shape[0], SCATTER_POINTS), replace=False))
+    points = features[keep]
+    if points.shape[1] >= 2 and points.shape[0] >= 2:
+        points = PCA(n_components=2, random_state=sklearn_seed(seed, "scatter")).fit_transform(points)
+    else:
+        points = np.hstack([points[:, :1], np.zeros((points.shape[0], 1))])
+    figure, axis = plt.subplots(figsize=(7, 6))
+    codes = pd.factorize(pd.Series(colours[keep]), sort=True)
+    scatter = axis.scatter(points[:, 0], points[:, 1], c=codes[0], cmap="tab20", s=6, alpha=0.8)
+    if codes[1].size <= 20:
+        handles = [plt.Line2D([], [], marker="o", linestyle="", color=scatter.cmap(scatter.norm(i))) for i in range(codes[1].size)]
+        axis.legend(handles, [str(c) for c in codes[1]], fontsize=7, loc="best", markerscale=0.8)
+    axis.set_xlabel("PC 1")
+    axis.set_ylabel("PC 2")
+    axis.set_title(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def plot_contingency(table: pd.DataFrame, path: Path) -> None:
+    """Heatmap of the cluster × scene-class table, each cluster's row as fractions."""
+    fractions = table.to_numpy(dtype=float) / np.maximum(table.to_numpy().sum(axis=1, keepdims=True), 1)
+    figure, axis = plt.subplots(figsize=(np.clip(3 + 0.4 * table.shape[1], 6, 16), np.clip(2 + 0.4 * table.shape[0], 4, 12)))
+    image = axis.imshow(fractions, aspect="auto", cmap="magma", vmin=0, vmax=1)
+    axis.set_xticks(range(table.shape[1]), [str(c) for c in table.columns], rotation=90)
+    axis.set_yticks(range(table.shape[0]), [str(r) for r in table.index])
+    axis.set_xlabel("scene class")
+    axis.set_ylabel("cluster")
+    axis.set_title("clusters vs scene classes (row fractions)")
+    figure.colorbar(image, ax=axis, label="fraction of the cluster")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def write_diagnostics(out_dir: Path, clustering: Clustering, scene_labels: np.ndarray, seed: int) -> dict[str, Any]:
+    """All step-3 diagnostics into ``out_dir``.
+
+    Writes ``scatter_clusters.png``, ``scatter_scene_class.png``, ``contingency.csv``
+    and ``contingency.png``; returns :func:`cluster_diagnostics` plus the algorithm
+    and PCA variance.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = cluster_diagnostics(clustering.features, clustering.labels, scene_labels, seed)
+    summary.update(algorithm=clustering.algorithm, pca_explained_variance=clustering.pca_explained_variance)
+    plot_scatter(clustering.features, clustering.labels, out_dir / "scatter_clusters.png", "embeddings coloured by cluster", seed)
+    plot_scatter(clustering.features, np.asarray(scene_labels), out_dir / "scatter_scene_class.png", "embeddings coloured by scene class", seed)
+    table = contingency(clustering.labels, np.asarray(scene_labels))
+    table.to_csv(out_dir / "contingency.csv")
+    plot_contingency(table, out_dir / "contingency.png")
+    return summary

@@ -1,0 +1,459 @@
+"""Client partitions (step 3b): who holds which sample, scikit-learn-splitter style.
+
+A scheme is a class registered in :data:`SCHEMES`. Its constructor only stores
+parameters; :meth:`Partitioner.split` validates them against the data, draws from
+its own generator (derived from ``seed``) and returns a :class:`Partition`.
+Statistics live in :mod:`utils.partition_stats`.
+
+``groups`` are the categories whose skew a scheme controls: scene labels for
+label-based partitions, embedding clusters for embedding-based ones (the paper's
+point). Every draw is vectorised over clients and groups, and every retry loop is
+bounded: a draw that cannot be met ends in a :class:`TaskHetError` that says what
+could not be met and which flag to change.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from utils.errors import TaskHetError
+from utils.registry import Registry
+from utils.seeding import numpy_rng
+
+UNUSED = -1
+SCHEMES: Registry[type["Partitioner"]] = Registry("partition scheme")
+SIZE_SKEWS: Registry[Callable[[np.random.Generator, float, int], np.ndarray]] = Registry("size skew")
+# Flower's DirichletPartitioner also stops after 10 draws; more rarely helps and hides a bad alpha.
+MAX_DRAWS = 10
+
+
+@dataclass(frozen=True)
+class Partition:
+    """The result of a split.
+
+    Attributes:
+        client_of: int64 [n_samples], the client of each sample or ``UNUSED`` (-1).
+            One entry per sample, so no sample can be held by two clients.
+        n_clients: number of clients (ids 0..n_clients-1).
+        client_labels: for ``natural``, the source (building) behind each client id.
+    """
+
+    client_of: np.ndarray
+    n_clients: int
+    client_labels: tuple[str, ...] | None = None
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """int64 [n_clients]: samples per client."""
+        return np.bincount(self.client_of[self.client_of != UNUSED], minlength=self.n_clients)
+
+    @property
+    def unused(self) -> np.ndarray:
+        """Indices of the samples no client holds."""
+        return np.flatnonzero(self.client_of == UNUSED)
+
+    def client_indices(self) -> list[np.ndarray]:
+        """One sorted index array per client (the splitter's output)."""
+        order = np.argsort(self.client_of, kind="stable")
+        n_unused = int(np.count_nonzero(self.client_of == UNUSED))
+        return np.split(order[n_unused:], np.cumsum(self.sizes)[:-1])
+
+
+@SIZE_SKEWS.register("lognormal")
+def lognormal_weights(rng: np.random.Generator, sigma: float, n_clients: int) -> np.ndarray:
+    """Client size weights ~ LogNormal(0, σ) (σ = 0: equal sizes)."""
+    return rng.lognormal(0.0, sigma, n_clients)
+
+
+@SIZE_SKEWS.register("powerlaw")
+def powerlaw_weights(rng: np.random.Generator, exponent: float, n_clients: int) -> np.ndarray:
+    """Client size weights ~ Pareto with tail exponent a (density ∝ w^-(a+1), w >= 1); small a: heavier skew."""
+    return 1.0 + rng.pareto(exponent, n_clients)
+
+
+def parse_size_skew(text: str | None) -> tuple[str, float] | None:
+    """Parse ``--size_skew``: ``lognormal:σ`` (σ >= 0) or ``powerlaw:a`` (a > 0); None for equal sizes."""
+    if text is None:
+        return None
+    kind, _, value = str(text).partition(":")
+    if kind not in SIZE_SKEWS:
+        raise TaskHetError(f"--size_skew {text!r}: unknown kind {kind!r}; use lognormal:SIGMA or powerlaw:A")
+    try:
+        parameter = float(value)
+    except ValueError:
+        raise TaskHetError(f"--size_skew {text!r}: expected {kind}:NUMBER") from None
+    if not np.isfinite(parameter) or parameter < 0 or (kind == "powerlaw" and parameter == 0):
+        raise TaskHetError(f"--size_skew {text!r}: the {kind} parameter must be {'> 0' if kind == 'powerlaw' else '>= 0'}")
+    return kind, parameter
+
+
+def largest_remainder(totals: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Split each ``totals[g]`` into integers ∝ ``weights[g, :]`` that sum exactly to it.
+
+    Args:
+        totals: int [G].
+        weights: float [G, n], non-negative, each row with a positive sum.
+
+    Returns:
+        int64 [G, n]; an entry with zero weight gets zero.
+    """
+    raw = weights / weights.sum(axis=1, keepdims=True) * totals[:, None]
+    counts = np.floor(raw).astype(np.int64)
+    shortfall = totals - counts.sum(axis=1)
+    # Ties (equal weights) go to the lower index: stable sort keeps the draw reproducible.
+    order = np.argsort(-(raw - counts), axis=1, kind="stable")
+    ranks = np.empty_like(order)
+    np.put_along_axis(ranks, order, np.arange(raw.shape[1])[None, :].repeat(raw.shape[0], axis=0), axis=1)
+    return counts + (ranks < shortfall[:, None])
+
+
+def client_sizes(n_samples: int, n_clients: int, size_skew: str | None, min_client_size: int, rng: np.random.Generator) -> np.ndarray:
+    """Target client sizes that sum to ``n_samples``: equal, or from ``size_skew`` weights.
+
+    Every client first gets ``min_client_size``; the rest is split ∝ the weights, so the
+    minimum always holds (it compresses the skew of the smallest clients slightly).
+    """
+    skew = parse_size_skew(size_skew)
+    weights = np.ones(n_clients) if skew is None else SIZE_SKEWS.get(skew[0])(rng, skew[1], n_clients)
+    spare = n_samples - n_clients * min_client_size
+    return min_client_size + largest_remainder(np.array([spare]), weights[None, :])[0]
+
+
+def dirichlet(rng: np.random.Generator, alpha: np.ndarray, n_rows: int) -> np.ndarray:
+    """``n_rows`` draws of Dir(alpha), robust to tiny concentrations.
+
+    When every gamma variate of a row underflows to 0 (alpha ~ 1e-5), the row is the
+    Dirichlet's small-alpha limit: all mass on one coordinate, picked ∝ alpha.
+    """
+    with np.errstate(invalid="ignore", divide="ignore"):
+        draws = rng.dirichlet(alpha, size=n_rows)
+    broken = ~np.isfinite(draws).all(axis=1) | ~(draws.sum(axis=1) > 0)
+    if broken.any():
+        picks = rng.choice(alpha.size, size=int(broken.sum()), p=alpha / alpha.sum())
+        draws[broken] = np.eye(alpha.size)[picks]
+    return draws
+
+
+def assign_counts(group_codes: np.ndarray, counts: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Give each client ``counts[k, g]`` random samples of group g; the rest stay unused.
+
+    Args:
+        group_codes: int64 [n_samples] in 0..G-1.
+        counts: int64 [n_clients, G]; column sums must not exceed the group sizes.
+
+    Returns:
+        client_of: int64 [n_samples].
+    """
+    n_clients, n_groups = counts.shape
+    group_sizes = np.bincount(group_codes, minlength=n_groups)
+    # Samples sorted by group, in random order inside each group.
+    permutation = rng.permutation(group_codes.size)
+    order = permutation[np.argsort(group_codes[permutation], kind="stable")]
+    leftover = group_sizes - counts.sum(axis=0)
+    blocks = np.hstack([counts.T, leftover[:, None]])  # [G, n_clients + 1]: each group's run lengths
+    owners = np.tile(np.append(np.arange(n_clients), UNUSED), n_groups)
+    client_of = np.empty(group_codes.size, dtype=np.int64)
+    client_of[order] = np.repeat(owners, blocks.ravel())
+    return client_of
+
+
+class Partitioner:
+    """Base class: stores parameters; :meth:`split` validates them and draws the partition.
+
+    Args:
+        n_clients: number of clients.
+        seed: root seed; the scheme draws from ``numpy_rng(seed, "partition", name)``.
+        size_skew: ``None`` (equal sizes), ``"lognormal:σ"`` or ``"powerlaw:a"``.
+        min_client_size: the fewest samples a client may hold (>= 1: no empty clients).
+    """
+
+    name = "base"
+
+    def __init__(self, n_clients: int, *, seed: int = 0, size_skew: str | None = None, min_client_size: int = 1) -> None:
+        self.n_clients = n_clients
+        self.seed = seed
+        self.size_skew = size_skew
+        self.min_client_size = min_client_size
+
+    def get_params(self) -> dict[str, Any]:
+        """The constructor's parameters (recorded in assignments.json)."""
+        return {name: getattr(self, name) for name in inspect.signature(type(self).__init__).parameters if name != "self"}
+
+    def split(self, groups: np.ndarray, sources: np.ndarray | None = None) -> Partition:
+        """Partition samples among clients.
+
+        Args:
+            groups: [n_samples] any hashable labels (scene class, cluster id).
+            sources: [n_samples] the natural owner of each sample (its building); only
+                ``natural`` uses it.
+
+        Returns:
+            A :class:`Partition` over the ``n_samples`` positions.
+
+        Raises:
+            TaskHetError: bad parameters, or a draw that cannot be met.
+        """
+        groups = np.asarray(groups)
+        if groups.ndim != 1 or groups.size == 0:
+            raise TaskHetError(f"{self.name}: groups must be a non-empty 1-D array, got shape {groups.shape}")
+        self._validate(groups.size)
+        _, group_codes = np.unique(groups, return_inverse=True)
+        rng = numpy_rng(self.seed, "partition", self.name)
+        return self._assign(group_codes.astype(np.int64), sources, rng)
+
+    def _validate(self, n_samples: int) -> None:
+        if not isinstance(self.n_clients, (int, np.integer)) or self.n_clients < 1:
+            raise TaskHetError(f"{self.name}: n_clients (--n_clients) must be an integer >= 1, got {self.n_clients!r}")
+        # An empty client would be rejected by the assignments check, so the floor is 1.
+        if not isinstance(self.min_client_size, (int, np.integer)) or self.min_client_size < 1:
+            raise TaskHetError(f"{self.name}: min_client_size (--min_client_size) must be an integer >= 1, got {self.min_client_size!r}")
+        needed = self.n_clients * self.min_client_size
+        if needed > n_samples:
+            raise TaskHetError(
+                f"{self.name}: {self.n_clients} clients of at least {self.min_client_size} samples need {needed} samples, "
+                f"but there are only {n_samples}; lower --n_clients or --min_client_size"
+            )
+        parse_size_skew(self.size_skew)
+
+    def _assign(self, group_codes: np.ndarray, sources: np.ndarray | None, rng: np.random.Generator) -> Partition:
+        raise NotImplementedError
+
+    def _check_min_size(self, sizes: np.ndarray, hint: str) -> None:
+        small = np.flatnonzero(sizes < self.min_client_size)
+        if small.size:
+            raise TaskHetError(
+                f"{self.name}: {small.size} clients (e.g. client {small[0]} with {sizes[small[0]]} samples) hold fewer than "
+                f"--min_client_size {self.min_client_size}; {hint}"
+            )
+
+
+class DirichletBase(Partitioner):
+    """Base of the Dirichlet schemes: adds the concentration ``alpha`` (> 0)."""
+
+    def __init__(self, n_clients: int, *, alpha: float = 1.0, seed: int = 0, size_skew: str | None = None, min_client_size: int = 1) -> None:
+        super().__init__(n_clients, seed=seed, size_skew=size_skew, min_client_size=min_client_size)
+        self.alpha = alpha
+
+    def _validate(self, n_samples: int) -> None:
+        super()._validate(n_samples)
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float, np.number)) or not np.isfinite(self.alpha) or self.alpha <= 0:
+            raise TaskHetError(f"{self.name}: alpha (--alpha) must be a finite number > 0, got {self.alpha!r}")
+
+
+@SCHEMES.register("iid")
+class IIDPartitioner(Partitioner):
+    """IID: client sizes are equal (or drawn by ``size_skew``); each client gets a uniformly
+    random subset of that size, without replacement. Groups are ignored. Uses every sample."""
+
+    name = "iid"
+
+    def _assign(self, group_codes: np.ndarray, sources: np.ndarray | None, rng: np.random.Generator) -> Partition:
+        sizes = client_sizes(group_codes.size, self.n_clients, self.size_skew, self.min_client_size, rng)
+        single_group = np.zeros_like(group_codes)
+        return Partition(assign_counts(single_group, sizes[:, None], rng), self.n_clients)
+
+
+@SCHEMES.register("dirichlet_mixture")
+class DirichletMixturePartitioner(DirichletBase):
+    """The paper's scheme (Hsu et al. 2019): client k's mixture over groups is
+    q_k ~ Dir(α·p), p the global group proportions; its size n_k is equal (or from
+    ``size_skew``) and its per-group counts are Multinomial(n_k, q_k).
+
+    Sampling is without replacement and uses every sample. Clients are served in a
+    random order; when a group runs out, the clients it could not serve draw their
+    shortfall from q_k renormalised over the groups that are left, which is again
+    Dir(α·p) restricted to those groups (the Dirichlet's aggregation property). Each
+    round fills at least one group, so at most G rounds run. α → ∞: iid; α → 0: one
+    group per client (up to the clients that a group's end cuts short).
+    """
+
+    name = "dirichlet_mixture"
+
+    def _assign(self, group_codes: np.ndarray, sources: np.ndarray | None, rng: np.random.Generator) -> Partition:
+        group_sizes = np.bincount(group_codes)
+        sizes = client_sizes(group_codes.size, self.n_clients, self.size_skew, self.min_client_size, rng)
+        concentration = self.alpha * group_sizes / group_sizes.sum()
+        mixtures = dirichlet(rng, concentration, self.n_clients)
+        counts = np.zeros((self.n_clients, group_sizes.size), dtype=np.int64)
+        shortfall = sizes.copy()
+        for _ in range(group_sizes.size + 1):
+            capacity = group_sizes - counts.sum(axis=0)
+            if not shortfall.any():
+                break
+            left = capacity > 0
+            weights = np.where(left, mixtures, 0.0)
+            # A row whose mass underflowed on the groups left is redrawn from Dir(α·p_left):
+            # the same law as renormalising it (Dirichlet aggregation property).
+            empty = ~(weights.sum(axis=1) > 1e-300) & (shortfall > 0)
+            if empty.any():
+                weights[empty] = 0.0
+                weights[np.ix_(empty, left)] = dirichlet(rng, concentration[left], int(empty.sum()))
+            weights[shortfall == 0] = left  # rows that need nothing; any valid pvals
+            asked = rng.multinomial(shortfall, weights / weights.sum(axis=1, keepdims=True))
+            # First come, first served in a fresh random client order: a group that runs out
+            # cuts few clients deeply rather than every client a little, so small alphas
+            # keep clients close to their drawn mixture.
+            priority = rng.permutation(self.n_clients)
+            before = np.cumsum(asked[priority], axis=0) - asked[priority]
+            counts[priority] += np.clip(capacity[None, :] - before, 0, asked[priority])
+            shortfall = sizes - counts.sum(axis=1)
+        if shortfall.any():
+            raise TaskHetError(f"{self.name}: could not fill {int((shortfall > 0).sum())} clients after {group_sizes.size + 1} rounds")
+        return Partition(assign_counts(group_codes, counts, rng), self.n_clients)
+
+
+@SCHEMES.register("dirichlet_split")
+class DirichletSplitPartitioner(DirichletBase):
+    """Yurochkin et al. 2019 / Flower Datasets' DirichletPartitioner: each group's samples
+    are split across clients in proportions ~ Dir(α·1), independently per group
+    (with ``size_skew``, the proportions are reweighted by each client's size weight
+    and renormalised). Uses every sample. If a client ends below ``min_client_size``
+    the whole draw is repeated, at most ``MAX_DRAWS`` times, then it fails."""
+
+    name = "dirichlet_split"
+
+    def _assign(self, group_codes: np.ndarray, sources: np.ndarray | None, rng: np.random.Generator) -> Partition:
+        group_sizes = np.bincount(group_codes)
+        skew = parse_size_skew(self.size_skew)
+        size_weights = np.ones(self.n_clients) if skew is None else SIZE_SKEWS.get(skew[0])(rng, skew[1], self.n_clients)
+        for _ in range(MAX_DRAWS):
+            proportions = dirichlet(rng, np.full(self.n_clients, float(self.alpha)), group_sizes.size) * size_weights
+            proportions /= proportions.sum(axis=1, keepdims=True)
+            # Cut points at floor(cumsum(p) * n_g), as Flower does: exact totals, no extra noise.
+            cuts = np.floor(np.cumsum(proportions, axis=1) * group_sizes[:, None]).astype(np.int64)
+            cuts[:, -1] = group_sizes
+            counts = np.diff(cuts, axis=1, prepend=0).T
+            if counts.sum(axis=1).min() >= self.min_client_size:
+                break
+        else:
+            self._check_min_size(counts.sum(axis=1), f"after {MAX_DRAWS} draws at alpha={self.alpha}; raise --alpha or lower --n_clients / --min_client_size")
+        return Partition(assign_counts(group_codes, counts, rng), self.n_clients)
+
+
+@SCHEMES.register("shards")
+class ShardsPartitioner(Partitioner):
+    """McMahan-style pathological skew: each client holds exactly ``groups_per_client``
+    distinct groups. Groups are laid out in a random cyclic order and client k (in a
+    random order) takes the window of Nc consecutive groups starting at k·Nc, so every
+    group has ⌊n·Nc/G⌋ or ⌈n·Nc/G⌉ holders; a group's samples are split equally among its
+    holders (∝ size weights with ``size_skew``). Groups with no holder stay unused."""
+
+    name = "shards"
+
+    def __init__(self, n_clients: int, *, groups_per_client: int = 2, seed: int = 0, size_skew: str | None = None, min_client_size: int = 1) -> None:
+        super().__init__(n_clients, seed=seed, size_skew=size_skew, min_client_size=min_client_size)
+        self.groups_per_client = groups_per_client
+
+    def _validate(self, n_samples: int) -> None:
+        super()._validate(n_samples)
+        if not isinstance(self.groups_per_client, (int, np.integer)) or self.groups_per_client < 1:
+            raise TaskHetError(f"{self.name}: groups_per_client (--groups_per_client) must be an integer >= 1, got {self.groups_per_client!r}")
+
+    def _assign(self, group_codes: np.ndarray, sources: np.ndarray | None, rng: np.random.Generator) -> Partition:
+        group_sizes = np.bincount(group_codes)
+        n_groups, per_client = group_sizes.size, int(self.groups_per_client)
+        if per_client > n_groups:
+            raise TaskHetError(f"{self.name}: --groups_per_client {per_client} exceeds the {n_groups} groups in the data")
+        skew = parse_size_skew(self.size_skew)
+        size_weights = np.ones(self.n_clients) if skew is None else SIZE_SKEWS.get(skew[0])(rng, skew[1], self.n_clients)
+        cycle = rng.permutation(n_groups)
+        slots = np.arange(self.n_clients * per_client).reshape(self.n_clients, per_client) % n_groups
+        held = cycle[slots[rng.permutation(self.n_clients)]]  # [n_clients, Nc], distinct per row
+        weights = np.zeros((n_groups, self.n_clients))
+        weights[held.T, np.arange(self.n_clients)[None, :]] = size_weights[None, :]
+        holders = (weights > 0).sum(axis=1)
+        starved = np.flatnonzero((holders > 0) & (group_sizes < holders))
+        if starved.size:
+            group = starved[0]
+            raise TaskHetError(
+                f"{self.name}: group #{group} has {group_sizes[group]} samples but {holders[group]} clients must hold it; "
+                "lower --n_clients or --groups_per_client"
+            )
+        counts = np.zeros((self.n_clients, n_groups), dtype=np.int64)
+        kept = holders > 0
+        counts[:, kept] = largest_remainder(group_sizes[kept], weights[kept]).T
+        if (counts[np.arange(self.n_clients)[:, None], held] == 0).any():
+            raise TaskHetError(f"{self.name}: --size_skew {self.size_skew} leaves a client with no sample of a group it holds; use a milder skew")
+        self._check_min_size(counts.sum(axis=1), "lower --n_clients or raise --groups_per_client")
+        return Partition(assign_counts(group_codes, counts, rng), self.n_clients)
+
+
+@SCHEMES.register("natural")
+class NaturalPartitioner(Partitioner):
+    """Feature skew: one client per source (building); a client holds all of its
+    building's samples. With fewer clients than eligible buildings (those with at least
+    ``min_client_size`` samples), a uniformly random subset of buildings is used and the
+    rest is unused. Client ids follow the sorted building names. No ``size_skew``:
+    the buildings fix the sizes."""
+
+    name = "natural"
+
+    def _validate(self, n_samples: int) -> None:
+        super()._validate(n_samples)
+        if self.size_skew is not None:
+            raise TaskHetError(f"{self.name}: client sizes are the buildings' sizes; --size_skew cannot be combined with it")
+
+    def _assign(self, group_codes: np.ndarray, sources: np.ndarray | None, rng: np.random.Generator) -> Partition:
+        if sources is None or np.asarray(sources).shape != group_codes.shape:
+            raise TaskHetError(f"{self.name}: needs the building of every sample (sources of the same length as groups)")
+        names, source_codes = np.unique(np.asarray(sources).astype(str), return_inverse=True)
+        source_sizes = np.bincount(source_codes)
+        eligible = np.flatnonzero(source_sizes >= self.min_client_size)
+        if eligible.size < self.n_clients:
+            raise TaskHetError(
+                f"{self.name}: --n_clients {self.n_clients} but only {eligible.size} of {names.size} buildings hold at least "
+                f"--min_client_size {self.min_client_size} samples"
+            )
+        chosen = np.sort(rng.choice(eligible, size=self.n_clients, replace=False))
+        client_of_source = np.full(names.size, UNUSED, dtype=np.int64)
+        client_of_source[chosen] = np.arange(self.n_clients)
+        return Partition(client_of_source[source_codes], self.n_clients, tuple(names[chosen].tolist()))
+
+
+def list_schemes() -> list[str]:
+    """Registered scheme names."""
+    return SCHEMES.names()
+
+
+def scheme_parameters(name: str) -> list[str]:
+    """The parameters a scheme's constructor takes (besides n_clients)."""
+    return [p for p in inspect.signature(SCHEMES.get(name).__init__).parameters if p not in ("self", "n_clients")]
+
+
+def get_partitioner(name: str, n_clients: int, **params: Any) -> Partitioner:
+    """Build a registered scheme; a parameter the scheme does not take is a TaskHetError."""
+    accepted = scheme_parameters(name)
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise TaskHetError(f"scheme {name!r} does not take {', '.join('--' + p for p in unknown)}; it takes: {', '.join(accepted)}")
+    return SCHEMES.get(name)(n_clients, **params)
+
+
+def client_test_mask(client_of: np.ndarray, fraction: float, rng: np.random.Generator) -> np.ndarray:
+    """Mark ``round(fraction · size)`` random samples of each client as client-test.
+
+    A client with at least 2 samples keeps at least 1 train sample and, when
+    ``fraction > 0``, gets at least 1 test sample; a 1-sample client keeps it for training.
+
+    Returns:
+        bool [n_samples]; unused samples are False.
+    """
+    if not 0 <= fraction < 1:
+        raise TaskHetError(f"--client_test_fraction must be in [0, 1), got {fraction}")
+    held = client_of != UNUSED
+    sizes = np.bincount(client_of[held], minlength=int(client_of.max(initial=-1)) + 1)
+    n_test = np.rint(fraction * sizes).astype(np.int64)
+    if fraction > 0:
+        n_test = np.maximum(n_test, (sizes >= 2).astype(np.int64))
+    n_test = np.minimum(n_test, np.maximum(sizes - 1, 0))
+    indices = np.flatnonzero(held)
+    order = indices[np.lexsort((rng.random(indices.size), client_of[indices]))]
+    starts = np.cumsum(sizes) - sizes
+    rank = np.arange(order.size) - np.repeat(starts, sizes)
+    mask = np.zeros(client_of.size, dtype=bool)
+    mask[order] = rank < np.repeat(n_test, sizes)
+    return mask
