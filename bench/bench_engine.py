@@ -1,0 +1,170 @@
+"""Benchmark of the sequential federated engine (network/engine_sequential.py); prints ratios.
+
+1. Overhead: one FedAvg round of K clients × J local steps through the engine against
+   the same K·J SGD steps in a plain PyTorch loop on one model, same data loaders.
+   Ratio = plain time / engine time (1.0 = no overhead; the goal is >= 0.95).
+2. Scaling: time per round with 10, 100 and 1,000 clients of a small model (it should
+   grow linearly: constant time per client), and the process RSS after each round
+   (it should stay flat: no per-client leak). SCAFFOLD's per-client c_i are state the
+   algorithm needs (N × model size, spillable); they are reported separately.
+
+Run: ``.venv/bin/python bench/bench_engine.py`` (``--help`` for sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from network.algorithms import AlgorithmConfig, get_algorithm  # noqa: E402
+from network.engine_sequential import ClientData, EngineConfig, SequentialEngine, make_lr_schedule  # noqa: E402
+from utils.device import pick_device, prepare_model, to_device  # noqa: E402
+
+
+class TensorDicts(Dataset):
+    """Samples ``{"x": ..., "y": ...}`` from two tensors (the batch-dict convention)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"x": self.x[index], "y": self.y[index]}
+
+
+def small_cnn() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(32, 64, 3, padding=1),
+                         nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(64 * 8 * 8, 10))
+
+
+def tiny_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def loss_fn(model: nn.Module, batch: dict) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+
+
+def make_clients(count: int, samples: int, shape: tuple[int, ...], batch_size: int) -> list[ClientData]:
+    generator = torch.Generator().manual_seed(0)
+    clients = []
+    for index in range(count):
+        data = TensorDicts(torch.randn(samples, *shape, generator=generator),
+                           torch.randint(0, 10, (samples,), generator=generator))
+        clients.append(ClientData(str(index), samples, lambda seed, data=data: DataLoader(
+            data, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed))))
+    return clients
+
+
+def make_engine(model: nn.Module, name: str, clients: list[ClientData], steps: int, out_dir: Path,
+                device: torch.device) -> SequentialEngine:
+    config = EngineConfig(out_dir=out_dir, n_rounds=1000, lr_schedule=make_lr_schedule("constant", 0.01, 1),
+                          local_steps=steps, progress=False)
+    algorithm = get_algorithm(name, AlgorithmConfig(num_clients=len(clients)))
+    return SequentialEngine(model, algorithm, clients, loss_fn, lambda net, loader: {"loss": 0.0}, [], config, device)
+
+
+def plain_loop(model: nn.Module, clients: list[ClientData], steps: int, device: torch.device) -> None:
+    """K·J SGD steps on one model over the same loaders: the floor any engine is measured against."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model.train()
+    for client in clients:
+        taken = 0
+        while taken < steps:
+            for batch in client.train_loader(0):
+                batch = to_device(batch, device)
+                optimizer.zero_grad(set_to_none=True)
+                loss_fn(model, batch).backward()
+                optimizer.step()
+                taken += 1
+                if taken == steps:
+                    break
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(function) -> float:
+    began = time.perf_counter()
+    function()
+    return time.perf_counter() - began
+
+
+def overhead(device: torch.device, clients: int, steps: int, repeats: int, tiny: bool = False) -> None:
+    data = make_clients(clients, 32, (32,), 16) if tiny else make_clients(clients, 256, (3, 32, 32), 32)
+    model = prepare_model(tiny_mlp() if tiny else small_cnn(), device)
+    with tempfile.TemporaryDirectory() as folder:
+        engine = make_engine(model, "fedavg", data, steps, Path(folder), device)
+        engine.train_round(1)  # warm-up (lazy imports, allocator)
+        plain_loop(model, data, steps, device)
+        engine_times, plain_times = [], []
+        for round_index in range(2, 2 + repeats):  # interleaved, so background load hits both alike
+            engine_times.append(timed(lambda: (engine.train_round(round_index),
+                                               device.type == "cuda" and torch.cuda.synchronize())))
+            plain_times.append(timed(lambda: plain_loop(model, data, steps, device)))
+    engine_time, plain_time = statistics.median(engine_times), statistics.median(plain_times)
+    what = "tiny MLP, batch 16: the worst case" if tiny else "small CNN, 32×32, batch 32"
+    print(f"overhead: {clients} clients × {steps} steps ({what}) on {device}: "
+          f"engine {engine_time:.3f} s/round, plain loop {plain_time:.3f} s; ratio plain/engine = "
+          f"{plain_time / engine_time:.3f}")
+
+
+def scaling(device: torch.device, counts: list[int], steps: int, rounds: int) -> None:
+    process = psutil.Process()
+    per_client = {}
+    for name in ("fedavg", "scaffold"):
+        for count in counts:
+            data = make_clients(count, 32, (32,), 16)
+            model = prepare_model(tiny_mlp(), device)
+            with tempfile.TemporaryDirectory() as folder:
+                engine = make_engine(model, name, data, steps, Path(folder), device)
+                engine.train_round(1)
+                times, rss = [], []
+                for round_index in range(2, 2 + rounds):
+                    times.append(timed(lambda: engine.train_round(round_index)))
+                    rss.append(process.memory_info().rss / 2**20)
+                state_mb = engine.store.memory_bytes / 2**20
+            round_time = statistics.median(times)
+            per_client[(name, count)] = round_time / count
+            print(f"scaling {name}: {count:5d} clients × {steps} steps: {round_time:.3f} s/round, "
+                  f"{1e3 * round_time / count:.3f} ms/client; RSS per round (MB): "
+                  f"{', '.join(f'{value:.1f}' for value in rss)}; client state {state_mb:.2f} MB")
+        smallest, largest = min(counts), max(counts)
+        print(f"scaling {name}: time per client at {largest} vs {smallest} clients = "
+              f"{per_client[(name, largest)] / per_client[(name, smallest)]:.3f} (1.0 = linear)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=10, help="K of the overhead comparison (default: 10)")
+    parser.add_argument("--steps", type=int, default=20, help="J of the overhead comparison (default: 20)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds of the overhead comparison (default: 5)")
+    parser.add_argument("--counts", default="10,100,1000", help="client counts of the scaling test")
+    parser.add_argument("--scaling_steps", type=int, default=5, help="local steps in the scaling test (default: 5)")
+    parser.add_argument("--rounds", type=int, default=4, help="timed rounds per client count (default: 4)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default: 1, steadier timings on a shared machine)")
+    parser.add_argument("--use_accelerator", action=argparse.BooleanOptionalAction, default=True)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = pick_device(args.use_accelerator)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}")
+    overhead(device, args.clients, args.steps, args.repeats)
+    overhead(device, 100, 5, args.repeats, tiny=True)
+    scaling(device, [int(count) for count in args.counts.split(",")], args.scaling_steps, args.rounds)
+
+
+if __name__ == "__main__":
+    main()

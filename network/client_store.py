@@ -1,0 +1,96 @@
+"""Per-client state (SCAFFOLD's c_i, FedRep's heads) in memory or spilled to disk.
+
+One explicit, serialisable store (STYLE.md §8): the engine reads a client's state
+before it trains and writes it back after. States are kept on the CPU; once the
+in-memory total would pass ``max_memory_bytes``, further states go to one file
+per client under ``spill_dir``. ``snapshot``/``restore`` move the whole store in
+and out of a checkpoint, wherever each state lives.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from utils.run_dir import load_checkpoint
+
+State = dict[str, Tensor]
+
+
+class ClientStore:
+    """Client id -> state dict; memory first, disk above a size.
+
+    Args:
+        spill_dir: folder for spilled states (created on first use; emptied by ``restore``).
+        max_memory_bytes: largest total size of states kept in memory (``None``: no limit).
+    """
+
+    def __init__(self, spill_dir: Path | None = None, max_memory_bytes: int | None = None) -> None:
+        if max_memory_bytes is not None and spill_dir is None:
+            raise ValueError("a memory limit needs a spill_dir")
+        self.spill_dir = None if spill_dir is None else Path(spill_dir)
+        self.max_memory_bytes = max_memory_bytes
+        self._memory: dict[str, State] = {}
+        self._spilled: set[str] = set()
+        self._memory_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._memory) + len(self._spilled)
+
+    def __contains__(self, client_id: object) -> bool:
+        return str(client_id) in self._memory or str(client_id) in self._spilled
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of state currently held in memory."""
+        return self._memory_bytes
+
+    def get(self, client_id: object) -> State | None:
+        """The client's state, or None if it has none yet."""
+        key = str(client_id)
+        if key in self._memory:
+            return self._memory[key]
+        if key in self._spilled:
+            return load_checkpoint(self._path(key))
+        return None
+
+    def put(self, client_id: object, state: State) -> None:
+        """Store (a CPU copy of) the client's state, replacing any previous one."""
+        key = str(client_id)
+        self._discard(key)
+        state = {name: value.detach().to("cpu", copy=True) for name, value in state.items()}
+        size = sum(value.numel() * value.element_size() for value in state.values())
+        if self.max_memory_bytes is None or self._memory_bytes + size <= self.max_memory_bytes:
+            self._memory[key] = state
+            self._memory_bytes += size
+        else:
+            self._path(key).parent.mkdir(parents=True, exist_ok=True)
+            torch.save(state, self._path(key))
+            self._spilled.add(key)
+
+    def snapshot(self) -> dict[str, State]:
+        """Every client's state (spilled ones loaded), for a checkpoint."""
+        return {key: self.get(key) for key in sorted([*self._memory, *self._spilled])}
+
+    def restore(self, snapshot: dict[str, State]) -> None:
+        """Replace the whole store by a snapshot (spilled files of the old contents are removed)."""
+        self._memory.clear()
+        self._spilled.clear()
+        self._memory_bytes = 0
+        if self.spill_dir is not None and self.spill_dir.exists():
+            shutil.rmtree(self.spill_dir)
+        for key, state in snapshot.items():
+            self.put(key, state)
+
+    def _discard(self, key: str) -> None:
+        if key in self._memory:
+            self._memory_bytes -= sum(value.numel() * value.element_size() for value in self._memory.pop(key).values())
+        elif key in self._spilled:
+            self._spilled.discard(key)
+            self._path(key).unlink()
+
+    def _path(self, key: str) -> Path:
+        return self.spill_dir / f"client_{key}.pt"

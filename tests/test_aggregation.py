@@ -1,0 +1,110 @@
+"""Aggregation arithmetic against hand-computed values (network/aggregation.py)."""
+
+import math
+
+import pytest
+import torch
+
+from network.aggregation import (ADAM_M_PREFIX, ADAM_V_PREFIX, MOMENTUM_PREFIX, WeightedMean, apply_update,
+                                 client_summary, init_server_optimizer, server_step, subtract, weighted_average)
+from utils.errors import TaskHetError
+
+
+def test_weighted_average_matches_hand_computed_mean():
+    uploads = [({"w": torch.tensor([1.0, 2.0])}, 1), ({"w": torch.tensor([3.0, 6.0])}, 3)]
+    mean, count = weighted_average(uploads)
+    # (1·1 + 3·3) / 4 = 2.5 and (1·2 + 3·6) / 4 = 5
+    assert torch.equal(mean["w"], torch.tensor([2.5, 5.0]))
+    assert count == 2
+
+
+def test_weighted_average_reads_a_generator_once():
+    consumed = []
+
+    def uploads():
+        for value, weight in ((1.0, 2), (4.0, 1)):
+            consumed.append(value)
+            yield {"w": torch.tensor([value], dtype=torch.float64)}, weight
+
+    mean, count = weighted_average(uploads())
+    assert consumed == [1.0, 4.0] and count == 2
+    assert mean["w"].item() == pytest.approx((2 * 1.0 + 4.0) / 3)
+    assert mean["w"].dtype == torch.float64
+
+
+def test_integer_entries_take_the_rounded_mean_and_keep_their_dtype():
+    mean, _ = weighted_average([({"count": torch.tensor(1)}, 1), ({"count": torch.tensor(4)}, 2)])
+    assert mean["count"].dtype == torch.int64 and mean["count"].item() == 3  # (1 + 8) / 3
+
+
+def test_weighted_mean_rejects_mismatched_keys_negative_weights_and_nothing():
+    accumulator = WeightedMean()
+    accumulator.add({"a": torch.zeros(2)}, 1.0)
+    with pytest.raises(ValueError, match="keys differ"):
+        accumulator.add({"b": torch.zeros(2)}, 1.0)
+    with pytest.raises(ValueError, match=">= 0"):
+        accumulator.add({"a": torch.zeros(2)}, -1.0)
+    with pytest.raises(TaskHetError, match="nothing to aggregate"):
+        WeightedMean().mean()
+    with pytest.raises(TaskHetError, match="nothing to aggregate"):
+        weighted_average([({"a": torch.ones(1)}, 0)])
+
+
+def test_subtract_and_apply_update():
+    a = {"x": torch.tensor([5.0, 7.0]), "y": torch.tensor([1.0])}
+    b = {"x": torch.tensor([1.0, 2.0]), "y": torch.tensor([9.0])}
+    assert torch.equal(subtract(a, b, ["x"])["x"], torch.tensor([4.0, 5.0]))
+    updated = apply_update(a, {"x": torch.tensor([2.0, -2.0])}, scale=0.5)
+    assert torch.equal(updated["x"], torch.tensor([6.0, 6.0]))
+    assert updated["y"] is a["y"] and torch.equal(a["x"], torch.tensor([5.0, 7.0]))  # inputs untouched
+
+
+def test_server_sgd_step_is_fedavg_scaled_by_the_server_lr():
+    weights = {"x": torch.tensor([1.0])}
+    new, state = server_step(weights, {"x": torch.tensor([2.0])}, {}, "sgd", server_lr=0.5)
+    assert new["x"].item() == 2.0 and state == {}
+
+
+def test_server_momentum_accumulates_velocity():
+    weights = {"x": torch.tensor([1.0])}
+    state = init_server_optimizer("momentum", weights)
+    assert torch.equal(state[MOMENTUM_PREFIX + "x"], torch.zeros(1))
+    weights, state = server_step(weights, {"x": torch.tensor([2.0])}, state, "momentum", 1.0, momentum=0.9)
+    assert weights["x"].item() == pytest.approx(3.0)  # v = 2
+    weights, state = server_step(weights, {"x": torch.tensor([1.0])}, state, "momentum", 1.0, momentum=0.9)
+    assert state[MOMENTUM_PREFIX + "x"].item() == pytest.approx(2.8)  # v = 0.9·2 + 1
+    assert weights["x"].item() == pytest.approx(5.8)
+
+
+def test_server_adam_matches_reddi_et_al():
+    weights = {"x": torch.tensor([0.0], dtype=torch.float64)}
+    state = init_server_optimizer("adam", weights)
+    new, state = server_step(weights, {"x": torch.tensor([2.0], dtype=torch.float64)}, state, "adam", 0.1,
+                             betas=(0.9, 0.99), tau=1e-3)
+    # m = 0.1·2 = 0.2, v = 0.01·4 = 0.04, x = 0 + 0.1 · 0.2 / (0.2 + 0.001)
+    assert state[ADAM_M_PREFIX + "x"].item() == pytest.approx(0.2)
+    assert state[ADAM_V_PREFIX + "x"].item() == pytest.approx(0.04)
+    assert new["x"].item() == pytest.approx(0.1 * 0.2 / 0.201)
+
+
+def test_server_step_moves_only_updated_keys_and_counters_take_the_plain_mean():
+    weights = {"body": torch.tensor([1.0]), "head": torch.tensor([5.0]), "count": torch.tensor(10)}
+    state = init_server_optimizer("adam", weights)
+    assert set(state) == {ADAM_M_PREFIX + "body", ADAM_M_PREFIX + "head", ADAM_V_PREFIX + "body", ADAM_V_PREFIX + "head"}
+    new, new_state = server_step(weights, {"body": torch.tensor([1.0]), "count": torch.tensor(3)}, state, "adam", 1.0)
+    assert new["head"].item() == 5.0 and new["count"].item() == 13 and new["count"].dtype == torch.int64
+    assert new["body"].item() != 1.0
+    assert torch.equal(new_state[ADAM_M_PREFIX + "head"], state[ADAM_M_PREFIX + "head"])
+
+
+def test_unknown_server_optimizer_is_rejected():
+    with pytest.raises(TaskHetError, match="--server_opt"):
+        init_server_optimizer("lamb", {"x": torch.zeros(1)})
+
+
+def test_client_summary_mean_std_and_worst_decile():
+    summary = client_summary([1.0, 2.0, 3.0, 4.0])
+    assert summary["mean"] == 2.5
+    assert summary["std"] == pytest.approx(math.sqrt(1.25))  # population std
+    assert summary["worst_decile"] == 4.0  # ceil(10 % of 4) = 1 client
+    assert client_summary([float(value) for value in range(1, 21)])["worst_decile"] == 19.5  # mean(20, 19)

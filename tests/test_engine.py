@@ -1,0 +1,300 @@
+"""The sequential engine: resume, client state, NaN stop, spilling, sampling (network/engine_sequential.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from network.algorithms import AlgorithmConfig, get_algorithm
+from network import engine_sequential as engine_module
+from network.algorithms.scaffold import Scaffold
+from network.engine_sequential import (CLIENT_TEST_SPLIT, GLOBAL_CLIENT, GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT,
+                                       ClientData, EngineConfig, SequentialEngine, make_lr_schedule)
+from network.local_train import NonFiniteLossError
+from network.sampling import client_seed, clients_per_round, sample_clients
+from utils.errors import TaskHetError
+from utils.run_dir import load_checkpoint
+
+CPU = torch.device("cpu")
+NUM_CLIENTS = 5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: OpenMP threads only add synchronisation (and thrash on a busy 2-core machine)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+class TinyNet(nn.Module):
+    """Body with BatchNorm and dropout (so buffers and the RNG matter), a head split by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+    def head_keys(self) -> list[str]:
+        return [key for key in self.state_dict() if key.startswith("head.")]
+
+
+def loss_fn(model: nn.Module, batch: dict) -> torch.Tensor:
+    return ((model(batch["x"]).squeeze(-1) - batch["y"]) ** 2).mean()
+
+
+def evaluate(model: nn.Module, loader) -> dict[str, float]:
+    errors = torch.cat([model(batch["x"]).squeeze(-1) - batch["y"] for batch in loader])
+    return {"loss": float((errors ** 2).mean()), "mae": float(errors.abs().mean())}
+
+
+class Batches(list):
+    """A client's batches, tagged with the client so a spy can tell clients apart."""
+
+    client_id: str = ""
+
+
+def client_samples(index: int, count: int) -> list[dict]:
+    generator = torch.Generator().manual_seed(100 + index)
+    weights = torch.randn(4, generator=generator)
+    x = torch.randn(count, 4, generator=generator) + index
+    y = x @ weights + 0.1 * torch.randn(count, generator=generator)
+    return [{"x": row, "y": target} for row, target in zip(x, y)]
+
+
+def make_clients(poison_after_calls: int | None = None, kill_after_calls: int | None = None) -> list[ClientData]:
+    calls = {"count": 0}
+    clients = []
+    for index in range(NUM_CLIENTS):
+        samples = client_samples(index, 20 + 4 * index)
+
+        def train_loader(seed: int, samples=samples[:-6], client_id=str(index)) -> Batches:
+            calls["count"] += 1
+            if kill_after_calls is not None and calls["count"] > kill_after_calls:
+                raise KeyboardInterrupt("killed")
+            loader = DataLoader(samples, batch_size=6, shuffle=True, generator=torch.Generator().manual_seed(seed))
+            batches = Batches(loader)
+            if poison_after_calls is not None and calls["count"] > poison_after_calls:
+                batches[0]["y"] = torch.full_like(batches[0]["y"], math.nan)
+            batches.client_id = client_id
+            return batches
+
+        test = list(DataLoader(samples[-6:], batch_size=6))
+        clients.append(ClientData(str(index), len(samples) - 6, train_loader, test))
+    return clients
+
+
+def global_test() -> list[dict]:
+    return list(DataLoader([sample for index in range(NUM_CLIENTS) for sample in client_samples(index, 30)[20:]],
+                           batch_size=16))
+
+
+def make_engine(out_dir, name="scaffold", rounds=5, clients=None, algorithm=None, **overrides) -> SequentialEngine:
+    torch.manual_seed(0)
+    model = TinyNet()
+    settings = dict(out_dir=out_dir, n_rounds=rounds, lr_schedule=make_lr_schedule("cosine", 0.05, rounds), seed=7,
+                    local_steps=3, client_fraction=0.6, eval_every=2, momentum=0.5, progress=False)
+    algorithm = algorithm or get_algorithm(name, AlgorithmConfig(num_clients=NUM_CLIENTS))
+    return SequentialEngine(model, algorithm, clients or make_clients(), loss_fn, evaluate, global_test(),
+                            EngineConfig(**{**settings, **overrides}), CPU, model_config={"name": "tiny"})
+
+
+def assert_same_weights(first: dict, second: dict) -> None:
+    assert first.keys() == second.keys()
+    for key in first:
+        assert torch.equal(first[key], second[key]), key
+
+
+def assert_same_states(first: dict, second: dict) -> None:
+    assert first.keys() == second.keys()
+    for client_id in first:
+        assert_same_weights(first[client_id], second[client_id])
+
+
+def kill_before_checkpoint_of_round(monkeypatch, round_index: int) -> None:
+    """Make the engine die after writing round ``round_index``'s metrics, before its checkpoint."""
+    save = engine_module.atomic_torch_save
+
+    def dying_save(obj, path):
+        if path.name == "checkpoint.pt" and obj["round"] == round_index:
+            raise KeyboardInterrupt("killed")
+        save(obj, path)
+
+    monkeypatch.setattr(engine_module, "atomic_torch_save", dying_save)
+
+
+@pytest.mark.parametrize("name, kill", [("scaffold", "mid_round"), ("fedrep", "mid_round"),
+                                        ("scaffold", "before_checkpoint")])
+def test_killed_and_resumed_run_is_bit_identical(tmp_path, monkeypatch, name, kill):
+    reference = make_engine(tmp_path / "full", name).run()
+    with pytest.raises(KeyboardInterrupt), monkeypatch.context() as patch:
+        if kill == "mid_round":  # 3 clients per round: call 8 is round 3's second client
+            make_engine(tmp_path / "resumed", name, clients=make_clients(kill_after_calls=7)).run()
+        else:
+            kill_before_checkpoint_of_round(patch, 3)
+            make_engine(tmp_path / "resumed", name).run()
+    assert load_checkpoint(tmp_path / "resumed" / "checkpoint.pt")["round"] == 2
+    resumed = make_engine(tmp_path / "resumed", name).run()
+    assert_same_weights(reference, resumed)
+    assert (tmp_path / "full" / "metrics.csv").read_bytes() == (tmp_path / "resumed" / "metrics.csv").read_bytes()
+    full, again = (load_checkpoint(tmp_path / run / "checkpoint.pt") for run in ("full", "resumed"))
+    assert_same_states(full["client_states"], again["client_states"])
+    assert_same_weights(full["server_state"], again["server_state"])
+    assert full["round"] == again["round"] == 5
+
+
+class SpyScaffold(Scaffold):
+    """Records, per call, the client, the state it was given and the state it returned."""
+
+    def __init__(self, config: AlgorithmConfig) -> None:
+        super().__init__(config)
+        self.calls: list[tuple[str, dict, dict]] = []
+
+    def client_update(self, model, broadcast, client_state, loader, cfg):
+        result = super().client_update(model, broadcast, client_state, loader, cfg)
+        self.calls.append((loader.client_id, dict(client_state), dict(result.client_state)))
+        return result
+
+
+def test_scaffold_client_control_variates_persist_across_rounds_and_through_resume(tmp_path):
+    spy = SpyScaffold(AlgorithmConfig(num_clients=NUM_CLIENTS))
+    make_engine(tmp_path / "full", algorithm=spy).run()
+    last_state: dict[str, dict] = {}
+    for client_id, given, returned in spy.calls:
+        if client_id in last_state:
+            assert_same_weights(given, last_state[client_id])
+        else:
+            assert given == {}
+        assert any(value.abs().sum() > 0 for value in returned.values())
+        last_state[client_id] = returned
+    assert len(last_state) > 1
+
+    with pytest.raises(KeyboardInterrupt):
+        make_engine(tmp_path / "resumed", clients=make_clients(kill_after_calls=7)).run()
+    resumed_spy = SpyScaffold(AlgorithmConfig(num_clients=NUM_CLIENTS))
+    make_engine(tmp_path / "resumed", algorithm=resumed_spy).run()
+    tail = spy.calls[-len(resumed_spy.calls):]
+    assert len(resumed_spy.calls) == 9  # rounds 3–5, 3 clients each
+    for (client_id, given, returned), (same_id, given_again, returned_again) in zip(tail, resumed_spy.calls):
+        assert client_id == same_id
+        assert_same_weights(given, given_again)
+        assert_same_weights(returned, returned_again)
+
+
+def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
+    engine = make_engine(tmp_path, "fedavg", clients=make_clients(poison_after_calls=6), client_fraction=1.0)
+    with pytest.raises(NonFiniteLossError, match=r"round 2, client 1: .*nan.*last good checkpoint .*round 1"):
+        engine.run()
+    checkpoint = load_checkpoint(tmp_path / "checkpoint.pt")
+    assert checkpoint["round"] == 1
+    assert all(torch.isfinite(value).all() for value in checkpoint["model"].values() if value.is_floating_point())
+    assert pd.read_csv(tmp_path / "metrics.csv")["round"].max() == 1
+    assert isinstance(NonFiniteLossError("x"), TaskHetError)  # the CLI prints it as one line
+
+
+def test_non_finite_aggregate_stops_before_its_checkpoint(tmp_path):
+    algorithm = get_algorithm("fedavg", AlgorithmConfig(num_clients=NUM_CLIENTS, server_lr=1e300))
+    with pytest.raises(NonFiniteLossError, match="round 1: the aggregated global weights are not finite"):
+        make_engine(tmp_path, algorithm=algorithm).run()
+    assert load_checkpoint(tmp_path / "checkpoint.pt")["round"] == 0
+
+
+@pytest.mark.parametrize("limit", [0, 700])
+def test_spilling_client_state_to_disk_changes_nothing(tmp_path, limit):
+    in_memory = make_engine(tmp_path / "memory").run()
+    engine = make_engine(tmp_path / "disk", max_state_memory_bytes=limit)
+    spilled = engine.run()
+    assert_same_weights(in_memory, spilled)
+    assert len(list((tmp_path / "disk" / "client_states").glob("client_*.pt"))) > 0
+    assert engine.store.memory_bytes <= limit
+    memory_states, disk_states = (load_checkpoint(tmp_path / run / "checkpoint.pt")["client_states"]
+                                  for run in ("memory", "disk"))
+    assert_same_states(memory_states, disk_states)
+
+
+def test_metrics_file_has_round_zero_eval_rounds_and_client_summaries(tmp_path):
+    make_engine(tmp_path, "fedrep").run()
+    metrics = pd.read_csv(tmp_path / "metrics.csv", dtype={"client": str})
+    assert list(metrics.columns) == ["round", "split", "client", "metric", "value"]
+    tested = metrics[(metrics.split == GLOBAL_TEST_SPLIT) & (metrics.client == GLOBAL_CLIENT)]
+    assert sorted(tested["round"].unique()) == [0, 2, 4, 5]
+    assert set(tested.metric) == {"loss", "mae"}
+    for split in (CLIENT_TEST_SPLIT, PERSONAL_TEST_SPLIT):
+        rows = metrics[(metrics.split == split) & (metrics["round"] == 5)]
+        per_client = rows[rows.client.isin([str(index) for index in range(NUM_CLIENTS)]) & (rows.metric == "loss")]
+        assert len(per_client) == NUM_CLIENTS
+        summary = rows[rows.metric == "loss"].set_index("client").value
+        assert summary["mean"] == pytest.approx(per_client.value.mean())
+        assert summary["worst_decile"] == pytest.approx(per_client.value.max())
+    personal = metrics[(metrics.split == PERSONAL_TEST_SPLIT) & (metrics.client == "mean") & (metrics.metric == "loss")]
+    assert personal.value.iloc[-1] != metrics[(metrics.split == CLIENT_TEST_SPLIT) & (metrics.client == "mean")
+                                              & (metrics.metric == "loss")].value.iloc[-1]
+    best = load_checkpoint(tmp_path / "best.pt")
+    assert best["model_config"] == {"name": "tiny"} and best["test_loss"] == tested[tested.metric == "loss"].value.min()
+    assert (tmp_path / "curves.png").stat().st_size > 0
+
+
+def test_resume_refuses_another_runs_checkpoint_and_no_resume_starts_over(tmp_path):
+    make_engine(tmp_path, "fedavg", rounds=2).run()
+    with pytest.raises(TaskHetError, match="different run"):
+        make_engine(tmp_path, "fedprox", rounds=2).run()
+    make_engine(tmp_path, "fedprox", rounds=1, resume=False).run()
+    metrics = pd.read_csv(tmp_path / "metrics.csv")
+    assert metrics["round"].max() == 1 and load_checkpoint(tmp_path / "checkpoint.pt")["run"]["algorithm"] == "fedprox"
+
+
+class RecordingFedAvg(type(get_algorithm("fedavg"))):
+    def __init__(self, config: AlgorithmConfig) -> None:
+        super().__init__(config)
+        self.uploads: dict[str, dict] = {}
+
+    def client_update(self, model, broadcast, client_state, loader, cfg):
+        result = super().client_update(model, broadcast, client_state, loader, cfg)
+        self.uploads[loader.client_id] = result.upload
+        return result
+
+
+def test_a_client_trains_identically_whoever_else_is_sampled(tmp_path):
+    runs = {}
+    for fraction in (0.4, 1.0):
+        algorithm = RecordingFedAvg(AlgorithmConfig(num_clients=NUM_CLIENTS))
+        make_engine(tmp_path / str(fraction), algorithm=algorithm, rounds=1, client_fraction=fraction).run()
+        runs[fraction] = algorithm.uploads
+    shared = set(runs[0.4]) & set(runs[1.0])
+    assert len(runs[0.4]) == 2 and shared == set(runs[0.4])
+    for client_id in shared:
+        assert_same_weights(runs[0.4][client_id], runs[1.0][client_id])
+
+
+def test_client_sampling_is_seeded_per_round():
+    ids = [str(index) for index in range(100)]
+    first = sample_clients(ids, 0.1, seed=3, round_index=1)
+    assert first == sample_clients(ids, 0.1, seed=3, round_index=1) and len(first) == 10
+    assert first != sample_clients(ids, 0.1, seed=3, round_index=2)
+    assert first != sample_clients(ids, 0.1, seed=4, round_index=1)
+    assert first == sorted(first, key=ids.index)
+    assert sample_clients(ids, 1.0, seed=3, round_index=1) == ids
+    assert clients_per_round(3, 0.01) == 1 and clients_per_round(10, 0.25) == 2
+    assert client_seed(3, 1, "a") == client_seed(3, 1, "a") != client_seed(3, 2, "a")
+    with pytest.raises(TaskHetError, match="--client_fraction"):
+        sample_clients(ids, 0.0, seed=3, round_index=1)
+
+
+def test_lr_schedules_are_functions_of_the_round():
+    assert make_lr_schedule("constant", 0.1, 10)(7) == 0.1
+    cosine = make_lr_schedule("cosine", 0.1, 10)
+    assert cosine(1) == pytest.approx(0.1) and cosine(6) == pytest.approx(0.05)
+    assert make_lr_schedule("exponential:0.5", 0.1, 10)(3) == pytest.approx(0.025)
+    assert make_lr_schedule("step:2:0.1", 1.0, 10)(4) == pytest.approx(0.1)
+    for bad in ("linear", "exponential", "step:0:0.1", "exponential:x"):
+        with pytest.raises(TaskHetError, match="--lr_schedule"):
+            make_lr_schedule(bad, 0.1, 10)
