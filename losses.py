@@ -1,0 +1,82 @@
+"""One loss per task, masked wherever the task has invalid pixels.
+
+Every loss takes the model's prediction and the batch dict (see
+``datasets/taskonomy.py``: ``batch[domain]`` holds the target, ``batch["mask"]``
+the valid pixels as bool ``[B, 1, H, W]``) and returns a scalar tensor that is 0
+on a perfect prediction.
+
+Masking is by selection, never by multiplication: invalid pixels of the
+prediction are replaced by the target before the error is computed, so any
+value there (even NaN or inf) changes neither the loss nor its gradient.
+Averages run over valid pixels only; a batch without a valid pixel gives 0.
+
+Depth is compared in metres (L1), not in log-depth. Taskonomy depth is bounded
+(at most ~15.6 m indoors, DESIGN.md §3), so metre errors are not dominated by a
+few far pixels the way outdoor depth would be, the loss is in the same unit as
+the AbsRel/RMSE metrics, and the model's scaled softplus output (models.heads.DepthSoftplus)
+needs no exp() that could overflow early in training.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def valid_pixels(batch: dict, like: torch.Tensor) -> torch.Tensor:
+    """The batch's valid-pixel mask broadcast to ``like`` ([B, C, H, W]); all valid without a mask."""
+    mask = batch.get("mask")
+    if mask is None:
+        return torch.ones_like(like, dtype=torch.bool)
+    return mask.to(device=like.device, dtype=torch.bool).expand_as(like)
+
+
+def _mean_over(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` where ``valid``; 0 (still differentiable) when nothing is valid."""
+    total = torch.where(valid, values, torch.zeros_like(values)).sum()
+    return total / valid.sum().clamp(min=1)
+
+
+def masked_l1(prediction: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Mean absolute error over valid elements; values at invalid elements are ignored."""
+    prediction = torch.where(valid, prediction, target)
+    return _mean_over((prediction - target).abs(), valid)
+
+
+def dense_l1_loss(prediction: torch.Tensor, batch: dict, domain: str) -> torch.Tensor:
+    """L1 on valid pixels of a dense regression target ``batch[domain]`` ([B, C, H, W]).
+
+    Used for depth (metres), reshading, edges, keypoints and curvature: each
+    target is already in the range of the model's output activation.
+    """
+    target = batch[domain].to(prediction.dtype)
+    return masked_l1(prediction, target, valid_pixels(batch, prediction))
+
+
+def normal_loss(prediction: torch.Tensor, batch: dict, domain: str = "normal") -> torch.Tensor:
+    """L1 plus angular loss (1 - cosine similarity) on valid pixels of unit normals in [-1, 1].
+
+    L1 alone lets the predicted vector shrink toward zero where the direction is
+    uncertain; the cosine term rewards the direction itself.
+    """
+    target = batch[domain].to(prediction.dtype)
+    valid = valid_pixels(batch, prediction)
+    prediction = torch.where(valid, prediction, target)
+    l1 = _mean_over((prediction - target).abs(), valid)
+    cosine = F.cosine_similarity(prediction, target, dim=1, eps=1e-6).unsqueeze(1)
+    angular = _mean_over(1.0 - cosine, valid[:, :1])
+    return l1 + angular
+
+
+def segmentation_loss(prediction: torch.Tensor, batch: dict, domain: str = "segment_semantic") -> torch.Tensor:
+    """Cross-entropy over class logits ``[B, C, H, W]``; class 0 (unlabelled) and masked pixels are ignored."""
+    target = batch[domain].to(prediction.device)
+    valid = valid_pixels(batch, prediction[:, :1])[:, 0] & (target != 0)
+    logits = torch.where(valid.unsqueeze(1), prediction, torch.zeros_like(prediction))
+    per_pixel = F.cross_entropy(logits, torch.where(valid, target, torch.zeros_like(target)), reduction="none")
+    return _mean_over(per_pixel, valid)
+
+
+def classification_loss(prediction: torch.Tensor, batch: dict, domain: str = "scene_class") -> torch.Tensor:
+    """Cross-entropy of logits ``[B, K]`` against the manifest's remapped scene label ``batch[domain]`` ([B])."""
+    return F.cross_entropy(prediction, batch[domain].to(prediction.device))

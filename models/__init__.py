@@ -1,0 +1,73 @@
+"""Task models: encoders (registry by name), task heads and :class:`TaskModel`.
+
+``build_task_model`` builds one from names; ``load_task_model`` rebuilds one
+from a step-2 checkpoint (``best.pt``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from models import encoders, heads, tasks  # noqa: F401  (explicit imports register every entry)
+from models.encoders import build_encoder, list_encoders
+from models.task_model import TaskModel
+from models.tasks import get_task, list_tasks
+from utils.errors import TaskHetError
+from utils.run_dir import load_checkpoint
+from utils.seeding import derive_seed
+
+__all__ = ["TaskModel", "build_task_model", "load_task_model", "list_encoders", "list_tasks", "get_task"]
+
+
+def build_task_model(task: str, encoder: str = "resnet50", weights: str = "none", num_classes: int | None = None,
+                     embedding_grid: int = 0, embedding_layer: str = "penultimate", seed: int | None = None) -> TaskModel:
+    """Build the model of a task.
+
+    Args:
+        task: task name (see :func:`list_tasks`).
+        encoder: encoder name (see :func:`list_encoders`).
+        weights: encoder weights: "none" (random), "imagenet", "clip" or a file path.
+        num_classes: K, the number of scene classes (class_scene only; from the manifest).
+        embedding_grid: grid side of the pooled embedding (0 = global average only).
+        embedding_layer: "penultimate" or "bottleneck" (see :mod:`models.task_model`).
+        seed: when given, the random initialisation is drawn from a generator derived
+            from it (the global RNG's state is restored afterwards).
+
+    Returns:
+        The model, on the CPU, in training mode.
+
+    Raises:
+        TaskHetError: unknown task or encoder, missing ``num_classes`` for class_scene,
+            or weights that cannot be found or do not match the encoder.
+    """
+    spec = get_task(task)
+    if spec.kind == "classification":
+        if num_classes is None or num_classes < 2:
+            raise TaskHetError(f"task {task} needs num_classes >= 2 (the manifest's scene classes), got {num_classes}")
+        out_channels = num_classes
+    else:
+        out_channels = spec.out_channels
+    config = {"task": task, "encoder": encoder, "weights": weights, "num_classes": num_classes,
+              "embedding_grid": embedding_grid, "embedding_layer": embedding_layer}
+    if seed is None:
+        return TaskModel(spec, build_encoder(encoder, weights), out_channels, embedding_grid, embedding_layer, config)
+    # torch initialises modules from its global RNG; fork it so a seeded build
+    # neither depends on nor disturbs the global state.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(seed, "init", task, encoder))
+        return TaskModel(spec, build_encoder(encoder, weights), out_channels, embedding_grid, embedding_layer, config)
+
+
+def load_task_model(checkpoint_path: Path) -> TaskModel:
+    """Rebuild a model from a step-2 checkpoint (``{"model": state_dict, "model_config": config, ...}``)."""
+    checkpoint = load_checkpoint(checkpoint_path)
+    if not isinstance(checkpoint, dict) or "model" not in checkpoint or "model_config" not in checkpoint:
+        raise TaskHetError(f"{checkpoint_path}: not a step-2 checkpoint (needs 'model' and 'model_config')")
+    config = dict(checkpoint["model_config"])
+    # the checkpoint holds every weight; the pretrained source need not be present
+    model = build_task_model(**{**config, "weights": "none"})
+    model.config = config
+    model.load_state_dict(checkpoint["model"])
+    return model

@@ -1,0 +1,102 @@
+"""TaskModel: encoder + task decoder + output head, returning a prediction and an embedding.
+
+Parameter groups for FedRep/FedPer are named here and nowhere else: the *head*
+is the task-specific output layer (module ``head``: the 1x1 output convolution
+of a dense task, the final Linear of class_scene); everything else (encoder and
+decoder) is the *body*, the shared representation.
+
+The embedding (what step 3 clusters) is read from one documented layer:
+
+- ``embedding_layer="penultimate"`` (default): the decoder's last feature map,
+  the input of the output head (for class_scene: the pre-logit features);
+- ``embedding_layer="bottleneck"``: the decoder's coarsest fused map (for
+  class_scene: the encoder's last map).
+
+A feature map is pooled to a fixed-length vector: its global average, followed
+by, if ``embedding_grid = g > 0``, the averages over a ``g x g`` grid of cells
+(adaptive average pooling), so the dimension is ``C * (1 + g * g)`` whatever
+the input size. class_scene's pre-logit features are already a vector and are
+used as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.encoders import Encoder
+from models.heads import DenseDecoder, PreLogits, make_activation
+from models.tasks import TaskSpec
+from utils.errors import TaskHetError
+
+HEAD_MODULE = "head"
+EMBEDDING_LAYERS = ("penultimate", "bottleneck")
+
+
+def pool_embedding(feature_map: torch.Tensor, grid: int) -> torch.Tensor:
+    """``[B, C, H, W]`` -> ``[B, C * (1 + grid**2)]``: global average, then the grid cells' averages."""
+    pooled = [feature_map.mean(dim=(2, 3))]
+    if grid > 0:
+        pooled.append(F.adaptive_avg_pool2d(feature_map, grid).flatten(1))
+    return torch.cat(pooled, dim=1)
+
+
+class TaskModel(nn.Module):
+    """Encoder, decoder (dense) or pre-logit layer (classification), and output head.
+
+    ``forward(rgb)`` takes ``[B, 3, H, W]`` in [0, 1] (normalisation happens
+    inside, with the encoder's mean/std) and returns ``(prediction, embedding)``:
+    ``[B, out_channels, H, W]`` after the task's activation for dense tasks,
+    logits ``[B, K]`` for class_scene; the embedding is ``[B, D]``.
+
+    Args:
+        task: the task.
+        encoder: a built encoder (with its weights).
+        out_channels: head outputs (the task's, or K for class_scene).
+        embedding_grid: grid side of the pooled embedding (0 = global average only).
+        embedding_layer: "penultimate" or "bottleneck" (see the module docstring).
+        config: the arguments that rebuild this model (kept in checkpoints).
+    """
+
+    def __init__(self, task: TaskSpec, encoder: Encoder, out_channels: int, embedding_grid: int,
+                 embedding_layer: str, config: dict) -> None:
+        super().__init__()
+        if embedding_layer not in EMBEDDING_LAYERS:
+            raise TaskHetError(f"embedding_layer {embedding_layer!r}: choose one of {', '.join(EMBEDDING_LAYERS)}")
+        if embedding_grid < 0:
+            raise TaskHetError(f"embedding_grid must be >= 0, got {embedding_grid}")
+        self.task = task
+        self.config = dict(config)
+        self.embedding_grid = embedding_grid
+        self.embedding_layer = embedding_layer
+        self.encoder = encoder
+        # Normalisation constants travel with the encoder's code, not in the state dict.
+        self.register_buffer("mean", torch.tensor(encoder.mean).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(encoder.std).view(1, 3, 1, 1), persistent=False)
+        if task.kind == "dense":
+            self.decoder = DenseDecoder(encoder.channels, encoder.strides, encoder.decoder_width)
+            self.head = nn.Conv2d(self.decoder.out_channels, out_channels, 1)
+        else:
+            self.decoder = PreLogits(encoder.channels[-1])
+            self.head = nn.Linear(self.decoder.out_channels, out_channels)
+        self.activation = make_activation(task.activation)
+
+    def forward(self, rgb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = self.encoder((rgb - self.mean) / self.std)
+        if self.task.kind == "dense":
+            penultimate, bottleneck = self.decoder(features, rgb.shape[-2:])
+        else:
+            penultimate, bottleneck = self.decoder(features)
+        prediction = self.activation(self.head(penultimate))
+        chosen = penultimate if self.embedding_layer == "penultimate" else bottleneck
+        embedding = chosen if chosen.dim() == 2 else pool_embedding(chosen, self.embedding_grid)
+        return prediction, embedding
+
+    def head_keys(self) -> list[str]:
+        """State-dict keys of the task-specific output layer (personal in FedRep/FedPer)."""
+        return [key for key in self.state_dict() if key.split(".", 1)[0] == HEAD_MODULE]
+
+    def body_keys(self) -> list[str]:
+        """State-dict keys of everything else (the shared representation)."""
+        return [key for key in self.state_dict() if key.split(".", 1)[0] != HEAD_MODULE]

@@ -1,0 +1,149 @@
+"""Step 2 (train_centralized_task_model.py) end to end on tiny synthetic data, on the CPU."""
+
+import shutil
+
+import pandas as pd
+import pytest
+import torch
+
+import train_centralized_task_model as step2
+import utils.training
+from models import list_tasks, load_task_model
+from tests.fixtures import make_tiny_manifest, render_tiny_dataset, tiny_data_root, tiny_manifest  # noqa: F401
+from utils.errors import TaskHetError
+from utils.run_dir import load_checkpoint
+
+# class_scene (4 buildings = 4 classes, trained from scratch) overfits at the dense tasks' step size
+LEARNING_RATE = {"class_scene": "0.001"}
+EPOCHS = {"class_scene": 6}
+
+
+def argv(data_root, manifest, out, task="normal", *extra):
+    return ["--task", task, "--encoder", "small_cnn", "--weights", "none", "--data_path", str(data_root),
+            "--manifest", str(manifest), "--image_size", "32", "--batch_size", "6", "--optimizer", "adamw",
+            "--init_lr", LEARNING_RATE.get(task, "0.003"), "--scheduler", "cosine", "--no-use_accelerator",
+            "--out", str(out), *extra]
+
+
+@pytest.fixture(scope="module")
+def views96(tmp_path_factory):
+    """4 buildings x 24 views (72 train / 24 test): enough test samples for a stable validation loss."""
+    root = render_tiny_dataset(tmp_path_factory.mktemp("views96"), n_views=24)
+    return root, make_tiny_manifest(root, tmp_path_factory.mktemp("views96_step1"))
+
+
+def val_losses(run_dir) -> pd.Series:
+    metrics = pd.read_csv(run_dir / "metrics.csv")
+    return metrics[(metrics.split == "test") & (metrics.metric == "loss")].set_index("epoch").value
+
+
+@pytest.mark.parametrize("task", list_tasks())
+def test_short_run_lowers_validation_loss(task, views96, tmp_path):
+    out = tmp_path / task
+    epochs = EPOCHS.get(task, 2)
+    summary = step2.main(argv(*views96, out, task, "--n_epochs", str(epochs)))
+    losses = val_losses(out)
+    assert list(losses.index) == list(range(epochs + 1))
+    assert losses[epochs] < losses[0], f"{task}: validation loss {losses[0]:.4f} -> {losses[epochs]:.4f}"
+    for name in ("config.json", "run.log", "metrics.csv", "best.pt", "last.pt", "curves.png"):
+        assert (out / name).is_file(), name
+    assert summary["best_val_loss"] == pytest.approx(losses.min())
+    model = load_task_model(out / "best.pt")
+    assert model.config["task"] == task
+    prediction, embedding = model.eval()(torch.rand(2, 3, 32, 32))
+    assert prediction.shape[0] == 2 and embedding.shape[0] == 2
+
+
+class Killed(Exception):
+    """Stands in for the process being killed."""
+
+
+def test_killed_and_resumed_run_is_bit_identical(tiny_data_root, tiny_manifest, tmp_path, monkeypatch):
+    extra = ("--n_epochs", "3", "--deterministic", "--seed", "7")
+    uninterrupted = tmp_path / "uninterrupted"
+    step2.main(argv(tiny_data_root, tiny_manifest, uninterrupted, "segment_semantic", *extra))
+
+    interrupted = tmp_path / "interrupted"
+    real_save = utils.training.atomic_torch_save
+
+    def save_then_die(obj, path):
+        real_save(obj, path)
+        if path.name == "last.pt" and obj["state"]["epoch"] == 1:
+            raise Killed
+
+    monkeypatch.setattr(utils.training, "atomic_torch_save", save_then_die)
+    with pytest.raises(Killed):
+        step2.main(argv(tiny_data_root, tiny_manifest, interrupted, "segment_semantic", *extra))
+    monkeypatch.setattr(utils.training, "atomic_torch_save", real_save)
+    assert load_checkpoint(interrupted / "last.pt")["state"]["epoch"] == 1
+    step2.main(argv(tiny_data_root, tiny_manifest, interrupted, "segment_semantic", *extra, "--resume"))
+
+    expected, resumed = load_checkpoint(uninterrupted / "last.pt"), load_checkpoint(interrupted / "last.pt")
+    assert resumed["state"] == expected["state"]
+    assert expected["model"].keys() == resumed["model"].keys()
+    for key, value in expected["model"].items():
+        assert torch.equal(value, resumed["model"][key]), key
+    for index, state in expected["optimizer"]["state"].items():
+        assert torch.equal(state["exp_avg"], resumed["optimizer"]["state"][index]["exp_avg"])
+    assert (uninterrupted / "metrics.csv").read_bytes() == (interrupted / "metrics.csv").read_bytes()
+    assert torch.equal(load_checkpoint(uninterrupted / "best.pt")["model"]["head.weight"],
+                       load_checkpoint(interrupted / "best.pt")["model"]["head.weight"])
+
+
+def test_finished_run_is_skipped_and_changed_arguments_are_refused(tiny_data_root, tiny_manifest, tmp_path):
+    out = tmp_path / "run"
+    step2.main(argv(tiny_data_root, tiny_manifest, out, "reshading", "--n_epochs", "1"))
+    before = (out / "metrics.csv").read_bytes()
+    summary = step2.main(argv(tiny_data_root, tiny_manifest, out, "reshading", "--n_epochs", "1"))
+    assert summary["epochs_done"] == 1 and (out / "metrics.csv").read_bytes() == before
+    with pytest.raises(TaskHetError, match=r"other arguments \(init_lr: '0.003' -> '0.01'\).*--no-resume"):
+        step2.main(argv(tiny_data_root, tiny_manifest, out, "reshading", "--n_epochs", "1", "--init_lr", "0.01"))
+    step2.main(argv(tiny_data_root, tiny_manifest, out, "reshading", "--n_epochs", "1", "--no-resume", "--init_lr", "0.01"))
+    assert (out / "metrics.csv").read_bytes() != before
+
+
+def test_bad_input_is_one_clear_error(tiny_data_root, tiny_manifest, tmp_path, capsys):
+    with pytest.raises(TaskHetError, match="unknown task 'depth'; choose one of: .*depth_euclidean"):
+        step2.main(argv(tiny_data_root, tiny_manifest, tmp_path / "a", "depth"))
+    with pytest.raises(TaskHetError, match="unknown encoder 'resnet5'"):
+        step2.main(argv(tiny_data_root, tiny_manifest, tmp_path / "b") + ["--encoder", "resnet5"])
+    with pytest.raises(TaskHetError, match="--use_adam contradicts --optimizer sgd"):
+        step2.main(argv(tiny_data_root, tiny_manifest, tmp_path / "c") + ["--optimizer", "sgd", "--use_adam"])
+
+    weights = tmp_path / "resnet18.pth"
+    torch.save(step2.build_task_model("normal", "resnet18").encoder.state_dict(), weights)
+    with pytest.raises(TaskHetError, match="resnet18.pth does not match encoder small_cnn"):
+        step2.main(argv(tiny_data_root, tiny_manifest, tmp_path / "d") + ["--weights", str(weights)])
+
+    no_reshading = tmp_path / "data"
+    shutil.copytree(tiny_data_root, no_reshading)
+    shutil.rmtree(no_reshading / "reshading")
+    with pytest.raises(TaskHetError, match="reshading"):
+        step2.main(argv(no_reshading, tiny_manifest, tmp_path / "e", "reshading"))
+
+    # as a script: one line on stderr, exit code 2, no traceback
+    with pytest.raises(SystemExit) as exit_info:
+        step2.run_main(step2.main, argv(no_reshading, tiny_manifest, tmp_path / "f", "reshading"))
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err.strip()
+    assert message.startswith("error: ") and "reshading" in message and "\n" not in message
+    assert not (tmp_path / "a").exists() and not (tmp_path / "e").exists()
+
+
+def test_plot_curves_reads_any_long_format_csv(tmp_path):
+    from utils.plots import plot_curves
+
+    csv = tmp_path / "federated.csv"
+    pd.DataFrame({
+        "round": [1, 1, 2, 2, 2],
+        "split": ["test", "test", "test", "test", "train"],
+        "client": ["global", "3", "global", "3", "global"],
+        "metric": ["loss", "loss", "loss", "loss", "loss"],
+        "value": [1.0, 2.0, 0.5, 1.5, 0.7],
+    }).to_csv(csv, index=False)
+    assert plot_curves(csv, tmp_path / "curves.png", x="round", where={"client": "global"}) == tmp_path / "curves.png"
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    assert plot_curves(csv, tmp_path / "none.png", x="round", where={"client": "99"}) is None
+    assert not (tmp_path / "none.png").exists()
+    with pytest.raises(TaskHetError, match="missing column.*epoch"):
+        plot_curves(csv, tmp_path / "bad.png", x="epoch")

@@ -1,0 +1,231 @@
+"""The training loop, written once: one batch, one evaluation, one fit.
+
+``train_one_batch`` is the step every trainer shares (step 2 here, the
+federated clients' local training): extra loss terms (FedProx) and gradient
+hooks (SCAFFOLD) come in as arguments instead of copies of the loop.
+
+``fit`` is step 2's epoch loop with its run folder: ``metrics.csv`` (long
+format ``epoch, split, metric, value``; epoch 0 is the untrained model),
+``best.pt`` (lowest validation loss, the untrained epoch 0 included),
+``last.pt`` (every epoch, atomically) and ``curves.png``. ``last.pt`` holds the
+model, optimizer, scheduler, epoch, early-stopping counters and the training
+loader's RNG state, so a resumed run ends bit-identical to an uninterrupted one
+(same device, deterministic mode). There is no other randomness to restore: no
+dropout, no augmentation.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from models.tasks import TaskSpec, get_task
+from utils.device import autocast, to_device
+from utils.errors import TaskHetError
+from utils.plots import plot_curves
+from utils.run_dir import MetricsCSV, atomic_torch_save, load_checkpoint
+from utils.seeding import torch_generator
+
+METRICS_COLUMNS = ("epoch", "split", "metric", "value")
+TRAIN_SPLIT, VAL_SPLIT = "train", "test"
+
+
+def _spec(task: TaskSpec | str) -> TaskSpec:
+    return get_task(task) if isinstance(task, str) else task
+
+
+def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, seed: int, num_workers: int = 0) -> DataLoader:
+    """A DataLoader whose order comes from its own generator derived from ``seed`` (never the global RNG).
+
+    The generator is ``loader.generator``: its state after an epoch decides the
+    next epoch's order, which is what a checkpoint saves.
+    """
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        generator=torch_generator(seed, "loader"),
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+        pin_memory=torch.cuda.is_available(),
+    )
+
+
+def train_one_batch(model: nn.Module, batch: dict, task: TaskSpec | str, optimizer: torch.optim.Optimizer,
+                    device: torch.device, extra_loss: Callable[[nn.Module], torch.Tensor] | None = None,
+                    grad_hook: Callable[[nn.Module], None] | None = None) -> float:
+    """One optimisation step on one batch; the model must already be in training mode and on ``device``.
+
+    Args:
+        model: a :class:`models.TaskModel` (``model(rgb) -> (prediction, embedding)``).
+        batch: a batch dict (``"rgb"`` plus the task's target and ``"mask"``).
+        task: the task (spec or name) whose loss is minimised.
+        optimizer: steps the model's parameters.
+        device: where the model lives; the batch is moved there.
+        extra_loss: ``model -> scalar`` added to the task loss (e.g. FedProx's proximal term).
+        grad_hook: called with the model after backward, before the step (e.g. SCAFFOLD's correction).
+
+    Returns:
+        The total loss of the batch (task loss plus extra term) as a float.
+    """
+    spec = _spec(task)
+    batch = to_device(batch, device)
+    with autocast(device):
+        prediction, _ = model(batch["rgb"])
+    # the loss in float32: bf16 sums over many pixels lose precision
+    loss = spec.loss(prediction.float(), batch)
+    if extra_loss is not None:
+        loss = loss + extra_loss(model)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if grad_hook is not None:
+        grad_hook(model)
+    optimizer.step()
+    return float(loss.detach())
+
+
+@torch.inference_mode()
+def evaluate(model: nn.Module, loader: DataLoader, task: TaskSpec | str, device: torch.device) -> dict[str, float]:
+    """Loss and task metrics over a whole split (the model's train/eval mode is restored afterwards).
+
+    Returns:
+        ``{"loss": ..., **task metrics}``. The loss is the mean of the batch
+        losses weighted by batch size; the metrics accumulate over every valid
+        pixel or sample of the split (see :mod:`utils.metrics`).
+    """
+    spec = _spec(task)
+    was_training = model.training
+    model.eval()
+    metrics = spec.new_metrics()
+    loss_sum, count = 0.0, 0
+    for batch in tqdm(loader, desc="evaluate", leave=False, dynamic_ncols=True):
+        batch = to_device(batch, device)
+        with autocast(device):
+            prediction, _ = model(batch["rgb"])
+        prediction = prediction.float()
+        size = batch["rgb"].shape[0]
+        loss_sum += float(spec.loss(prediction, batch)) * size
+        count += size
+        metrics.update(prediction, batch)
+    model.train(was_training)
+    if count == 0:
+        raise TaskHetError("evaluation split is empty: the manifest has no samples in it")
+    return {"loss": loss_sum / count, **metrics.compute()}
+
+
+def _check_signature(path: Path, saved: dict, current: dict) -> None:
+    differences = [f"{key}: {saved.get(key)!r} -> {current.get(key)!r}" for key in sorted(set(saved) | set(current))
+                   if saved.get(key) != current.get(key)]
+    if differences:
+        raise TaskHetError(
+            f"{path} belongs to a run with other arguments ({'; '.join(differences)}); "
+            "pass --no-resume to start over, or choose another --out"
+        )
+
+
+def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, val_loader: DataLoader,
+        optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+        device: torch.device, *, n_epochs: int, out_dir: Path, run_signature: dict,
+        early_stopping_patience: int | None = None, resume: bool = True,
+        logger: logging.Logger | None = None) -> dict:
+    """Train ``n_epochs`` epochs (or until early stopping), validating and checkpointing after each.
+
+    Args:
+        model: a :class:`models.TaskModel` on ``device`` (its ``config`` goes into checkpoints).
+        task: the task (spec or name).
+        train_loader: training batches; built by :func:`make_loader` (its generator is checkpointed).
+        val_loader: validation batches.
+        optimizer: over the model's parameters.
+        scheduler: stepped once per epoch, or None for a constant learning rate.
+        device: the model's device.
+        n_epochs: epochs in total (a resumed run counts the epochs already done).
+        out_dir: the run folder.
+        run_signature: the arguments that define the run; resuming a checkpoint written
+            with other values is refused.
+        early_stopping_patience: stop after this many epochs without a lower validation loss.
+        resume: continue from ``out_dir/last.pt`` when it exists; otherwise start over.
+        logger: where the per-epoch summary goes.
+
+    Returns:
+        ``{"best_epoch", "best_val_loss", "epochs_done", "stopped_early"}``.
+    """
+    spec = _spec(task)
+    logger = logger or logging.getLogger(__name__)
+    out_dir = Path(out_dir)
+    last_path, best_path, csv_path = out_dir / "last.pt", out_dir / "best.pt", out_dir / "metrics.csv"
+    state = {"epoch": 0, "best_epoch": 0, "best_val_loss": math.inf, "epochs_without_improvement": 0, "stopped_early": False}
+    if resume and last_path.is_file():
+        checkpoint = load_checkpoint(last_path)
+        _check_signature(last_path, checkpoint["run_signature"], run_signature)
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        if scheduler is not None:
+            scheduler.load_state_dict(checkpoint["scheduler"])
+        train_loader.generator.set_state(checkpoint["rng"]["train_loader"])
+        state = dict(checkpoint["state"])
+        metrics_csv = MetricsCSV(csv_path, METRICS_COLUMNS)
+        # rows of an epoch that was running when the run stopped
+        metrics_csv.truncate_after("epoch", state["epoch"])
+        logger.info("resuming from %s after epoch %d", last_path, state["epoch"])
+    else:
+        csv_path.unlink(missing_ok=True)
+        metrics_csv = MetricsCSV(csv_path, METRICS_COLUMNS)
+        initial = evaluate(model, val_loader, spec, device)
+        metrics_csv.write({"epoch": 0, "split": VAL_SPLIT, "metric": key, "value": value} for key, value in initial.items())
+        _track_best(model, spec, 0, initial, state, best_path)
+        logger.info("epoch 0 (untrained): val %s", _format_metrics(initial))
+
+    while state["epoch"] < n_epochs and not state["stopped_early"]:
+        epoch = state["epoch"] + 1
+        model.train()
+        loss_sum, batches = 0.0, 0
+        for batch in tqdm(train_loader, desc=f"epoch {epoch}/{n_epochs}", leave=False, dynamic_ncols=True):
+            loss_sum += train_one_batch(model, batch, spec, optimizer, device)
+            batches += 1
+        learning_rate = optimizer.param_groups[0]["lr"]
+        if scheduler is not None:
+            scheduler.step()
+        val = evaluate(model, val_loader, spec, device)
+        rows = [{"epoch": epoch, "split": TRAIN_SPLIT, "metric": "loss", "value": loss_sum / max(batches, 1)},
+                {"epoch": epoch, "split": TRAIN_SPLIT, "metric": "lr", "value": learning_rate}]
+        rows += [{"epoch": epoch, "split": VAL_SPLIT, "metric": key, "value": value} for key, value in val.items()]
+        # metrics before last.pt: a resume truncates rows past its checkpoint, never misses any
+        metrics_csv.write(rows)
+        state["epoch"] = epoch
+        _track_best(model, spec, epoch, val, state, best_path)
+        patience_over = early_stopping_patience is not None and state["epochs_without_improvement"] >= early_stopping_patience
+        state["stopped_early"] = patience_over and epoch < n_epochs
+        atomic_torch_save({
+            "model": model.state_dict(), "model_config": model.config, "optimizer": optimizer.state_dict(),
+            "scheduler": None if scheduler is None else scheduler.state_dict(), "state": dict(state),
+            "rng": {"train_loader": train_loader.generator.get_state()}, "run_signature": run_signature, "task": spec.name,
+        }, last_path)
+        logger.info("epoch %d/%d: train loss %.5f, lr %.3g; val %s", epoch, n_epochs, loss_sum / max(batches, 1),
+                    learning_rate, _format_metrics(val))
+        if state["stopped_early"]:
+            logger.info("early stopping: no lower validation loss in %d epochs", early_stopping_patience)
+    plot_curves(csv_path, out_dir / "curves.png", x="epoch", hue="split", title=f"{spec.name}: {out_dir.name}")
+    logger.info("best epoch %d, val loss %.5f", state["best_epoch"], state["best_val_loss"])
+    return {"best_epoch": state["best_epoch"], "best_val_loss": state["best_val_loss"],
+            "epochs_done": state["epoch"], "stopped_early": state["stopped_early"]}
+
+
+def _track_best(model: nn.Module, spec: TaskSpec, epoch: int, val: dict[str, float], state: dict, best_path: Path) -> None:
+    """Write best.pt when the validation loss is the lowest so far (epoch 0, the untrained model, included)."""
+    if val["loss"] < state["best_val_loss"]:
+        state.update(best_epoch=epoch, best_val_loss=val["loss"], epochs_without_improvement=0)
+        atomic_torch_save({"model": model.state_dict(), "model_config": model.config, "epoch": epoch,
+                           "val_metrics": val, "task": spec.name}, best_path)
+    else:
+        state["epochs_without_improvement"] += 1
+
+
+def _format_metrics(values: dict[str, float]) -> str:
+    return ", ".join(f"{key} {value:.4g}" for key, value in values.items())
