@@ -1,0 +1,178 @@
+"""Step 4: federated training of a task model over the clients of an assignment file."""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+from pathlib import Path
+
+from torch.utils.data import DataLoader, Subset
+
+from datasets.taskonomy import TaskonomyDataset, read_manifest
+from models import build_task_model, get_task, load_task_model
+from network.algorithms import AlgorithmConfig, get_algorithm, list_algorithms
+from network.engine_sequential import (GLOBAL_CLIENT, GLOBAL_TEST_SPLIT, ClientData, EngineConfig, SequentialEngine,
+                                       make_lr_schedule)
+from utils.assignments import load_assignments
+from utils.cli import positive_float, positive_int, run_main
+from utils.device import pick_device, prepare_model
+from utils.errors import TaskHetError
+from utils.run_dir import setup_logging, write_config
+from utils.seeding import set_deterministic
+from utils.training import evaluate, make_loader
+
+__all__ = ["GLOBAL_CLIENT", "GLOBAL_TEST_SPLIT", "main"]
+
+DESCRIPTION = """Step 4 of TaskHet: federated training (FedAvg, FedProx, SCAFFOLD, FedRep) of one task's model.
+Inputs: the step-1 manifest (--manifest), the data under --data_path and a step-3b assignments.csv (--assignments;
+default <assignment_files_path>/<type>/<task|labels>[/k<n_clusters>]/a<alpha>/assignments.csv), checked against
+the manifest. Clients train on their 'train' rows; their 'test' rows and the manifest's test split evaluate.
+Outputs in --out: config.json, run.log, metrics.csv (round, split, client, metric, value), checkpoint.pt (every
+round; --resume continues from it), best.pt (lowest global test loss) and curves.png."""
+
+ENGINES = ("sequential",)  # round loops; the Flower engine joins here
+# Arguments that do not change what a run computes: a resumed run may differ in them.
+NOT_IN_SIGNATURE = ("out", "resume", "use_accelerator", "num_workers", "cache_dir", "deterministic", "n_rounds",
+                    "eval_every", "progress", "client_state_memory_mb")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--task", required=True, help="task to train (depth_euclidean, normal, segment_semantic, class_scene, ...)")
+    add("--method", default="fedavg", choices=list_algorithms(), help="federated algorithm (default: fedavg)")
+    add("--engine", default="sequential", choices=ENGINES, help="round loop (default: sequential)")
+    add("--manifest", type=Path, default=Path("results/datapoints/manifest.csv"), help="step-1 manifest.csv")
+    add("--data_path", type=Path, default=Path("data/synthetic"), help="data root (default: data/synthetic)")
+    add("--assignments", type=Path, default=None, help="assignments.csv of step 3b (default: see above)")
+    add("--assignment_files_path", type=Path, default=Path("results/assignments"), help="folder of assignment files")
+    add("--type", choices=("embedding_based", "class_based"), default=None, help="partition kind (checked against the file)")
+    add("--alpha", type=positive_float, default=None, help="Dirichlet α of the partition (checked against the file)")
+    add("--n_clients", type=positive_int, default=None, help="number of clients (checked against the file)")
+    add("--n_clusters", type=positive_int, default=10, help="KMeans clusters of an embedding-based partition (default path)")
+    add("--encoder", default="resnet50", help="encoder of a model built from scratch (default: resnet50)")
+    add("--weights", default="none", help="encoder weights from scratch: none | imagenet | clip | PATH (default: none)")
+    add("--init_from", choices=("scratch", "centralized"), default="scratch", help="initial global model (default: scratch)")
+    add("--centralized_checkpoint", type=Path, default=None, help="step-2 best.pt for --init_from centralized")
+    add("--image_size", type=positive_int, default=224, help="image side length (default: 224)")
+    add("--n_rounds", type=positive_int, default=100, help="federated rounds (default: 100)")
+    add("--local_steps", "--sgd_per_epoch", type=positive_int, default=None, help="J local SGD steps per round (default: 50)")
+    add("--local_epochs", type=positive_int, default=None, help="E local epochs per round instead of --local_steps")
+    add("--batch_size", type=positive_int, default=16, help="local batch size (default: 16)")
+    add("--init_lr", type=positive_float, default=0.01, help="local learning rate of round 1 (default: 0.01)")
+    add("--lr_schedule", default="constant", help="constant | cosine | exponential:RATE | step:EVERY:GAMMA (per round)")
+    add("--momentum", type=float, default=0.0, help="local SGD momentum (default: 0)")
+    add("--weight_decay", type=float, default=0.0, help="local SGD weight decay (default: 0)")
+    add("--client_fraction", type=positive_float, default=1.0, help="share of clients per round (default: 1)")
+    add("--mu", type=float, default=0.01, help="FedProx μ (default: 0.01)")
+    add("--server_opt", choices=("sgd", "momentum", "adam"), default="sgd", help="server optimizer (FedAvgM, FedAdam)")
+    add("--server_lr", type=positive_float, default=1.0, help="server learning rate η_g (default: 1)")
+    add("--scaffold_option", choices=("I", "II"), default="II", help="SCAFFOLD control-variate update (default: II)")
+    add("--head_epochs", type=int, default=1, help="FedRep head phase, in local budgets (default: 1)")
+    add("--body_epochs", type=int, default=1, help="FedRep body phase, in local budgets (default: 1)")
+    add("--eval_every", type=positive_int, default=1, help="evaluate every this many rounds (default: 1)")
+    add("--rand_seed", "--seed", type=int, default=42, help="root seed of init, sampling and training (default: 42)")
+    add("--deterministic", action=argparse.BooleanOptionalAction, default=False, help="deterministic kernels")
+    add("--use_accelerator", action=argparse.BooleanOptionalAction, default=True, help="CUDA/MPS when present")
+    add("--num_workers", type=int, default=0, help="DataLoader worker processes (default: 0)")
+    add("--cache_dir", type=Path, default=None, help="decoded-sample cache folder (default: none)")
+    add("--client_state_memory_mb", type=float, default=2048, help="client state kept in memory, MB; more spills to disk")
+    add("--progress", action=argparse.BooleanOptionalAction, default=True, help="tqdm bar over rounds")
+    add("--resume", action=argparse.BooleanOptionalAction, default=True, help="continue from <out>/checkpoint.pt")
+    add("--out", type=Path, default=None, help="run folder (default: results/test_federated/<task>/<type>/<method>/...)")
+    return parser
+
+
+def resolve(args: argparse.Namespace, meta: dict) -> argparse.Namespace:
+    """Check the arguments against each other and against the assignment file's sidecar ``meta``."""
+    if args.local_steps is not None and args.local_epochs is not None:
+        raise TaskHetError("pass one of --local_steps (--sgd_per_epoch) and --local_epochs, not both")
+    if args.local_steps is None and args.local_epochs is None:
+        args.local_steps = 50
+    kind = "embedding_based" if str(meta.get("groups", "scene_class")).endswith(".csv") else "class_based"
+    for flag, given, recorded in (("type", args.type, kind if meta else None), ("n_clients", args.n_clients, meta.get("n_clients")),
+                                  ("alpha", args.alpha, meta.get("alpha"))):
+        if given is not None and recorded is not None and given != recorded:
+            raise TaskHetError(f"--{flag} {given} does not match {args.assignments}, made with {flag} {recorded}")
+    args.type = args.type or kind
+    args.alpha = args.alpha if args.alpha is not None else meta.get("alpha")
+    if args.init_from == "centralized" and args.centralized_checkpoint is None:
+        raise TaskHetError("--init_from centralized needs --centralized_checkpoint (a step-2 best.pt)")
+    if args.out is None:
+        args.out = Path("results/test_federated") / args.task / args.type / args.method / f"a{args.alpha}-s{args.rand_seed}"
+    return args
+
+
+def default_assignments(args: argparse.Namespace) -> Path:
+    if args.alpha is None or args.type is None:
+        raise TaskHetError("pass --assignments FILE, or --type and --alpha to find it under --assignment_files_path")
+    owner = Path(args.task, f"k{args.n_clusters}") if args.type == "embedding_based" else Path("labels")
+    return args.assignment_files_path / args.type / owner / f"a{args.alpha:g}" / "assignments.csv"
+
+
+def initial_model(args: argparse.Namespace, num_classes: int | None):
+    if args.init_from == "scratch":
+        return build_task_model(args.task, args.encoder, args.weights, num_classes=num_classes, seed=args.rand_seed)
+    model = load_task_model(args.centralized_checkpoint)
+    if model.config["task"] != args.task:
+        raise TaskHetError(f"--centralized_checkpoint {args.centralized_checkpoint} is a {model.config['task']} model, "
+                           f"not {args.task}")
+    return model
+
+
+def build_clients(args: argparse.Namespace, manifest, table, task) -> tuple[list[ClientData], DataLoader]:
+    """The clients of the assignments (train rows train, test rows evaluate) and the global test loader."""
+    def dataset(sample_ids) -> TaskonomyDataset:
+        rows = manifest.set_index("sample_id").loc[list(sample_ids)].reset_index()
+        return TaskonomyDataset(args.data_path, rows, task.required_domains, args.image_size, args.cache_dir)
+
+    def loader(data, shuffle: bool, seed: int = 0) -> DataLoader:
+        return make_loader(data, args.batch_size, shuffle, seed, args.num_workers)
+
+    assigned, clients = dataset(table["sample_id"]), []
+    for client_id, rows in table.groupby("client_id", sort=True):
+        train, test = (rows.index[rows["subset"] == subset].tolist() for subset in ("train", "test"))
+        clients.append(ClientData(str(client_id), len(train), partial(loader, Subset(assigned, train), True),
+                                  loader(Subset(assigned, test), False) if test else None))
+    return clients, loader(dataset(manifest.loc[manifest["split"] == "test", "sample_id"]), False)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    task = get_task(args.task)
+    args.assignments = args.assignments or default_assignments(args)
+    manifest = read_manifest(args.manifest)
+    table, meta = load_assignments(args.assignments, manifest)
+    args = resolve(args, meta)
+    set_deterministic(args.deterministic)
+    args.out.mkdir(parents=True, exist_ok=True)
+    logger = setup_logging(args.out, "test_fed")
+    write_config(args.out, vars(args))
+
+    clients, test_loader = build_clients(args, manifest, table, task)
+    num_classes = int(manifest["scene_class"].max()) + 1 if task.kind == "classification" else None
+    device = pick_device(args.use_accelerator)
+    model = prepare_model(initial_model(args, num_classes), device)
+    algorithm = get_algorithm(args.method, AlgorithmConfig(
+        num_clients=int(meta.get("n_clients") or len(clients)), mu=args.mu, server_opt=args.server_opt,
+        server_lr=args.server_lr, scaffold_option=args.scaffold_option, head_epochs=args.head_epochs,
+        body_epochs=args.body_epochs))
+    config = EngineConfig(
+        out_dir=args.out, n_rounds=args.n_rounds, lr_schedule=make_lr_schedule(args.lr_schedule, args.init_lr, args.n_rounds),
+        seed=args.rand_seed, local_steps=args.local_steps, local_epochs=args.local_epochs,
+        client_fraction=args.client_fraction, eval_every=args.eval_every, momentum=args.momentum,
+        weight_decay=args.weight_decay, resume=args.resume, progress=args.progress,
+        max_state_memory_bytes=int(args.client_state_memory_mb * 2**20),
+        signature={key: str(value) for key, value in vars(args).items() if key not in NOT_IN_SIGNATURE})
+    logger.info("%s on %s: %d clients (%d train samples), %d test samples, device %s", args.method, args.task,
+                len(clients), sum(client.num_samples for client in clients), len(test_loader.dataset), device)
+    engine_type = {"sequential": SequentialEngine}[args.engine]
+    engine = engine_type(model, algorithm, clients, lambda net, batch: task.loss(net(batch["rgb"])[0].float(), batch),
+                         lambda net, loader: evaluate(net, loader, task, device), test_loader, config, device,
+                         model_config=model.config, logger=logger)
+    engine.run()
+    return {"out": args.out, "best_test_loss": engine.best_loss}
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,110 @@
+"""Step 4 end to end on tiny synthetic data (test_fed.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+
+import test_fed
+from datasets.taskonomy import read_manifest
+from models import build_task_model, load_task_model
+from tests.fixtures import tiny_data_root, tiny_manifest  # noqa: F401  (session fixtures)
+from utils.assignments import write_assignments
+from utils.errors import TaskHetError
+from utils.run_dir import atomic_torch_save, load_checkpoint
+
+N_CLIENTS = 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: OpenMP threads only add synchronisation (and thrash on a busy 2-core machine)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def assignments(tiny_manifest, tmp_path):  # noqa: F811
+    """Round-robin clients over the manifest's train split; every third sample of a client is client-test."""
+    train = read_manifest(tiny_manifest).query("split == 'train'").sort_values("sample_id").reset_index(drop=True)
+    table = pd.DataFrame({"sample_id": train["sample_id"], "client_id": train.index % N_CLIENTS,
+                          "group": train["scene_class"],
+                          "subset": ["test" if (index // N_CLIENTS) % 3 == 2 else "train" for index in train.index]})
+    path = tmp_path / "assignments" / "assignments.csv"
+    write_assignments(path, table, {"scheme": "round_robin", "alpha": 1.0, "n_clients": N_CLIENTS, "groups": "scene_class"})
+    return path
+
+
+def argv(data_root, manifest, assignments, out, *extra):
+    return ["--task", "depth_euclidean", "--data_path", str(data_root), "--manifest", str(manifest),
+            "--assignments", str(assignments), "--out", str(out), "--encoder", "small_cnn", "--image_size", "32",
+            "--n_rounds", "2", "--local_steps", "2", "--batch_size", "4", "--no-use_accelerator", "--no-progress",
+            "--rand_seed", "1", *extra]
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedrep"])
+def test_step4_writes_the_run_folder_and_resumes_without_redoing_work(tiny_data_root, tiny_manifest, assignments,  # noqa: F811
+                                                                      tmp_path, method):
+    out = tmp_path / "run"
+    test_fed.main(argv(tiny_data_root, tiny_manifest, assignments, out, "--method", method))
+    for name in ("config.json", "run.log", "metrics.csv", "checkpoint.pt", "best.pt", "curves.png"):
+        assert (out / name).is_file(), name
+    assert json.loads((out / "config.json").read_text())["args"]["method"] == method
+    metrics = pd.read_csv(out / "metrics.csv", dtype={"client": str})
+    assert list(metrics.columns) == ["round", "split", "client", "metric", "value"]
+    tested = metrics[(metrics.split == test_fed.GLOBAL_TEST_SPLIT) & (metrics.client == test_fed.GLOBAL_CLIENT)]
+    assert sorted(tested["round"].unique()) == [0, 1, 2] and {"loss", "abs_rel"} <= set(tested.metric)
+    splits = set(metrics.split)
+    assert {"train", "client_test"} <= splits and (("client_test_personal" in splits) == (method == "fedrep"))
+    assert set(metrics[(metrics.split == "client_test") & (metrics.metric == "loss")].client) >= {"0", "1", "2", "mean", "std"}
+    checkpoint = load_checkpoint(out / "checkpoint.pt")
+    assert checkpoint["round"] == 2 and set(checkpoint["client_states"]) <= {"0", "1", "2"}
+    load_task_model(out / "best.pt")  # step-2 layout: a TaskModel rebuilds from it
+
+    before = (out / "metrics.csv").read_bytes()
+    test_fed.main(argv(tiny_data_root, tiny_manifest, assignments, out, "--method", method))
+    assert (out / "metrics.csv").read_bytes() == before
+    with pytest.raises(TaskHetError, match="different run"):
+        test_fed.main(argv(tiny_data_root, tiny_manifest, assignments, out, "--method", method, "--init_lr", "0.5"))
+
+
+def test_step4_starts_from_a_centralized_checkpoint(tiny_data_root, tiny_manifest, assignments, tmp_path):  # noqa: F811
+    model = build_task_model("depth_euclidean", "small_cnn", "none", seed=5)
+    atomic_torch_save({"model": model.state_dict(), "model_config": model.config}, tmp_path / "best.pt")
+    out = tmp_path / "run"
+    test_fed.main(argv(tiny_data_root, tiny_manifest, assignments, out, "--init_from", "centralized",
+                       "--centralized_checkpoint", str(tmp_path / "best.pt"), "--n_rounds", "1", "--method", "scaffold"))
+    assert load_checkpoint(out / "checkpoint.pt")["round"] == 1
+    other = build_task_model("normal", "small_cnn", "none")
+    atomic_torch_save({"model": other.state_dict(), "model_config": other.config}, tmp_path / "normal.pt")
+    with pytest.raises(TaskHetError, match="is a normal model"):
+        test_fed.main(argv(tiny_data_root, tiny_manifest, assignments, tmp_path / "other", "--init_from", "centralized",
+                           "--centralized_checkpoint", str(tmp_path / "normal.pt")))
+
+
+def test_mismatched_assignments_are_rejected_naming_the_rows(tiny_data_root, tiny_manifest, assignments, tmp_path):  # noqa: F811
+    table = pd.read_csv(assignments, dtype=str)
+    table.loc[1, "sample_id"] = "nowhere_point_0_view_0"
+    table.loc[3, "sample_id"] = table.loc[2, "sample_id"]
+    table.to_csv(assignments, index=False)
+    with pytest.raises(TaskHetError) as error:
+        test_fed.main(argv(tiny_data_root, tiny_manifest, assignments, tmp_path / "run"))
+    message = str(error.value)
+    assert "row 3 ('nowhere_point_0_view_0')" in message and "duplicated sample id" in message and "row 5" in message
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+@pytest.mark.parametrize("extra, flag", [(["--n_clients", "4"], "--n_clients"), (["--alpha", "0.5"], "--alpha"),
+                                         (["--type", "embedding_based"], "--type"),
+                                         (["--local_epochs", "1"], "--local_epochs"),
+                                         (["--lr_schedule", "linear"], "--lr_schedule"),
+                                         (["--init_from", "centralized"], "--centralized_checkpoint")])
+def test_contradictory_arguments_are_rejected_naming_the_flag(tiny_data_root, tiny_manifest, assignments, tmp_path,  # noqa: F811
+                                                              extra, flag):
+    with pytest.raises(TaskHetError, match=flag):
+        test_fed.main(argv(tiny_data_root, tiny_manifest, assignments, tmp_path / "run", *extra))
