@@ -1,0 +1,111 @@
+"""run_pipeline.py end to end on a tiny experiment, interrupted and resumed, and its validation."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+import run_pipeline
+from utils.errors import TaskHetError
+from utils.experiment import load_experiment
+from utils.report import REPORT_COLUMNS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny_experiment(tmp_path: Path) -> dict:
+    return {
+        "name": "tiny",
+        "data": {"source": "synthetic", "root": str(tmp_path / "data"),
+                 "synthetic": {"n_buildings": 4, "n_views": 8, "image_size": 32, "seed": 0},
+                 "top_k_classes": 3, "test_fraction": 0.25, "split_by": "sample"},
+        "tasks": ["depth_euclidean"],
+        "model": {"encoder": "small_cnn", "weights": "none", "image_size": 32},
+        "centralized": {"n_epochs": 1, "batch_size": 8},
+        "embeddings": {"n_clusters": 3},
+        "partition": {"alphas": [1.0], "n_clients": 2},
+        "federated": {"algorithms": {"fedavg": {}}, "n_rounds": 2, "local_steps": 2, "batch_size": 4},
+        "seeds": [0],
+        "use_accelerator": False,
+    }
+
+
+def write_experiment(tmp_path: Path, config: dict) -> Path:
+    path = tmp_path / "experiment.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def finished_stages(results: Path) -> dict[str, float]:
+    return {str(path.parent.relative_to(results)): path.stat().st_mtime_ns for path in results.rglob("stage.json")}
+
+
+def test_tiny_experiment_end_to_end(tmp_path):
+    experiment = write_experiment(tmp_path, tiny_experiment(tmp_path))
+    run_pipeline.main([str(experiment), "--results", str(tmp_path / "results")])
+    out = tmp_path / "results" / "tiny"
+    for name in ("report.md", "report.csv", "loss_vs_alpha.png", "round_curves.png", "partition_heatmaps.png",
+                 "cluster_label_agreement.png"):
+        assert (out / name).stat().st_size > 0, name
+    report = pd.read_csv(out / "report.csv")
+    assert list(report.columns) == REPORT_COLUMNS
+    assert len(report) == 1 and report.task[0] == "depth_euclidean" and report.algorithm[0] == "fedavg"
+    before = finished_stages(out)
+    run_pipeline.main([str(experiment), "--results", str(tmp_path / "results")])
+    assert finished_stages(out) == before  # a rerun redoes nothing
+
+
+def test_killed_during_step4_resumes_to_the_same_report(tmp_path):
+    config = tiny_experiment(tmp_path)
+    config["federated"]["n_rounds"] = 6
+    experiment = write_experiment(tmp_path, config)
+    killed, clean = tmp_path / "killed", tmp_path / "clean"
+    command = [sys.executable, "run_pipeline.py", str(experiment), "--results"]
+    process = subprocess.Popen([*command, str(killed)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while not list(killed.rglob("federated/**/checkpoint.pt")) and time.time() < deadline and process.poll() is None:
+        time.sleep(0.05)
+    assert process.poll() is None, "pipeline finished before it could be killed in step 4"
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    stages_before = {k: v for k, v in finished_stages(killed / "tiny").items() if "federated" not in k}
+    assert not (killed / "tiny" / "report.csv").exists()
+    subprocess.run([*command, str(killed)], cwd=ROOT, check=True, capture_output=True)
+    stages_after = finished_stages(killed / "tiny")
+    assert all(stages_after[name] == mtime for name, mtime in stages_before.items())
+    subprocess.run([*command, str(clean)], cwd=ROOT, check=True, capture_output=True)
+    pd.testing.assert_frame_equal(pd.read_csv(killed / "tiny" / "report.csv"), pd.read_csv(clean / "tiny" / "report.csv"))
+
+
+@pytest.mark.parametrize(
+    "edit, named",
+    [
+        (lambda c: c["federated"].update(n_round=3), "federated.n_round"),
+        (lambda c: c.update(taks=["normal"]), "taks"),
+        (lambda c: c.update(tasks=["depth_metric"]), "depth_metric"),
+        (lambda c: c["federated"].update(algorithms={"fedsgdx": {}}), "fedsgdx"),
+        (lambda c: c["partition"].update(scheme="dirichlet_mix"), "dirichlet_mix"),
+    ],
+)
+def test_bad_experiment_rejected_before_any_work(tmp_path, edit, named):
+    config = tiny_experiment(tmp_path)
+    edit(config)
+    experiment = write_experiment(tmp_path, config)
+    with pytest.raises(TaskHetError, match=named):
+        load_experiment(experiment)
+    with pytest.raises(TaskHetError):
+        run_pipeline.main([str(experiment), "--results", str(tmp_path / "results")])
+    assert not (tmp_path / "results").exists() and not (tmp_path / "data").exists()
+
+
+def test_shipped_experiment_files_are_valid():
+    for name in ("demo.yaml", "paper.yaml"):
+        config = load_experiment(ROOT / "experiments" / name)
+        assert json.dumps(config)

@@ -1,0 +1,214 @@
+"""run_pipeline.py's engine: steps 1–4 for every combination of an experiment, then the report.
+
+Each step is run by calling the ``main(argv)`` of the same numbered script a user
+runs by hand, so the pipeline and the scripts cannot drift apart. Every step's
+folder name carries a hash of its parameters and inputs (utils/stages.py):
+finished steps are skipped on a rerun, an unfinished step 4 resumes from its
+checkpoint, and a changed setting gets a new folder instead of overwriting.
+
+Layout under ``results/<experiment name>/``::
+
+    data/<key>/                         synthetic buildings (data.source: synthetic)
+    step1-<key>/manifest.csv
+    centralized/<task>-<key>/           step 2 run folder (best.pt)
+    embeddings/<task>-<key>/            step 3 (clusters.csv, diagnostics)
+    assignments/<task|labels>/<grouping>-a<α>-s<seed>-<key>/   step 3b
+    federated/<task>/<grouping>/a<α>/<algorithm>/s<seed>-<key>/ step 4 run folder
+    report.md, report.csv, *.png
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import pandas as pd
+from tqdm.auto import tqdm
+
+import extract_datapoints_for_experiments as step1
+import extract_embeddings as step3
+import make_client_assignments as step3b
+import render_synthetic_buildings as render
+import test_fed as step4
+import train_centralized_task_model as step2
+from models.tasks import get_task
+from utils.experiment import Combination, combinations
+from utils.report import write_report
+from utils.stages import run_stage, stage_key
+
+# The groups a partition is drawn over: scene labels, or the task's embedding clusters.
+LABEL_GROUPS = "scene_class"
+
+
+@dataclass
+class Pipeline:
+    """Runs one experiment (a validated config from utils.experiment.load_experiment)."""
+
+    config: dict[str, Any]
+    out_dir: Path
+    command: str
+    progress: tqdm | None = None
+
+    def step(self, name: str, stage_dir: Path, params: dict[str, Any], script: Callable, argv: list[str]) -> Path:
+        """Run one script unless its stage is done; advances the top-level progress bar."""
+        if self.progress is not None:
+            self.progress.set_description(name)
+        run_stage(stage_dir, params, lambda: script.main(argv))
+        if self.progress is not None:
+            self.progress.update(1)
+        return stage_dir
+
+    # ----- steps -----
+    def data_root(self) -> Path:
+        data = self.config["data"]
+        if data["source"] == "taskonomy":
+            return Path(data["root"])
+        params = dict(data["synthetic"])
+        stage_dir = Path(data["root"]) / stage_key(params, [])
+        argv = ["--out", str(stage_dir), *flags(params)]
+        return self.step("render synthetic buildings", stage_dir, params, render, argv)
+
+    def manifest(self, root: Path) -> Path:
+        data = self.config["data"]
+        params = {
+            "data_path": str(root), "tasks": self.config["tasks"], "top_k_classes": data["top_k_classes"],
+            "test_fraction": data["test_fraction"], "split_by": data["split_by"], "seed": self.config["seeds"][0],
+        }
+        if data["buildings"]:
+            params["taskonomy_clients_to_include"] = ",".join(data["buildings"])
+        stage_dir = self.out_dir / f"step1-{stage_key(params, [])}"
+        self.step("step 1: select scenes", stage_dir, params, step1, ["--out", str(stage_dir), *flags(params)])
+        return stage_dir / "manifest.csv"
+
+    def centralized(self, task: str, root: Path, manifest: Path) -> Path:
+        params = {
+            "task": task, "data_path": str(root), "manifest": str(manifest), "seed": self.config["seeds"][0],
+            "use_accelerator": self.config["use_accelerator"], **self.config["model"], **self.config["centralized"],
+        }
+        stage_dir = self.out_dir / "centralized" / f"{task}-{stage_key(params, [manifest])}"
+        self.step(f"step 2: train {task}", stage_dir, params, step2, ["--out", str(stage_dir), *flags(params)])
+        return stage_dir
+
+    def clusters(self, task: str, root: Path, manifest: Path, model_dir: Path) -> Path:
+        params = {
+            "checkpoint": str(model_dir / "best.pt"), "manifest": str(manifest), "data_path": str(root),
+            "seed": self.config["seeds"][0], **self.config["embeddings"],
+        }
+        stage_dir = self.out_dir / "embeddings" / f"{task}-{stage_key(params, [manifest, model_dir / 'best.pt'])}"
+        self.step(f"step 3: embed + cluster {task}", stage_dir, params, step3, ["--out", str(stage_dir), *flags(params)])
+        return stage_dir
+
+    def assignments(self, owner: str, grouping: str, groups: str, alpha: float, seed: int, manifest: Path) -> Path:
+        partition = self.config["partition"]
+        params = {
+            "manifest": str(manifest), "groups": groups, "scheme": partition["scheme"], "alpha": alpha,
+            "n_clients": partition["n_clients"], "client_test_fraction": partition["client_test_fraction"],
+            "size_skew": partition["size_skew"], "seed": seed,
+        }
+        inputs = [manifest] + ([Path(groups)] if grouping == "embedding_based" else [])
+        stage_dir = self.out_dir / "assignments" / owner / f"{grouping}-a{alpha:g}-s{seed}-{stage_key(params, inputs)}"
+        self.step(f"step 3b: {grouping} α={alpha:g} seed {seed}", stage_dir, params, step3b,
+                  ["--out", str(stage_dir), *flags(params)])
+        return stage_dir
+
+    def federated(self, combination: Combination, root: Path, manifest: Path, assignments: Path, model_dir: Path) -> Path:
+        federated = dict(self.config["federated"])
+        hyper = federated.pop("algorithms")[combination.algorithm] or {}
+        params = {
+            "task": combination.task, "method": combination.algorithm, "rand_seed": combination.seed,
+            "alpha": combination.alpha, "data_path": str(root), "manifest": str(manifest),
+            "assignments": str(assignments / "assignments.csv"), "encoder": self.config["model"]["encoder"],
+            "image_size": self.config["model"]["image_size"], "use_accelerator": self.config["use_accelerator"],
+            **federated, **hyper,
+        }
+        if federated["init_from"] == "centralized":
+            params["centralized_checkpoint"] = str(model_dir / "best.pt")
+        c = combination
+        stage_dir = (self.out_dir / "federated" / c.task / c.grouping / f"a{c.alpha:g}" / c.algorithm
+                     / f"s{c.seed}-{stage_key(params, [manifest, assignments / 'assignments.csv'])}")
+        self.step(f"step 4: {c.label()}", stage_dir, params, step4, ["--out", str(stage_dir), "--resume", *flags(params)])
+        return stage_dir
+
+    # ----- the whole experiment -----
+    def count_steps(self) -> int:
+        config = self.config
+        n_tasks, n_alphas, n_seeds = len(config["tasks"]), len(config["partition"]["alphas"]), len(config["seeds"])
+        n_groupings = len(config["partition"]["groupings"])
+        partitions = n_alphas * n_seeds * (("label_based" in config["partition"]["groupings"]) + n_tasks * ("embedding_based" in config["partition"]["groupings"]))
+        synthetic = config["data"]["source"] == "synthetic"
+        return synthetic + 1 + 2 * n_tasks + partitions + len(combinations(config)) // max(n_groupings, 1) * n_groupings
+
+    def run(self) -> pd.DataFrame:
+        """Every step for every combination, then the report; returns the report table."""
+        with tqdm(total=self.count_steps(), desc="pipeline", unit="step", file=sys.stdout) as self.progress:
+            root = self.data_root()
+            manifest = self.manifest(root)
+            model_dirs = {task: self.centralized(task, root, manifest) for task in self.config["tasks"]}
+            cluster_dirs = {task: self.clusters(task, root, manifest, model_dirs[task]) for task in self.config["tasks"]}
+            runs = []
+            for combination in combinations(self.config):
+                assignments = self.partition_for(combination, manifest, cluster_dirs)
+                run_dir = self.federated(combination, root, manifest, assignments, model_dirs[combination.task])
+                runs.append((combination, run_dir, assignments))
+        return self.report(runs, model_dirs, cluster_dirs)
+
+    def partition_for(self, combination: Combination, manifest: Path, cluster_dirs: dict[str, Path]) -> Path:
+        if combination.grouping == "label_based":
+            # Label-based partitions do not depend on the task: one per (α, seed), shared by all tasks.
+            return self.assignments("labels", "label_based", LABEL_GROUPS, combination.alpha, combination.seed, manifest)
+        clusters = str(cluster_dirs[combination.task] / "clusters.csv")
+        return self.assignments(combination.task, "embedding_based", clusters, combination.alpha, combination.seed, manifest)
+
+    def report(self, runs: list[tuple[Combination, Path, Path]], model_dirs: dict[str, Path],
+               cluster_dirs: dict[str, Path]) -> pd.DataFrame:
+        finals, curves, heatmaps = [], [], {}
+        for combination, run_dir, assignments in runs:
+            keys = {"task": combination.task, "grouping": combination.grouping, "alpha": combination.alpha,
+                    "algorithm": combination.algorithm, "seed": combination.seed}
+            metric = get_task(combination.task).primary_metric
+            history = global_test_history(run_dir / "metrics.csv")
+            last = history[history["round"] == history["round"].max()].set_index("metric").value
+            finals.append({**keys, "loss": last["loss"], "metric": metric, "metric_value": last[metric]})
+            for round_index, loss in history[history.metric == "loss"][["round", "value"]].itertuples(index=False):
+                curves.append({**keys, "round": round_index, "loss": loss})
+            if combination.seed == self.config["seeds"][0]:
+                heatmaps[(combination.task, combination.grouping, combination.alpha)] = assignments / "client_group_heatmap.png"
+        centralized = {task: best_validation_loss(model_dir / "metrics.csv") for task, model_dir in model_dirs.items()}
+        agreement = {task: json.loads((cluster_dir / "agreement.json").read_text()) for task, cluster_dir in cluster_dirs.items()}
+        return write_report(self.out_dir, pd.DataFrame(finals), pd.DataFrame(curves), centralized, agreement,
+                            heatmaps, self.command)
+
+
+def flags(params: dict[str, Any]) -> list[str]:
+    """argparse flags from a dict: booleans as --x / --no-x, lists comma-joined, None left out."""
+    argv = []
+    for key, value in params.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            argv.append(f"--{key}" if value else f"--no-{key}")
+        elif isinstance(value, (list, tuple)):
+            argv += [f"--{key}", ",".join(map(str, value))]
+        else:
+            argv += [f"--{key}", str(value)]
+    return argv
+
+
+def global_test_history(metrics_csv: Path) -> pd.DataFrame:
+    """The global model's metrics on the global test split, every evaluated round."""
+    metrics = pd.read_csv(metrics_csv)
+    return metrics[(metrics.split == step4.GLOBAL_TEST_SPLIT) & (metrics.client == step4.GLOBAL_CLIENT)]
+
+
+def best_validation_loss(metrics_csv: Path) -> float:
+    """The centralized model's lowest test-split loss over its epochs (the checkpoint kept as best.pt)."""
+    metrics = pd.read_csv(metrics_csv)
+    return float(metrics[(metrics.split == "test") & (metrics.metric == "loss")].value.min())
+
+
+def command_line(argv: list[str]) -> str:
+    return "python run_pipeline.py " + " ".join(shlex.quote(arg) for arg in argv)
