@@ -57,10 +57,17 @@ class Pipeline:
         """Run one script unless its stage is done; advances the top-level progress bar."""
         if self.progress is not None:
             self.progress.set_description(name)
-        run_stage(stage_dir, params, lambda: script.main(argv))
+        run_stage(stage_dir, params, lambda: script.main(argv + self.shared_flags(script)))
         if self.progress is not None:
             self.progress.update(1)
         return stage_dir
+
+    def shared_flags(self, script: Callable) -> list[str]:
+        """Flags that change speed, not results (so not part of any stage key)."""
+        if script in (step2, step3, step4):
+            # One decoded-sample cache for the experiment: PNGs are decoded once, not once per run.
+            return ["--cache_dir", str(self.out_dir / "cache")]
+        return []
 
     # ----- steps -----
     def data_root(self) -> Path:
