@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
                 len(clients), sum(client.num_samples for client in clients), len(test_loader.dataset), device)
     engine_type = {"sequential": SequentialEngine}[args.engine]
     engine = engine_type(model, algorithm, clients, lambda net, batch: task.loss(net(batch["rgb"])[0].float(), batch),
-                         lambda net, loader: evaluate(net, loader, task, device), test_loader, config, device,
+                         lambda net, loader: evaluate(net, loader, task, device, progress=False), test_loader, config, device,
                          model_config=model.config, logger=logger)
     engine.run()
     return {"out": args.out, "best_test_loss": engine.best_loss}

@@ -92,8 +92,11 @@ def train_one_batch(model: nn.Module, batch: dict, task: TaskSpec | str, optimiz
 
 
 @torch.inference_mode()
-def evaluate(model: nn.Module, loader: DataLoader, task: TaskSpec | str, device: torch.device) -> dict[str, float]:
+def evaluate(model: nn.Module, loader: DataLoader, task: TaskSpec | str, device: torch.device,
+             progress: bool = True) -> dict[str, float]:
     """Loss and task metrics over a whole split (the model's train/eval mode is restored afterwards).
+
+    ``progress=False`` hides the bar (the federated engine evaluates every client per round).
 
     Returns:
         ``{"loss": ..., **task metrics}``. The loss is the mean of the batch
@@ -105,7 +108,7 @@ def evaluate(model: nn.Module, loader: DataLoader, task: TaskSpec | str, device:
     model.eval()
     metrics = spec.new_metrics()
     loss_sum, count = 0.0, 0
-    for batch in tqdm(loader, desc="evaluate", leave=False, dynamic_ncols=True):
+    for batch in tqdm(loader, desc="evaluate", leave=False, dynamic_ncols=True, disable=not progress):
         batch = to_device(batch, device)
         with autocast(device):
             prediction, _ = model(batch["rgb"])
