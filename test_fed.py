@@ -30,10 +30,11 @@ the manifest. Clients train on their 'train' rows; their 'test' rows and the man
 Outputs in --out: config.json, run.log, metrics.csv (round, split, client, metric, value), checkpoint.pt (every
 round; --resume continues from it), best.pt (lowest global test loss) and curves.png."""
 
-ENGINES = ("sequential",)  # round loops; the Flower engine joins here
+ENGINES = ("sequential", "flower")  # round loops over the same algorithm objects
 # Arguments that do not change what a run computes: a resumed run may differ in them.
 NOT_IN_SIGNATURE = ("out", "resume", "use_accelerator", "num_workers", "cache_dir", "deterministic", "n_rounds",
-                    "eval_every", "progress", "client_state_memory_mb")
+                    "eval_every", "progress", "client_state_memory_mb", "engine", "flower_mode", "flower_num_cpus",
+                    "flower_num_gpus", "min_available_clients")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--task", required=True, help="task to train (depth_euclidean, normal, segment_semantic, class_scene, ...)")
     add("--method", default="fedavg", choices=list_algorithms(), help="federated algorithm (default: fedavg)")
     add("--engine", default="sequential", choices=ENGINES, help="round loop (default: sequential)")
+    add("--flower_mode", choices=("simulation",), default="simulation",
+        help="--engine flower: Flower's simulation runtime on this machine (a real deployment: docs/FLOWER.md)")
+    add("--flower_num_cpus", type=positive_float, default=1.0, help="--engine flower: CPU cores per client (default: 1)")
+    add("--flower_num_gpus", type=float, default=0.0, help="--engine flower: share of a GPU per client, e.g. 0.25 (default: 0)")
+    add("--min_available_clients", type=positive_int, default=None,
+        help="--engine flower: results a round needs; failed clients beyond that are logged by id (default: all sampled)")
     add("--manifest", type=Path, default=Path("results/datapoints/manifest.csv"), help="step-1 manifest.csv")
     add("--data_path", type=Path, default=Path("data/synthetic"), help="data root (default: data/synthetic)")
     add("--assignments", type=Path, default=None, help="assignments.csv of step 3b (default: see above)")
@@ -166,11 +173,19 @@ def main(argv: list[str] | None = None) -> dict:
         signature={key: str(value) for key, value in vars(args).items() if key not in NOT_IN_SIGNATURE})
     logger.info("%s on %s: %d clients (%d train samples), %d test samples, device %s", args.method, args.task,
                 len(clients), sum(client.num_samples for client in clients), len(test_loader.dataset), device)
-    engine_type = {"sequential": SequentialEngine}[args.engine]
-    engine = engine_type(model, algorithm, clients, lambda net, batch: task.loss(net(batch["rgb"])[0].float(), batch),
-                         lambda net, loader: evaluate(net, loader, task, device, progress=False), test_loader, config, device,
-                         model_config=model.config, logger=logger)
-    engine.run()
+    loss_fn = lambda net, batch: task.loss(net(batch["rgb"])[0].float(), batch)  # noqa: E731
+    # The model's own device, not the server's: Flower nodes may train on another device.
+    evaluate_fn = lambda net, loader: evaluate(net, loader, task, next(net.parameters()).device, progress=False)  # noqa: E731
+    inputs = (model, algorithm, clients, loss_fn, evaluate_fn, test_loader, config, device)
+    if args.engine == "flower":
+        from network.engine_flower import FlowerOptions, run_flower  # only here: the sequential path never imports flwr
+
+        engine = run_flower(*inputs, model_config=model.config, logger=logger, options=FlowerOptions(
+            mode=args.flower_mode, num_cpus=args.flower_num_cpus, num_gpus=args.flower_num_gpus,
+            min_available_clients=args.min_available_clients))
+    else:
+        engine = SequentialEngine(*inputs, model_config=model.config, logger=logger)
+        engine.run()
     return {"out": args.out, "best_test_loss": engine.best_loss}
 
 

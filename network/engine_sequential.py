@@ -162,8 +162,7 @@ class SequentialEngine:
         results: dict[str, dict[str, float]] = {}
 
         def uploads() -> Iterator[tuple[Weights, int]]:
-            for client_id in sampled:
-                result = self._train_client(round_index, client_id, broadcast, lr)
+            for client_id, result in self.client_results(round_index, sampled, broadcast, lr):
                 results[client_id] = result.metrics
                 yield result.upload, result.num_samples
 
@@ -189,18 +188,33 @@ class SequentialEngine:
         load_weights(self.model, self.global_weights)
         test = self._evaluate(self.test_loader)
         rows = [_row(round_index, GLOBAL_TEST_SPLIT, GLOBAL_CLIENT, metric, value) for metric, value in test.items()]
-        testable = [client_id for client_id, client in self.clients.items() if client.test_loader is not None]
-        per_client = {client_id: self._evaluate(self.clients[client_id].test_loader) for client_id in testable}
+        per_client, personal = self.client_evaluations(round_index)
         rows += _client_rows(round_index, CLIENT_TEST_SPLIT, per_client)
         if self.personal_keys:
-            personal = {}
-            for client_id in testable:
-                state = self.store.get(client_id)
-                state = self.algorithm.init_client_state(self.global_weights) if state is None else state
-                load_weights(self.model, self.algorithm.personalized_weights(self.global_weights, state))
-                personal[client_id] = self._evaluate(self.clients[client_id].test_loader)
             rows += _client_rows(round_index, PERSONAL_TEST_SPLIT, personal)
         return rows, float(test["loss"])
+
+    # ----- how an engine reaches its clients (the Flower engine overrides these two) -----
+    def client_results(self, round_index: int, sampled: list[str], broadcast: Weights,
+                       lr: float) -> Iterator[tuple[str, ClientResult]]:
+        """``(client_id, result)`` of the sampled clients, in the sampled order (the summation order)."""
+        for client_id in sampled:
+            yield client_id, self._train_client(round_index, client_id, broadcast, lr)
+
+    def client_evaluations(self, round_index: int) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+        """Per-client metrics of the global model, and of each client's own model (empty without personal keys).
+
+        Both dicts are keyed by client id in the engine's client order, clients without test samples left out.
+        """
+        testable = [client_id for client_id, client in self.clients.items() if client.test_loader is not None]
+        per_client = {client_id: self._evaluate(self.clients[client_id].test_loader) for client_id in testable}
+        personal = {}
+        for client_id in testable if self.personal_keys else ():
+            state = self.store.get(client_id)
+            state = self.algorithm.init_client_state(self.global_weights) if state is None else state
+            load_weights(self.model, self.algorithm.personalized_weights(self.global_weights, state))
+            personal[client_id] = self._evaluate(self.clients[client_id].test_loader)
+        return per_client, personal
 
     # ----- pieces -----
     def _train_client(self, round_index: int, client_id: str, broadcast: Weights, lr: float) -> ClientResult:
