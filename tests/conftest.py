@@ -8,3 +8,17 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import utils.tv_compat  # noqa: E402,F401  (before anything imports torchvision)
+
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_torch_thread():
+    """The tests' tensors are tiny: extra OpenMP threads only add synchronisation, and thrash
+    when another process shares the 2 cores (seen: 5 s -> 40 s)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

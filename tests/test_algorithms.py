@@ -23,15 +23,6 @@ CPU = torch.device("cpu")
 DIM = 5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: OpenMP threads only add synchronisation (and thrash on a busy 2-core machine)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 # ----- the least-squares oracle -----
 def least_squares_clients(sizes=(30, 30, 30, 30), seed=0):
     """Per client (A_i, b_i), plus the pooled optimum and the largest local curvature L."""

@@ -7,7 +7,6 @@ import math
 import pandas as pd
 import pytest
 import torch
-from torch import nn
 from torch.utils.data import DataLoader
 
 from network.algorithms import AlgorithmConfig, get_algorithm
@@ -19,42 +18,10 @@ from network.local_train import NonFiniteLossError
 from network.sampling import client_seed, clients_per_round, sample_clients
 from utils.errors import TaskHetError
 from utils.run_dir import load_checkpoint
+from tests.tiny_models import TinyNet, evaluate, loss_fn
 
 CPU = torch.device("cpu")
 NUM_CLIENTS = 5
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: OpenMP threads only add synchronisation (and thrash on a busy 2-core machine)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-class TinyNet(nn.Module):
-    """Body with BatchNorm and dropout (so buffers and the RNG matter), a head split by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2))
-        self.head = nn.Linear(16, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
-
-    def head_keys(self) -> list[str]:
-        return [key for key in self.state_dict() if key.startswith("head.")]
-
-
-def loss_fn(model: nn.Module, batch: dict) -> torch.Tensor:
-    return ((model(batch["x"]).squeeze(-1) - batch["y"]) ** 2).mean()
-
-
-def evaluate(model: nn.Module, loader) -> dict[str, float]:
-    errors = torch.cat([model(batch["x"]).squeeze(-1) - batch["y"] for batch in loader])
-    return {"loss": float((errors ** 2).mean()), "mae": float(errors.abs().mean())}
 
 
 class Batches(list):

@@ -17,7 +17,6 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from torch import nn
 from torch.utils.data import DataLoader
 
 pytest.importorskip("flwr")
@@ -30,35 +29,12 @@ from network.sampling import client_seed, sample_clients  # noqa: E402
 from tests.fixtures import tiny_data_root, tiny_manifest  # noqa: E402,F401  (session fixtures)
 from utils.errors import TaskHetError  # noqa: E402
 from utils.run_dir import load_checkpoint  # noqa: E402
+from tests.tiny_models import TinyNet, evaluate, loss_fn
 
 CPU = torch.device("cpu")
 NUM_CLIENTS = 4
 SEED = 11
 ROOT = Path(__file__).resolve().parent.parent
-
-
-class TinyNet(nn.Module):
-    """Body with BatchNorm and dropout (buffers and the RNG travel too), a head split by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.2))
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
-
-    def head_keys(self) -> list[str]:
-        return [key for key in self.state_dict() if key.startswith("head.")]
-
-
-def loss_fn(model: nn.Module, batch: dict) -> torch.Tensor:
-    return ((model(batch["x"]).squeeze(-1) - batch["y"]) ** 2).mean()
-
-
-def evaluate(model: nn.Module, loader) -> dict[str, float]:
-    errors = torch.cat([model(batch["x"]).squeeze(-1) - batch["y"] for batch in loader])
-    return {"loss": float((errors ** 2).mean()), "mae": float(errors.abs().mean())}
 
 
 def samples(index: int, count: int) -> list[dict]:
@@ -122,14 +98,6 @@ def assert_same_metrics(first: Path, second: Path, last_round: int | None = None
     columns = ["round", "split", "client", "metric"]
     assert one[columns].values.tolist() == two[columns].values.tolist()
     assert torch.allclose(torch.tensor(one.value.values), torch.tensor(two.value.values), rtol=1e-5, atol=1e-7)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("name, num_nodes", [("fedavg", None), ("fedrep", 2)])

@@ -19,15 +19,6 @@ from utils.run_dir import atomic_torch_save, load_checkpoint
 N_CLIENTS = 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: OpenMP threads only add synchronisation (and thrash on a busy 2-core machine)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture
 def assignments(tiny_manifest, tmp_path):  # noqa: F811
     """Round-robin clients over the manifest's train split; every third sample of a client is client-test."""

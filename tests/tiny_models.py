@@ -1,0 +1,32 @@
+"""A tiny regression network and its loss/evaluation, shared by the engine tests.
+
+Body with BatchNorm and dropout (so buffers and the RNG must travel with the
+weights), and a head split by name (the ``head_keys()`` of the TaskModel interface).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class TinyNet(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Dropout(0.2))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+    def head_keys(self) -> list[str]:
+        return [key for key in self.state_dict() if key.startswith("head.")]
+
+
+def loss_fn(model: nn.Module, batch: dict) -> torch.Tensor:
+    return ((model(batch["x"]).squeeze(-1) - batch["y"]) ** 2).mean()
+
+
+def evaluate(model: nn.Module, loader) -> dict[str, float]:
+    errors = torch.cat([model(batch["x"]).squeeze(-1) - batch["y"] for batch in loader])
+    return {"loss": float((errors ** 2).mean()), "mae": float(errors.abs().mean())}
