@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, Subset
 from datasets.taskonomy import TaskonomyDataset, read_manifest
 from models import build_task_model, get_task, load_task_model
 from network.algorithms import AlgorithmConfig, get_algorithm, list_algorithms
-from network.engine_sequential import (GLOBAL_CLIENT, GLOBAL_TEST_SPLIT, ClientData, EngineConfig, SequentialEngine,
+from network.engine_sequential import (GLOBAL_CLIENT, GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT, ClientData, EngineConfig, SequentialEngine,
                                        make_lr_schedule)
 from utils.assignments import load_assignments
 from utils.cli import positive_float, positive_int, run_main
@@ -21,7 +21,7 @@ from utils.run_dir import setup_logging, write_config
 from utils.seeding import set_deterministic
 from utils.training import evaluate, make_loader
 
-__all__ = ["GLOBAL_CLIENT", "GLOBAL_TEST_SPLIT", "main"]
+__all__ = ["GLOBAL_CLIENT", "GLOBAL_TEST_SPLIT", "PERSONAL_TEST_SPLIT", "main"]
 
 DESCRIPTION = """Step 4 of TaskHet: federated training (FedAvg, FedProx, SCAFFOLD, FedRep) of one task's model.
 Inputs: the step-1 manifest (--manifest), the data under --data_path and a step-3b assignments.csv (--assignments;

@@ -1,7 +1,7 @@
 import numpy as np
 import pandas as pd
 
-from utils.report import REPORT_COLUMNS, gap_table, summary_sentences, write_report
+from utils.report import REPORT_COLUMNS, gap_table, personal_gap_table, summary_sentences, write_report
 
 
 def _finals(embedding_loss: float) -> pd.DataFrame:
@@ -31,6 +31,17 @@ def test_summary_follows_the_sign_of_the_numbers():
     assert "holds" in hurts[-1] and "does not hold" not in hurts[-1]
 
 
+def test_a_gap_counts_only_beyond_the_seed_spread():
+    # Each side's seed std is 0.141, so a gap must exceed 0.283 in loss to count.
+    assert gap_table(_finals(1.5), {}).gap_exceeds_seed_std.item()
+    within = gap_table(_finals(1.2), {"depth_euclidean": 0.8})
+    assert not within.gap_exceeds_seed_std.item()
+    sentences = summary_sentences(within, {})
+    assert "0 of 1 gaps beyond the seed spread" in sentences[0] and "centralized loss: median +25%" in sentences[0]
+    single_seed = gap_table(_finals(1.5).query("seed == 0"), {})
+    assert not single_seed.gap_exceeds_seed_std.item()
+
+
 def test_write_report_produces_every_file(tmp_path):
     import matplotlib.pyplot as plt
 
@@ -47,3 +58,21 @@ def test_write_report_produces_every_file(tmp_path):
         assert (out / name).stat().st_size > 0, name
     assert list(pd.read_csv(out / "report.csv").columns) == REPORT_COLUMNS
     assert "+20.0" in (out / "report.md").read_text()
+
+
+def test_personal_models_get_their_own_gap_table(tmp_path):
+    import matplotlib.pyplot as plt
+
+    fedavg = _finals(1.2).assign(personal_loss=np.nan)
+    fedrep = _finals(1.2).assign(algorithm="fedrep")
+    fedrep["personal_loss"] = np.where(fedrep.grouping == "label_based", 0.5, 0.6)
+    table = personal_gap_table(pd.concat([fedavg, fedrep]))
+    assert list(table.algorithm) == ["fedrep"]
+    assert np.isclose(table.gap_percent.item(), 20.0) and table.label_loss_std.item() == 0.0
+    assert personal_gap_table(fedavg).empty
+    plt.imsave(tmp_path / "heatmap.png", np.eye(4))
+    out = tmp_path / "report"
+    write_report(out, pd.concat([fedavg, fedrep]), fedavg.assign(round=1), {}, {"depth_euclidean": {"nmi": 0.2, "ari": 0.1}},
+                 {("depth_euclidean", "label_based", 0.1): tmp_path / "heatmap.png"}, "cmd")
+    assert "## Personalised models" in (out / "report.md").read_text()
+    assert len(pd.read_csv(out / "report_personal.csv")) == 1

@@ -142,12 +142,11 @@ class Pipeline:
 
     # ----- the whole experiment -----
     def count_steps(self) -> int:
-        config = self.config
-        n_tasks, n_alphas, n_seeds = len(config["tasks"]), len(config["partition"]["alphas"]), len(config["seeds"])
-        n_groupings = len(config["partition"]["groupings"])
-        partitions = n_alphas * n_seeds * (("label_based" in config["partition"]["groupings"]) + n_tasks * ("embedding_based" in config["partition"]["groupings"]))
-        synthetic = config["data"]["source"] == "synthetic"
-        return synthetic + 1 + 2 * n_tasks + partitions + len(combinations(config)) // max(n_groupings, 1) * n_groupings
+        """Steps the top-level bar counts: one per script call, each shared partition once."""
+        runs = combinations(self.config)
+        n_partitions = len({partition_key(combination) for combination in runs})
+        synthetic = self.config["data"]["source"] == "synthetic"
+        return synthetic + 1 + 2 * len(self.config["tasks"]) + n_partitions + len(runs)
 
     def run(self) -> pd.DataFrame:
         """Every step for every combination, then the report; returns the report table."""
@@ -156,19 +155,22 @@ class Pipeline:
             manifest = self.manifest(root)
             model_dirs = {task: self.centralized(task, root, manifest) for task in self.config["tasks"]}
             cluster_dirs = {task: self.clusters(task, root, manifest, model_dirs[task]) for task in self.config["tasks"]}
-            runs = []
+            runs, partitions = [], {}
             for combination in combinations(self.config):
-                assignments = self.partition_for(combination, manifest, cluster_dirs)
+                key = partition_key(combination)
+                if key not in partitions:
+                    partitions[key] = self.partition_for(combination, manifest, cluster_dirs)
+                assignments = partitions[key]
                 run_dir = self.federated(combination, root, manifest, assignments, model_dirs[combination.task])
                 runs.append((combination, run_dir, assignments))
         return self.report(runs, model_dirs, cluster_dirs)
 
     def partition_for(self, combination: Combination, manifest: Path, cluster_dirs: dict[str, Path]) -> Path:
-        if combination.grouping == "label_based":
-            # Label-based partitions do not depend on the task: one per (α, seed), shared by all tasks.
-            return self.assignments("labels", "label_based", LABEL_GROUPS, combination.alpha, combination.seed, manifest)
+        owner, grouping, alpha, seed = partition_key(combination)
+        if grouping == "label_based":
+            return self.assignments(owner, grouping, LABEL_GROUPS, alpha, seed, manifest)
         clusters = str(cluster_dirs[combination.task] / "clusters.csv")
-        return self.assignments(combination.task, "embedding_based", clusters, combination.alpha, combination.seed, manifest)
+        return self.assignments(owner, grouping, clusters, alpha, seed, manifest)
 
     def report(self, runs: list[tuple[Combination, Path, Path]], model_dirs: dict[str, Path],
                cluster_dirs: dict[str, Path]) -> pd.DataFrame:
@@ -179,7 +181,8 @@ class Pipeline:
             metric = get_task(combination.task).primary_metric
             history = global_test_history(run_dir / "metrics.csv")
             last = history[history["round"] == history["round"].max()].set_index("metric").value
-            finals.append({**keys, "loss": last["loss"], "metric": metric, "metric_value": last[metric]})
+            finals.append({**keys, "loss": last["loss"], "metric": metric, "metric_value": last[metric],
+                           "personal_loss": final_personal_loss(run_dir / "metrics.csv")})
             for round_index, loss in history[history.metric == "loss"][["round", "value"]].itertuples(index=False):
                 curves.append({**keys, "round": round_index, "loss": loss})
             if combination.seed == self.config["seeds"][0]:
@@ -188,6 +191,12 @@ class Pipeline:
         agreement = {task: json.loads((cluster_dir / "agreement.json").read_text()) for task, cluster_dir in cluster_dirs.items()}
         return write_report(self.out_dir, pd.DataFrame(finals), pd.DataFrame(curves), centralized, agreement,
                             heatmaps, self.command)
+
+
+def partition_key(combination: Combination) -> tuple:
+    """Combinations with the same key share one assignments file (label partitions are task-free)."""
+    owner = "labels" if combination.grouping == "label_based" else combination.task
+    return owner, combination.grouping, combination.alpha, combination.seed
 
 
 def flags(params: dict[str, Any]) -> list[str]:
@@ -209,6 +218,13 @@ def global_test_history(metrics_csv: Path) -> pd.DataFrame:
     """The global model's metrics on the global test split, every evaluated round."""
     metrics = pd.read_csv(metrics_csv)
     return metrics[(metrics.split == step4.GLOBAL_TEST_SPLIT) & (metrics.client == step4.GLOBAL_CLIENT)]
+
+
+def final_personal_loss(metrics_csv: Path) -> float:
+    """Mean loss of the clients' own models on their client-test splits, last round (NaN without personal models)."""
+    metrics = pd.read_csv(metrics_csv)
+    rows = metrics[(metrics.split == step4.PERSONAL_TEST_SPLIT) & (metrics.client == "mean") & (metrics.metric == "loss")]
+    return float(rows[rows["round"] == rows["round"].max()].value.iloc[0]) if len(rows) else float("nan")
 
 
 def best_validation_loss(metrics_csv: Path) -> float:
