@@ -18,7 +18,7 @@ from network.local_train import NonFiniteLossError
 from network.sampling import client_seed, clients_per_round, sample_clients
 from utils.errors import TaskHetError
 from utils.run_dir import load_checkpoint
-from tests.tiny_models import TinyNet, evaluate, loss_fn
+from tests.tiny_models import TinyNet, client_samples, evaluate, loss_fn
 
 CPU = torch.device("cpu")
 NUM_CLIENTS = 5
@@ -28,14 +28,6 @@ class Batches(list):
     """A client's batches, tagged with the client so a spy can tell clients apart."""
 
     client_id: str = ""
-
-
-def client_samples(index: int, count: int) -> list[dict]:
-    generator = torch.Generator().manual_seed(100 + index)
-    weights = torch.randn(4, generator=generator)
-    x = torch.randn(count, 4, generator=generator) + index
-    y = x @ weights + 0.1 * torch.randn(count, generator=generator)
-    return [{"x": row, "y": target} for row, target in zip(x, y)]
 
 
 def make_clients(poison_after_calls: int | None = None, kill_after_calls: int | None = None) -> list[ClientData]:

@@ -29,20 +29,12 @@ from network.sampling import client_seed, sample_clients  # noqa: E402
 from tests.fixtures import tiny_data_root, tiny_manifest  # noqa: E402,F401  (session fixtures)
 from utils.errors import TaskHetError  # noqa: E402
 from utils.run_dir import load_checkpoint  # noqa: E402
-from tests.tiny_models import TinyNet, evaluate, loss_fn
+from tests.tiny_models import TinyNet, client_samples, evaluate, loss_fn
 
 CPU = torch.device("cpu")
 NUM_CLIENTS = 4
 SEED = 11
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def samples(index: int, count: int) -> list[dict]:
-    generator = torch.Generator().manual_seed(100 + index)
-    weights = torch.randn(4, generator=generator)
-    x = torch.randn(count, 4, generator=generator) + index
-    y = x @ weights + 0.1 * torch.randn(count, generator=generator)
-    return [{"x": row, "y": target} for row, target in zip(x, y)]
 
 
 def train_batches(data: list[dict], seed: int, fail_seeds: frozenset[int] = frozenset()) -> list[dict]:
@@ -56,14 +48,14 @@ def make_clients(failing: dict[str, frozenset[int]] | None = None, only: list[st
     clients = []
     for index in range(NUM_CLIENTS):
         client_id = str(index)
-        data = samples(index, 20 + 4 * index)
+        data = client_samples(index, 20 + 4 * index)
         loader = partial(train_batches, data[:-6], fail_seeds=(failing or {}).get(client_id, frozenset()))
         clients.append(ClientData(client_id, len(data) - 6, loader, list(DataLoader(data[-6:], batch_size=6))))
     return [client for client in clients if only is None or client.client_id in only]
 
 
 def global_test() -> list[dict]:
-    return list(DataLoader([sample for index in range(NUM_CLIENTS) for sample in samples(index, 30)[20:]],
+    return list(DataLoader([sample for index in range(NUM_CLIENTS) for sample in client_samples(index, 30)[20:]],
                            batch_size=16))
 
 

@@ -1,4 +1,4 @@
-"""A tiny regression network and its loss/evaluation, shared by the engine tests.
+"""A tiny regression network, its loss/evaluation and client data, shared by the engine tests.
 
 Body with BatchNorm and dropout (so buffers and the RNG must travel with the
 weights), and a head split by name (the ``head_keys()`` of the TaskModel interface).
@@ -30,3 +30,12 @@ def loss_fn(model: nn.Module, batch: dict) -> torch.Tensor:
 def evaluate(model: nn.Module, loader) -> dict[str, float]:
     errors = torch.cat([model(batch["x"]).squeeze(-1) - batch["y"] for batch in loader])
     return {"loss": float((errors ** 2).mean()), "mae": float(errors.abs().mean())}
+
+
+def client_samples(index: int, count: int) -> list[dict]:
+    """Client ``index``'s regression samples: its own weights and a shifted input mean (heterogeneous clients)."""
+    generator = torch.Generator().manual_seed(100 + index)
+    weights = torch.randn(4, generator=generator)
+    x = torch.randn(count, 4, generator=generator) + index
+    y = x @ weights + 0.1 * torch.randn(count, generator=generator)
+    return [{"x": row, "y": target} for row, target in zip(x, y)]
