@@ -48,15 +48,19 @@ def finished_stages(results: Path) -> dict[str, float]:
 
 
 def test_tiny_experiment_end_to_end(tmp_path):
-    experiment = write_experiment(tmp_path, tiny_experiment(tmp_path))
+    config = tiny_experiment(tmp_path)
+    config["federated"]["algorithms"]["fedrep"] = {}
+    experiment = write_experiment(tmp_path, config)
     run_pipeline.main([str(experiment), "--results", str(tmp_path / "results")])
     out = tmp_path / "results" / "tiny"
-    for name in ("report.md", "report.csv", "loss_vs_alpha.png", "round_curves.png", "partition_heatmaps.png",
-                 "cluster_label_agreement.png"):
+    for name in ("report.md", "report.csv", "report_personal.csv", "loss_vs_alpha.png", "round_curves.png",
+                 "partition_heatmaps.png", "cluster_label_agreement.png"):
         assert (out / name).stat().st_size > 0, name
     report = pd.read_csv(out / "report.csv")
     assert list(report.columns) == REPORT_COLUMNS
-    assert len(report) == 1 and report.task[0] == "depth_euclidean" and report.algorithm[0] == "fedavg"
+    assert list(report.algorithm) == ["fedavg", "fedrep"] and set(report.task) == {"depth_euclidean"}
+    personal = pd.read_csv(out / "report_personal.csv")  # FedRep's own models, from its metrics.csv
+    assert list(personal.algorithm) == ["fedrep"] and personal.label_loss_mean.gt(0).all()
     before = finished_stages(out)
     run_pipeline.main([str(experiment), "--results", str(tmp_path / "results")])
     assert finished_stages(out) == before  # a rerun redoes nothing
