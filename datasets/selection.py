@@ -29,6 +29,7 @@ from datasets.taskonomy import (
     get_domain,
 )
 from utils.errors import TaskHetError
+from utils.plots import save_figure
 from utils.run_dir import atomic_write_text
 from utils.seeding import numpy_rng
 
@@ -237,8 +238,7 @@ def plot_class_distribution(class_counts: pd.DataFrame, path: Path) -> None:
     axis.set_title("Samples per scene class")
     axis.grid(axis="y", alpha=0.4)
     axis.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    save_figure(figure, path, dpi=100)
 
 
 def write_selection(selection: Selection, out_dir: Path) -> dict[str, Path]:

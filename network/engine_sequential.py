@@ -362,10 +362,8 @@ def _mean_train_loss(rows: list[dict[str, Any]]) -> float:
 
 def plot_curves(metrics_csv: Path, out_png: Path) -> None:
     """Loss per round: global test, client-test mean ± std (global and personal models), mean train loss."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # Imported here, not at the top: training never needs matplotlib. utils.plots selects Agg first.
+    from utils.plots import plt, save_figure
     import pandas as pd
 
     metrics = pd.read_csv(metrics_csv, dtype={"client": str})
@@ -387,6 +385,4 @@ def plot_curves(metrics_csv: Path, out_png: Path) -> None:
     axis.set_xlabel("round")
     axis.set_ylabel("loss")
     axis.legend()
-    figure.tight_layout()
-    figure.savefig(out_png, dpi=120)
-    plt.close(figure)
+    save_figure(figure, out_png, dpi=120)

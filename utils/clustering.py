@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from utils.errors import TaskHetError  # noqa: E402
+from utils.plots import save_figure  # noqa: E402
 from utils.seeding import derive_seed  # noqa: E402
 
 # Full KMeans (Lloyd) is exact but O(n·k·d) per iteration over all samples; above this
@@ -167,9 +168,7 @@ def plot_scatter(features: np.ndarray, colours: np.ndarray, path: Path, title: s
     axis.set_xlabel("PC 1")
     axis.set_ylabel("PC 2")
     axis.set_title(title)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path, dpi=120)
 
 
 def plot_contingency(table: pd.DataFrame, path: Path) -> None:
@@ -183,9 +182,7 @@ def plot_contingency(table: pd.DataFrame, path: Path) -> None:
     axis.set_ylabel("cluster")
     axis.set_title("clusters vs scene classes (row fractions)")
     figure.colorbar(image, ax=axis, label="fraction of the cluster")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path, dpi=120)
 
 
 def write_diagnostics(out_dir: Path, clustering: Clustering, scene_labels: np.ndarray, seed: int) -> dict[str, Any]:

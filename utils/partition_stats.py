@@ -14,6 +14,7 @@ import pandas as pd  # noqa: E402
 from scipy.spatial.distance import jensenshannon  # noqa: E402
 
 from utils.partition import UNUSED  # noqa: E402
+from utils.plots import save_figure  # noqa: E402
 
 
 def group_counts(client_of: np.ndarray, group_codes: np.ndarray, n_clients: int, n_groups: int) -> np.ndarray:
@@ -75,7 +76,4 @@ def plot_heatmap(stats: pd.DataFrame, path: Path, title: str) -> None:
         axis.set_yticks(range(n_clients), stats["client_id"].astype(str).tolist())
     axis.set_title(title)
     figure.colorbar(image, ax=axis, label="fraction of the client's samples")
-    figure.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path, dpi=120)

@@ -1,4 +1,4 @@
-"""Curves from a long-format metrics CSV (one PNG, one panel per metric).
+"""Curves from a long-format metrics CSV (one PNG, one panel per metric), and the one way figures are saved.
 
 Works for any long-format file with a numeric x column, a ``metric`` and a
 ``value`` column: step 2's ``epoch, split, metric, value`` and the federated
@@ -68,9 +68,16 @@ def plot_curves(metrics_csv: Path, out_png: Path, x: str = "epoch", hue: str = "
         axis.set_visible(False)
     if title:
         figure.suptitle(title)
+    save_figure(figure, out_png)
+    return Path(out_png)
+
+
+def save_figure(figure: plt.Figure, path: Path, dpi: int = 120) -> None:
+    """Lay out, write atomically (an interrupted save never leaves a truncated PNG) and close ``figure``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     figure.tight_layout()
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out_png, dpi=120)
+    partial = path.with_name(path.stem + ".partial" + path.suffix)  # keeps the suffix: matplotlib picks the format by it
+    figure.savefig(partial, dpi=dpi)
     plt.close(figure)
-    return out_png
+    partial.replace(path)

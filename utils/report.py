@@ -27,6 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from utils.plots import save_figure  # noqa: E402
 from utils.run_dir import atomic_write_text  # noqa: E402
 
 KEYS = ["task", "algorithm", "alpha"]
@@ -158,9 +159,7 @@ def plot_loss_vs_alpha(table: pd.DataFrame, path: Path) -> None:
         axis.set_xlabel("Dirichlet α")
         axis.set_ylabel("final global test loss")
     axes[0][-1].legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save_figure(figure, path, dpi=110)
 
 
 def plot_round_curves(curves: pd.DataFrame, path: Path) -> None:
@@ -179,9 +178,7 @@ def plot_round_curves(curves: pd.DataFrame, path: Path) -> None:
             axis.set_xlabel("round")
             axis.set_ylabel("global test loss")
     axes[0][-1].legend(fontsize=6)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    save_figure(figure, path, dpi=100)
 
 
 def plot_heatmaps(heatmaps: dict[tuple[str, str, float], Path], path: Path) -> None:
@@ -196,9 +193,7 @@ def plot_heatmaps(heatmaps: dict[tuple[str, str, float], Path], path: Path) -> N
             if image_path is not None and Path(image_path).is_file():
                 axis.imshow(mpimg.imread(image_path))
             axis.set_title(f"{task}, {grouping}, α={alpha:g}", fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    save_figure(figure, path, dpi=100)
 
 
 def plot_agreement(agreement: dict[str, dict[str, float]], path: Path) -> None:
@@ -212,9 +207,7 @@ def plot_agreement(agreement: dict[str, dict[str, float]], path: Path) -> None:
     axis.set_ylim(0, 1)
     axis.set_ylabel("agreement with scene labels")
     axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save_figure(figure, path, dpi=110)
 
 
 def write_report(
