@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
-from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
-from torch.utils.data import DataLoader, Subset
+import pandas as pd
+import torch
+from torch.utils.data import DataLoader
 
-from datasets.taskonomy import TaskonomyDataset, read_manifest
+from datasets.taskonomy import read_manifest
 from models import build_task_model, get_task, load_task_model
 from network.algorithms import AlgorithmConfig, get_algorithm, list_algorithms
+from network.client_data import global_test_loader, make_clients
 from network.engine_sequential import (GLOBAL_CLIENT, GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT, ClientData, EngineConfig, SequentialEngine,
                                        make_lr_schedule)
 from utils.assignments import load_assignments
@@ -19,7 +23,7 @@ from utils.device import pick_device, prepare_model
 from utils.errors import TaskHetError
 from utils.run_dir import setup_logging, write_config
 from utils.seeding import set_deterministic
-from utils.training import evaluate, make_loader
+from utils.training import evaluate
 
 __all__ = ["GLOBAL_CLIENT", "GLOBAL_TEST_SPLIT", "PERSONAL_TEST_SPLIT", "main"]
 
@@ -127,43 +131,36 @@ def initial_model(args: argparse.Namespace, num_classes: int | None):
     return model
 
 
-def build_clients(args: argparse.Namespace, manifest, table, task) -> tuple[list[ClientData], DataLoader]:
-    """The clients of the assignments (train rows train, test rows evaluate) and the global test loader."""
-    def dataset(sample_ids) -> TaskonomyDataset:
-        rows = manifest.set_index("sample_id").loc[list(sample_ids)].reset_index()
-        return TaskonomyDataset(args.data_path, rows, task.required_domains, args.image_size, args.cache_dir)
+@dataclass
+class FedSetup:
+    """Everything a run needs except the client data (which a Flower node builds for its own clients only)."""
 
-    def loader(data, shuffle: bool, seed: int = 0) -> DataLoader:
-        return make_loader(data, args.batch_size, shuffle, seed, args.num_workers)
+    args: argparse.Namespace
+    task: Any
+    manifest: pd.DataFrame
+    table: pd.DataFrame
+    model: torch.nn.Module
+    algorithm: Any
+    config: EngineConfig
+    device: torch.device
+    loss_fn: Callable
+    evaluate_fn: Callable
 
-    assigned, clients = dataset(table["sample_id"]), []
-    for client_id, rows in table.groupby("client_id", sort=True):
-        train, test = (rows.index[rows["subset"] == subset].tolist() for subset in ("train", "test"))
-        clients.append(ClientData(str(client_id), len(train), partial(loader, Subset(assigned, train), True),
-                                  loader(Subset(assigned, test), False) if test else None))
-    return clients, loader(dataset(manifest.loc[manifest["split"] == "test", "sample_id"]), False)
 
-
-def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
+def prepare(args: argparse.Namespace) -> FedSetup:
+    """Read and check the inputs, then build the model, algorithm and engine config (test_fed and flower_app)."""
     task = get_task(args.task)
     args.assignments = args.assignments or default_assignments(args)
     manifest = read_manifest(args.manifest)
     table, meta = load_assignments(args.assignments, manifest)
     args = resolve(args, meta)
     set_deterministic(args.deterministic)
-    args.out.mkdir(parents=True, exist_ok=True)
-    logger = setup_logging(args.out, "test_fed")
-    write_config(args.out, vars(args))
-
-    clients, test_loader = build_clients(args, manifest, table, task)
     num_classes = int(manifest["scene_class"].max()) + 1 if task.kind == "classification" else None
     device = pick_device(args.use_accelerator)
-    model = prepare_model(initial_model(args, num_classes), device)
     algorithm = get_algorithm(args.method, AlgorithmConfig(
-        num_clients=int(meta.get("n_clients") or len(clients)), mu=args.mu, server_opt=args.server_opt,
-        server_lr=args.server_lr, scaffold_option=args.scaffold_option, head_epochs=args.head_epochs,
-        body_epochs=args.body_epochs))
+        num_clients=int(meta.get("n_clients") or table["client_id"].nunique()), mu=args.mu,
+        server_opt=args.server_opt, server_lr=args.server_lr, scaffold_option=args.scaffold_option,
+        head_epochs=args.head_epochs, body_epochs=args.body_epochs))
     config = EngineConfig(
         out_dir=args.out, n_rounds=args.n_rounds, lr_schedule=make_lr_schedule(args.lr_schedule, args.init_lr, args.n_rounds),
         seed=args.rand_seed, local_steps=args.local_steps, local_epochs=args.local_epochs,
@@ -171,20 +168,38 @@ def main(argv: list[str] | None = None) -> dict:
         weight_decay=args.weight_decay, resume=args.resume, progress=args.progress,
         max_state_memory_bytes=int(args.client_state_memory_mb * 2**20),
         signature={key: str(value) for key, value in vars(args).items() if key not in NOT_IN_SIGNATURE})
+    return FedSetup(
+        args=args, task=task, manifest=manifest, table=table, algorithm=algorithm, config=config, device=device,
+        model=prepare_model(initial_model(args, num_classes), device),
+        loss_fn=lambda net, batch: task.loss(net(batch["rgb"])[0].float(), batch),
+        # The model's own device, not the server's: Flower nodes may train on another device.
+        evaluate_fn=lambda net, loader: evaluate(net, loader, task, next(net.parameters()).device, progress=False))
+
+
+def build_clients(args: argparse.Namespace, manifest, table, task) -> tuple[list[ClientData], DataLoader]:
+    """The clients of the assignments and the global test loader."""
+    return make_clients(args, manifest, table, task), global_test_loader(args, manifest, task)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    setup = prepare(build_parser().parse_args(argv))
+    args = setup.args
+    args.out.mkdir(parents=True, exist_ok=True)
+    logger = setup_logging(args.out, "test_fed")
+    write_config(args.out, vars(args))
+    clients, test_loader = build_clients(args, setup.manifest, setup.table, setup.task)
     logger.info("%s on %s: %d clients (%d train samples), %d test samples, device %s", args.method, args.task,
-                len(clients), sum(client.num_samples for client in clients), len(test_loader.dataset), device)
-    loss_fn = lambda net, batch: task.loss(net(batch["rgb"])[0].float(), batch)  # noqa: E731
-    # The model's own device, not the server's: Flower nodes may train on another device.
-    evaluate_fn = lambda net, loader: evaluate(net, loader, task, next(net.parameters()).device, progress=False)  # noqa: E731
-    inputs = (model, algorithm, clients, loss_fn, evaluate_fn, test_loader, config, device)
+                len(clients), sum(client.num_samples for client in clients), len(test_loader.dataset), setup.device)
+    inputs = (setup.model, setup.algorithm, clients, setup.loss_fn, setup.evaluate_fn, test_loader, setup.config,
+              setup.device)
     if args.engine == "flower":
         from network.engine_flower import FlowerOptions, run_flower  # only here: the sequential path never imports flwr
 
-        engine = run_flower(*inputs, model_config=model.config, logger=logger, options=FlowerOptions(
+        engine = run_flower(*inputs, model_config=setup.model.config, logger=logger, options=FlowerOptions(
             mode=args.flower_mode, num_cpus=args.flower_num_cpus, num_gpus=args.flower_num_gpus,
             min_available_clients=args.min_available_clients))
     else:
-        engine = SequentialEngine(*inputs, model_config=model.config, logger=logger)
+        engine = SequentialEngine(*inputs, model_config=setup.model.config, logger=logger)
         engine.run()
     return {"out": args.out, "best_test_loss": engine.best_loss}
 

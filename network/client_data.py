@@ -1,0 +1,44 @@
+"""Client data of a federated run: each client's train/test loaders over the assignment rows, and the global test loader.
+
+Shared by ``test_fed.py`` (all clients) and a Flower SuperNode (``network/flower_app.py``: only
+the clients whose data that machine holds). ``args`` are ``test_fed.py``'s arguments (data_path,
+image_size, cache_dir, batch_size, num_workers).
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+
+import pandas as pd
+from torch.utils.data import DataLoader, Subset
+
+from datasets.taskonomy import TaskonomyDataset
+from network.engine_sequential import ClientData
+from utils.training import make_loader
+
+
+def task_dataset(args: argparse.Namespace, manifest: pd.DataFrame, task, sample_ids) -> TaskonomyDataset:
+    rows = manifest.set_index("sample_id").loc[list(sample_ids)].reset_index()
+    return TaskonomyDataset(args.data_path, rows, task.required_domains, args.image_size, args.cache_dir)
+
+
+def make_clients(args: argparse.Namespace, manifest: pd.DataFrame, table: pd.DataFrame, task) -> list[ClientData]:
+    """The clients of ``table`` (all of the assignments, or a Flower node's share): train rows train, test rows evaluate.
+
+    Only the files of these clients are opened, in the same sample order and with the same loader seeds
+    whichever rows of the assignments ``table`` holds.
+    """
+    table = table.reset_index(drop=True)
+    assigned, clients = task_dataset(args, manifest, task, table["sample_id"]), []
+    for client_id, rows in table.groupby("client_id", sort=True):
+        train, test = (rows.index[rows["subset"] == subset].tolist() for subset in ("train", "test"))
+        train_loader = partial(make_loader, Subset(assigned, train), args.batch_size, True, num_workers=args.num_workers)
+        test_loader = make_loader(Subset(assigned, test), args.batch_size, False, 0, args.num_workers) if test else None
+        clients.append(ClientData(str(client_id), len(train), train_loader, test_loader))
+    return clients
+
+
+def global_test_loader(args: argparse.Namespace, manifest: pd.DataFrame, task) -> DataLoader:
+    test_ids = manifest.loc[manifest["split"] == "test", "sample_id"]
+    return make_loader(task_dataset(args, manifest, task, test_ids), args.batch_size, False, 0, args.num_workers)
