@@ -12,7 +12,7 @@ from pathlib import Path
 from omnidata_tools.dataset.starter_dataset.component_datasets import taskonomy as omnidata_taskonomy
 
 from datasets.selection import DEFAULT_TASK_DOMAINS
-from datasets.synthetic import PLACES_FILE, places365_names
+from datasets.synthetic import write_places_file
 from datasets.taskonomy import DOMAINS, get_domain
 from utils.cli import positive_float, run_main
 from utils.errors import TaskHetError
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> Path:
     if result.returncode != 0:
         raise TaskHetError(f"omnitools.download failed with exit code {result.returncode}; see its output above")
     shutil.copy(omnidata_taskonomy.taskonomy_split_files[args.subset], args.dest / f"train_val_test_{args.subset}.csv")
-    (args.dest / PLACES_FILE).write_text("\n".join(places365_names()) + "\n")
+    write_places_file(args.dest)
     missing = [domain for domain in args.domains if not (args.dest / domain / "taskonomy").is_dir()]
     if missing:
         raise TaskHetError(f"download finished but {args.dest} has no data for: {', '.join(missing)}")

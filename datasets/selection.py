@@ -23,10 +23,10 @@ from datasets.taskonomy import (
     DOMAIN_SPECS,
     DOMAINS,
     MANIFEST_COLUMNS,
-    NUM_SCENE_SCORES,
     check_data_root,
     discover_samples,
     get_domain,
+    read_scene_names,
 )
 from utils.errors import TaskHetError
 from utils.plots import save_figure
@@ -126,28 +126,6 @@ def read_split_csv(path: Path) -> list[str]:
         row = int(np.flatnonzero(duplicated)[0])
         raise TaskHetError(f"split CSV {path}: row {row + 2} repeats building {ids[row]!r}")
     return ids
-
-
-def read_scene_names(path: Path) -> list[str]:
-    """The 365 Places365 class names in label order.
-
-    Accepts one name per line (``places_class_names.txt``) or the official
-    ``categories_places365.txt`` lines (``/b/bedroom 52``).
-    """
-    if not path.is_file():
-        raise TaskHetError(f"scene class file {path} does not exist (--scene_class_file_name)")
-    names = []
-    for line in path.read_text().splitlines():
-        parts = line.split()
-        if not parts:
-            continue
-        name = parts[0]
-        if name.startswith("/") and name.count("/") >= 2:
-            name = name.split("/", 2)[2]
-        names.append(name)
-    if len(names) != NUM_SCENE_SCORES:
-        raise TaskHetError(f"scene class file {path}: {len(names)} names, expected {NUM_SCENE_SCORES} (Places365)")
-    return names
 
 
 def scene_labels(root: Path, paths: pd.Series, progress: bool = True) -> np.ndarray:

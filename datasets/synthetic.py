@@ -20,6 +20,7 @@ the same seed and sizes give byte-identical files.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import multiprocessing
@@ -34,8 +35,10 @@ from PIL import Image
 from scipy import ndimage
 from tqdm import tqdm
 
-from datasets.taskonomy import DEPTH_INVALID, DEPTH_UNITS_PER_METRE, DOMAINS, NORMAL_INVALID, NUM_SCENE_SCORES, domain_dir, get_domain
+from datasets.taskonomy import (DEPTH_INVALID, DEPTH_UNITS_PER_METRE, DOMAINS, NORMAL_INVALID, NUM_SCENE_SCORES, domain_dir,
+                                get_domain, read_scene_names)
 from utils.errors import TaskHetError
+from utils.run_dir import atomic_write_text
 from utils.seeding import numpy_rng
 
 META_FILE = "synthetic_meta.json"
@@ -113,8 +116,12 @@ SCENE_TYPES = (
 
 def places365_names() -> list[str]:
     """The 365 Places365 class names in label order (``bedroom``, ``bakery/shop``, ...)."""
-    lines = PLACES365_SOURCE.read_text().split("\n")
-    return [line.rsplit(" ", 1)[0].split("/", 2)[2] for line in lines if line.strip()]
+    return read_scene_names(PLACES365_SOURCE)
+
+
+def write_places_file(out_dir: Path) -> None:
+    """``places_class_names.txt``: the Places365 names, one per line (line = label index)."""
+    atomic_write_text(Path(out_dir) / PLACES_FILE, "\n".join(places365_names()) + "\n")
 
 
 @dataclass(frozen=True)
@@ -670,8 +677,14 @@ def _prepare_out_dir(out_dir: Path, config: RenderConfig) -> bool:
     elif out_dir.exists() and any(out_dir.iterdir()):
         raise TaskHetError(f"{out_dir} is not empty and holds no {META_FILE}: refusing to render into it; choose another --out")
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta_path.write_text(json.dumps({"format_version": FORMAT_VERSION, "config": asdict(config), "complete": False}, indent=2))
+    _write_meta(out_dir, config, complete=False)
     return False
+
+
+def _write_meta(out_dir: Path, config: RenderConfig, complete: bool) -> None:
+    """The render's marker: written incomplete before the first file, complete after the last."""
+    meta = {"format_version": FORMAT_VERSION, "config": asdict(config), "complete": complete}
+    atomic_write_text(out_dir / META_FILE, json.dumps(meta, indent=2))
 
 
 def write_split_csv(path: Path, buildings: list[str], seed: int) -> None:
@@ -703,21 +716,12 @@ def render_dataset(out_dir: Path, config: RenderConfig, workers: int = 2, progre
         return out_dir
     scene_types = assign_scene_types(config)
     jobs = [(config, index, scene_types[index], out_dir) for index in range(config.num_buildings)]
-    bar = tqdm(total=len(jobs), desc="rendering buildings", unit="building", disable=not progress)
-    if workers > 1 and len(jobs) > 1:
-        with multiprocessing.get_context().Pool(min(workers, len(jobs))) as pool:
-            rows = []
-            for row in pool.imap(_render_job, jobs):
-                rows.append(row)
-                bar.update()
-    else:
-        rows = []
-        for job in jobs:
-            rows.append(_render_job(job))
-            bar.update()
-    bar.close()
+    parallel = workers > 1 and len(jobs) > 1
+    with multiprocessing.get_context().Pool(min(workers, len(jobs))) if parallel else contextlib.nullcontext() as pool:
+        results = pool.imap(_render_job, jobs) if parallel else map(_render_job, jobs)  # both keep the job order
+        rows = list(tqdm(results, total=len(jobs), desc="rendering buildings", unit="building", disable=not progress))
     pd.DataFrame(rows).to_csv(out_dir / BUILDINGS_FILE, index=False)
     write_split_csv(out_dir / SPLIT_FILE, [row["building"] for row in rows], config.seed)
-    (out_dir / PLACES_FILE).write_text("\n".join(places365_names()) + "\n")
-    (out_dir / META_FILE).write_text(json.dumps({"format_version": FORMAT_VERSION, "config": asdict(config), "complete": True}, indent=2))
+    write_places_file(out_dir)
+    _write_meta(out_dir, config, complete=True)
     return out_dir

@@ -243,14 +243,6 @@ def check_data_root(root: Path, domains: Sequence[str], buildings: Sequence[str]
                 raise TaskHetError(f"building {building!r} is not on disk: {folder / building} does not exist")
 
 
-def list_buildings(root: Path) -> list[str]:
-    """Buildings that have an rgb folder, sorted."""
-    folder = domain_dir(root, "rgb")
-    if not folder.is_dir():
-        raise TaskHetError(f"domain folder {folder} is missing: the data root has no 'rgb' data")
-    return sorted(entry.name for entry in folder.iterdir() if entry.is_dir())
-
-
 def discover_samples(root: Path, domains: Sequence[str], buildings: Sequence[str]) -> pd.DataFrame:
     """Complete samples on disk: those with a file in every one of ``domains``.
 
@@ -306,6 +298,28 @@ def validate_manifest(manifest: pd.DataFrame, source: str = "manifest") -> pd.Da
             raise TaskHetError(f"{source}: row {row + 2} has {column} {manifest.at[row, column]!r}, expected an integer >= 0")
         manifest[column] = values.astype(np.int64)
     return manifest
+
+
+def read_scene_names(path: Path) -> list[str]:
+    """The 365 Places365 class names in label order.
+
+    Accepts one name per line (``places_class_names.txt``) or the official
+    ``categories_places365.txt`` lines (``/b/bedroom 52``).
+    """
+    if not path.is_file():
+        raise TaskHetError(f"scene class file {path} does not exist (--scene_class_file_name)")
+    names = []
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if not parts:
+            continue
+        name = parts[0]
+        if name.startswith("/") and name.count("/") >= 2:
+            name = name.split("/", 2)[2]
+        names.append(name)
+    if len(names) != NUM_SCENE_SCORES:
+        raise TaskHetError(f"scene class file {path}: {len(names)} names, expected {NUM_SCENE_SCORES} (Places365)")
+    return names
 
 
 def read_manifest(path: Path) -> pd.DataFrame:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.metadata
 import json
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -49,21 +50,25 @@ def write_config(out_dir: Path, config: dict[str, Any]) -> dict[str, Any]:
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write a text file via a temp file and rename, so a reader never sees half of it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
-        handle.write(text)
-    os.replace(handle.name, path)
+    with _atomic_target(path) as temp_name:
+        Path(temp_name).write_text(text)
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
     """torch.save via a temp file and rename: a crash never leaves a truncated checkpoint."""
+    with _atomic_target(path) as temp_name:
+        torch.save(obj, temp_name)
+
+
+@contextlib.contextmanager
+def _atomic_target(path: Path) -> Iterator[str]:
+    """A temp file next to ``path`` to write; renamed onto ``path`` on success, removed on failure."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temp_name = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     os.close(handle)
     try:
-        torch.save(obj, temp_name)
+        yield temp_name
         os.replace(temp_name, path)
     finally:
         if os.path.exists(temp_name):
