@@ -10,7 +10,7 @@ from accelerate import Accelerator
 
 from datasets.taskonomy import TaskonomyDataset, read_manifest
 from models import build_task_model, get_task
-from models.encoders import default_weights
+from models.encoders import NAMED_WEIGHTS, default_weights
 from utils.cli import positive_float, positive_int, run_main
 from utils.device import prepare_model
 from utils.errors import TaskHetError
@@ -71,7 +71,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.early_stopping_patience < 0 or args.embedding_grid < 0:
         raise TaskHetError("--early_stopping_patience and --embedding_grid must be >= 0")
     if args.out is None:
-        weights_name = args.weights if args.weights in ("none", "imagenet", "clip") else Path(args.weights).stem
+        weights_name = args.weights if args.weights in ("none", *NAMED_WEIGHTS) else Path(args.weights).stem
         args.out = Path("results/train_centralized") / args.task / f"{args.encoder}-{weights_name}-seed{args.seed}"
     return args
 

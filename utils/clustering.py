@@ -27,7 +27,7 @@ from tqdm import tqdm  # noqa: E402
 
 from utils.errors import TaskHetError  # noqa: E402
 from utils.plots import save_figure  # noqa: E402
-from utils.seeding import derive_seed  # noqa: E402
+from utils.seeding import derive_seed, numpy_rng  # noqa: E402
 
 # Full KMeans (Lloyd) is exact but O(n·k·d) per iteration over all samples; above this
 # many samples MiniBatchKMeans is used, which is much faster at a small cost in inertia.
@@ -152,7 +152,7 @@ def cluster_diagnostics(features: np.ndarray, labels: np.ndarray, scene_labels: 
 
 def plot_scatter(features: np.ndarray, colours: np.ndarray, path: Path, title: str, seed: int) -> None:
     """2-D PCA scatter of ``features`` coloured by ``colours`` (a seeded subsample if large)."""
-    rng = np.random.default_rng(derive_seed(seed, "scatter"))
+    rng = numpy_rng(seed, "scatter")
     keep = np.sort(rng.choice(features.shape[0], size=min(features.shape[0], SCATTER_POINTS), replace=False))
     points = features[keep]
     if points.shape[1] >= 2 and points.shape[0] >= 2:

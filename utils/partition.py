@@ -111,14 +111,19 @@ def largest_remainder(totals: np.ndarray, weights: np.ndarray) -> np.ndarray:
     return counts + (ranks < shortfall[:, None])
 
 
+def size_weights(size_skew: str | None, n_clients: int, rng: np.random.Generator) -> np.ndarray:
+    """Relative client sizes: all ones, or drawn from the ``--size_skew`` distribution."""
+    skew = parse_size_skew(size_skew)
+    return np.ones(n_clients) if skew is None else SIZE_SKEWS.get(skew[0])(rng, skew[1], n_clients)
+
+
 def client_sizes(n_samples: int, n_clients: int, size_skew: str | None, min_client_size: int, rng: np.random.Generator) -> np.ndarray:
     """Target client sizes that sum to ``n_samples``: equal, or from ``size_skew`` weights.
 
     Every client first gets ``min_client_size``; the rest is split ∝ the weights, so the
     minimum always holds (it compresses the skew of the smallest clients slightly).
     """
-    skew = parse_size_skew(size_skew)
-    weights = np.ones(n_clients) if skew is None else SIZE_SKEWS.get(skew[0])(rng, skew[1], n_clients)
+    weights = size_weights(size_skew, n_clients, rng)
     spare = n_samples - n_clients * min_client_size
     return min_client_size + largest_remainder(np.array([spare]), weights[None, :])[0]
 
@@ -318,10 +323,9 @@ class DirichletSplitPartitioner(DirichletBase):
 
     def _assign(self, group_codes: np.ndarray, sources: np.ndarray | None, rng: np.random.Generator) -> Partition:
         group_sizes = np.bincount(group_codes)
-        skew = parse_size_skew(self.size_skew)
-        size_weights = np.ones(self.n_clients) if skew is None else SIZE_SKEWS.get(skew[0])(rng, skew[1], self.n_clients)
+        client_weights = size_weights(self.size_skew, self.n_clients, rng)
         for _ in range(MAX_DRAWS):
-            proportions = dirichlet(rng, np.full(self.n_clients, float(self.alpha)), group_sizes.size) * size_weights
+            proportions = dirichlet(rng, np.full(self.n_clients, float(self.alpha)), group_sizes.size) * client_weights
             proportions /= proportions.sum(axis=1, keepdims=True)
             # Cut points at floor(cumsum(p) * n_g), as Flower does: exact totals, no extra noise.
             cuts = np.floor(np.cumsum(proportions, axis=1) * group_sizes[:, None]).astype(np.int64)
@@ -358,13 +362,12 @@ class ShardsPartitioner(Partitioner):
         n_groups, per_client = group_sizes.size, int(self.groups_per_client)
         if per_client > n_groups:
             raise TaskHetError(f"{self.name}: --groups_per_client {per_client} exceeds the {n_groups} groups in the data")
-        skew = parse_size_skew(self.size_skew)
-        size_weights = np.ones(self.n_clients) if skew is None else SIZE_SKEWS.get(skew[0])(rng, skew[1], self.n_clients)
+        client_weights = size_weights(self.size_skew, self.n_clients, rng)
         cycle = rng.permutation(n_groups)
         slots = np.arange(self.n_clients * per_client).reshape(self.n_clients, per_client) % n_groups
         held = cycle[slots[rng.permutation(self.n_clients)]]  # [n_clients, Nc], distinct per row
         weights = np.zeros((n_groups, self.n_clients))
-        weights[held.T, np.arange(self.n_clients)[None, :]] = size_weights[None, :]
+        weights[held.T, np.arange(self.n_clients)[None, :]] = client_weights[None, :]
         holders = (weights > 0).sum(axis=1)
         starved = np.flatnonzero((holders > 0) & (group_sizes < holders))
         if starved.size:

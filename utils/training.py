@@ -1,8 +1,8 @@
 """The training loop, written once: one batch, one evaluation, one fit.
 
-``train_one_batch`` is the step every trainer shares (step 2 here, the
-federated clients' local training): extra loss terms (FedProx) and gradient
-hooks (SCAFFOLD) come in as arguments instead of copies of the loop.
+``train_one_batch`` is step 2's optimisation step (the federated clients train
+with ``network.local_train.local_train``, which takes FedProx's extra loss and
+SCAFFOLD's gradient hook).
 
 ``fit`` is step 2's epoch loop with its run folder: ``metrics.csv`` (long
 format ``epoch, split, metric, value``; epoch 0 is the untrained model),
@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Callable
+
 
 import torch
 from torch import nn
@@ -59,8 +59,7 @@ def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, seed: int, num
 
 
 def train_one_batch(model: nn.Module, batch: dict, task: TaskSpec | str, optimizer: torch.optim.Optimizer,
-                    device: torch.device, extra_loss: Callable[[nn.Module], torch.Tensor] | None = None,
-                    grad_hook: Callable[[nn.Module], None] | None = None) -> float:
+                    device: torch.device) -> float:
     """One optimisation step on one batch; the model must already be in training mode and on ``device``.
 
     Args:
@@ -69,11 +68,9 @@ def train_one_batch(model: nn.Module, batch: dict, task: TaskSpec | str, optimiz
         task: the task (spec or name) whose loss is minimised.
         optimizer: steps the model's parameters.
         device: where the model lives; the batch is moved there.
-        extra_loss: ``model -> scalar`` added to the task loss (e.g. FedProx's proximal term).
-        grad_hook: called with the model after backward, before the step (e.g. SCAFFOLD's correction).
 
     Returns:
-        The total loss of the batch (task loss plus extra term) as a float.
+        The loss of the batch as a float.
     """
     spec = _spec(task)
     batch = to_device(batch, device)
@@ -81,12 +78,8 @@ def train_one_batch(model: nn.Module, batch: dict, task: TaskSpec | str, optimiz
         prediction, _ = model(batch["rgb"])
     # the loss in float32: bf16 sums over many pixels lose precision
     loss = spec.loss(prediction.float(), batch)
-    if extra_loss is not None:
-        loss = loss + extra_loss(model)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    if grad_hook is not None:
-        grad_hook(model)
     optimizer.step()
     return float(loss.detach())
 
