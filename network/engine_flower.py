@@ -53,7 +53,8 @@ from torch import nn
 
 from network.aggregation import Weights
 from network.algorithms.base import Algorithm, ClientConfig, ClientResult, LossFn, load_weights
-from network.engine_sequential import ClientData, EngineConfig, EvaluateFn, SequentialEngine, seeded_torch_rng
+from network.engine_sequential import (ClientData, EngineConfig, EvaluateFn, SequentialEngine, evaluate_model,
+                                       evaluate_personal, train_client)
 from network.sampling import client_seed, clients_per_round
 from utils.device import pick_device, prepare_model
 from utils.errors import TaskHetError
@@ -376,15 +377,13 @@ class NodeHost:
         if missing:
             raise TaskHetError(f"the server's model is not this node's: it sends no {', '.join(missing[:5])}"
                                f"{' …' if len(missing) > 5 else ''} (check --encoder and the checkpoint)")
-        store, seed = self.store(orders), int(orders[SEED])
-        state = store.latest(client.client_id, round_index - 1)
-        state = self.algorithm.init_client_state(broadcast) if state is None else state
+        store = self.store(orders)
         cfg = ClientConfig(lr=float(orders[LR]), loss_fn=self.loss_fn, device=self.device,
                            num_samples=client.num_samples, local_steps=int(orders[LOCAL_STEPS]) or None,
                            local_epochs=int(orders[LOCAL_EPOCHS]) or None, momentum=float(orders[MOMENTUM]),
                            weight_decay=float(orders[WEIGHT_DECAY]))
-        with seeded_torch_rng(seed, self.device):
-            result = self.algorithm.client_update(self.model, broadcast, state, client.train_loader(seed), cfg)
+        result = train_client(self.algorithm, self.model, broadcast, store.latest(client.client_id, round_index - 1),
+                              client, int(orders[SEED]), cfg)
         store.put(client.client_id, round_index, result.client_state)
         return result
 
@@ -398,12 +397,11 @@ class NodeHost:
         if client.test_loader is None:
             return {}
         load_weights(self.model, global_weights)
-        metrics = {CLIENT_TEST_RECORD: self._evaluate(client.test_loader)}
+        metrics = {CLIENT_TEST_RECORD: evaluate_model(self.model, self.evaluate_fn, client.test_loader)}
         if self.algorithm.personal_keys(self.model):
             state = self.store(orders).latest(client.client_id, int(orders[ROUND]))
-            state = self.algorithm.init_client_state(global_weights) if state is None else state
-            load_weights(self.model, self.algorithm.personalized_weights(global_weights, state))
-            metrics[PERSONAL_TEST_RECORD] = self._evaluate(client.test_loader)
+            metrics[PERSONAL_TEST_RECORD] = evaluate_personal(self.algorithm, self.model, self.evaluate_fn,
+                                                              global_weights, state, client.test_loader)
         return metrics
 
     def hosted(self, orders: ConfigRecord) -> list[str]:
@@ -413,12 +411,6 @@ class NodeHost:
             for client_id in self.clients:
                 store.clear(client_id)
         return list(self.clients)
-
-    def _evaluate(self, loader: Iterable[dict]) -> dict[str, float]:
-        self.model.eval()
-        with torch.no_grad():
-            return {metric: float(value) for metric, value in self.evaluate_fn(self.model, loader).items()}
-
 
 def make_client_app(host_for: Callable[[Context], NodeHost]) -> ClientApp:
     """A ClientApp answering the engine's train, evaluate and query messages with ``host_for(context)``.

@@ -208,36 +208,28 @@ class SequentialEngine:
         """
         testable = [client_id for client_id, client in self.clients.items() if client.test_loader is not None]
         per_client = {client_id: self._evaluate(self.clients[client_id].test_loader) for client_id in testable}
-        personal = {}
-        for client_id in testable if self.personal_keys else ():
-            state = self.store.get(client_id)
-            state = self.algorithm.init_client_state(self.global_weights) if state is None else state
-            load_weights(self.model, self.algorithm.personalized_weights(self.global_weights, state))
-            personal[client_id] = self._evaluate(self.clients[client_id].test_loader)
+        personal = {client_id: evaluate_personal(self.algorithm, self.model, self.evaluate_fn, self.global_weights,
+                                                 self.store.get(client_id), self.clients[client_id].test_loader)
+                    for client_id in (testable if self.personal_keys else ())}
         return per_client, personal
 
     # ----- pieces -----
     def _train_client(self, round_index: int, client_id: str, broadcast: Weights, lr: float) -> ClientResult:
         client = self.clients[client_id]
-        seed = client_seed(self.config.seed, round_index, client_id)
-        state = self.store.get(client_id)
-        state = self.algorithm.init_client_state(self.global_weights) if state is None else state
         cfg = ClientConfig(lr=lr, loss_fn=self.loss_fn, device=self.device, num_samples=client.num_samples,
                            local_steps=self.config.local_steps, local_epochs=self.config.local_epochs,
                            momentum=self.config.momentum, weight_decay=self.config.weight_decay)
-        with seeded_torch_rng(seed, self.device):
-            try:
-                result = self.algorithm.client_update(self.model, broadcast, state, client.train_loader(seed), cfg)
-            except NonFiniteLossError as error:
-                raise NonFiniteLossError(f"round {round_index}, client {client_id}: {error}; "
-                                         f"{self._stop_message(round_index)}") from None
+        try:
+            result = train_client(self.algorithm, self.model, broadcast, self.store.get(client_id), client,
+                                  client_seed(self.config.seed, round_index, client_id), cfg)
+        except NonFiniteLossError as error:
+            raise NonFiniteLossError(f"round {round_index}, client {client_id}: {error}; "
+                                     f"{self._stop_message(round_index)}") from None
         self.store.put(client_id, result.client_state)
         return result
 
     def _evaluate(self, loader: Iterable[dict]) -> dict[str, float]:
-        self.model.eval()
-        with torch.no_grad():
-            return {metric: float(value) for metric, value in self.evaluate_fn(self.model, loader).items()}
+        return evaluate_model(self.model, self.evaluate_fn, loader)
 
     def _stop_message(self, round_index: int) -> str:
         return f"the run stopped; the last good checkpoint is {self.checkpoint_path} (round {round_index - 1})"
@@ -283,6 +275,30 @@ class SequentialEngine:
     def _fingerprint(self) -> dict[str, Any]:
         return {"algorithm": self.algorithm.name, "seed": self.config.seed, "clients": list(self.clients),
                 "signature": dict(self.config.signature or {})}
+
+
+# ----- one client's work, shared by both engines (the Flower node calls these too) -----
+def train_client(algorithm: Algorithm, model: nn.Module, broadcast: Weights, state: Weights | None,
+                 client: ClientData, seed: int, cfg: ClientConfig) -> ClientResult:
+    """``client_update`` of one client, seeded by its (seed, round, client) seed; ``state`` None = its first round."""
+    state = algorithm.init_client_state(broadcast) if state is None else state
+    with seeded_torch_rng(seed, cfg.device):
+        return algorithm.client_update(model, broadcast, state, client.train_loader(seed), cfg)
+
+
+def evaluate_model(model: nn.Module, evaluate_fn: EvaluateFn, loader: Iterable[dict]) -> dict[str, float]:
+    """``evaluate_fn`` in eval mode without gradients, every metric as a float."""
+    model.eval()
+    with torch.no_grad():
+        return {metric: float(value) for metric, value in evaluate_fn(model, loader).items()}
+
+
+def evaluate_personal(algorithm: Algorithm, model: nn.Module, evaluate_fn: EvaluateFn, global_weights: Weights,
+                      state: Weights | None, loader: Iterable[dict]) -> dict[str, float]:
+    """A client's own model (``personalized_weights`` of its state) on ``loader``."""
+    state = algorithm.init_client_state(global_weights) if state is None else state
+    load_weights(model, algorithm.personalized_weights(global_weights, state))
+    return evaluate_model(model, evaluate_fn, loader)
 
 
 @contextlib.contextmanager
