@@ -13,7 +13,9 @@ from torch.utils.data import DataLoader
 
 from datasets.taskonomy import read_manifest
 from models import build_task_model, get_task, load_task_model
+from network.aggregation import SERVER_OPTIMIZERS
 from network.algorithms import AlgorithmConfig, get_algorithm, list_algorithms
+from network.algorithms.scaffold import OPTIONS as SCAFFOLD_OPTIONS
 from network.client_data import global_test_loader, make_clients
 from network.engine_sequential import (GLOBAL_CLIENT, GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT, ClientData, EngineConfig, SequentialEngine,
                                        make_lr_schedule)
@@ -76,9 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--weight_decay", type=float, default=0.0, help="local SGD weight decay (default: 0)")
     add("--client_fraction", type=positive_float, default=1.0, help="share of clients per round (default: 1)")
     add("--mu", type=float, default=0.01, help="FedProx μ (default: 0.01)")
-    add("--server_opt", choices=("sgd", "momentum", "adam"), default="sgd", help="server optimizer (FedAvgM, FedAdam)")
+    add("--server_opt", choices=SERVER_OPTIMIZERS, default="sgd", help="server optimizer (FedAvgM, FedAdam)")
     add("--server_lr", type=positive_float, default=1.0, help="server learning rate η_g (default: 1)")
-    add("--scaffold_option", choices=("I", "II"), default="II", help="SCAFFOLD control-variate update (default: II)")
+    add("--scaffold_option", choices=SCAFFOLD_OPTIONS, default="II", help="SCAFFOLD control-variate update (default: II)")
     add("--head_epochs", type=int, default=1, help="FedRep head phase, in local budgets (default: 1)")
     add("--body_epochs", type=int, default=1, help="FedRep body phase, in local budgets (default: 1)")
     add("--eval_every", type=positive_int, default=1, help="evaluate every this many rounds (default: 1)")

@@ -37,12 +37,6 @@ class ClientStore:
         self._spilled: set[str] = set()
         self._memory_bytes = 0
 
-    def __len__(self) -> int:
-        return len(self._memory) + len(self._spilled)
-
-    def __contains__(self, client_id: object) -> bool:
-        return str(client_id) in self._memory or str(client_id) in self._spilled
-
     @property
     def memory_bytes(self) -> int:
         """Bytes of state currently held in memory."""

@@ -167,10 +167,8 @@ class Pipeline:
 
     def partition_for(self, combination: Combination, manifest: Path, cluster_dirs: dict[str, Path]) -> Path:
         owner, grouping, alpha, seed = partition_key(combination)
-        if grouping == "label_based":
-            return self.assignments(owner, grouping, LABEL_GROUPS, alpha, seed, manifest)
-        clusters = str(cluster_dirs[combination.task] / "clusters.csv")
-        return self.assignments(owner, grouping, clusters, alpha, seed, manifest)
+        groups = LABEL_GROUPS if grouping == "label_based" else str(cluster_dirs[combination.task] / "clusters.csv")
+        return self.assignments(owner, grouping, groups, alpha, seed, manifest)
 
     def report(self, runs: list[tuple[Combination, Path, Path]], model_dirs: dict[str, Path],
                cluster_dirs: dict[str, Path]) -> pd.DataFrame:
@@ -179,10 +177,11 @@ class Pipeline:
             keys = {"task": combination.task, "grouping": combination.grouping, "alpha": combination.alpha,
                     "algorithm": combination.algorithm, "seed": combination.seed}
             metric = get_task(combination.task).primary_metric
-            history = global_test_history(run_dir / "metrics.csv")
+            metrics = pd.read_csv(run_dir / "metrics.csv")
+            history = global_test_history(metrics)
             last = history[history["round"] == history["round"].max()].set_index("metric").value
             finals.append({**keys, "loss": last["loss"], "metric": metric, "metric_value": last[metric],
-                           "personal_loss": final_personal_loss(run_dir / "metrics.csv")})
+                           "personal_loss": final_personal_loss(metrics)})
             for round_index, loss in history[history.metric == "loss"][["round", "value"]].itertuples(index=False):
                 curves.append({**keys, "round": round_index, "loss": loss})
             if combination.seed == self.config["seeds"][0]:
@@ -214,15 +213,13 @@ def flags(params: dict[str, Any]) -> list[str]:
     return argv
 
 
-def global_test_history(metrics_csv: Path) -> pd.DataFrame:
-    """The global model's metrics on the global test split, every evaluated round."""
-    metrics = pd.read_csv(metrics_csv)
+def global_test_history(metrics: pd.DataFrame) -> pd.DataFrame:
+    """The global model's metrics on the global test split, every evaluated round (``metrics``: a run's metrics.csv)."""
     return metrics[(metrics.split == step4.GLOBAL_TEST_SPLIT) & (metrics.client == step4.GLOBAL_CLIENT)]
 
 
-def final_personal_loss(metrics_csv: Path) -> float:
+def final_personal_loss(metrics: pd.DataFrame) -> float:
     """Mean loss of the clients' own models on their client-test splits, last round (NaN without personal models)."""
-    metrics = pd.read_csv(metrics_csv)
     rows = metrics[(metrics.split == step4.PERSONAL_TEST_SPLIT) & (metrics.client == "mean") & (metrics.metric == "loss")]
     return float(rows[rows["round"] == rows["round"].max()].value.iloc[0]) if len(rows) else float("nan")
 
