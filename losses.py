@@ -3,7 +3,11 @@
 Every loss takes the model's prediction and the batch dict (see
 ``datasets/taskonomy.py``: ``batch[domain]`` holds the target, ``batch["mask"]``
 the valid pixels as bool ``[B, 1, H, W]``) and returns a scalar tensor that is 0
-on a perfect prediction.
+on a perfect prediction; with ``reduction="none"`` it returns one loss per sample
+(``[B]``: each sample's mean over its own valid pixels), which algorithms such as
+IFCA, FedEM and q-FedAvg need. The batch loss is the mean over all valid pixels of
+the batch, so it equals the mean of the per-sample losses only when every sample
+has the same number of valid pixels.
 
 Masking is by selection, never by multiplication: invalid pixels of the
 prediction are replaced by the target before the error is computed, so any
@@ -31,29 +35,38 @@ def valid_pixels(batch: dict, like: torch.Tensor) -> torch.Tensor:
     return mask.to(device=like.device, dtype=torch.bool).expand_as(like)
 
 
-def _mean_over(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Mean of ``values`` where ``valid``; 0 (still differentiable) when nothing is valid."""
-    total = torch.where(valid, values, torch.zeros_like(values)).sum()
-    return total / valid.sum().clamp(min=1)
+REDUCTIONS = ("mean", "none")
 
 
-def masked_l1(prediction: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def _mean_over(values: torch.Tensor, valid: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Mean of ``values`` where ``valid`` (over the batch, or per sample with ``"none"``); 0 where nothing is valid."""
+    kept = torch.where(valid, values, torch.zeros_like(values))
+    if reduction == "none":
+        dims = tuple(range(1, values.dim()))
+        return kept.sum(dim=dims) / valid.sum(dim=dims).clamp(min=1)
+    if reduction != "mean":
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    return kept.sum() / valid.sum().clamp(min=1)
+
+
+def masked_l1(prediction: torch.Tensor, target: torch.Tensor, valid: torch.Tensor,
+              reduction: str = "mean") -> torch.Tensor:
     """Mean absolute error over valid elements; values at invalid elements are ignored."""
     prediction = torch.where(valid, prediction, target)
-    return _mean_over((prediction - target).abs(), valid)
+    return _mean_over((prediction - target).abs(), valid, reduction)
 
 
-def dense_l1_loss(prediction: torch.Tensor, batch: dict, domain: str) -> torch.Tensor:
+def dense_l1_loss(prediction: torch.Tensor, batch: dict, domain: str, reduction: str = "mean") -> torch.Tensor:
     """L1 on valid pixels of a dense regression target ``batch[domain]`` ([B, C, H, W]).
 
     Used for depth (metres), reshading, edges, keypoints and curvature: each
     target is already in the range of the model's output activation.
     """
     target = batch[domain].to(prediction.dtype)
-    return masked_l1(prediction, target, valid_pixels(batch, prediction))
+    return masked_l1(prediction, target, valid_pixels(batch, prediction), reduction)
 
 
-def normal_loss(prediction: torch.Tensor, batch: dict, domain: str = "normal") -> torch.Tensor:
+def normal_loss(prediction: torch.Tensor, batch: dict, domain: str = "normal", reduction: str = "mean") -> torch.Tensor:
     """L1 plus angular loss (1 - cosine similarity) on valid pixels of unit normals in [-1, 1].
 
     L1 alone lets the predicted vector shrink toward zero where the direction is
@@ -62,21 +75,23 @@ def normal_loss(prediction: torch.Tensor, batch: dict, domain: str = "normal") -
     target = batch[domain].to(prediction.dtype)
     valid = valid_pixels(batch, prediction)
     prediction = torch.where(valid, prediction, target)
-    l1 = _mean_over((prediction - target).abs(), valid)
+    l1 = _mean_over((prediction - target).abs(), valid, reduction)
     cosine = F.cosine_similarity(prediction, target, dim=1, eps=1e-6).unsqueeze(1)
-    angular = _mean_over(1.0 - cosine, valid[:, :1])
+    angular = _mean_over(1.0 - cosine, valid[:, :1], reduction)
     return l1 + angular
 
 
-def segmentation_loss(prediction: torch.Tensor, batch: dict, domain: str = "segment_semantic") -> torch.Tensor:
+def segmentation_loss(prediction: torch.Tensor, batch: dict, domain: str = "segment_semantic",
+                      reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy over class logits ``[B, C, H, W]``; class 0 (unlabelled) and masked pixels are ignored."""
     target = batch[domain].to(prediction.device)
     valid = valid_pixels(batch, prediction[:, :1])[:, 0] & (target != 0)
     logits = torch.where(valid.unsqueeze(1), prediction, torch.zeros_like(prediction))
     per_pixel = F.cross_entropy(logits, torch.where(valid, target, torch.zeros_like(target)), reduction="none")
-    return _mean_over(per_pixel, valid)
+    return _mean_over(per_pixel, valid, reduction)
 
 
-def classification_loss(prediction: torch.Tensor, batch: dict, domain: str = "scene_class") -> torch.Tensor:
+def classification_loss(prediction: torch.Tensor, batch: dict, domain: str = "scene_class",
+                        reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of logits ``[B, K]`` against the manifest's remapped scene label ``batch[domain]`` ([B])."""
-    return F.cross_entropy(prediction, batch[domain].to(prediction.device))
+    return F.cross_entropy(prediction, batch[domain].to(prediction.device), reduction=reduction)

@@ -38,7 +38,7 @@ class TaskSpec:
         kind: "dense" (per-pixel prediction ``[B, C, H, W]``) or "classification" (logits ``[B, K]``).
         out_channels: output channels; None for class_scene, whose K comes from the manifest.
         activation: output activation (see :data:`models.heads.ACTIVATIONS`).
-        loss_fn: ``(prediction, batch, domain) -> scalar``.
+        loss_fn: ``(prediction, batch, domain, reduction) -> scalar`` (``[B]`` with reduction "none").
         metrics_factory: ``() -> TaskMetrics``.
         required_domains: domains the dataset must load besides rgb (mask_valid is used when on disk).
         primary_metric: the metric reports quote for the task (a key of ``new_metrics().compute()``).
@@ -54,9 +54,9 @@ class TaskSpec:
     required_domains: list[str] = field(default_factory=list)
     primary_metric: str = "l1"
 
-    def loss(self, prediction: torch.Tensor, batch: dict) -> torch.Tensor:
-        """The task's (masked) loss of a prediction against a batch; a scalar tensor."""
-        return self.loss_fn(prediction, batch, self.domain)
+    def loss(self, prediction: torch.Tensor, batch: dict, reduction: str = "mean") -> torch.Tensor:
+        """The task's (masked) loss of a prediction against a batch: a scalar, or ``[B]`` with ``reduction="none"``."""
+        return self.loss_fn(prediction, batch, self.domain, reduction)
 
     def new_metrics(self) -> TaskMetrics:
         """A fresh accumulator of the task's metrics."""

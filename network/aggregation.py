@@ -12,11 +12,13 @@ rounded back, since a counter has no meaningful fractional mean.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 from torch import Tensor
 
+from network.settings import check, setting
 from utils.errors import TaskHetError
 
 Weights = dict[str, Tensor]
@@ -97,44 +99,71 @@ def apply_update(weights: Weights, update: Weights, scale: float = 1.0) -> Weigh
     return result
 
 
-def init_server_optimizer(server_opt: str, global_weights: Weights) -> Weights:
-    """The server optimizer's initial state: zeros per floating weight (empty for plain SGD)."""
-    if server_opt not in SERVER_OPTIMIZERS:
-        raise TaskHetError(f"--server_opt must be one of {', '.join(SERVER_OPTIMIZERS)}, got {server_opt!r}")
-    prefixes = {"sgd": (), "momentum": (MOMENTUM_PREFIX,), "adam": (ADAM_M_PREFIX, ADAM_V_PREFIX)}[server_opt]
-    return {prefix + key: torch.zeros_like(value) for prefix in prefixes
-            for key, value in global_weights.items() if value.is_floating_point()}
+@dataclass(frozen=True)
+class ServerOptSettings:
+    """Settings of the server step that applies the mean client update (shared by every model-averaging algorithm)."""
+
+    server_opt: str = setting("sgd", "server optimizer: sgd (FedAvg; η_g = 1 is plain averaging), momentum (FedAvgM), "
+                                     "adam (FedAdam)", choices=SERVER_OPTIMIZERS)
+    server_lr: float = setting(1.0, "server learning rate η_g (parameters only; buffers take the plain mean)")
+    server_momentum: float = setting(0.9, "FedAvgM's β: v ← β·v + Δ̄")
+    server_beta1: float = setting(0.9, "FedAdam's β1 (first moment)")
+    server_beta2: float = setting(0.99, "FedAdam's β2 (second moment)")
+    server_tau: float = setting(1e-3, "FedAdam's adaptivity τ in m / (√v + τ)")
+
+    def __post_init__(self) -> None:
+        check(self.server_opt in SERVER_OPTIMIZERS, "server_opt", f"one of {', '.join(SERVER_OPTIMIZERS)}", self.server_opt)
+        check(self.server_lr > 0, "server_lr", "> 0", self.server_lr)
+        check(0 <= self.server_momentum < 1, "server_momentum", "in [0, 1)", self.server_momentum)
+        check(0 <= self.server_beta1 < 1, "server_beta1", "in [0, 1)", self.server_beta1)
+        check(0 <= self.server_beta2 < 1, "server_beta2", "in [0, 1)", self.server_beta2)
+        check(self.server_tau > 0, "server_tau", "> 0", self.server_tau)
 
 
-def server_step(global_weights: Weights, mean_delta: Weights, server_state: Weights, server_opt: str,
-                server_lr: float, momentum: float = 0.9, betas: tuple[float, float] = (0.9, 0.99),
-                tau: float = 1e-3) -> tuple[Weights, Weights]:
+def init_server_optimizer(settings: ServerOptSettings, global_weights: Weights, param_keys: Iterable[str]) -> Weights:
+    """The server optimizer's initial state: zeros per parameter (empty for plain SGD; buffers never have any)."""
+    prefixes = {"sgd": (), "momentum": (MOMENTUM_PREFIX,), "adam": (ADAM_M_PREFIX, ADAM_V_PREFIX)}[settings.server_opt]
+    return {prefix + key: torch.zeros_like(global_weights[key]) for prefix in prefixes for key in param_keys}
+
+
+def server_step(global_weights: Weights, mean_delta: Weights, server_state: Weights, settings: ServerOptSettings,
+                param_keys: Iterable[str]) -> tuple[Weights, Weights]:
     """Apply the mean client update ``mean_delta`` (client minus global) with a server optimizer.
 
-    Treats ``-mean_delta`` as a pseudo-gradient (Reddi et al. 2021, "Adaptive Federated
-    Optimization"): ``sgd``: x + lr·Δ (lr = 1 is FedAvg); ``momentum`` (FedAvgM, Hsu et al.
-    2019): v = β·v + Δ, x + lr·v; ``adam`` (FedAdam, Reddi et al. Alg. 2, no bias
-    correction, adaptivity τ): m = β1·m + (1-β1)·Δ, v = β2·v + (1-β2)·Δ², x + lr·m/(√v + τ).
-    Only keys in ``mean_delta`` move; integer entries (counters) always take the plain mean.
+    Treats ``-mean_delta`` of the *parameters* as a pseudo-gradient (Reddi et al. 2021,
+    "Adaptive Federated Optimization"): ``sgd``: x + η_g·Δ (η_g = 1 is FedAvg);
+    ``momentum`` (FedAvgM, Hsu et al. 2019): v = β·v + Δ, x + η_g·v; ``adam`` (FedAdam,
+    Reddi et al. Alg. 2, no bias correction, adaptivity τ): m = β1·m + (1−β1)·Δ,
+    v = β2·v + (1−β2)·Δ², x + η_g·m/(√v + τ).
+
+    Every other entry of ``mean_delta`` (BatchNorm running statistics, counters) is a
+    buffer, not a parameter: it takes the plain mean, x + Δ, whatever the optimizer
+    and η_g (momentum or scaling would push a running variance below zero). Counters
+    are rounded. Keys absent from ``mean_delta`` do not move.
+
+    Args:
+        param_keys: the model's parameter names (``ModelLayout.param_keys``).
 
     Returns:
         ``(new_global_weights, new_server_state)``; the inputs are not modified.
     """
-    plain = {key: value for key, value in mean_delta.items() if server_opt == "sgd" or not value.is_floating_point()}
-    adaptive = {key: value for key, value in mean_delta.items() if key not in plain}
-    new_weights = apply_update(global_weights, plain, server_lr if server_opt == "sgd" else 1.0)
+    params = set(param_keys)
+    buffers = {key: value for key, value in mean_delta.items() if key not in params}
+    new_weights = apply_update(global_weights, buffers)
     new_state = dict(server_state)
-    for key, delta in adaptive.items():
-        if server_opt == "momentum":
-            velocity = momentum * server_state[MOMENTUM_PREFIX + key] + delta
-            new_state[MOMENTUM_PREFIX + key] = velocity
-            step = velocity
+    for key, delta in mean_delta.items():
+        if key not in params:
+            continue
+        if settings.server_opt == "sgd":
+            step = delta
+        elif settings.server_opt == "momentum":
+            step = new_state[MOMENTUM_PREFIX + key] = settings.server_momentum * server_state[MOMENTUM_PREFIX + key] + delta
         else:
-            first = betas[0] * server_state[ADAM_M_PREFIX + key] + (1 - betas[0]) * delta
-            second = betas[1] * server_state[ADAM_V_PREFIX + key] + (1 - betas[1]) * delta * delta
-            new_state[ADAM_M_PREFIX + key], new_state[ADAM_V_PREFIX + key] = first, second
-            step = first / (second.sqrt() + tau)
-        new_weights[key] = _cast_like(global_weights[key] + server_lr * step, global_weights[key])
+            beta1, beta2 = settings.server_beta1, settings.server_beta2
+            first = new_state[ADAM_M_PREFIX + key] = beta1 * server_state[ADAM_M_PREFIX + key] + (1 - beta1) * delta
+            second = new_state[ADAM_V_PREFIX + key] = beta2 * server_state[ADAM_V_PREFIX + key] + (1 - beta2) * delta * delta
+            step = first / (second.sqrt() + settings.server_tau)
+        new_weights[key] = _cast_like(global_weights[key] + settings.server_lr * step, global_weights[key])
     return new_weights, new_state
 
 

@@ -1,7 +1,7 @@
 """Client data of a federated run: each client's train/test loaders over the assignment rows, and the global test loader.
 
-Shared by ``test_fed.py`` (all clients) and a Flower SuperNode (``network/flower_app.py``: only
-the clients whose data that machine holds). ``args`` are ``test_fed.py``'s arguments (data_path,
+Shared by step 4 (all clients) and a Flower SuperNode (``network/flower_app.py``: only
+the clients whose data that machine holds). ``args`` is the run's ``network.run.RunConfig`` (data_path,
 image_size, cache_dir, batch_size, num_workers).
 """
 
@@ -14,7 +14,7 @@ import pandas as pd
 from torch.utils.data import DataLoader, Subset
 
 from datasets.taskonomy import TaskonomyDataset
-from network.engine_sequential import ClientData
+from network.client import ClientData
 from utils.training import make_loader
 
 

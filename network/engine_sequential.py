@@ -1,22 +1,24 @@
-"""The sequential engine: every client of a round trained in turn on one reused model.
+"""The sequential engine: every client of a round trained in turn on one reused worker model.
 
-The fast path on one machine (DESIGN.md §4). It owns the round loop and nothing
+The fast path on one machine (docs/DESIGN.md §4). It owns the round loop and nothing
 else: client sampling (network.sampling), per-client seeds, streaming aggregation
-(each upload is folded into the algorithm's running mean as soon as its client
-finishes), client state (network.client_store), evaluation, checkpoints and the
-metrics file. It depends only on a model, ``loss_fn(model, batch)``, an
-``evaluate_fn(model, loader)`` and per-client loaders, so a Taskonomy TaskModel
-and the least-squares oracle of the tests run through the very same code.
+(each upload is folded into the algorithm's aggregate as soon as its client
+finishes), client state (network.client_store), evaluation (network.client), checkpoints
+and the metrics file. It depends only on a model, ``loss_fn(model, batch)``, an
+``evaluate_fn(model, loader)`` and per-client loaders, so a Taskonomy TaskModel and the
+least-squares oracle of the tests run through the very same code.
 
 Run folder: ``metrics.csv`` (round, split, client, metric, value), ``checkpoint.pt``
-after every round (written atomically), ``best.pt`` (lowest global test loss; the
-``{"model", "model_config"}`` layout of step 2, so models.load_task_model reads it),
-``curves.png``. A resumed run ends bit-identical to an uninterrupted one on CPU.
+after every round (written atomically: the whole server state, every client state and
+the RNG), ``best.pt`` (lowest global test loss; ``{"model", "models", "model_config"}``:
+``model`` is the global model, so models.load_task_model reads it, ``models`` every
+server model by name), ``curves.png``. A resumed run ends bit-identical to an
+uninterrupted one on CPU.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -31,7 +33,11 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from network.aggregation import Weights, client_summary
-from network.algorithms.base import TRAIN_LOSS, Algorithm, ClientConfig, ClientResult, LossFn, load_weights
+from network.algorithms.base import (TRAIN_LOSS, Algorithm, ClientConfig, ClientResult, LossFn, ServerState, Upload,
+                                     load_weights)
+from network.client import (CLIENT_TEST_SPLIT, FINETUNED_TEST_SPLIT, GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT,
+                            ClientData, ClientFailure, EvaluateFn, Finetune, evaluate_client, evaluate_model,
+                            finetune_seed, train_client)
 from network.client_store import ClientStore
 from network.local_train import NonFiniteLossError
 from network.sampling import client_seed, sample_clients
@@ -39,33 +45,14 @@ from utils.errors import TaskHetError
 from utils.run_dir import MetricsCSV, atomic_torch_save, load_checkpoint
 
 # Names in metrics.csv, shared with every engine and with the report.
-GLOBAL_TEST_SPLIT = "test"  # the global model on the manifest's test split
-CLIENT_TEST_SPLIT = "client_test"  # the global model on each client's held-out samples
-PERSONAL_TEST_SPLIT = "client_test_personal"  # each client's own model (algorithms with personal keys)
 TRAIN_SPLIT = "train"  # the clients' local training metrics
-GLOBAL_CLIENT = "global"
+GLOBAL_CLIENT = "global"  # the global model's rows of the global test split
+MODEL_CLIENT_PREFIX = "model:"  # rows of each server model, when an algorithm has several
+SKIPPED_CLIENT = "skipped"  # personal split: clients without a personal model (metric "clients")
 SUMMARY_CLIENTS = ("mean", "std", "worst_decile")
+CLIENT_SPLITS = (CLIENT_TEST_SPLIT, PERSONAL_TEST_SPLIT, FINETUNED_TEST_SPLIT)
 METRICS_COLUMNS = ("round", "split", "client", "metric", "value")
 CHECKPOINT_FILE, BEST_FILE, METRICS_FILE, CURVES_FILE = "checkpoint.pt", "best.pt", "metrics.csv", "curves.png"
-
-EvaluateFn = Callable[[nn.Module, Iterable[dict]], dict[str, float]]
-
-
-@dataclass(frozen=True)
-class ClientData:
-    """One client as the engine sees it.
-
-    Attributes:
-        client_id: the id in assignments.csv (kept as a string).
-        num_samples: size of its training split (its FedAvg weight).
-        train_loader: ``train_loader(seed) -> iterable of batch dicts``; the seed fixes the order.
-        test_loader: its held-out client-test batches, or None.
-    """
-
-    client_id: str
-    num_samples: int
-    train_loader: Callable[[int], Iterable[dict]]
-    test_loader: Iterable[dict] | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +73,7 @@ class EngineConfig:
         progress: show a tqdm bar over rounds.
         signature: the caller's description of the run (its arguments); resuming a
             checkpoint written with another signature is refused.
+        finetune_steps: evaluate every client's model also after this many local steps (0: off).
     """
 
     out_dir: Path
@@ -102,10 +90,22 @@ class EngineConfig:
     max_state_memory_bytes: int | None = None
     progress: bool = True
     signature: dict[str, str] | None = None
+    finetune_steps: int = 0
 
 
 class SequentialEngine:
-    """Runs ``algorithm`` over ``clients`` for ``config.n_rounds`` rounds; see the module docstring."""
+    """Runs ``algorithm`` over ``clients`` for ``config.n_rounds`` rounds; see the module docstring.
+
+    Args:
+        model: the worker model (``build_algorithm``'s), holding the initial weights.
+        algorithm: the algorithm object.
+        clients: every client of the federation.
+        loss_fn, evaluate_fn: the task's loss and split evaluation.
+        test_loader: the global test split.
+        config: round-loop settings.
+        device: where the model trains.
+        model_config: the arguments that rebuild the task model (kept in checkpoints).
+    """
 
     def __init__(self, model: nn.Module, algorithm: Algorithm, clients: list[ClientData], loss_fn: LossFn,
                  evaluate_fn: EvaluateFn, test_loader: Iterable[dict], config: EngineConfig,
@@ -123,11 +123,15 @@ class SequentialEngine:
         self.out_dir = Path(config.out_dir)
         self.checkpoint_path = self.out_dir / CHECKPOINT_FILE
         self.store = ClientStore(self.out_dir / "client_states", config.max_state_memory_bytes)
-        self.global_weights: Weights = {key: value.detach().clone() for key, value in model.state_dict().items()}
-        self.server_state: Weights = algorithm.init_server_state(self.global_weights)
-        self.personal_keys = algorithm.personal_keys(model)
+        self.server: ServerState = algorithm.init_server(
+            {key: value.detach().clone() for key, value in model.state_dict().items()})
         self.best_loss = math.inf
         self.metrics = MetricsCSV(self.out_dir / METRICS_FILE, METRICS_COLUMNS)
+
+    @property
+    def global_weights(self) -> Weights:
+        """The global model: the first of the algorithm's evaluated models."""
+        return next(iter(self.algorithm.evaluated_models(self.server).values()))
 
     # ----- the loop -----
     def run(self) -> Weights:
@@ -157,20 +161,20 @@ class SequentialEngine:
     def train_round(self, round_index: int) -> list[dict[str, Any]]:
         """Sample, train and aggregate one round; returns its training metric rows."""
         sampled = sample_clients(list(self.clients), self.config.client_fraction, self.config.seed, round_index)
-        broadcast = self.algorithm.broadcast(self.global_weights, self.server_state)
+        broadcast = self.algorithm.broadcast(self.server)
         lr = float(self.config.lr_schedule(round_index))
         results: dict[str, dict[str, float]] = {}
 
-        def uploads() -> Iterator[tuple[Weights, int]]:
+        def uploads() -> Iterator[Upload]:
             for client_id, result in self.client_results(round_index, sampled, broadcast, lr):
                 results[client_id] = result.metrics
-                yield result.upload, result.num_samples
+                yield Upload(client_id, result.upload, result.num_samples, result.metrics)
 
-        self.global_weights, self.server_state = self.algorithm.aggregate(self.global_weights, self.server_state,
-                                                                          uploads())
-        finite = [torch.isfinite(value).all() for value in self.global_weights.values() if value.is_floating_point()]
+        self.server = self.algorithm.aggregate(self.server, uploads())
+        finite = [torch.isfinite(value).all() for weights in self.server.models.values()
+                  for value in weights.values() if value.is_floating_point()]
         if finite and not bool(torch.stack(finite).all()):  # one device sync per round
-            raise NonFiniteLossError(f"round {round_index}: the aggregated global weights are not finite; "
+            raise NonFiniteLossError(f"round {round_index}: the aggregated server models are not finite; "
                                      f"{self._stop_message(round_index)}")
         rows = [_row(round_index, TRAIN_SPLIT, client_id, metric, value)
                 for client_id, metrics in results.items() for metric, value in metrics.items()]
@@ -180,56 +184,73 @@ class SequentialEngine:
         return rows
 
     def evaluate(self, round_index: int) -> tuple[list[dict[str, Any]], float]:
-        """Global model on the global test split and on every client's test split (plus personal models).
+        """Server models on the global test split, then every client's splits (network.client.evaluate_client).
 
         Returns:
-            The metric rows and the global test loss.
+            The metric rows and the global model's test loss.
         """
-        load_weights(self.model, self.global_weights)
-        test = self._evaluate(self.test_loader)
-        rows = [_row(round_index, GLOBAL_TEST_SPLIT, GLOBAL_CLIENT, metric, value) for metric, value in test.items()]
-        per_client, personal = self.client_evaluations(round_index)
-        rows += _client_rows(round_index, CLIENT_TEST_SPLIT, per_client)
-        if self.personal_keys:
-            rows += _client_rows(round_index, PERSONAL_TEST_SPLIT, personal)
-        return rows, float(test["loss"])
+        models = self.algorithm.evaluated_models(self.server)
+        rows, global_loss = [], None
+        for index, (name, weights) in enumerate(models.items()):
+            load_weights(self.model, weights)
+            test = evaluate_model(self.model, self.evaluate_fn, self.test_loader)
+            owners = ([GLOBAL_CLIENT] if index == 0 else []) + ([MODEL_CLIENT_PREFIX + name] if len(models) > 1 else [])
+            rows += [_row(round_index, GLOBAL_TEST_SPLIT, owner, metric, value)
+                     for owner in owners for metric, value in test.items()]
+            global_loss = float(test["loss"]) if index == 0 else global_loss
+        per_split = self.client_evaluations(round_index)
+        for split in CLIENT_SPLITS:
+            rows += _client_rows(round_index, split, per_split.get(split, {}))
+        if self.algorithm.personalized:
+            testable = sum(client.test_loader is not None for client in self.clients.values())
+            skipped = testable - len(per_split.get(PERSONAL_TEST_SPLIT, {}))
+            rows.append(_row(round_index, PERSONAL_TEST_SPLIT, SKIPPED_CLIENT, "clients", skipped))
+        return rows, global_loss
 
     # ----- how an engine reaches its clients (the Flower engine overrides these two) -----
-    def client_results(self, round_index: int, sampled: list[str], broadcast: Weights,
+    def client_results(self, round_index: int, sampled: list[str], broadcast: dict[str, Weights],
                        lr: float) -> Iterator[tuple[str, ClientResult]]:
         """``(client_id, result)`` of the sampled clients, in the sampled order (the summation order)."""
         for client_id in sampled:
             yield client_id, self._train_client(round_index, client_id, broadcast, lr)
 
-    def client_evaluations(self, round_index: int) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
-        """Per-client metrics of the global model, and of each client's own model (empty without personal keys).
+    def client_evaluations(self, round_index: int) -> dict[str, dict[str, dict[str, float]]]:
+        """split -> client id -> metrics, for every client with test samples (in the engine's client order)."""
+        per_split: dict[str, dict[str, dict[str, float]]] = {}
+        for client_id, client in self.clients.items():
+            splits = evaluate_client(self.algorithm, self.model, self.evaluate_fn, self.server.models,
+                                     self.global_weights, self.store.get(client_id), client, self.loss_fn,
+                                     self.device, self.finetune(round_index), finetune_seed(self.config.seed,
+                                                                                            round_index, client_id))
+            for split, metrics in splits.items():
+                per_split.setdefault(split, {})[client_id] = metrics
+        return per_split
 
-        Both dicts are keyed by client id in the engine's client order, clients without test samples left out.
-        """
-        testable = [client_id for client_id, client in self.clients.items() if client.test_loader is not None]
-        per_client = {client_id: self._evaluate(self.clients[client_id].test_loader) for client_id in testable}
-        personal = {client_id: evaluate_personal(self.algorithm, self.model, self.evaluate_fn, self.global_weights,
-                                                 self.store.get(client_id), self.clients[client_id].test_loader)
-                    for client_id in (testable if self.personal_keys else ())}
-        return per_client, personal
+    def finetune(self, round_index: int) -> Finetune:
+        """Evaluation-time fine-tuning with this round's local learning rate."""
+        return Finetune(self.config.finetune_steps, float(self.config.lr_schedule(max(round_index, 1))),
+                        self.config.momentum, self.config.weight_decay)
+
+    def client_config(self, lr: float, num_samples: int) -> ClientConfig:
+        return ClientConfig(lr=lr, loss_fn=self.loss_fn, device=self.device, num_samples=num_samples,
+                            local_steps=self.config.local_steps, local_epochs=self.config.local_epochs,
+                            momentum=self.config.momentum, weight_decay=self.config.weight_decay)
 
     # ----- pieces -----
-    def _train_client(self, round_index: int, client_id: str, broadcast: Weights, lr: float) -> ClientResult:
+    def _train_client(self, round_index: int, client_id: str, broadcast: dict[str, Weights], lr: float) -> ClientResult:
         client = self.clients[client_id]
-        cfg = ClientConfig(lr=lr, loss_fn=self.loss_fn, device=self.device, num_samples=client.num_samples,
-                           local_steps=self.config.local_steps, local_epochs=self.config.local_epochs,
-                           momentum=self.config.momentum, weight_decay=self.config.weight_decay)
         try:
             result = train_client(self.algorithm, self.model, broadcast, self.store.get(client_id), client,
-                                  client_seed(self.config.seed, round_index, client_id), cfg)
+                                  client_seed(self.config.seed, round_index, client_id),
+                                  self.client_config(lr, client.num_samples))
         except NonFiniteLossError as error:
             raise NonFiniteLossError(f"round {round_index}, client {client_id}: {error}; "
                                      f"{self._stop_message(round_index)}") from None
+        except Exception as error:  # any failure inside a client names the client
+            raise ClientFailure(f"round {round_index}, client {client_id} failed: {type(error).__name__}: {error}; "
+                                f"{self._stop_message(round_index)}") from error
         self.store.put(client_id, result.client_state)
         return result
-
-    def _evaluate(self, loader: Iterable[dict]) -> dict[str, float]:
-        return evaluate_model(self.model, self.evaluate_fn, loader)
 
     def _stop_message(self, round_index: int) -> str:
         return f"the run stopped; the last good checkpoint is {self.checkpoint_path} (round {round_index - 1})"
@@ -241,8 +262,7 @@ class SequentialEngine:
             if checkpoint["run"] != self._fingerprint():
                 raise TaskHetError(f"{self.checkpoint_path} belongs to a different run ({checkpoint['run']}); "
                                    "use --no-resume or another --out")
-            self.global_weights = {key: value.to(self.device) for key, value in checkpoint["model"].items()}
-            self.server_state = {key: value.to(self.device) for key, value in checkpoint["server_state"].items()}
+            self.server = ServerState(**checkpoint["server"]).to(self.device)
             self.store.restore(checkpoint["client_states"])
             torch.set_rng_state(checkpoint["rng"]["torch"])
             self.best_loss = checkpoint["best_loss"]
@@ -259,65 +279,22 @@ class SequentialEngine:
     def _finish_round(self, round_index: int, rows: list[dict[str, Any]], test_loss: float | None) -> None:
         # Metrics first, checkpoint last: a kill in between redoes this round and truncates its rows.
         self.metrics.write(rows)
-        cpu_weights = {key: value.detach().cpu() for key, value in self.global_weights.items()}
+        server = self.server.to("cpu")
+        global_weights = next(iter(self.algorithm.evaluated_models(server).values()))
         if test_loss is not None and test_loss < self.best_loss:
             self.best_loss = test_loss
-            atomic_torch_save({"model": cpu_weights, "model_config": self.model_config, "round": round_index,
-                               "test_loss": test_loss}, self.out_dir / BEST_FILE)
+            atomic_torch_save({"model": global_weights, "models": server.models, "model_config": self.model_config,
+                               "round": round_index, "test_loss": test_loss}, self.out_dir / BEST_FILE)
         atomic_torch_save({
-            "round": round_index, "model": cpu_weights, "model_config": self.model_config,
-            "server_state": {key: value.detach().cpu() for key, value in self.server_state.items()},
-            "client_states": self.store.snapshot(), "best_loss": self.best_loss,
+            "round": round_index, "model": global_weights, "model_config": self.model_config,
+            "server": server.as_dict(), "client_states": self.store.snapshot(), "best_loss": self.best_loss,
             # Every draw derives from (seed, round, client), so the global torch state is the only RNG left.
             "rng": {"torch": torch.get_rng_state()}, "run": self._fingerprint(),
         }, self.checkpoint_path)
 
     def _fingerprint(self) -> dict[str, Any]:
-        return {"algorithm": self.algorithm.name, "seed": self.config.seed, "clients": list(self.clients),
-                "signature": dict(self.config.signature or {})}
-
-
-# ----- one client's work, shared by both engines (the Flower node calls these too) -----
-def train_client(algorithm: Algorithm, model: nn.Module, broadcast: Weights, state: Weights | None,
-                 client: ClientData, seed: int, cfg: ClientConfig) -> ClientResult:
-    """``client_update`` of one client, seeded by its (seed, round, client) seed; ``state`` None = its first round."""
-    state = algorithm.init_client_state(broadcast) if state is None else state
-    with seeded_torch_rng(seed, cfg.device):
-        return algorithm.client_update(model, broadcast, state, client.train_loader(seed), cfg)
-
-
-def evaluate_model(model: nn.Module, evaluate_fn: EvaluateFn, loader: Iterable[dict]) -> dict[str, float]:
-    """``evaluate_fn`` in eval mode without gradients, every metric as a float."""
-    model.eval()
-    with torch.no_grad():
-        return {metric: float(value) for metric, value in evaluate_fn(model, loader).items()}
-
-
-def evaluate_personal(algorithm: Algorithm, model: nn.Module, evaluate_fn: EvaluateFn, global_weights: Weights,
-                      state: Weights | None, loader: Iterable[dict]) -> dict[str, float]:
-    """A client's own model (``personalized_weights`` of its state) on ``loader``."""
-    state = algorithm.init_client_state(global_weights) if state is None else state
-    load_weights(model, algorithm.personalized_weights(global_weights, state))
-    return evaluate_model(model, evaluate_fn, loader)
-
-
-@contextlib.contextmanager
-def seeded_torch_rng(seed: int, device: torch.device) -> Iterator[None]:
-    """Seed torch's global generators (dropout, random augmentation) for one client, restoring them after.
-
-    Layers such as dropout only draw from the global generator; forking it makes a
-    client's training a function of its seed without disturbing any other draw.
-    """
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        # Seeds only the generators in use (torch.manual_seed would also queue lazy seeding of every backend).
-        torch.default_generator.manual_seed(seed)
-        if device.type == "cuda":
-            torch.cuda.manual_seed(seed)
-        elif device.type == "mps":
-            torch.mps.manual_seed(seed)
-        yield
-
+        return {"algorithm": self.algorithm.name, "settings": dataclasses.asdict(self.algorithm.settings),
+                "seed": self.config.seed, "clients": list(self.clients), "signature": dict(self.config.signature or {})}
 
 def make_lr_schedule(spec: str, init_lr: float, n_rounds: int) -> Callable[[int], float]:
     """The local learning rate of round r (1-based), the same for every client.
@@ -385,7 +362,8 @@ def plot_curves(metrics_csv: Path, out_png: Path) -> None:
     metrics = pd.read_csv(metrics_csv, dtype={"client": str})
     figure, axis = plt.subplots(figsize=(7, 4))
     for split, label in ((GLOBAL_TEST_SPLIT, "global test"), (CLIENT_TEST_SPLIT, "client test (global model)"),
-                         (PERSONAL_TEST_SPLIT, "client test (personal models)")):
+                         (PERSONAL_TEST_SPLIT, "client test (personal models)"),
+                         (FINETUNED_TEST_SPLIT, "client test (after local fine-tuning)")):
         client = GLOBAL_CLIENT if split == GLOBAL_TEST_SPLIT else "mean"
         curve = metrics[(metrics.split == split) & (metrics.client == client) & (metrics.metric == "loss")]
         if curve.empty:

@@ -1,9 +1,9 @@
 """The one local training loop every federated algorithm runs (STYLE.md §1).
 
-Algorithms differ only in what they pass in: an extra loss term (FedProx's
-proximal term), a gradient hook run between ``backward`` and ``optimizer.step``
-(SCAFFOLD's correction), or which parameters the optimizer holds (FedRep's
-phases). The loop knows nothing about tasks: ``loss_fn(model, batch)`` does, so
+Algorithms differ only in what they pass in (through ``network.algorithms.skeleton.Phase``):
+an extra loss term (FedProx's proximal term), a gradient hook run between ``backward``
+and ``optimizer.step`` (SCAFFOLD's correction), a map applied after each step (Ditto's
+proximal step), or which parameters the optimizer holds (FedRep's phases). The loop knows nothing about tasks: ``loss_fn(model, batch)`` does, so
 the same loop trains TaskModels on Taskonomy batches and the least-squares oracle.
 """
 
@@ -41,7 +41,8 @@ class LocalTrainResult:
 def local_train(model: nn.Module, loader: Iterable[dict], loss_fn: LossFn, optimizer: torch.optim.Optimizer,
                 device: torch.device, *, steps: int | None = None, epochs: int | None = None,
                 extra_loss: Callable[[nn.Module], Tensor] | None = None,
-                grad_hook: Callable[[nn.Module], None] | None = None) -> LocalTrainResult:
+                grad_hook: Callable[[nn.Module], None] | None = None,
+                post_step: Callable[[nn.Module], None] | None = None) -> LocalTrainResult:
     """Train ``model`` in place for ``steps`` minibatch steps or ``epochs`` passes over ``loader``.
 
     Args:
@@ -56,6 +57,7 @@ def local_train(model: nn.Module, loader: Iterable[dict], loss_fn: LossFn, optim
         extra_loss: ``extra_loss(model) -> scalar`` added to the loss before
             ``backward`` (computed outside autocast, in the parameters' precision).
         grad_hook: ``grad_hook(model)`` called after ``backward``, before ``optimizer.step``.
+        post_step: ``post_step(model)`` called after every ``optimizer.step`` (a proximal map).
 
     Returns:
         The steps taken and the mean task loss. The loss is checked once at the end
@@ -76,6 +78,8 @@ def local_train(model: nn.Module, loader: Iterable[dict], loss_fn: LossFn, optim
         if grad_hook is not None:
             grad_hook(model)
         optimizer.step()
+        if post_step is not None:
+            post_step(model)
         losses.append(loss.detach())
     taken = len(losses)
     mean_loss = float(torch.stack(losses).float().mean()) if losses else 0.0

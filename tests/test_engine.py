@@ -9,11 +9,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from network.algorithms import AlgorithmConfig, get_algorithm
+from network.algorithms import build_algorithm, list_algorithms
 from network import engine_sequential as engine_module
+from network.algorithms.fedavg import FedAvg
 from network.algorithms.scaffold import Scaffold
-from network.engine_sequential import (CLIENT_TEST_SPLIT, GLOBAL_CLIENT, GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT,
-                                       ClientData, EngineConfig, SequentialEngine, make_lr_schedule)
+from network.client import CLIENT_TEST_SPLIT, GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT, ClientData, ClientFailure
+from network.engine_sequential import GLOBAL_CLIENT, SKIPPED_CLIENT, EngineConfig, SequentialEngine, make_lr_schedule
 from network.local_train import NonFiniteLossError
 from network.sampling import client_seed, clients_per_round, sample_clients
 from utils.errors import TaskHetError
@@ -57,14 +58,19 @@ def global_test() -> list[dict]:
                            batch_size=16))
 
 
-def make_engine(out_dir, name="scaffold", rounds=5, clients=None, algorithm=None, **overrides) -> SequentialEngine:
+def make_engine(out_dir, name="scaffold", rounds=5, clients=None, algorithm_class=None, settings=None,
+                **overrides) -> SequentialEngine:
     torch.manual_seed(0)
-    model = TinyNet()
-    settings = dict(out_dir=out_dir, n_rounds=rounds, lr_schedule=make_lr_schedule("cosine", 0.05, rounds), seed=7,
-                    local_steps=3, client_fraction=0.6, eval_every=2, momentum=0.5, progress=False)
-    algorithm = algorithm or get_algorithm(name, AlgorithmConfig(num_clients=NUM_CLIENTS))
-    return SequentialEngine(model, algorithm, clients or make_clients(), loss_fn, evaluate, global_test(),
-                            EngineConfig(**{**settings, **overrides}), CPU, model_config={"name": "tiny"})
+    task_model = TinyNet()  # before make_clients: iterating a DataLoader draws from the global RNG
+    clients = clients or make_clients()
+    algorithm, model = build_algorithm(name, task_model, {client.client_id: client.num_samples for client in clients},
+                                       settings, seed=7)
+    if algorithm_class is not None:  # a spy subclass of the same algorithm
+        algorithm = algorithm_class(algorithm.settings, algorithm.federation)
+    engine_settings = dict(out_dir=out_dir, n_rounds=rounds, lr_schedule=make_lr_schedule("cosine", 0.05, rounds), seed=7,
+                           local_steps=3, client_fraction=0.6, eval_every=2, momentum=0.5, progress=False)
+    return SequentialEngine(model, algorithm, clients, loss_fn, evaluate, global_test(),
+                            EngineConfig(**{**engine_settings, **overrides}), CPU, model_config={"name": "tiny"})
 
 
 def assert_same_weights(first: dict, second: dict) -> None:
@@ -91,7 +97,7 @@ def kill_before_checkpoint_of_round(monkeypatch, round_index: int) -> None:
     monkeypatch.setattr(engine_module, "atomic_torch_save", dying_save)
 
 
-@pytest.mark.parametrize("name, kill", [("scaffold", "mid_round"), ("fedrep", "mid_round"),
+@pytest.mark.parametrize("name, kill", [*((name, "mid_round") for name in list_algorithms()),
                                         ("scaffold", "before_checkpoint")])
 def test_killed_and_resumed_run_is_bit_identical(tmp_path, monkeypatch, name, kill):
     reference = make_engine(tmp_path / "full", name).run()
@@ -107,15 +113,16 @@ def test_killed_and_resumed_run_is_bit_identical(tmp_path, monkeypatch, name, ki
     assert (tmp_path / "full" / "metrics.csv").read_bytes() == (tmp_path / "resumed" / "metrics.csv").read_bytes()
     full, again = (load_checkpoint(tmp_path / run / "checkpoint.pt") for run in ("full", "resumed"))
     assert_same_states(full["client_states"], again["client_states"])
-    assert_same_weights(full["server_state"], again["server_state"])
+    assert_same_states(full["server"]["models"], again["server"]["models"])
+    assert_same_weights(full["server"]["tensors"], again["server"]["tensors"])
     assert full["round"] == again["round"] == 5
 
 
 class SpyScaffold(Scaffold):
     """Records, per call, the client, the state it was given and the state it returned."""
 
-    def __init__(self, config: AlgorithmConfig) -> None:
-        super().__init__(config)
+    def __init__(self, settings, federation) -> None:
+        super().__init__(settings, federation)
         self.calls: list[tuple[str, dict, dict]] = []
 
     def client_update(self, model, broadcast, client_state, loader, cfg):
@@ -125,8 +132,9 @@ class SpyScaffold(Scaffold):
 
 
 def test_scaffold_client_control_variates_persist_across_rounds_and_through_resume(tmp_path):
-    spy = SpyScaffold(AlgorithmConfig(num_clients=NUM_CLIENTS))
-    make_engine(tmp_path / "full", algorithm=spy).run()
+    full = make_engine(tmp_path / "full", algorithm_class=SpyScaffold)
+    full.run()
+    spy = full.algorithm
     last_state: dict[str, dict] = {}
     for client_id, given, returned in spy.calls:
         if client_id in last_state:
@@ -139,8 +147,9 @@ def test_scaffold_client_control_variates_persist_across_rounds_and_through_resu
 
     with pytest.raises(KeyboardInterrupt):
         make_engine(tmp_path / "resumed", clients=make_clients(kill_after_calls=7)).run()
-    resumed_spy = SpyScaffold(AlgorithmConfig(num_clients=NUM_CLIENTS))
-    make_engine(tmp_path / "resumed", algorithm=resumed_spy).run()
+    resumed = make_engine(tmp_path / "resumed", algorithm_class=SpyScaffold)
+    resumed.run()
+    resumed_spy = resumed.algorithm
     tail = spy.calls[-len(resumed_spy.calls):]
     assert len(resumed_spy.calls) == 9  # rounds 3–5, 3 clients each
     for (client_id, given, returned), (same_id, given_again, returned_again) in zip(tail, resumed_spy.calls):
@@ -161,16 +170,18 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
 
 
 def test_non_finite_aggregate_stops_before_its_checkpoint(tmp_path):
-    algorithm = get_algorithm("fedavg", AlgorithmConfig(num_clients=NUM_CLIENTS, server_lr=1e300))
-    with pytest.raises(NonFiniteLossError, match="round 1: the aggregated global weights are not finite"):
-        make_engine(tmp_path, algorithm=algorithm).run()
+    with pytest.raises(NonFiniteLossError, match="round 1: the aggregated server models are not finite"):
+        make_engine(tmp_path, "fedavg", settings={"server_lr": 1e300}).run()
     assert load_checkpoint(tmp_path / "checkpoint.pt")["round"] == 0
 
 
-@pytest.mark.parametrize("limit", [0, 700])
-def test_spilling_client_state_to_disk_changes_nothing(tmp_path, limit):
-    in_memory = make_engine(tmp_path / "memory").run()
-    engine = make_engine(tmp_path / "disk", max_state_memory_bytes=limit)
+STATEFUL = [name for name in list_algorithms() if name not in ("fedavg", "fedprox")]  # those keep client state
+
+
+@pytest.mark.parametrize("name, limit", [*((name, 0) for name in STATEFUL), ("scaffold", 700)])
+def test_spilling_client_state_to_disk_changes_nothing(tmp_path, name, limit):
+    in_memory = make_engine(tmp_path / "memory", name).run()
+    engine = make_engine(tmp_path / "disk", name, max_state_memory_bytes=limit)
     spilled = engine.run()
     assert_same_weights(in_memory, spilled)
     assert len(list((tmp_path / "disk" / "client_states").glob("client_*.pt"))) > 0
@@ -211,9 +222,9 @@ def test_resume_refuses_another_runs_checkpoint_and_no_resume_starts_over(tmp_pa
     assert metrics["round"].max() == 1 and load_checkpoint(tmp_path / "checkpoint.pt")["run"]["algorithm"] == "fedprox"
 
 
-class RecordingFedAvg(type(get_algorithm("fedavg"))):
-    def __init__(self, config: AlgorithmConfig) -> None:
-        super().__init__(config)
+class RecordingFedAvg(FedAvg):
+    def __init__(self, settings, federation) -> None:
+        super().__init__(settings, federation)
         self.uploads: dict[str, dict] = {}
 
     def client_update(self, model, broadcast, client_state, loader, cfg):
@@ -225,9 +236,10 @@ class RecordingFedAvg(type(get_algorithm("fedavg"))):
 def test_a_client_trains_identically_whoever_else_is_sampled(tmp_path):
     runs = {}
     for fraction in (0.4, 1.0):
-        algorithm = RecordingFedAvg(AlgorithmConfig(num_clients=NUM_CLIENTS))
-        make_engine(tmp_path / str(fraction), algorithm=algorithm, rounds=1, client_fraction=fraction).run()
-        runs[fraction] = algorithm.uploads
+        engine = make_engine(tmp_path / str(fraction), "fedavg", algorithm_class=RecordingFedAvg, rounds=1,
+                             client_fraction=fraction)
+        engine.run()
+        runs[fraction] = {client_id: upload["delta"] for client_id, upload in engine.algorithm.uploads.items()}
     shared = set(runs[0.4]) & set(runs[1.0])
     assert len(runs[0.4]) == 2 and shared == set(runs[0.4])
     for client_id in shared:

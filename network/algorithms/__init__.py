@@ -1,4 +1,4 @@
-"""Federated algorithms, one file each, registered by name (DESIGN.md §4).
+"""Federated algorithms, one file each, registered by name (docs/DESIGN.md §4).
 
 Each module below registers itself in :data:`network.algorithms.base.ALGORITHMS`
 when imported; they are imported explicitly so the registry is always complete.
@@ -6,26 +6,33 @@ when imported; they are imported explicitly so the registry is always complete.
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from typing import Any, Mapping
 
-from network.algorithms import fedavg, fedprox, fedrep, scaffold  # noqa: F401  (registration)
-from network.algorithms.base import ALGORITHMS, Algorithm, AlgorithmConfig, ClientConfig, ClientResult
-from utils.errors import TaskHetError
+from torch import nn
+
+from network.algorithms import ditto, fedavg, fedbn, fedper, fedprox, fedrep, ifca, scaffold  # noqa: F401  (registration)
+from network.algorithms.base import (ALGORITHMS, Algorithm, ClientConfig, ClientResult, Federation, ModelLayout,
+                                     ServerState, Upload)
+from network.settings import build_settings, settings_table
 
 
-def get_algorithm(name: str, config: AlgorithmConfig | None = None, **hyperparameters: object) -> Algorithm:
-    """The algorithm called ``name``, built from ``config`` and/or keyword hyperparameters.
+def build_algorithm(name: str, model: nn.Module, client_sizes: Mapping[str, int], settings: Mapping[str, Any] | None = None,
+                    seed: int = 0) -> tuple[Algorithm, nn.Module]:
+    """The algorithm called ``name`` for a federation of ``client_sizes``, and the worker model it trains.
 
-    ``get_algorithm("fedprox", mu=0.1, num_clients=10)`` equals
-    ``get_algorithm("fedprox", AlgorithmConfig(mu=0.1, num_clients=10))``; keywords override ``config``.
-    Unknown names list the choices; unknown hyperparameters list the known ones.
+    Args:
+        name: a registered algorithm.
+        model: the task model (the worker model is built from it).
+        client_sizes: client id -> number of training samples, for every client.
+        settings: setting name -> value (strings or YAML scalars are converted); unknown
+            or foreign names are an error listing the algorithm's settings.
+        seed: the run's root seed.
     """
-    algorithm = ALGORITHMS.get(name)
-    known = {field.name for field in fields(AlgorithmConfig)}
-    unknown = sorted(set(hyperparameters) - known)
-    if unknown:
-        raise TaskHetError(f"unknown hyperparameter(s) {', '.join(unknown)} for {name}; known: {', '.join(sorted(known))}")
-    return algorithm(replace(config or AlgorithmConfig(), **hyperparameters))
+    algorithm_class = ALGORITHMS.get(name)
+    parsed = build_settings(algorithm_class.Settings, settings or {}, name)
+    worker = algorithm_class.worker_model(model, parsed)
+    federation = Federation({str(key): int(value) for key, value in client_sizes.items()}, ModelLayout.of(worker), seed)
+    return algorithm_class(parsed, federation), worker
 
 
 def list_algorithms() -> list[str]:
@@ -33,4 +40,16 @@ def list_algorithms() -> list[str]:
     return ALGORITHMS.names()
 
 
-__all__ = ["Algorithm", "AlgorithmConfig", "ClientConfig", "ClientResult", "get_algorithm", "list_algorithms"]
+def describe_algorithms() -> str:
+    """Every algorithm with its settings, as ``test_fed.py --list_methods`` prints them."""
+    blocks = []
+    for name in list_algorithms():
+        algorithm_class = ALGORITHMS.get(name)
+        summary = (algorithm_class.__doc__ or "").strip().splitlines()[0]
+        lines = [f"{name}: {summary}"] + [f"  --{line}" for line in settings_table(algorithm_class.Settings)]
+        blocks.append("\n".join(lines if len(lines) > 1 else lines + ["  (no settings)"]))
+    return "\n\n".join(blocks)
+
+
+__all__ = ["Algorithm", "ClientConfig", "ClientResult", "Federation", "ModelLayout", "ServerState", "Upload",
+           "build_algorithm", "describe_algorithms", "list_algorithms"]

@@ -1,19 +1,29 @@
-"""The federated algorithm interface (DESIGN.md §4) and the helpers algorithms share.
+"""The federated algorithm interface (docs/DESIGN.md §4) and the types that cross it.
 
-An algorithm is a small object with explicit state. Both its halves live in its
-file: the client half (``client_update``, run where the data is) and the server
-half (``aggregate``, a pure function of the global weights, the server state and
-the uploads). Engines own the loop; an algorithm never sees an engine. All state
-is ``dict[str, Tensor]``, so one checkpoint format and one transport serve all.
+An algorithm is one file: its ``Settings`` (a frozen dataclass of typed, documented
+hyperparameters), its client half (``client_update``, run where the data is) and its
+server half (``aggregate``, a pure function of the server state and the uploads).
+Engines own the loop, sampling, evaluation, checkpoints and transport; an algorithm
+never sees an engine.
 
-Keys that travel between the two halves are the constants below, defined once.
+State is explicit and made of ``dict[str, Tensor]`` only, so one checkpoint format
+and one transport serve every algorithm:
+
+* :class:`ServerState`: the named server *models* (one ``"global"`` model for FedAvg,
+  k cluster models for IFCA) plus the algorithm's other server tensors (optimizer
+  moments, SCAFFOLD's c). Engines evaluate, checkpoint and transport models by name.
+* A *bundle* (``dict[str, Weights]``): what the server broadcasts and what a client
+  uploads, as named groups of tensors (FedAvg uploads ``{"delta": Δ}``; SCAFFOLD
+  ``{"delta": Δy, "control_delta": Δc}``). Flower sends one ArrayRecord per group.
+* A client state (``Weights``): what a client keeps between its rounds and never
+  uploads (FedRep's head, SCAFFOLD's c_i, Ditto's v_i, IFCA's cluster id).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Iterable
+from typing import Any, ClassVar, Iterable, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -22,42 +32,97 @@ from network.aggregation import Weights
 from utils.errors import TaskHetError
 from utils.registry import Registry
 
-# ----- keys shared by client and server halves (and engines) -----
-CONTROL_PREFIX = "control/"  # SCAFFOLD: the server control variate c, per parameter name (broadcast, server state)
-CONTROL_DELTA_PREFIX = "control_delta/"  # SCAFFOLD: a client's Δc_i, per parameter name (upload)
-TRAIN_LOSS = "train_loss"  # client metric: mean task loss over the local steps
-HEAD_TRAIN_LOSS = "head_train_loss"  # client metric: FedRep's head phase loss
-LOCAL_STEPS = "local_steps"  # client metric: optimizer steps actually taken
+Bundle = dict[str, Weights]
 
-LossFn = Callable[[nn.Module, dict], Tensor]
-Upload = tuple[Weights, int]  # (tensors sent to the server, the client's number of training samples)
+# Client metric names every algorithm reports (engines and the report read them).
+TRAIN_LOSS = "train_loss"  # mean task loss over the local steps of the shared model
+LOCAL_STEPS = "local_steps"  # optimizer steps actually taken, all phases together
+GLOBAL_MODEL = "global"  # the model name of single-model algorithms
 
 ALGORITHMS: Registry[type["Algorithm"]] = Registry("algorithm")
 
 
+class LossFn(Protocol):
+    """``loss_fn(model, batch)`` is the batch's mean loss (a scalar); ``reduction="none"`` gives one loss per sample."""
+
+    def __call__(self, model: nn.Module, batch: dict, reduction: str = "mean") -> Tensor: ...
+
+
 @dataclass(frozen=True)
-class AlgorithmConfig:
-    """Hyperparameters of every algorithm; each reads the fields it needs.
+class ModelLayout:
+    """Names of a model's state-dict entries by role, read once from the (worker) model.
 
     Attributes:
-        num_clients: N, the number of clients in the federation (SCAFFOLD's |S|/N).
-        mu: FedProx proximal weight μ in (μ/2)·‖w − w_global‖².
-        server_opt: "sgd" | "momentum" | "adam" (FedAvg / FedAvgM / FedAdam server step).
-        server_lr: server learning rate η_g (1.0 with sgd is plain FedAvg).
-        server_momentum: β of FedAvgM.
-        scaffold_option: "II" (c_i from the local trajectory) or "I" (c_i = full local gradient at x).
-        head_epochs: FedRep head phase, in units of the local budget (J steps or E epochs).
-        body_epochs: FedRep body phase, in the same units.
+        state_keys: every state-dict entry, in the model's order.
+        param_keys: entries that are parameters (the server optimizer moves only these).
+        head_keys: the task-specific output layer (``model.head_keys()``; empty if the model has none).
+        batchnorm_keys: every entry of a BatchNorm module (affine parameters, running statistics,
+            counter), selected by module type, whatever the module is called.
     """
 
-    num_clients: int = 1
-    mu: float = 0.01
-    server_opt: str = "sgd"
-    server_lr: float = 1.0
-    server_momentum: float = 0.9
-    scaffold_option: str = "II"
-    head_epochs: int = 1
-    body_epochs: int = 1
+    state_keys: tuple[str, ...]
+    param_keys: frozenset[str]
+    head_keys: frozenset[str]
+    batchnorm_keys: frozenset[str]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "ModelLayout":
+        head = getattr(model, "head_keys", None)
+        batchnorm = {f"{module_name}.{key}" if module_name else key
+                     for module_name, module in model.named_modules()
+                     if isinstance(module, nn.modules.batchnorm._NormBase)
+                     for key in module.state_dict()}
+        return cls(state_keys=tuple(model.state_dict()), param_keys=frozenset(name for name, _ in model.named_parameters()),
+                   head_keys=frozenset(head() if callable(head) else ()), batchnorm_keys=frozenset(batchnorm))
+
+    @property
+    def body_keys(self) -> tuple[str, ...]:
+        """Every entry outside the head, in the model's order."""
+        return tuple(key for key in self.state_keys if key not in self.head_keys)
+
+
+@dataclass(frozen=True)
+class Federation:
+    """What an algorithm may know about the federation it serves (fixed for a run).
+
+    Attributes:
+        client_sizes: client id -> number of training samples n_i, for every client.
+        layout: the worker model's :class:`ModelLayout`.
+        seed: the run's root seed (for an algorithm's own random draws, e.g. IFCA's initial models).
+    """
+
+    client_sizes: dict[str, int]
+    layout: ModelLayout
+    seed: int = 0
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.client_sizes)
+
+    @property
+    def total_samples(self) -> int:
+        return sum(self.client_sizes.values())
+
+
+@dataclass
+class ServerState:
+    """The server's side of a run: named models plus the algorithm's other tensors.
+
+    Attributes:
+        models: model name -> weights (at least one model; ``"global"`` for single-model algorithms).
+        tensors: everything else the server keeps (optimizer moments, control variates, counts).
+    """
+
+    models: dict[str, Weights]
+    tensors: Weights = field(default_factory=dict)
+
+    def to(self, device: torch.device | str) -> "ServerState":
+        """A copy with every tensor on ``device`` (a checkpoint is written from ``to("cpu")``)."""
+        return ServerState({name: _moved(weights, device) for name, weights in self.models.items()},
+                           _moved(self.tensors, device))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"models": self.models, "tensors": self.tensors}
 
 
 @dataclass(frozen=True)
@@ -66,12 +131,12 @@ class ClientConfig:
 
     Attributes:
         lr: local learning rate η_l for this round (a function of the round only).
-        loss_fn: ``loss_fn(model, batch) -> scalar loss`` (batch already on ``device``).
+        loss_fn: see :class:`LossFn` (batch already on ``device``).
         device: where the model lives.
         num_samples: the client's number of training samples (its aggregation weight).
         local_steps: J minibatch steps per round, or None when ``local_epochs`` is set.
         local_epochs: E passes over the client's data per round, or None.
-        momentum: local SGD momentum (a fresh optimizer each round).
+        momentum: local SGD momentum (a fresh optimizer each round and phase).
         weight_decay: local SGD weight decay.
     """
 
@@ -95,65 +160,114 @@ class ClientResult:
     """What ``client_update`` returns.
 
     Attributes:
-        upload: tensors sent to the server (never a personal key).
-        client_state: tensors the client keeps for its next round (CPU or device).
-        metrics: numbers for the metrics file (``TRAIN_LOSS``, ``LOCAL_STEPS`` …).
+        upload: the bundle sent to the server (never an entry of ``private_keys``).
+        client_state: what the client keeps for its next round (never sent).
+        metrics: numbers for metrics.csv (``TRAIN_LOSS``, ``LOCAL_STEPS``, …).
         num_samples: the client's number of training samples.
     """
 
-    upload: Weights
+    upload: Bundle
     client_state: Weights
     metrics: dict[str, float] = field(default_factory=dict)
     num_samples: int = 0
 
 
+@dataclass(frozen=True)
+class Upload:
+    """One client's upload as the server half sees it."""
+
+    client_id: str
+    tensors: Bundle
+    num_samples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
 class Algorithm(ABC):
-    """Base class: the five methods of DESIGN.md §4 plus ``broadcast`` and ``personalized_weights``."""
+    """Base class of every algorithm; subclasses set ``name`` and ``Settings`` and implement the two halves.
+
+    Args:
+        settings: an instance of the algorithm's own ``Settings``.
+        federation: the clients' sizes and the worker model's layout.
+    """
 
     name: ClassVar[str] = ""
+    Settings: ClassVar[type] = object
+    personalized: ClassVar[bool] = False  # True: clients have own models (personal_model), evaluated separately
 
-    def __init__(self, config: AlgorithmConfig) -> None:
-        self.config = config
+    def __init__(self, settings: Any, federation: Federation) -> None:
+        if not isinstance(settings, self.Settings):
+            raise TypeError(f"{self.name} takes {self.Settings.__name__}, got {type(settings).__name__}")
+        self.settings = settings
+        self.federation = federation
 
-    def init_server_state(self, global_weights: Weights) -> Weights:
-        """Server state before round 1 (empty by default)."""
-        return {}
+    @classmethod
+    def worker_model(cls, model: nn.Module, settings: Any) -> nn.Module:
+        """The model the clients train, built from the task model (the task model itself by default).
 
-    def init_client_state(self, global_weights: Weights) -> Weights:
-        """A client's state before its first round (empty by default)."""
-        return {}
+        An algorithm that needs extra heads or an ensemble wraps ``model`` here; the engine
+        builds the worker once and reuses it for every client.
+        """
+        return model
 
-    def broadcast(self, global_weights: Weights, server_state: Weights) -> Weights:
-        """What the server sends to every sampled client (the global weights by default)."""
-        return global_weights
+    def private_keys(self) -> frozenset[str]:
+        """Worker-model entries that never leave a client (none by default); engines assert it on every upload."""
+        return frozenset()
+
+    def init_server(self, weights: Weights) -> ServerState:
+        """The server state before round 1, from the initial worker-model weights."""
+        return ServerState({GLOBAL_MODEL: weights})
+
+    def broadcast(self, server: ServerState) -> Bundle:
+        """What the server sends to every sampled client (the global model by default)."""
+        return {GLOBAL_MODEL: server.models[GLOBAL_MODEL]}
 
     @abstractmethod
-    def client_update(self, model: nn.Module, broadcast: Weights, client_state: Weights,
+    def client_update(self, model: nn.Module, broadcast: Bundle, client_state: Weights,
                       loader: Iterable[dict], cfg: ClientConfig) -> ClientResult:
-        """Train ``model`` (reused across clients: load everything it needs) on one client's data."""
+        """Train ``model`` (the reused worker: load everything it needs) on one client's data.
+
+        ``client_state`` is empty in the client's first round.
+        """
 
     @abstractmethod
-    def aggregate(self, global_weights: Weights, server_state: Weights,
-                  uploads: Iterable[Upload]) -> tuple[Weights, Weights]:
-        """New ``(global_weights, server_state)`` from the round's uploads (read once, streaming)."""
+    def aggregate(self, server: ServerState, uploads: Iterable[Upload]) -> ServerState:
+        """The next server state from this round's uploads (an iterable read once: aggregation streams)."""
 
-    def personal_keys(self, model: nn.Module) -> list[str]:
-        """State-dict names that never leave a client (none by default)."""
-        return []
+    def evaluated_models(self, server: ServerState) -> dict[str, Weights]:
+        """Server models evaluated on the global test split; the first is *the* global model (report, best.pt)."""
+        return {GLOBAL_MODEL: server.models[GLOBAL_MODEL]}
 
-    def personalized_weights(self, global_weights: Weights, client_state: Weights) -> Weights:
-        """A client's own model: the global weights with its personal entries swapped in (none by default)."""
-        return global_weights
+    def personal_model(self, models: dict[str, Weights], client_state: Weights) -> Weights | None:
+        """A client's own model for evaluation (None: it has none, e.g. it never trained).
+
+        ``models`` is ``server.models``. Only called when ``personalized`` is True.
+        """
+        return None
+
+
+def get_settings_class(name: str) -> type:
+    """The ``Settings`` dataclass of the algorithm called ``name``."""
+    return ALGORITHMS.get(name).Settings
 
 
 def load_weights(model: nn.Module, weights: Weights) -> None:
-    """Copy ``weights`` into the model's parameters and buffers in place (keys not in the model are skipped)."""
+    """Copy ``weights`` into the model's parameters and buffers in place.
+
+    Every key must be an entry of the model: a key the model lacks is an error, never silently skipped.
+    """
     state = model.state_dict()
-    keys = [key for key in weights if key in state]
-    if not keys:
-        return
-    with torch.no_grad():
-        torch._foreach_copy_([state[key] for key in keys], [weights[key] for key in keys])
+    unknown = [key for key in weights if key not in state]
+    if unknown:
+        raise TaskHetError(f"weights do not fit the model: {len(unknown)} unknown entries, e.g. {unknown[:3]}")
+    if weights:
+        with torch.no_grad():
+            torch._foreach_copy_([state[key] for key in weights], list(weights.values()))
+
+
+def copy_state(model: nn.Module, keys: Iterable[str] | None = None) -> Weights:
+    """Detached copies of the model's entries (``keys`` only, when given)."""
+    state = model.state_dict()
+    return {key: state[key].detach().clone() for key in (state if keys is None else keys)}
 
 
 def trainable(model: nn.Module, keys: Iterable[str] | None = None) -> dict[str, nn.Parameter]:
@@ -164,11 +278,15 @@ def trainable(model: nn.Module, keys: Iterable[str] | None = None) -> dict[str, 
 
 
 def make_optimizer(params: Iterable[Tensor], cfg: ClientConfig) -> torch.optim.Optimizer:
-    """The local optimizer every algorithm uses: SGD with the round's lr, momentum and weight decay."""
+    """The local optimizer: SGD with the round's lr, momentum and weight decay."""
     return torch.optim.SGD(list(params), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
 def require(condition: bool, message: str) -> None:
-    """Raise a TaskHetError with ``message`` unless ``condition`` holds (hyperparameter checks)."""
+    """Raise a TaskHetError with ``message`` unless ``condition`` holds."""
     if not condition:
         raise TaskHetError(message)
+
+
+def _moved(weights: Weights, device: torch.device | str) -> Weights:
+    return {key: value.detach().to(device) for key, value in weights.items()}

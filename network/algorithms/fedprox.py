@@ -6,40 +6,36 @@ squared norm, as in the paper (its gradient is μ·(w − w_global)); it is adde
 by the shared loop's ``extra_loss`` hook, outside autocast, and is not part of
 the reported training loss. Buffers (BatchNorm statistics) are not in it.
 
-Server: exactly FedAvg's (sample-weighted mean, optional server optimizer).
+Server: FedAvg's (sample-weighted mean, optional server optimizer).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
-from network.aggregation import Weights
-from network.algorithms.base import ALGORITHMS, AlgorithmConfig, require, trainable
-from network.algorithms.fedavg import FedAvg
+from network.aggregation import ServerOptSettings
+from network.algorithms.base import ALGORITHMS, GLOBAL_MODEL, Bundle, ClientConfig, Weights
+from network.algorithms.skeleton import ModelAveraging, Phase, proximal_term
+from network.settings import check, setting
+
+
+@dataclass(frozen=True)
+class FedProxSettings(ServerOptSettings):
+    mu: float = setting(0.01, "proximal weight μ in (μ/2)·‖w − w_global‖²")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.mu >= 0, "mu", ">= 0", self.mu)
 
 
 @ALGORITHMS.register("fedprox")
-class FedProx(FedAvg):
-    """FedAvg whose clients stay near the global model by a proximal penalty of weight μ."""
+class FedProx(ModelAveraging):
+    """Model averaging whose clients stay near the global model by a proximal penalty of weight μ."""
 
     name = "fedprox"
+    Settings = FedProxSettings
 
-    def __init__(self, config: AlgorithmConfig) -> None:
-        super().__init__(config)
-        require(config.mu >= 0, f"--mu must be >= 0, got {config.mu}")
-
-    def extra_loss(self, broadcast: Weights, model: nn.Module) -> Callable[[nn.Module], Tensor]:
-        params = trainable(model)
-        names = list(params)
-        anchors = [broadcast[name].detach() for name in names]
-        weights = [params[name] for name in names]
-        half_mu = self.config.mu / 2
-
-        def proximal_term(_: nn.Module) -> Tensor:
-            squared = torch._foreach_pow(torch._foreach_sub(weights, anchors), 2)
-            return half_mu * sum(term.sum() for term in squared)
-
-        return proximal_term
+    def phases(self, model: nn.Module, broadcast: Bundle, client_state: Weights, cfg: ClientConfig) -> list[Phase]:
+        return [Phase(extra_loss=proximal_term(model, broadcast[GLOBAL_MODEL], self.settings.mu))]

@@ -1,88 +1,72 @@
 """FedRep (Collins et al. 2021): a shared body (representation), a personal head per client.
 
 Client, each round:
-1. Load the global weights, then this client's own head (kept in its client state;
-   a client's first round starts from the global model's head).
+1. Load the global weights, then this client's own head (its client state; a
+   client's first round starts from the global model's head).
 2. Head phase: train the head with the body frozen, for ``head_epochs`` times the
    local budget (J steps with ``--local_steps``, E epochs with ``--local_epochs``).
 3. Body phase: train the body with the head frozen, for ``body_epochs`` times the
    budget (1 = exactly the budget every other algorithm gets).
    Each phase has its own optimizer over only its parameters, so momentum and
    weight decay never move a frozen part; the frozen part's buffers (BatchNorm
-   statistics) are restored after the phase, so frozen means unchanged.
+   statistics) are restored after the phase (``skeleton.run_phases``).
 4. Upload Δ of the body entries only; keep the head as client state.
 
 Server: FedAvg's sample-weighted mean (and server optimizer) over the body; the
 global head is never updated. The split comes from the model's ``head_keys()``
 (the ``TaskModel`` interface), never from reaching into its submodules.
+
+Evaluation: a client's own model is the global body with its head. A client that
+has never been sampled has no head of its own, so it has no personal model: it is
+left out of the personal evaluation and counted in its ``skipped`` row.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterable, Iterator
+from dataclasses import dataclass
 
 from torch import nn
 
-from network.aggregation import Weights, subtract
-from network.algorithms.base import (ALGORITHMS, HEAD_TRAIN_LOSS, LOCAL_STEPS, TRAIN_LOSS, AlgorithmConfig,
-                                     ClientConfig, ClientResult, load_weights, make_optimizer, require, trainable)
-from network.algorithms.fedavg import FedAvg
-from network.local_train import local_train
+from network.aggregation import ServerOptSettings
+from network.algorithms.base import ALGORITHMS, Bundle, ClientConfig, Federation, Weights, require
+from network.algorithms.skeleton import ModelAveraging, Phase
+from network.settings import check, setting
+
+HEAD_TRAIN_LOSS = "head_train_loss"  # client metric: the head phase's mean loss
+
+
+@dataclass(frozen=True)
+class FedRepSettings(ServerOptSettings):
+    head_epochs: int = setting(1, "head phase length, in local budgets (J steps or E epochs)")
+    body_epochs: int = setting(1, "body phase length, in local budgets")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.head_epochs >= 0 and self.body_epochs >= 0 and self.head_epochs + self.body_epochs > 0,
+              "head_epochs/body_epochs", ">= 0 and not both 0", (self.head_epochs, self.body_epochs))
+
+
+def require_head(federation: Federation, name: str) -> frozenset[str]:
+    """The model's head entries; an error if the model declares none (``head_keys()``, the TaskModel interface)."""
+    require(bool(federation.layout.head_keys),
+            f"{name} needs a model with head_keys() (the TaskModel interface) naming its output layer")
+    return federation.layout.head_keys
 
 
 @ALGORITHMS.register("fedrep")
-class FedRep(FedAvg):
+class FedRep(ModelAveraging):
     """Alternating head/body local training; only the body is averaged."""
 
     name = "fedrep"
+    Settings = FedRepSettings
 
-    def __init__(self, config: AlgorithmConfig) -> None:
-        super().__init__(config)
-        require(config.head_epochs >= 0 and config.body_epochs >= 0 and config.head_epochs + config.body_epochs > 0,
-                f"--head_epochs and --body_epochs must be >= 0, not both 0 (got {config.head_epochs}, {config.body_epochs})")
+    def __init__(self, settings: FedRepSettings, federation: Federation) -> None:
+        super().__init__(settings, federation)
+        self._head = require_head(federation, self.name)
 
-    def personal_keys(self, model: nn.Module) -> list[str]:
-        require(callable(getattr(model, "head_keys", None)),
-                f"fedrep needs a model with head_keys() (the TaskModel interface); {type(model).__name__} has none")
-        return list(model.head_keys())
+    def private_keys(self) -> frozenset[str]:
+        return self._head
 
-    def personalized_weights(self, global_weights: Weights, client_state: Weights) -> Weights:
-        return {**global_weights, **client_state}  # the client state is exactly its head
-
-    def client_update(self, model: nn.Module, broadcast: Weights, client_state: Weights,
-                      loader: Iterable[dict], cfg: ClientConfig) -> ClientResult:
-        head_keys = set(self.personal_keys(model))
-        body_keys = [key for key in model.state_dict() if key not in head_keys]
-        load_weights(model, broadcast)
-        load_weights(model, client_state)
-        metrics = {}
-        for phase_keys, frozen_keys, multiple, metric in ((head_keys, body_keys, self.config.head_epochs, HEAD_TRAIN_LOSS),
-                                                          (body_keys, head_keys, self.config.body_epochs, TRAIN_LOSS)):
-            if multiple == 0:
-                continue
-            with frozen(model, frozen_keys):
-                optimizer = make_optimizer(trainable(model, phase_keys).values(), cfg)
-                result = local_train(model, loader, cfg.loss_fn, optimizer, cfg.device, **cfg.budget(multiple))
-            metrics[metric] = result.mean_loss
-            metrics[LOCAL_STEPS] = metrics.get(LOCAL_STEPS, 0) + result.steps
-        state = model.state_dict()
-        upload = subtract(state, broadcast, [key for key in body_keys if key in broadcast])
-        head = {key: state[key].detach().clone() for key in head_keys}
-        return ClientResult(upload, head, metrics, cfg.num_samples)
-
-
-@contextlib.contextmanager
-def frozen(model: nn.Module, keys: Iterable[str]) -> Iterator[None]:
-    """Within the block, the named parameters take no gradient and the named buffers are restored on exit."""
-    keys = set(keys)
-    params = [param for name, param in model.named_parameters() if name in keys and param.requires_grad]
-    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers() if name in keys}
-    for param in params:
-        param.requires_grad_(False)
-    try:
-        yield
-    finally:
-        for param in params:
-            param.requires_grad_(True)
-        load_weights(model, buffers)
+    def phases(self, model: nn.Module, broadcast: Bundle, client_state: Weights, cfg: ClientConfig) -> list[Phase]:
+        return [Phase(keys=self._head, multiple=self.settings.head_epochs, metric=HEAD_TRAIN_LOSS),
+                Phase(keys=self.federation.layout.body_keys, multiple=self.settings.body_epochs)]

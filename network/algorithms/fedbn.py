@@ -1,0 +1,32 @@
+"""FedBN (Li et al. 2021, "FedBN: Federated Learning on Non-IID Features via Local Batch Normalization").
+
+Every BatchNorm layer stays local: its affine parameters (γ, β) and its running
+statistics (mean, variance, batch counter). BatchNorm layers are selected by module
+type (``nn.modules.batchnorm._NormBase``: BatchNorm1d/2d/3d, SyncBatchNorm), never by
+name, so torchvision's ``downsample.1`` is found too (``ModelLayout.batchnorm_keys``).
+
+Client: load the global model, then its own BatchNorm entries (after its first
+round); train everything; upload Δ of every other entry; keep its BatchNorm entries.
+Server: FedAvg's sample-weighted mean (and server optimizer) over the non-BatchNorm
+entries; the global model's BatchNorm entries keep their initial values and are never
+used for a client that has its own.
+
+A model without BatchNorm makes FedBN exactly FedAvg (there is nothing private).
+"""
+
+from __future__ import annotations
+
+from network.aggregation import ServerOptSettings
+from network.algorithms.base import ALGORITHMS
+from network.algorithms.skeleton import ModelAveraging
+
+
+@ALGORITHMS.register("fedbn")
+class FedBN(ModelAveraging):
+    """Model averaging with local BatchNorm."""
+
+    name = "fedbn"
+    Settings = ServerOptSettings
+
+    def private_keys(self) -> frozenset[str]:
+        return self.federation.layout.batchnorm_keys

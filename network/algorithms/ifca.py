@@ -1,0 +1,127 @@
+"""IFCA (Ghosh et al. 2020, "An Efficient Framework for Clustered Federated Learning"), model averaging variant.
+
+The server holds k cluster models θ_1 … θ_k.
+
+Client, each round: evaluate every θ_j on its training rows (the mean per-sample
+loss over one pass, in eval mode), pick ĵ = argmin_j F_i(θ_j) (ties: the lowest j),
+train θ_ĵ for the local budget as FedAvg does, and upload Δ with the cluster id ĵ.
+The choice is written to metrics.csv (metric ``cluster``, one row per sampled client
+and round) and kept as the client's state.
+
+Server: for each cluster, the sample-weighted mean of the Δs of the clients that
+chose it, applied as θ_j + Δ̄_j (option II of the paper: model averaging); a cluster
+nobody chose this round keeps its weights.
+
+Initial models: θ_1 is the run's initial model and θ_j (j > 1) that model plus
+Gaussian noise of standard deviation ``init_noise`` on every parameter (buffers are copied),
+seeded by the run's seed and j (identical copies would never separate: every client
+would pick θ_1 forever).
+
+Evaluation: each cluster model on the global test split (the most-populated cluster
+of the last round first: it is the run's "global" model); a client's own model is
+the cluster model it chose last (a never-sampled client has none: skipped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from network.aggregation import Weights, WeightedMean, apply_update
+from network.algorithms.base import (ALGORITHMS, Algorithm, Bundle, ClientConfig, ClientResult, ServerState, Upload,
+                                     load_weights)
+from network.algorithms.skeleton import DELTA, Phase, run_phases
+from network.settings import check, setting
+from utils.device import to_device
+from utils.seeding import torch_generator
+
+CLUSTER = "cluster"  # upload group {"id": ĵ}; client state {"id": ĵ}; client metric ``cluster``
+CLUSTER_SAMPLES = "cluster_samples"  # server tensor [k]: training samples per cluster in the last round
+
+
+@dataclass(frozen=True)
+class IFCASettings:
+    n_cluster_models: int = setting(2, "k, the number of cluster models")
+    init_noise: float = setting(0.01, "standard deviation of the noise that makes cluster models 2..k differ at start")
+
+    def __post_init__(self) -> None:
+        check(self.n_cluster_models >= 1, "n_cluster_models", ">= 1", self.n_cluster_models)
+        check(self.init_noise >= 0, "init_noise", ">= 0", self.init_noise)
+
+
+def cluster_name(index: int) -> str:
+    return f"cluster{index}"
+
+
+@ALGORITHMS.register("ifca")
+class IFCA(Algorithm):
+    """k cluster models; each client trains the one that fits its data best."""
+
+    name = "ifca"
+    Settings = IFCASettings
+    personalized = True
+
+    def init_server(self, weights: Weights) -> ServerState:
+        models = {cluster_name(0): weights}
+        params = self.federation.layout.param_keys
+        for index in range(1, self.settings.n_cluster_models):
+            generator = torch_generator(self.federation.seed, "ifca-init", index)
+            models[cluster_name(index)] = {key: _perturbed(value, self.settings.init_noise if key in params else 0.0,
+                                                           generator) for key, value in weights.items()}
+        return ServerState(models, {CLUSTER_SAMPLES: torch.zeros(self.settings.n_cluster_models)})
+
+    def broadcast(self, server: ServerState) -> Bundle:
+        return dict(server.models)
+
+    def client_update(self, model: nn.Module, broadcast: Bundle, client_state: Weights,
+                      loader: Iterable[dict], cfg: ClientConfig) -> ClientResult:
+        losses = [self._train_loss(model, broadcast[cluster_name(index)], loader, cfg)
+                  for index in range(self.settings.n_cluster_models)]
+        chosen = min(range(len(losses)), key=lambda index: (losses[index], index))
+        start = broadcast[cluster_name(chosen)]
+        load_weights(model, start)
+        metrics = run_phases(model, [Phase()], loader, cfg)
+        metrics[CLUSTER] = float(chosen)
+        identity = {"id": torch.tensor(chosen)}
+        upload = {DELTA: {key: value.detach() - start[key] for key, value in model.state_dict().items()},
+                  CLUSTER: identity}
+        return ClientResult(upload, dict(identity), metrics, cfg.num_samples)
+
+    def aggregate(self, server: ServerState, uploads: Iterable[Upload]) -> ServerState:
+        means = [WeightedMean() for _ in range(self.settings.n_cluster_models)]
+        for upload in uploads:
+            means[int(upload.tensors[CLUSTER]["id"])].add(upload.tensors[DELTA], upload.num_samples)
+        models = {name: apply_update(weights, mean.mean()) if mean.count else weights
+                  for (name, weights), mean in zip(server.models.items(), means)}
+        samples = torch.tensor([mean.total_weight for mean in means])
+        return ServerState(models, {CLUSTER_SAMPLES: samples})
+
+    def evaluated_models(self, server: ServerState) -> dict[str, Weights]:
+        samples = server.tensors[CLUSTER_SAMPLES].tolist()
+        order = sorted(range(self.settings.n_cluster_models), key=lambda index: (-samples[index], index))
+        return {cluster_name(index): server.models[cluster_name(index)] for index in order}
+
+    def personal_model(self, models: dict[str, Weights], client_state: Weights) -> Weights | None:
+        return models[cluster_name(int(client_state["id"]))] if client_state else None
+
+    def _train_loss(self, model: nn.Module, weights: Weights, loader: Iterable[dict], cfg: ClientConfig) -> float:
+        """F_i(θ): the mean per-sample loss over one pass of the client's training batches."""
+        load_weights(model, weights)
+        model.eval()
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for batch in loader:
+                per_sample = cfg.loss_fn(model, to_device(batch, cfg.device), reduction="none")
+                total += float(per_sample.double().sum())
+                count += per_sample.numel()
+        return total / max(count, 1)
+
+
+def _perturbed(value: torch.Tensor, std: float, generator: torch.Generator) -> torch.Tensor:
+    if not value.is_floating_point() or std == 0:
+        return value.clone()
+    noise = torch.randn(value.shape, generator=generator, dtype=torch.float64) * std
+    return value + noise.to(value.dtype).to(value.device)

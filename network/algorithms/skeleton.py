@@ -1,0 +1,164 @@
+"""The shared client skeleton: methods compose *phases* instead of subclassing FedAvg.
+
+A :class:`Phase` says which parameters train, for how many local budgets, with which
+extra loss term, gradient hook or post-step map; :func:`run_phases` runs a list of
+them through the one local loop (``network.local_train``). Everything not trained in
+a phase is frozen: its parameters take no gradient (so neither momentum nor weight
+decay moves them) and its buffers (BatchNorm statistics) are restored afterwards.
+
+:class:`ModelAveraging` is the skeleton of every algorithm with one global model
+averaged over its shared entries while private entries stay on the clients: FedAvg
+(no private entries), FedProx (an extra loss), FedPer (private head), FedRep (private
+head, two phases), FedBN (private BatchNorm), Ditto (an extra personal model). A
+subclass chooses ``phases`` and ``private_keys``; the halves below do the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Collection, Iterable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from network.aggregation import (ServerOptSettings, Weights, WeightedMean, init_server_optimizer, server_step,
+                                 subtract)
+from network.algorithms.base import (GLOBAL_MODEL, LOCAL_STEPS, TRAIN_LOSS, Algorithm, Bundle, ClientConfig,
+                                     ClientResult, ServerState, Upload, copy_state, load_weights, make_optimizer,
+                                     trainable)
+from network.local_train import local_train
+
+DELTA = "delta"  # upload group: the client's change y − x of the shared entries
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One stretch of local training.
+
+    Attributes:
+        keys: state-dict entries trained in this phase (None: every trainable parameter);
+            every other entry is frozen for the phase.
+        multiple: length in local budgets (J steps or E epochs each).
+        extra_loss: ``extra_loss(model) -> scalar`` added to the task loss (FedProx, Ditto).
+        grad_hook: called after ``backward``, before ``optimizer.step`` (SCAFFOLD).
+        post_step: called after every ``optimizer.step`` (a proximal map).
+        metric: the metric name of this phase's mean task loss.
+    """
+
+    keys: Collection[str] | None = None
+    multiple: int = 1
+    extra_loss: Callable[[nn.Module], Tensor] | None = None
+    grad_hook: Callable[[nn.Module], None] | None = None
+    post_step: Callable[[nn.Module], None] | None = None
+    metric: str = TRAIN_LOSS
+
+
+def run_phases(model: nn.Module, phases: Iterable[Phase], loader: Iterable[dict], cfg: ClientConfig) -> dict[str, float]:
+    """Run ``phases`` in order on ``model``; returns each phase's mean loss (by metric) and the total steps."""
+    metrics: dict[str, float] = {LOCAL_STEPS: 0}
+    for phase in phases:
+        if phase.multiple == 0:
+            continue
+        frozen_keys = [] if phase.keys is None else [key for key in model.state_dict() if key not in set(phase.keys)]
+        with frozen(model, frozen_keys):
+            optimizer = make_optimizer(trainable(model, phase.keys).values(), cfg)
+            result = local_train(model, loader, cfg.loss_fn, optimizer, cfg.device, **cfg.budget(phase.multiple),
+                                 extra_loss=phase.extra_loss, grad_hook=phase.grad_hook, post_step=phase.post_step)
+        metrics[phase.metric] = result.mean_loss
+        metrics[LOCAL_STEPS] += result.steps
+    return metrics
+
+
+@contextlib.contextmanager
+def frozen(model: nn.Module, keys: Iterable[str]) -> Iterator[None]:
+    """Within the block, the named parameters take no gradient and the named buffers are restored on exit."""
+    keys = set(keys)
+    params = [param for name, param in model.named_parameters() if name in keys and param.requires_grad]
+    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers() if name in keys}
+    for param in params:
+        param.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for param in params:
+            param.requires_grad_(True)
+        load_weights(model, buffers)
+
+
+def proximal_term(model: nn.Module, anchor: Weights, mu: float) -> Callable[[nn.Module], Tensor]:
+    """``(μ/2)·‖w − anchor‖²`` over the model's trainable parameters (gradient μ·(w − anchor)); anchor held fixed."""
+    params = trainable(model)
+    names = list(params)
+    anchors = [anchor[name].detach() for name in names]
+    weights = [params[name] for name in names]
+    half_mu = mu / 2
+
+    def term(_: nn.Module) -> Tensor:
+        squared = torch._foreach_pow(torch._foreach_sub(weights, anchors), 2)
+        return half_mu * sum(part.sum() for part in squared)
+
+    return term
+
+
+class ModelAveraging(Algorithm):
+    """One global model; clients train it in ``phases`` and upload Δ of its shared entries; the server averages.
+
+    Client: load the global model, then the client's private entries (from its state,
+    once it has trained); run ``phases``; upload Δ = y − x of every shared entry; keep
+    the private entries as the client state. Server: the mean of the Δs weighted by
+    the clients' numbers of training samples, applied by the server optimizer
+    (parameters) or as the plain mean (buffers): :func:`network.aggregation.server_step`.
+    Private entries of the global model are never updated.
+    """
+
+    Settings: ClassVar[type] = ServerOptSettings
+
+    def phases(self, model: nn.Module, broadcast: Bundle, client_state: Weights, cfg: ClientConfig) -> list[Phase]:
+        """The local training of one round (one phase over every parameter by default)."""
+        return [Phase()]
+
+    @property
+    def personalized(self) -> bool:  # type: ignore[override]
+        return bool(self.private_keys())
+
+    def shared_keys(self) -> list[str]:
+        private = self.private_keys()
+        return [key for key in self.federation.layout.state_keys if key not in private]
+
+    def init_server(self, weights: Weights) -> ServerState:
+        return ServerState({GLOBAL_MODEL: weights},
+                           init_server_optimizer(self.settings, weights, self._averaged_params()))
+
+    def client_update(self, model: nn.Module, broadcast: Bundle, client_state: Weights,
+                      loader: Iterable[dict], cfg: ClientConfig) -> ClientResult:
+        global_weights = broadcast[GLOBAL_MODEL]
+        load_weights(model, global_weights)
+        load_weights(model, self.own_entries(client_state))
+        metrics = run_phases(model, self.phases(model, broadcast, client_state, cfg), loader, cfg)
+        upload = {DELTA: subtract(model.state_dict(), global_weights, self.shared_keys())}
+        return ClientResult(upload, self.next_client_state(model, client_state), metrics, cfg.num_samples)
+
+    def own_entries(self, client_state: Weights) -> Weights:
+        """The entries of the client state loaded over the global model before training (its private entries)."""
+        return client_state
+
+    def next_client_state(self, model: nn.Module, client_state: Weights) -> Weights:
+        """What the client keeps after training (its private entries)."""
+        return copy_state(model, sorted(self.private_keys()))
+
+    def aggregate(self, server: ServerState, uploads: Iterable[Upload]) -> ServerState:
+        mean = WeightedMean()
+        for upload in uploads:
+            mean.add(upload.tensors[DELTA], upload.num_samples)
+        weights, tensors = server_step(server.models[GLOBAL_MODEL], mean.mean(), server.tensors, self.settings,
+                                       self._averaged_params())
+        return ServerState({GLOBAL_MODEL: weights}, tensors)
+
+    def personal_model(self, models: dict[str, Weights], client_state: Weights) -> Weights | None:
+        own = self.own_entries(client_state)
+        return {**models[GLOBAL_MODEL], **own} if own else None
+
+    def _averaged_params(self) -> list[str]:
+        params = self.federation.layout.param_keys
+        return [key for key in self.shared_keys() if key in params]

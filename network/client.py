@@ -1,0 +1,142 @@
+"""One client's work, shared by both engines: its data handle, one round of training, its evaluation.
+
+The sequential engine calls these in-process; a Flower node calls the very same
+functions for the clients it hosts, so the two engines cannot drift apart.
+
+Evaluation of one client (:func:`evaluate_client`) gives up to three splits:
+
+* ``client_test``: the global model on the client's held-out samples;
+* ``client_test_personal``: the client's own model (``algorithm.personal_model``), for
+  personalised algorithms; a client without one (e.g. never sampled) is skipped;
+* ``client_test_finetuned``: with ``finetune_steps > 0``, its own model (or the global
+  model) after that many local SGD steps on its training rows: the "local fine-tuning"
+  baseline and FedBABU's protocol, for every algorithm. Nothing it trains is kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from network.aggregation import Weights
+from network.algorithms.base import Algorithm, ClientConfig, ClientResult, LossFn, load_weights, make_optimizer
+from network.local_train import local_train
+from network.sampling import client_seed
+from utils.errors import TaskHetError
+
+GLOBAL_TEST_SPLIT = "test"  # the global model on the manifest's test split
+CLIENT_TEST_SPLIT = "client_test"  # the global model on each client's held-out samples
+PERSONAL_TEST_SPLIT = "client_test_personal"  # each client's own model on them
+FINETUNED_TEST_SPLIT = "client_test_finetuned"  # after --finetune_steps local steps
+
+EvaluateFn = Callable[[nn.Module, Iterable[dict]], dict[str, float]]
+
+
+class ClientFailure(TaskHetError):
+    """A client failed and the run cannot go on; the message names the client."""
+
+
+@dataclass(frozen=True)
+class ClientData:
+    """One client as an engine sees it.
+
+    Attributes:
+        client_id: the id in assignments.csv (kept as a string).
+        num_samples: size of its training split (its FedAvg weight).
+        train_loader: ``train_loader(seed) -> iterable of batch dicts``; the seed fixes the order.
+        test_loader: its held-out client-test batches, or None.
+    """
+
+    client_id: str
+    num_samples: int
+    train_loader: Callable[[int], Iterable[dict]]
+    test_loader: Iterable[dict] | None = None
+
+
+@dataclass(frozen=True)
+class Finetune:
+    """Evaluation-time personalisation: ``steps`` local SGD steps before evaluating (0: off)."""
+
+    steps: int
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+
+
+def train_client(algorithm: Algorithm, model: nn.Module, broadcast: dict[str, Weights], state: Weights | None,
+                 client: ClientData, seed: int, cfg: ClientConfig) -> ClientResult:
+    """``client_update`` of one client under its own seed; ``state`` None = its first round.
+
+    The upload is checked against the algorithm's private entries: one in an upload is an error.
+    """
+    with seeded_torch_rng(seed, cfg.device):
+        result = algorithm.client_update(model, broadcast, dict(state or {}), client.train_loader(seed), cfg)
+    leaked = sorted(algorithm.private_keys().intersection(key for group in result.upload.values() for key in group))
+    if leaked:
+        raise TaskHetError(f"{algorithm.name} uploaded {len(leaked)} private entries of client {client.client_id}, "
+                           f"e.g. {leaked[:3]}")
+    return result
+
+
+def evaluate_model(model: nn.Module, evaluate_fn: EvaluateFn, loader: Iterable[dict]) -> dict[str, float]:
+    """``evaluate_fn`` in eval mode without gradients, every metric as a float."""
+    model.eval()
+    with torch.no_grad():
+        return {metric: float(value) for metric, value in evaluate_fn(model, loader).items()}
+
+
+def evaluate_client(algorithm: Algorithm, model: nn.Module, evaluate_fn: EvaluateFn, models: dict[str, Weights],
+                    global_weights: Weights, state: Weights | None, client: ClientData, loss_fn: LossFn,
+                    device: torch.device, finetune: Finetune | None, seed: int) -> dict[str, dict[str, float]]:
+    """One client's evaluation splits (see the module docstring); empty for a client without test samples.
+
+    Args:
+        models: the server's models (what ``personal_model`` reads).
+        global_weights: the global model (the first of ``algorithm.evaluated_models``).
+        state: the client's state (None: it has never trained).
+        seed: the fine-tuning seed (the engine derives it from the run seed, round and client).
+    """
+    if client.test_loader is None:
+        return {}
+    load_weights(model, global_weights)
+    splits = {CLIENT_TEST_SPLIT: evaluate_model(model, evaluate_fn, client.test_loader)}
+    own = algorithm.personal_model(models, dict(state or {})) if algorithm.personalized else None
+    if own is not None:
+        load_weights(model, own)
+        splits[PERSONAL_TEST_SPLIT] = evaluate_model(model, evaluate_fn, client.test_loader)
+    if finetune is not None and finetune.steps > 0:
+        load_weights(model, own if own is not None else global_weights)
+        with seeded_torch_rng(seed, device):
+            cfg = ClientConfig(lr=finetune.lr, loss_fn=loss_fn, device=device, num_samples=client.num_samples,
+                               momentum=finetune.momentum, weight_decay=finetune.weight_decay)
+            local_train(model, client.train_loader(seed), loss_fn, make_optimizer(model.parameters(), cfg), device,
+                        steps=finetune.steps)
+        splits[FINETUNED_TEST_SPLIT] = evaluate_model(model, evaluate_fn, client.test_loader)
+    return splits
+
+
+def finetune_seed(seed: int, round_index: int, client_id: str) -> int:
+    """The seed of a client's evaluation-time fine-tuning (independent of its training seed)."""
+    return client_seed(seed, round_index, f"finetune/{client_id}")
+
+
+@contextlib.contextmanager
+def seeded_torch_rng(seed: int, device: torch.device) -> Iterator[None]:
+    """Seed torch's global generators (dropout, random augmentation) for one client, restoring them after.
+
+    Layers such as dropout only draw from the global generator; forking it makes a
+    client's training a function of its seed without disturbing any other draw.
+    """
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        # Seeds only the generators in use (torch.manual_seed would also queue lazy seeding of every backend).
+        torch.default_generator.manual_seed(seed)
+        if device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        elif device.type == "mps":
+            torch.mps.manual_seed(seed)
+        yield

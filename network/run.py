@@ -1,0 +1,217 @@
+"""One federated run's setup behind one typed run config (step 4, the Flower app and the pipeline all use it).
+
+:class:`RunConfig` holds every input of a run: what ``test_fed.py`` parses, what an
+experiment file's federated section gives, and what a Flower deployment carries in
+its run config (serialised generically: :meth:`RunConfig.to_json`). :func:`prepare`
+reads and checks the inputs and builds the task model, the algorithm, its worker
+model and the engine config; :func:`run` adds the client data and runs an engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import pandas as pd
+import torch
+
+from datasets.taskonomy import read_manifest
+from models import build_task_model, get_task, load_task_model
+from network.algorithms import build_algorithm
+from network.algorithms.base import Algorithm
+from network.engine_sequential import EngineConfig, make_lr_schedule
+from utils.assignments import load_assignments
+from utils.device import pick_device, prepare_model
+from utils.errors import TaskHetError
+from utils.seeding import set_deterministic
+from utils.training import evaluate
+
+ENGINES = ("sequential", "flower")  # round loops over the same algorithm objects
+PARTITION_KINDS = ("embedding_based", "label_based")
+# Fields that do not change what a run computes: a resumed run may differ in them.
+NOT_IN_SIGNATURE = ("out", "resume", "use_accelerator", "num_workers", "cache_dir", "deterministic", "n_rounds",
+                    "eval_every", "progress", "client_state_memory_mb", "engine", "flower_mode", "flower_num_cpus",
+                    "flower_num_gpus", "min_available_clients")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Every input of one federated run (``test_fed.py --help`` documents each field as a flag).
+
+    ``settings`` holds the algorithm's own settings (name -> value), checked against the
+    algorithm's ``Settings`` by :func:`network.algorithms.build_algorithm`.
+    """
+
+    task: str
+    method: str = "fedavg"
+    settings: dict[str, Any] = field(default_factory=dict)
+    manifest: Path = Path("results/datapoints/manifest.csv")
+    data_path: Path = Path("data/synthetic")
+    assignments: Path | None = None
+    assignment_files_path: Path = Path("results/assignments")
+    type: str | None = None
+    alpha: float | None = None
+    n_clients: int | None = None
+    n_clusters: int = 10
+    encoder: str = "resnet50"
+    weights: str = "none"
+    init_from: str = "scratch"
+    centralized_checkpoint: Path | None = None
+    image_size: int = 224
+    n_rounds: int = 100
+    local_steps: int | None = None
+    local_epochs: int | None = None
+    batch_size: int = 16
+    init_lr: float = 0.01
+    lr_schedule: str = "constant"
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    client_fraction: float = 1.0
+    finetune_steps: int = 0
+    eval_every: int = 1
+    rand_seed: int = 42
+    deterministic: bool = False
+    use_accelerator: bool = True
+    num_workers: int = 0
+    cache_dir: Path | None = None
+    client_state_memory_mb: float = 2048
+    progress: bool = True
+    resume: bool = True
+    out: Path | None = None
+    engine: str = "sequential"
+    flower_mode: str = "simulation"
+    flower_num_cpus: float = 1.0
+    flower_num_gpus: float = 0.0
+    min_available_clients: int | None = None
+
+    def to_json(self) -> str:
+        """Every field as JSON (paths as strings): what a Flower deployment's run config carries."""
+        return json.dumps(dataclasses.asdict(self), default=str, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunConfig":
+        """The inverse of :meth:`to_json` (paths restored from the field types)."""
+        values = json.loads(text)
+        paths = {item.name for item in dataclasses.fields(cls) if "Path" in str(item.type)}
+        return cls(**{key: Path(value) if key in paths and value is not None else value for key, value in values.items()})
+
+    def replace(self, **changes: Any) -> "RunConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class FedSetup:
+    """Everything a run needs except the client data (which a Flower node builds for its own clients only)."""
+
+    config: RunConfig
+    task: Any
+    manifest: pd.DataFrame
+    table: pd.DataFrame
+    model: torch.nn.Module  # the worker model, on ``device``
+    model_config: dict
+    algorithm: Algorithm
+    engine_config: EngineConfig
+    device: torch.device
+    loss_fn: Callable
+    evaluate_fn: Callable
+
+
+def prepare(config: RunConfig) -> FedSetup:
+    """Read and check the inputs, then build the worker model, the algorithm and the engine config."""
+    task = get_task(config.task)
+    config = config.replace(assignments=config.assignments or default_assignments(config))
+    manifest = read_manifest(config.manifest)
+    table, meta = load_assignments(config.assignments, manifest)
+    config = resolve(config, meta)
+    set_deterministic(config.deterministic)
+    num_classes = int(manifest["scene_class"].max()) + 1 if task.kind == "classification" else None
+    device = pick_device(config.use_accelerator)
+    task_model = initial_model(config, num_classes)
+    train_counts = table[table["subset"] == "train"].groupby("client_id").size()
+    sizes = {str(client_id): int(train_counts.get(client_id, 0)) for client_id in sorted(table["client_id"].unique())}
+    algorithm, worker = build_algorithm(config.method, task_model, sizes, config.settings, seed=config.rand_seed)
+    engine_config = EngineConfig(
+        out_dir=config.out, n_rounds=config.n_rounds,
+        lr_schedule=make_lr_schedule(config.lr_schedule, config.init_lr, config.n_rounds),
+        seed=config.rand_seed, local_steps=config.local_steps, local_epochs=config.local_epochs,
+        client_fraction=config.client_fraction, eval_every=config.eval_every, momentum=config.momentum,
+        weight_decay=config.weight_decay, resume=config.resume, progress=config.progress,
+        max_state_memory_bytes=int(config.client_state_memory_mb * 2**20), finetune_steps=config.finetune_steps,
+        signature={key: str(value) for key, value in dataclasses.asdict(config).items() if key not in NOT_IN_SIGNATURE})
+    return FedSetup(
+        config=config, task=task, manifest=manifest, table=table, algorithm=algorithm, engine_config=engine_config,
+        device=device, model=prepare_model(worker, device), model_config=task_model.config,
+        loss_fn=lambda net, batch, reduction="mean": task.loss(net(batch["rgb"])[0].float(), batch, reduction),
+        # The model's own device, not the server's: Flower nodes may train on another device.
+        evaluate_fn=lambda net, loader: evaluate(net, loader, task, next(net.parameters()).device, progress=False))
+
+
+def resolve(config: RunConfig, meta: dict) -> RunConfig:
+    """Check the config against itself and against the assignment file's sidecar ``meta``."""
+    if config.local_steps is not None and config.local_epochs is not None:
+        raise TaskHetError("pass one of --local_steps (--sgd_per_epoch) and --local_epochs, not both")
+    if config.local_steps is None and config.local_epochs is None:
+        config = config.replace(local_steps=50)
+    kind = "embedding_based" if str(meta.get("groups", "scene_class")).endswith(".csv") else "label_based"
+    for name, given, recorded in (("type", config.type, kind if meta else None),
+                                  ("n_clients", config.n_clients, meta.get("n_clients")),
+                                  ("alpha", config.alpha, meta.get("alpha"))):
+        if given is not None and recorded is not None and given != recorded:
+            raise TaskHetError(f"--{name} {given} does not match {config.assignments}, made with {name} {recorded}")
+    config = config.replace(type=config.type or kind, alpha=config.alpha if config.alpha is not None else meta.get("alpha"))
+    if config.init_from == "centralized" and config.centralized_checkpoint is None:
+        raise TaskHetError("--init_from centralized needs --centralized_checkpoint (a step-2 best.pt)")
+    if config.finetune_steps < 0:
+        raise TaskHetError(f"--finetune_steps must be >= 0, got {config.finetune_steps}")
+    if config.out is None:
+        config = config.replace(out=Path("results/test_federated") / config.task / config.type / config.method
+                                / f"a{config.alpha}-s{config.rand_seed}")
+    return config
+
+
+def default_assignments(config: RunConfig) -> Path:
+    if config.alpha is None or config.type is None:
+        raise TaskHetError("pass --assignments FILE, or --type and --alpha to find it under --assignment_files_path")
+    owner = Path(config.task, f"k{config.n_clusters}") if config.type == "embedding_based" else Path("labels")
+    return config.assignment_files_path / config.type / owner / f"a{config.alpha:g}" / "assignments.csv"
+
+
+def initial_model(config: RunConfig, num_classes: int | None) -> torch.nn.Module:
+    if config.init_from == "scratch":
+        return build_task_model(config.task, config.encoder, config.weights, num_classes=num_classes, seed=config.rand_seed)
+    model = load_task_model(config.centralized_checkpoint)
+    if model.config["task"] != config.task:
+        raise TaskHetError(f"--centralized_checkpoint {config.centralized_checkpoint} is a {model.config['task']} model, "
+                           f"not {config.task}")
+    return model
+
+
+def run(setup: FedSetup) -> dict:
+    """Build the clients and run the chosen engine; returns the run folder and the best global test loss."""
+    from network.client_data import global_test_loader, make_clients
+    from network.engine_sequential import SequentialEngine
+    from utils.run_dir import setup_logging, write_config
+
+    config = setup.config
+    config.out.mkdir(parents=True, exist_ok=True)
+    logger = setup_logging(config.out, "test_fed")
+    write_config(config.out, dataclasses.asdict(config))
+    clients = make_clients(config, setup.manifest, setup.table, setup.task)
+    test_loader = global_test_loader(config, setup.manifest, setup.task)
+    logger.info("%s on %s: %d clients (%d train samples), %d test samples, device %s", config.method, config.task,
+                len(clients), sum(client.num_samples for client in clients), len(test_loader.dataset), setup.device)
+    inputs = (setup.model, setup.algorithm, clients, setup.loss_fn, setup.evaluate_fn, test_loader,
+              setup.engine_config, setup.device)
+    if config.engine == "flower":
+        from network.engine_flower import FlowerOptions, run_flower  # only here: the sequential path never imports flwr
+
+        engine = run_flower(*inputs, model_config=setup.model_config, logger=logger, options=FlowerOptions(
+            mode=config.flower_mode, num_cpus=config.flower_num_cpus, num_gpus=config.flower_num_gpus,
+            min_available_clients=config.min_available_clients))
+    else:
+        engine = SequentialEngine(*inputs, model_config=setup.model_config, logger=logger)
+        engine.run()
+    return {"out": config.out, "best_test_loss": engine.best_loss}

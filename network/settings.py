@@ -1,0 +1,125 @@
+"""Typed, documented hyperparameters: each algorithm's ``Settings`` is a frozen dataclass built from these.
+
+An algorithm file declares its settings once (type, default, one line of help, and
+optionally the allowed choices); the command line (``test_fed.py --method X``), the
+``--list_methods`` listing and the experiment-file check all read that declaration,
+so a setting cannot exist in one place and be missing in another.
+
+Values arrive as strings (command line) or YAML scalars; :func:`build_settings`
+converts them to the declared type and names the setting and the algorithm when a
+value or a key is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import typing
+from typing import Any, Mapping
+
+from utils.errors import TaskHetError
+
+SCALAR_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A settings field: its default, one line of documentation and, for strings, the allowed values."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
+def check(condition: bool, name: str, expected: str, got: object) -> None:
+    """Raise ``setting NAME must be EXPECTED, got GOT`` unless ``condition`` holds (checks in ``__post_init__``)."""
+    if not condition:
+        raise TaskHetError(f"setting {name} must be {expected}, got {got!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SettingInfo:
+    """One declared setting, as the command line and the docs show it."""
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None
+
+
+def describe(settings_class: type) -> list[SettingInfo]:
+    """The declared settings of a ``Settings`` dataclass, in declaration order."""
+    hints = typing.get_type_hints(settings_class)
+    return [SettingInfo(field.name, hints[field.name], field.default, field.metadata.get("help", ""),
+                        field.metadata.get("choices")) for field in dataclasses.fields(settings_class)]
+
+
+def build_settings(settings_class: type, values: Mapping[str, Any], owner: str) -> Any:
+    """``settings_class(**values)`` with every value converted to its declared type.
+
+    Args:
+        settings_class: an algorithm's ``Settings`` dataclass.
+        values: setting name -> value (a string from the command line, or a YAML scalar).
+        owner: the algorithm's name, for messages.
+
+    Raises:
+        TaskHetError: an unknown key (the message lists the algorithm's settings), a value
+            of the wrong type, or one its ``__post_init__`` rejects.
+    """
+    infos = {info.name: info for info in describe(settings_class)}
+    unknown = sorted(set(values) - set(infos))
+    if unknown:
+        known = ", ".join(infos) or "none"
+        raise TaskHetError(f"{owner} has no setting {', '.join(unknown)}; its settings: {known}")
+    return settings_class(**{name: convert(infos[name], value, owner) for name, value in values.items()})
+
+
+def convert(info: SettingInfo, value: Any, owner: str) -> Any:
+    """``value`` as ``info.type`` (strings are parsed; bools must be real booleans or true/false)."""
+    try:
+        converted = _convert(info.type, value)
+    except (TypeError, ValueError):
+        raise TaskHetError(f"{owner} setting {info.name} must be a {info.type.__name__}, got {value!r}") from None
+    if info.choices is not None and converted not in info.choices:
+        raise TaskHetError(f"{owner} setting {info.name} must be one of {', '.join(info.choices)}, got {value!r}")
+    return converted
+
+
+def _convert(kind: type, value: Any) -> Any:
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ValueError(value)
+    if isinstance(value, bool):  # YAML's true is not the number 1
+        raise TypeError(value)
+    if kind is int:
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError(value)
+        return int(value)
+    if kind is float:
+        number = float(value)
+        if not math.isfinite(number):
+            raise ValueError(value)
+        return number
+    if kind is str:
+        if not isinstance(value, str):
+            raise TypeError(value)
+        return value
+    raise TypeError(f"unsupported setting type {kind}")
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, settings_class: type, owner: str) -> None:
+    """One ``--name`` flag per setting (values stay strings: :func:`build_settings` converts them)."""
+    group = parser.add_argument_group(f"{owner} settings")
+    for info in describe(settings_class):
+        group.add_argument(f"--{info.name}", default=argparse.SUPPRESS, metavar=info.type.__name__.upper(),
+                           help=f"{info.help} (default: {info.default})")
+
+
+def settings_table(settings_class: type) -> list[str]:
+    """Lines ``name (type, default D): help`` for listings."""
+    lines = []
+    for info in describe(settings_class):
+        choices = f"; one of {', '.join(info.choices)}" if info.choices else ""
+        lines.append(f"{info.name} ({info.type.__name__}, default {info.default}{choices}): {info.help}")
+    return lines

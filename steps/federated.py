@@ -1,0 +1,125 @@
+"""Step 4: federated training of a task model over the clients of an assignment file (``test_fed.py``).
+
+The command line is parsed in two stages: the run's own flags first, then exactly the
+settings of the chosen ``--method`` (each algorithm declares them in its own file), so a
+setting of another algorithm (``--mu`` for fedavg) is an error that lists the right ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from network.algorithms import describe_algorithms, list_algorithms
+from network.algorithms.base import get_settings_class
+from network.run import ENGINES, PARTITION_KINDS, RunConfig, prepare
+from network.settings import add_settings_arguments, describe
+from utils.cli import positive_float, positive_int
+from utils.errors import TaskHetError
+
+DESCRIPTION = """Step 4 of TaskHet: federated training of one task's model (--list_methods shows the algorithms).
+Inputs: the step-1 manifest (--manifest), the data under --data_path and a step-3b assignments.csv (--assignments;
+default <assignment_files_path>/<type>/<task|labels>[/k<n_clusters>]/a<alpha>/assignments.csv), checked against
+the manifest. Clients train on their 'train' rows; their 'test' rows and the manifest's test split evaluate.
+Outputs in --out: config.json, run.log, metrics.csv (round, split, client, metric, value), checkpoint.pt (every
+round; --resume continues from it), best.pt (lowest global test loss) and curves.png.
+Each algorithm's own settings follow --method X: `test_fed.py --method X --help` lists them."""
+
+
+def build_parser(method: str | None = None) -> argparse.ArgumentParser:
+    """The run's flags, plus the settings of ``method`` when given."""
+    defaults = RunConfig(task="")
+    parser = argparse.ArgumentParser(prog="test_fed.py", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--list_methods", action="store_true", help="print every algorithm with its settings and exit")
+    add("--task", required=method is not None, help="task to train (depth_euclidean, normal, segment_semantic, class_scene, ...)")
+    add("--method", default="fedavg", choices=list_algorithms(), help="federated algorithm (default: fedavg)")
+    add("--engine", default="sequential", choices=ENGINES, help="round loop (default: sequential)")
+    add("--flower_mode", choices=("simulation",), default="simulation",
+        help="--engine flower: Flower's simulation runtime on this machine (a real deployment: docs/FLOWER.md)")
+    add("--flower_num_cpus", type=positive_float, default=1.0, help="--engine flower: CPU cores per client (default: 1)")
+    add("--flower_num_gpus", type=float, default=0.0, help="--engine flower: share of a GPU per client, e.g. 0.25 (default: 0)")
+    add("--min_available_clients", type=positive_int, default=None,
+        help="--engine flower: results a round needs; failed clients beyond that are logged by id (default: all sampled)")
+    add("--manifest", type=Path, default=defaults.manifest, help="step-1 manifest.csv")
+    add("--data_path", type=Path, default=defaults.data_path, help="data root (default: data/synthetic)")
+    add("--assignments", type=Path, default=None, help="assignments.csv of step 3b (default: see above)")
+    add("--assignment_files_path", type=Path, default=defaults.assignment_files_path, help="folder of assignment files")
+    add("--type", type=partition_kind, default=None,
+        help="partition kind, label_based (alias: class_based) or embedding_based (checked against the file)")
+    add("--alpha", type=positive_float, default=None, help="Dirichlet α of the partition (checked against the file)")
+    add("--n_clients", type=positive_int, default=None, help="number of clients (checked against the file)")
+    add("--n_clusters", type=positive_int, default=10, help="KMeans clusters of an embedding-based partition (default path)")
+    add("--encoder", default=defaults.encoder, help="encoder of a model built from scratch (default: resnet50)")
+    add("--weights", default="none", help="encoder weights from scratch: none | imagenet | clip | PATH (default: none)")
+    add("--init_from", choices=("scratch", "centralized"), default="scratch", help="initial global model (default: scratch)")
+    add("--centralized_checkpoint", type=Path, default=None, help="step-2 best.pt for --init_from centralized")
+    add("--image_size", type=positive_int, default=defaults.image_size, help="image side length (default: 224)")
+    add("--n_rounds", type=positive_int, default=defaults.n_rounds, help="federated rounds (default: 100)")
+    add("--local_steps", "--sgd_per_epoch", type=positive_int, default=None, help="J local SGD steps per round (default: 50)")
+    add("--local_epochs", type=positive_int, default=None, help="E local epochs per round instead of --local_steps")
+    add("--batch_size", type=positive_int, default=defaults.batch_size, help="local batch size (default: 16)")
+    add("--init_lr", type=positive_float, default=defaults.init_lr, help="local learning rate of round 1 (default: 0.01)")
+    add("--lr_schedule", default="constant", help="constant | cosine | exponential:RATE | step:EVERY:GAMMA (per round)")
+    add("--momentum", type=float, default=0.0, help="local SGD momentum (default: 0)")
+    add("--weight_decay", type=float, default=0.0, help="local SGD weight decay (default: 0)")
+    add("--client_fraction", type=positive_float, default=1.0, help="share of clients per round (default: 1)")
+    add("--finetune_steps", type=int, default=0,
+        help="also evaluate each client's model after this many local SGD steps on its train rows (default: 0, off)")
+    add("--eval_every", type=positive_int, default=1, help="evaluate every this many rounds (default: 1)")
+    add("--rand_seed", "--seed", type=int, default=defaults.rand_seed, help="root seed of init, sampling and training (default: 42)")
+    add("--deterministic", action=argparse.BooleanOptionalAction, default=False, help="deterministic kernels")
+    add("--use_accelerator", action=argparse.BooleanOptionalAction, default=True, help="CUDA/MPS when present")
+    add("--num_workers", type=int, default=0, help="DataLoader worker processes (default: 0)")
+    add("--cache_dir", type=Path, default=None, help="decoded-sample cache folder (default: none)")
+    add("--client_state_memory_mb", type=float, default=2048, help="client state kept in memory, MB; more spills to disk")
+    add("--progress", action=argparse.BooleanOptionalAction, default=True, help="tqdm bar over rounds")
+    add("--resume", action=argparse.BooleanOptionalAction, default=True, help="continue from <out>/checkpoint.pt")
+    add("--out", type=Path, default=None, help="run folder (default: results/test_federated/<task>/<type>/<method>/...)")
+    if method is not None:
+        add_settings_arguments(parser, get_settings_class(method), method)
+    return parser
+
+
+def partition_kind(text: str) -> str:
+    """argparse type: label_based | embedding_based, with the original code's class_based as an alias."""
+    kind = "label_based" if text == "class_based" else text
+    if kind not in PARTITION_KINDS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(PARTITION_KINDS)} (or class_based), got {text}")
+    return kind
+
+
+def parse_run_config(argv: list[str] | None) -> RunConfig | None:
+    """The run config of a command line (None after --list_methods)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--method", default="fedavg")
+    first.add_argument("--list_methods", action="store_true")
+    known, _ = first.parse_known_args(argv)
+    if known.list_methods:
+        print(describe_algorithms())
+        return None
+    settings_class = get_settings_class(known.method)
+    args, unknown = build_parser(known.method).parse_known_args(argv)
+    if unknown:
+        listing = ", ".join(f"--{info.name}" for info in describe(settings_class)) or "none"
+        flags = [arg.split("=", 1)[0] for arg in unknown if arg.startswith("-")] or unknown
+        raise TaskHetError(f"{known.method} has no setting {', '.join(flags)}; its settings: {listing} "
+                           "(test_fed.py --list_methods shows every algorithm's)")
+    values = vars(args)
+    names = {info.name for info in describe(settings_class)}
+    settings = {name: values.pop(name) for name in list(values) if name in names}
+    values.pop("list_methods")
+    return RunConfig(settings=settings, **values)
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    config = parse_run_config(argv)
+    if config is None:
+        return None
+    from network.run import run  # the heavy part: models, data, engines
+
+    return run(prepare(config))
