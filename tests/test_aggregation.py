@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from network.aggregation import (ADAM_M_PREFIX, ADAM_V_PREFIX, MOMENTUM_PREFIX, WeightedMean, apply_update,
-                                 client_summary, init_server_optimizer, server_step, subtract, weighted_average)
+from network.aggregation import (ADAM_M_PREFIX, ADAM_V_PREFIX, MOMENTUM_PREFIX, ServerOptSettings, WeightedMean,
+                                 apply_update, client_summary, init_server_optimizer, server_step, subtract,
+                                 weighted_average)
 from utils.errors import TaskHetError
 
 
@@ -59,47 +60,55 @@ def test_subtract_and_apply_update():
     assert updated["y"] is a["y"] and torch.equal(a["x"], torch.tensor([5.0, 7.0]))  # inputs untouched
 
 
-def test_server_sgd_step_is_fedavg_scaled_by_the_server_lr():
-    weights = {"x": torch.tensor([1.0])}
-    new, state = server_step(weights, {"x": torch.tensor([2.0])}, {}, "sgd", server_lr=0.5)
-    assert new["x"].item() == 2.0 and state == {}
+def test_server_sgd_step_scales_parameters_only():
+    weights = {"x": torch.tensor([1.0]), "buffer": torch.tensor([1.0])}
+    new, state = server_step(weights, {"x": torch.tensor([2.0]), "buffer": torch.tensor([2.0])}, {},
+                             ServerOptSettings(server_lr=0.5), param_keys=["x"])
+    assert new["x"].item() == 2.0 and new["buffer"].item() == 3.0 and state == {}
 
 
 def test_server_momentum_accumulates_velocity():
+    settings = ServerOptSettings(server_opt="momentum", server_momentum=0.9)
     weights = {"x": torch.tensor([1.0])}
-    state = init_server_optimizer("momentum", weights)
+    state = init_server_optimizer(settings, weights, ["x"])
     assert torch.equal(state[MOMENTUM_PREFIX + "x"], torch.zeros(1))
-    weights, state = server_step(weights, {"x": torch.tensor([2.0])}, state, "momentum", 1.0, momentum=0.9)
+    weights, state = server_step(weights, {"x": torch.tensor([2.0])}, state, settings, ["x"])
     assert weights["x"].item() == pytest.approx(3.0)  # v = 2
-    weights, state = server_step(weights, {"x": torch.tensor([1.0])}, state, "momentum", 1.0, momentum=0.9)
+    weights, state = server_step(weights, {"x": torch.tensor([1.0])}, state, settings, ["x"])
     assert state[MOMENTUM_PREFIX + "x"].item() == pytest.approx(2.8)  # v = 0.9·2 + 1
     assert weights["x"].item() == pytest.approx(5.8)
 
 
 def test_server_adam_matches_reddi_et_al():
+    settings = ServerOptSettings(server_opt="adam", server_lr=0.1, server_beta1=0.9, server_beta2=0.99, server_tau=1e-3)
     weights = {"x": torch.tensor([0.0], dtype=torch.float64)}
-    state = init_server_optimizer("adam", weights)
-    new, state = server_step(weights, {"x": torch.tensor([2.0], dtype=torch.float64)}, state, "adam", 0.1,
-                             betas=(0.9, 0.99), tau=1e-3)
+    state = init_server_optimizer(settings, weights, ["x"])
+    new, state = server_step(weights, {"x": torch.tensor([2.0], dtype=torch.float64)}, state, settings, ["x"])
     # m = 0.1·2 = 0.2, v = 0.01·4 = 0.04, x = 0 + 0.1 · 0.2 / (0.2 + 0.001)
     assert state[ADAM_M_PREFIX + "x"].item() == pytest.approx(0.2)
     assert state[ADAM_V_PREFIX + "x"].item() == pytest.approx(0.04)
     assert new["x"].item() == pytest.approx(0.1 * 0.2 / 0.201)
 
 
-def test_server_step_moves_only_updated_keys_and_counters_take_the_plain_mean():
-    weights = {"body": torch.tensor([1.0]), "head": torch.tensor([5.0]), "count": torch.tensor(10)}
-    state = init_server_optimizer("adam", weights)
+def test_server_step_moves_only_updated_keys_and_buffers_take_the_plain_mean():
+    settings = ServerOptSettings(server_opt="adam", server_lr=0.5)
+    weights = {"body": torch.tensor([1.0]), "head": torch.tensor([5.0]), "count": torch.tensor(10),
+               "running_var": torch.tensor([1.0])}
+    state = init_server_optimizer(settings, weights, ["body", "head"])
     assert set(state) == {ADAM_M_PREFIX + "body", ADAM_M_PREFIX + "head", ADAM_V_PREFIX + "body", ADAM_V_PREFIX + "head"}
-    new, new_state = server_step(weights, {"body": torch.tensor([1.0]), "count": torch.tensor(3)}, state, "adam", 1.0)
+    new, new_state = server_step(weights, {"body": torch.tensor([1.0]), "count": torch.tensor(3),
+                                           "running_var": torch.tensor([-0.25])}, state, settings, ["body", "head"])
     assert new["head"].item() == 5.0 and new["count"].item() == 13 and new["count"].dtype == torch.int64
+    assert new["running_var"].item() == 0.75  # x + Δ, neither Adam nor η_g
     assert new["body"].item() != 1.0
     assert torch.equal(new_state[ADAM_M_PREFIX + "head"], state[ADAM_M_PREFIX + "head"])
 
 
-def test_unknown_server_optimizer_is_rejected():
-    with pytest.raises(TaskHetError, match="--server_opt"):
-        init_server_optimizer("lamb", {"x": torch.zeros(1)})
+@pytest.mark.parametrize("field, value", [("server_opt", "lamb"), ("server_lr", 0.0), ("server_momentum", 1.0),
+                                          ("server_beta2", -0.1), ("server_tau", 0.0)])
+def test_bad_server_optimizer_settings_are_rejected_naming_the_setting(field, value):
+    with pytest.raises(TaskHetError, match=f"setting {field} must be"):
+        ServerOptSettings(**{field: value})
 
 
 def test_client_summary_mean_std_and_worst_decile():

@@ -114,8 +114,7 @@ class Scaffold(Algorithm):
         params = self.federation.layout.param_keys
         weights = apply_update(global_weights, {key: value for key, value in delta_y.items() if key in params},
                                self.settings.server_lr)
-        weights = {**weights, **apply_update(global_weights, {key: value for key, value in delta_y.items()
-                                                              if key not in params})}
+        weights = apply_update(weights, {key: value for key, value in delta_y.items() if key not in params})
         control = {key: server.tensors.get(key, torch.zeros_like(value)) + value for key, value in delta_c.items()}
         return ServerState({GLOBAL_MODEL: weights}, {**server.tensors, **control})
 

@@ -1,0 +1,77 @@
+"""FedRep (network/algorithms/fedrep.py): head phase, then body phase; only the body travels."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from network.algorithms import build_algorithm
+from network.algorithms.base import Upload
+from network.algorithms.skeleton import DELTA
+from tests.oracles import TwoLayer, client_config, least_squares_clients, manual_sgd, run_oracle
+from tests.tiny_models import TinyNet
+from utils.errors import TaskHetError
+
+
+def batches():
+    a, b = least_squares_clients(sizes=(24,))[0]
+    return [{"x": a[:12], "y": b[:12]}, {"x": a[12:], "y": b[12:]}]
+
+
+def test_head_phase_then_body_phase_by_hand():
+    algorithm, model = build_algorithm("fedrep", TwoLayer(), {"0": 24}, {"head_epochs": 2, "body_epochs": 1})
+    start = {key: value.clone() for key, value in model.state_dict().items()}
+    own_head = {"head.weight": start["head.weight"] + 0.5}
+    result = algorithm.client_update(model, {"global": start}, own_head, batches(), client_config(24, lr=0.1, steps=3))
+    after_head = manual_sgd({**start, **own_head}, {"head.weight"}, batches(), 0.1, steps=6)
+    after_body = manual_sgd(after_head, {"body.weight"}, batches(), 0.1, steps=3)
+    assert set(result.upload[DELTA]) == {"body.weight"}
+    assert torch.allclose(result.upload[DELTA]["body.weight"], after_body["body.weight"] - start["body.weight"],
+                          rtol=0, atol=1e-13)
+    assert torch.allclose(result.client_state["head.weight"], after_body["head.weight"], rtol=0, atol=1e-13)
+    assert result.metrics["local_steps"] == 9
+
+
+def test_frozen_parts_do_not_move_under_momentum_and_weight_decay():
+    torch.manual_seed(0)
+    algorithm, model = build_algorithm("fedrep", TinyNet(), {"0": 24}, {"head_epochs": 2, "body_epochs": 0})
+    start = {key: value.clone() for key, value in model.state_dict().items()}
+    data = [{"x": torch.randn(8, 4), "y": torch.randn(8)} for _ in range(3)]
+    from tests.tiny_models import loss_fn
+
+    result = algorithm.client_update(model, {"global": start}, {}, data,
+                                     client_config(24, lr=0.05, steps=4, momentum=0.9, weight_decay=0.1, loss_fn=loss_fn))
+    for key, delta in result.upload[DELTA].items():  # body parameters and BatchNorm buffers
+        assert torch.equal(delta, torch.zeros_like(delta)), key
+    assert not torch.equal(result.client_state["head.weight"], start["head.weight"])
+    assert all(param.requires_grad for param in model.parameters())  # freezing is undone
+
+
+def test_server_never_updates_the_global_head():
+    algorithm, model = build_algorithm("fedrep", TwoLayer(), {"0": 24})
+    server = algorithm.init_server({key: value.clone() for key, value in model.state_dict().items()})
+    result = algorithm.client_update(model, algorithm.broadcast(server), {}, batches(), client_config(24))
+    new = algorithm.aggregate(server, [Upload("0", result.upload, 24)])
+    assert torch.equal(new.models["global"]["head.weight"], server.models["global"]["head.weight"])
+    assert not torch.equal(new.models["global"]["body.weight"], server.models["global"]["body.weight"])
+
+
+def test_never_sampled_clients_have_no_personal_model_and_are_counted(tmp_path):
+    data = least_squares_clients(sizes=(10, 20, 30, 40, 50))
+    _, engine = run_oracle(tmp_path, "fedrep", rounds=1, steps=2, lr=0.01, data=data, fraction=0.4, model=TwoLayer())
+    metrics = pd.read_csv(tmp_path / "fedrep" / "metrics.csv", dtype={"client": str})
+    trained = set(metrics.query("split == 'train' and client != 'mean'").client)
+    personal = metrics.query("split == 'client_test_personal' and metric == 'loss' and round == 1")
+    assert set(personal.client) - {"mean", "std", "worst_decile"} == trained and len(trained) == 2
+    skipped = metrics.query("split == 'client_test_personal' and client == 'skipped' and round == 1").value
+    assert list(skipped) == [3]
+    untrained = next(client for client in "01234" if client not in trained)
+    assert engine.algorithm.personal_model(engine.server.models, engine.store.get(untrained) or {}) is None
+
+
+def test_a_model_without_a_head_is_refused():
+    from tests.oracles import linear_model
+
+    with pytest.raises(TaskHetError, match="head_keys"):
+        build_algorithm("fedrep", linear_model(), {"0": 1})

@@ -1,0 +1,137 @@
+"""SCAFFOLD (network/algorithms/scaffold.py) against its equations, by hand and on the least-squares oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from network.algorithms import build_algorithm
+from network.algorithms.base import ServerState, Upload
+from network.algorithms.scaffold import CONTROL, CONTROL_DELTA, DELTA
+from tests.oracles import (DIM, client_config, gradient, least_squares_clients, linear_model, max_curvature,
+                           pooled_optimum, relative_error, run_oracle, uniform_optimum)
+from tests.tiny_models import TinyNet
+
+SIZES = {"0": 10, "1": 20, "2": 30, "3": 40}  # n = 100
+
+
+def vec(value: float) -> torch.Tensor:
+    return torch.full((1, DIM), value, dtype=torch.float64)
+
+
+def scaffold(**settings):
+    algorithm, _ = build_algorithm("scaffold", linear_model(), SIZES, settings)
+    return algorithm
+
+
+def two_uploads() -> list[Upload]:
+    return [Upload("0", {DELTA: {"weight": vec(1.0)}, CONTROL_DELTA: {"weight": vec(2.0)}}, 10),
+            Upload("3", {DELTA: {"weight": vec(4.0)}, CONTROL_DELTA: {"weight": vec(-1.0)}}, 40)]
+
+
+def test_sample_weighted_server_step_by_hand():
+    algorithm = scaffold(server_lr=0.5)
+    server = ServerState({"global": {"weight": vec(1.0)}}, {"weight": vec(0.25)})
+    new = algorithm.aggregate(server, two_uploads())
+    # p = (0.1, 0.4): x + η_g·(0.1·1 + 0.4·4)/(0.1 + 0.4) = 1 + 0.5·3.4; c + (0.1·2 + 0.4·(−1)) = 0.25 − 0.2
+    assert torch.allclose(new.models["global"]["weight"], vec(1.0 + 0.5 * 3.4), rtol=0, atol=1e-14)
+    assert torch.allclose(new.tensors["weight"], vec(0.05), rtol=0, atol=1e-14)
+
+
+def test_uniform_server_step_by_hand():
+    algorithm = scaffold(server_lr=0.5, weighting="uniform")
+    server = ServerState({"global": {"weight": vec(1.0)}}, {"weight": vec(0.25)})
+    new = algorithm.aggregate(server, two_uploads())
+    # x + η_g·mean(1, 4); c + (|S|/N)·mean(2, −1) = 0.25 + (2/4)·0.5
+    assert torch.allclose(new.models["global"]["weight"], vec(1.0 + 0.5 * 2.5), rtol=0, atol=1e-14)
+    assert torch.allclose(new.tensors["weight"], vec(0.5), rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("weighting", ["samples", "uniform"])
+def test_server_control_stays_the_weighted_mean_of_all_client_controls(weighting):
+    data = least_squares_clients(sizes=tuple(SIZES.values()))
+    algorithm = scaffold(weighting=weighting)
+    model = linear_model()
+    server = algorithm.init_server({"weight": torch.zeros(1, DIM, dtype=torch.float64)})
+    states = {client: {} for client in SIZES}
+    for sampled in (["0", "2"], ["1", "2", "3"], ["3"]):
+        uploads = []
+        for client in sampled:
+            a, b = data[int(client)]
+            result = algorithm.client_update(model, algorithm.broadcast(server), states[client], [{"x": a, "y": b}],
+                                             client_config(len(b)))
+            states[client] = result.client_state
+            uploads.append(Upload(client, result.upload, len(b)))
+        server = algorithm.aggregate(server, uploads)
+    shares = {client: (size / 100 if weighting == "samples" else 0.25) for client, size in SIZES.items()}
+    expected = sum(shares[client] * state.get("weight", torch.zeros(1, DIM, dtype=torch.float64))
+                   for client, state in states.items())
+    assert torch.allclose(server.tensors["weight"], expected, rtol=0, atol=1e-13)
+
+
+def test_option_two_is_the_mean_raw_gradient_and_equals_the_papers_formula_under_plain_sgd():
+    a, b = least_squares_clients(sizes=(30,))[0]
+    algorithm = scaffold()
+    model = linear_model()
+    x = torch.linspace(-1, 1, DIM, dtype=torch.float64).unsqueeze(0)
+    c, c_i = vec(0.3), vec(-0.2)
+    batches = [{"x": a[:10], "y": b[:10]}, {"x": a[10:20], "y": b[10:20]}, {"x": a[20:], "y": b[20:]}]
+    lr = 0.01
+    result = algorithm.client_update(model, {"global": {"weight": x}, CONTROL: {"weight": c}}, {"weight": c_i},
+                                     batches, client_config(30, lr=lr, steps=None, local_epochs=2))
+    assert result.metrics["local_steps"] == 6
+    w, raw = x.squeeze(0).clone(), []
+    for batch in batches * 2:  # corrected steps, recording the raw minibatch gradients
+        g = gradient(w, batch["x"], batch["y"])
+        raw.append(g)
+        w = w - lr * (g - c_i.squeeze(0) + c.squeeze(0))
+    assert torch.allclose(result.upload[DELTA]["weight"].squeeze(0), w - x.squeeze(0), rtol=0, atol=1e-14)
+    assert torch.allclose(result.client_state["weight"].squeeze(0), torch.stack(raw).mean(0), rtol=0, atol=1e-14)
+    formula = c_i - c + (x - w.unsqueeze(0)) / (6 * lr)  # the paper's option II
+    assert torch.allclose(result.client_state["weight"], formula, rtol=0, atol=1e-10)
+    assert torch.allclose(result.upload[CONTROL_DELTA]["weight"], result.client_state["weight"] - c_i, atol=1e-15)
+
+
+def test_option_one_uses_the_full_gradient_at_the_server_model():
+    a, b = least_squares_clients()[1]
+    algorithm = scaffold(option="I")
+    x = torch.linspace(0, 1, DIM, dtype=torch.float64).unsqueeze(0)
+    result = algorithm.client_update(linear_model(), {"global": {"weight": x}, CONTROL: {}}, {}, [{"x": a, "y": b}],
+                                     client_config(len(b)))
+    assert torch.allclose(result.client_state["weight"].squeeze(0), gradient(x.squeeze(0), a, b), atol=1e-13)
+
+
+@pytest.mark.parametrize("weighting, optimum", [("samples", pooled_optimum), ("uniform", uniform_optimum)])
+def test_converges_to_the_optimum_of_its_weighting_with_unequal_clients(tmp_path, weighting, optimum):
+    data = least_squares_clients(sizes=(10, 80, 20, 50))
+    weights, _ = run_oracle(tmp_path, "scaffold", rounds=150, steps=10, lr=0.3 / max_curvature(data), data=data,
+                            weighting=weighting)
+    assert relative_error(weights, optimum(data)) < 1e-6
+    other = uniform_optimum if optimum is pooled_optimum else pooled_optimum
+    assert relative_error(weights, other(data)) > 1e-2  # the two objectives really differ here
+
+
+def test_option_two_with_local_momentum_converges(tmp_path):
+    data = least_squares_clients()
+    weights, _ = run_oracle(tmp_path, "scaffold", rounds=120, steps=10, lr=0.05 / max_curvature(data), data=data,
+                            momentum=0.9)
+    assert relative_error(weights, pooled_optimum(data)) < 1e-6
+
+
+def test_partial_participation_and_a_server_lr_still_reach_the_optimum(tmp_path):
+    data = least_squares_clients(sizes=(10, 80, 20, 50))
+    weights, _ = run_oracle(tmp_path, "scaffold", rounds=400, steps=10, lr=0.3 / max_curvature(data), data=data,
+                            fraction=0.5, server_lr=0.8)
+    assert relative_error(weights, pooled_optimum(data)) < 1e-4
+
+
+def test_batchnorm_buffers_are_not_scaled_by_the_server_lr():
+    torch.manual_seed(0)
+    algorithm, model = build_algorithm("scaffold", TinyNet(), {"a": 1, "b": 3}, {"server_lr": 0.5})
+    server = algorithm.init_server({key: value.clone() for key, value in model.state_dict().items()})
+    ones = {key: torch.ones_like(value) for key, value in server.models["global"].items()}
+    controls = {name: torch.zeros_like(param) for name, param in model.named_parameters()}
+    new = algorithm.aggregate(server, [Upload("a", {DELTA: ones, CONTROL_DELTA: controls}, 1)])
+    before, after = server.models["global"], new.models["global"]
+    assert torch.equal(after["body.1.running_mean"], before["body.1.running_mean"] + 1)
+    assert torch.equal(after["body.0.weight"], before["body.0.weight"] + 0.5)
