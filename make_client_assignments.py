@@ -15,11 +15,11 @@ from pathlib import Path
 import pandas as pd
 
 from datasets.taskonomy import read_manifest
-from utils.assignments import assignments_table, resolve_groups, source_record, write_assignments
+from partitioning.assignments import assignments_table, resolve_groups, source_record, write_assignments
+from partitioning.partition import client_test_mask, get_partitioner, list_schemes, scheme_parameters
+from partitioning.partition_stats import client_stats, plot_heatmap
 from utils.cli import positive_float, positive_int, run_main
 from utils.errors import TaskHetError
-from utils.partition import client_test_mask, get_partitioner, list_schemes, scheme_parameters
-from utils.partition_stats import client_stats, plot_heatmap
 from utils.run_dir import setup_logging, write_config
 from utils.seeding import numpy_rng
 

@@ -19,7 +19,7 @@ from network.algorithms.scaffold import OPTIONS as SCAFFOLD_OPTIONS
 from network.client_data import global_test_loader, make_clients
 from network.engine_sequential import (GLOBAL_CLIENT, GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT, ClientData, EngineConfig, SequentialEngine,
                                        make_lr_schedule)
-from utils.assignments import load_assignments
+from partitioning.assignments import load_assignments
 from utils.cli import positive_float, positive_int, run_main
 from utils.device import pick_device, prepare_model
 from utils.errors import TaskHetError

@@ -13,9 +13,9 @@ import extract_embeddings
 import make_client_assignments
 from datasets.taskonomy import TaskonomyDataset, read_manifest
 from models import build_task_model
+from partitioning.assignments import load_assignments
+from partitioning.clustering import embed_samples
 from tests.fixtures import make_tiny_manifest, render_tiny_dataset
-from utils.assignments import load_assignments
-from utils.clustering import embed_samples
 from utils.errors import TaskHetError
 from utils.training import make_loader
 

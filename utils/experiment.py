@@ -121,7 +121,7 @@ def validate_names(config: dict[str, Any], source: Path) -> None:
     from models import list_encoders
     from models.tasks import list_tasks
     from network.algorithms import list_algorithms
-    from utils.partition import list_schemes
+    from partitioning.partition import list_schemes
 
     def check(key: str, values: list[str], known: list[str]) -> None:
         for value in values:
