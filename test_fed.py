@@ -20,12 +20,12 @@ from network.client_data import global_test_loader, make_clients
 from network.engine_sequential import (GLOBAL_CLIENT, GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT, ClientData, EngineConfig, SequentialEngine,
                                        make_lr_schedule)
 from partitioning.assignments import load_assignments
+from training.loop import evaluate
 from utils.cli import positive_float, positive_int, run_main
 from utils.device import pick_device, prepare_model
 from utils.errors import TaskHetError
 from utils.run_dir import setup_logging, write_config
 from utils.seeding import set_deterministic
-from utils.training import evaluate
 
 __all__ = ["GLOBAL_CLIENT", "GLOBAL_TEST_SPLIT", "PERSONAL_TEST_SPLIT", "main"]
 

@@ -11,12 +11,12 @@ from accelerate import Accelerator
 from datasets.taskonomy import TaskonomyDataset, read_manifest
 from models import build_task_model, get_task
 from models.encoders import NAMED_WEIGHTS, default_weights
+from training.loop import fit, make_loader
 from utils.cli import positive_float, positive_int, run_main
 from utils.device import prepare_model
 from utils.errors import TaskHetError
 from utils.run_dir import setup_logging, write_config
 from utils.seeding import derive_seed, set_deterministic
-from utils.training import fit, make_loader
 
 DESCRIPTION = """Step 2 of TaskHet: train one centralized model per task.
 Inputs: the step-1 manifest (--manifest, default results/datapoints/manifest.csv) and the data under --data_path.

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import train_centralized_task_model as step2
-import utils.training
+import training.loop
 from models import list_tasks, load_task_model
 from tests.fixtures import make_tiny_manifest, render_tiny_dataset, tiny_data_root, tiny_manifest  # noqa: F401
 from utils.errors import TaskHetError
@@ -64,17 +64,17 @@ def test_killed_and_resumed_run_is_bit_identical(tiny_data_root, tiny_manifest, 
     step2.main(argv(tiny_data_root, tiny_manifest, uninterrupted, "segment_semantic", *extra))
 
     interrupted = tmp_path / "interrupted"
-    real_save = utils.training.atomic_torch_save
+    real_save = training.loop.atomic_torch_save
 
     def save_then_die(obj, path):
         real_save(obj, path)
         if path.name == "last.pt" and obj["state"]["epoch"] == 1:
             raise Killed
 
-    monkeypatch.setattr(utils.training, "atomic_torch_save", save_then_die)
+    monkeypatch.setattr(training.loop, "atomic_torch_save", save_then_die)
     with pytest.raises(Killed):
         step2.main(argv(tiny_data_root, tiny_manifest, interrupted, "segment_semantic", *extra))
-    monkeypatch.setattr(utils.training, "atomic_torch_save", real_save)
+    monkeypatch.setattr(training.loop, "atomic_torch_save", real_save)
     assert load_checkpoint(interrupted / "last.pt")["state"]["epoch"] == 1
     step2.main(argv(tiny_data_root, tiny_manifest, interrupted, "segment_semantic", *extra, "--resume"))
 

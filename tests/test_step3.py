@@ -16,8 +16,8 @@ from models import build_task_model
 from partitioning.assignments import load_assignments
 from partitioning.clustering import embed_samples
 from tests.fixtures import make_tiny_manifest, render_tiny_dataset
+from training.loop import make_loader
 from utils.errors import TaskHetError
-from utils.training import make_loader
 
 IMAGE_SIZE = 32
 
