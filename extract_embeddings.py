@@ -22,12 +22,12 @@ import pandas as pd
 from datasets.taskonomy import TaskonomyDataset, read_manifest
 from models import load_task_model
 from partitioning.clustering import MINIBATCH_THRESHOLD, cluster_embeddings, embed_samples, write_diagnostics
+from pipeline.stages import stage_key
 from training.loop import make_loader
 from utils.cli import positive_int, run_main
 from utils.device import pick_device, prepare_model
 from utils.errors import TaskHetError
 from utils.run_dir import atomic_write_text, setup_logging, write_config
-from utils.stages import stage_key
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

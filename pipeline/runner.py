@@ -2,7 +2,7 @@
 
 Each step is run by calling the ``main(argv)`` of the same numbered script a user
 runs by hand, so the pipeline and the scripts cannot drift apart. Every step's
-folder name carries a hash of its parameters and inputs (utils/stages.py):
+folder name carries a hash of its parameters and inputs (pipeline/stages.py):
 finished steps are skipped on a rerun, an unfinished step 4 resumes from its
 checkpoint, and a changed setting gets a new folder instead of overwriting.
 
@@ -36,9 +36,9 @@ import render_synthetic_buildings as render
 import test_fed as step4
 import train_centralized_task_model as step2
 from models.tasks import get_task
-from utils.experiment import Combination, combinations
-from utils.report import write_report
-from utils.stages import run_stage, stage_key
+from pipeline.experiment import Combination, combinations
+from pipeline.report import write_report
+from pipeline.stages import run_stage, stage_key
 
 # The groups a partition is drawn over: scene labels, or the task's embedding clusters.
 LABEL_GROUPS = "scene_class"
@@ -46,7 +46,7 @@ LABEL_GROUPS = "scene_class"
 
 @dataclass
 class Pipeline:
-    """Runs one experiment (a validated config from utils.experiment.load_experiment)."""
+    """Runs one experiment (a validated config from pipeline.experiment.load_experiment)."""
 
     config: dict[str, Any]
     out_dir: Path
