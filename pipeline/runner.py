@@ -1,7 +1,8 @@
 """run_pipeline.py's engine: steps 1–4 for every combination of an experiment, then the report.
 
-Each step is run by calling the ``main(argv)`` of the same numbered script a user
-runs by hand, so the pipeline and the scripts cannot drift apart. Every step's
+Each step is run by calling the ``main(argv)`` of its ``steps`` module, the same function
+the numbered script a user runs by hand calls, so the pipeline and the scripts cannot drift
+apart. Step 4 is still called through test_fed.py (issue 11). Every step's
 folder name carries a hash of its parameters and inputs (pipeline/stages.py):
 finished steps are skipped on a rerun, an unfinished step 4 resumes from its
 checkpoint, and a changed setting gets a new folder instead of overwriting.
@@ -29,16 +30,16 @@ from typing import Any, Callable
 import pandas as pd
 from tqdm.auto import tqdm
 
-import extract_datapoints_for_experiments as step1
-import extract_embeddings as step3
-import make_client_assignments as step3b
-import render_synthetic_buildings as render
-import test_fed as step4
-import train_centralized_task_model as step2
+import test_fed as step4  # step 4 moves into the library with the run config (issue 11)
 from models.tasks import get_task
 from pipeline.experiment import Combination, combinations
 from pipeline.report import write_report
 from pipeline.stages import run_stage, stage_key
+from steps import assign as step3b
+from steps import embed as step3
+from steps import render
+from steps import select_scenes as step1
+from steps import train_centralized as step2
 
 # The groups a partition is drawn over: scene labels, or the task's embedding clusters.
 LABEL_GROUPS = "scene_class"
