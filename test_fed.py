@@ -20,6 +20,7 @@ from network.client_data import global_test_loader, make_clients
 from network.engine_sequential import (GLOBAL_CLIENT, GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT, ClientData, EngineConfig, SequentialEngine,
                                        make_lr_schedule)
 from partitioning.assignments import load_assignments
+from partitioning.groupings import EMBEDDING_BASED, GROUPINGS, LABEL_BASED, canonical_grouping
 from training.loop import evaluate
 from utils.cli import positive_float, positive_int, run_main
 from utils.device import pick_device, prepare_model
@@ -59,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--data_path", type=Path, default=Path("data/synthetic"), help="data root (default: data/synthetic)")
     add("--assignments", type=Path, default=None, help="assignments.csv of step 3b (default: see above)")
     add("--assignment_files_path", type=Path, default=Path("results/assignments"), help="folder of assignment files")
-    add("--type", choices=("embedding_based", "class_based"), default=None, help="partition kind (checked against the file)")
+    add("--type", type=canonical_grouping, choices=GROUPINGS, default=None,
+        help="partition kind, checked against the file (class_based: the old name of label_based)")
     add("--alpha", type=positive_float, default=None, help="Dirichlet α of the partition (checked against the file)")
     add("--n_clients", type=positive_int, default=None, help="number of clients (checked against the file)")
     add("--n_clusters", type=positive_int, default=10, help="KMeans clusters of an embedding-based partition (default path)")
@@ -102,7 +104,7 @@ def resolve(args: argparse.Namespace, meta: dict) -> argparse.Namespace:
         raise TaskHetError("pass one of --local_steps (--sgd_per_epoch) and --local_epochs, not both")
     if args.local_steps is None and args.local_epochs is None:
         args.local_steps = 50
-    kind = "embedding_based" if str(meta.get("groups", "scene_class")).endswith(".csv") else "class_based"
+    kind = EMBEDDING_BASED if str(meta.get("groups", "scene_class")).endswith(".csv") else LABEL_BASED
     for flag, given, recorded in (("type", args.type, kind if meta else None), ("n_clients", args.n_clients, meta.get("n_clients")),
                                   ("alpha", args.alpha, meta.get("alpha"))):
         if given is not None and recorded is not None and given != recorded:
@@ -119,7 +121,7 @@ def resolve(args: argparse.Namespace, meta: dict) -> argparse.Namespace:
 def default_assignments(args: argparse.Namespace) -> Path:
     if args.alpha is None or args.type is None:
         raise TaskHetError("pass --assignments FILE, or --type and --alpha to find it under --assignment_files_path")
-    owner = Path(args.task, f"k{args.n_clusters}") if args.type == "embedding_based" else Path("labels")
+    owner = Path(args.task, f"k{args.n_clusters}") if args.type == EMBEDDING_BASED else Path("labels")
     return args.assignment_files_path / args.type / owner / f"a{args.alpha:g}" / "assignments.csv"
 
 

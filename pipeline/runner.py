@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 import test_fed as step4  # step 4 moves into the library with the run config (issue 11)
 from models.tasks import get_task
+from partitioning.groupings import EMBEDDING_BASED, LABEL_BASED
 from pipeline.experiment import Combination, combinations
 from pipeline.report import write_report
 from pipeline.stages import run_stage, stage_key
@@ -117,7 +118,7 @@ class Pipeline:
             "n_clients": partition["n_clients"], "client_test_fraction": partition["client_test_fraction"],
             "size_skew": partition["size_skew"], "seed": seed,
         }
-        inputs = [manifest] + ([Path(groups)] if grouping == "embedding_based" else [])
+        inputs = [manifest] + ([Path(groups)] if grouping == EMBEDDING_BASED else [])
         stage_dir = self.out_dir / "assignments" / owner / f"{grouping}-a{alpha:g}-s{seed}-{stage_key(params, inputs)}"
         self.step(f"step 3b: {grouping} α={alpha:g} seed {seed}", stage_dir, params, step3b,
                   ["--out", str(stage_dir), *flags(params)])
@@ -168,7 +169,7 @@ class Pipeline:
 
     def partition_for(self, combination: Combination, manifest: Path, cluster_dirs: dict[str, Path]) -> Path:
         owner, grouping, alpha, seed = partition_key(combination)
-        groups = LABEL_GROUPS if grouping == "label_based" else str(cluster_dirs[combination.task] / "clusters.csv")
+        groups = LABEL_GROUPS if grouping == LABEL_BASED else str(cluster_dirs[combination.task] / "clusters.csv")
         return self.assignments(owner, grouping, groups, alpha, seed, manifest)
 
     def report(self, runs: list[tuple[Combination, Path, Path]], model_dirs: dict[str, Path],
@@ -195,7 +196,7 @@ class Pipeline:
 
 def partition_key(combination: Combination) -> tuple:
     """Combinations with the same key share one assignments file (label partitions are task-free)."""
-    owner = "labels" if combination.grouping == "label_based" else combination.task
+    owner = "labels" if combination.grouping == LABEL_BASED else combination.task
     return owner, combination.grouping, combination.alpha, combination.seed
 
 
