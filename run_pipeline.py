@@ -1,7 +1,7 @@
 """The main job: steps 1–4 for every combination of one experiment file, then the gap report.
 
 Input: a YAML experiment file (experiments/demo.yaml, experiments/paper.yaml; keys
-and defaults in utils/experiment.py). Output: results/<name>/ with every step's
+and defaults in pipeline/experiment.py). Output: results/<name>/ with every step's
 folder, report.md, report.csv and plots. Rerunning skips finished steps and
 resumes an interrupted federated run from its checkpoint.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pipeline.experiment import load_experiment
 from utils.cli import run_main
-from utils.experiment import load_experiment
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     config = load_experiment(args.experiment)
     # Imported after validation so a bad experiment file fails before the heavy imports.
-    from utils.pipeline import Pipeline, command_line
+    from pipeline.runner import Pipeline, command_line
 
     out_dir = args.results / config["name"]
     table = Pipeline(config, out_dir, command_line([str(args.experiment)])).run()

@@ -51,8 +51,8 @@ def timed(run: Callable[[], object], repeats: int = REPEATS) -> tuple[float, obj
 def main() -> None:
     hf_datasets, FlowerDirichlet = import_flower()
     sys.path.insert(0, str(ROOT))
-    from utils.partition import get_partitioner, list_schemes, scheme_parameters
-    from utils.partition_stats import client_stats
+    from partitioning.partition import get_partitioner, list_schemes, scheme_parameters
+    from partitioning.partition_stats import client_stats
 
     labels = np.random.default_rng(SEED).integers(0, N_GROUPS, N_SAMPLES)
     table = hf_datasets.Dataset.from_dict({"label": labels, "row": np.arange(N_SAMPLES)})

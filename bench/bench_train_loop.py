@@ -30,9 +30,9 @@ from datasets.selection import SelectionConfig, select_datapoints  # noqa: E402
 from datasets.synthetic import RenderConfig, render_dataset  # noqa: E402
 from datasets.taskonomy import TaskonomyDataset  # noqa: E402
 from models import build_task_model, get_task  # noqa: E402
+from training.loop import make_loader, train_one_batch  # noqa: E402
 from utils.cli import positive_int, run_main  # noqa: E402
 from utils.device import autocast, pick_device, prepare_model  # noqa: E402
-from utils.training import make_loader, train_one_batch  # noqa: E402
 
 
 def plain_epoch(model: torch.nn.Module, samples: list[dict], domain: str, batch_size: int, device: torch.device) -> int:

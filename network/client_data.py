@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Subset
 
 from datasets.taskonomy import TaskonomyDataset
 from network.client import ClientData
-from utils.training import make_loader
+from training.loop import make_loader
 
 
 def task_dataset(args: argparse.Namespace, manifest: pd.DataFrame, task, sample_ids) -> TaskonomyDataset:

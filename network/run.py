@@ -23,14 +23,14 @@ from models import build_task_model, get_task, load_task_model
 from network.algorithms import build_algorithm
 from network.algorithms.base import Algorithm
 from network.engine_sequential import EngineConfig, make_lr_schedule
-from utils.assignments import load_assignments
+from partitioning.assignments import load_assignments
+from partitioning.groupings import EMBEDDING_BASED, GROUPINGS, LABEL_BASED
+from training.loop import evaluate
 from utils.device import pick_device, prepare_model
 from utils.errors import TaskHetError
 from utils.seeding import set_deterministic
-from utils.training import evaluate
 
 ENGINES = ("sequential", "flower")  # round loops over the same algorithm objects
-PARTITION_KINDS = ("embedding_based", "label_based")
 # Fields that do not change what a run computes: a resumed run may differ in them.
 NOT_IN_SIGNATURE = ("out", "resume", "use_accelerator", "num_workers", "cache_dir", "deterministic", "n_rounds",
                     "eval_every", "progress", "client_state_memory_mb", "engine", "flower_mode", "flower_num_cpus",
@@ -155,7 +155,7 @@ def resolve(config: RunConfig, meta: dict) -> RunConfig:
         raise TaskHetError("pass one of --local_steps (--sgd_per_epoch) and --local_epochs, not both")
     if config.local_steps is None and config.local_epochs is None:
         config = config.replace(local_steps=50)
-    kind = "embedding_based" if str(meta.get("groups", "scene_class")).endswith(".csv") else "label_based"
+    kind = EMBEDDING_BASED if str(meta.get("groups", "scene_class")).endswith(".csv") else LABEL_BASED
     for name, given, recorded in (("type", config.type, kind if meta else None),
                                   ("n_clients", config.n_clients, meta.get("n_clients")),
                                   ("alpha", config.alpha, meta.get("alpha"))):
@@ -175,7 +175,7 @@ def resolve(config: RunConfig, meta: dict) -> RunConfig:
 def default_assignments(config: RunConfig) -> Path:
     if config.alpha is None or config.type is None:
         raise TaskHetError("pass --assignments FILE, or --type and --alpha to find it under --assignment_files_path")
-    owner = Path(config.task, f"k{config.n_clusters}") if config.type == "embedding_based" else Path("labels")
+    owner = Path(config.task, f"k{config.n_clusters}") if config.type == EMBEDDING_BASED else Path("labels")
     return config.assignment_files_path / config.type / owner / f"a{config.alpha:g}" / "assignments.csv"
 
 

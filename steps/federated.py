@@ -14,7 +14,8 @@ from pathlib import Path
 
 from network.algorithms import describe_algorithms, list_algorithms
 from network.algorithms.base import get_settings_class
-from network.run import ENGINES, PARTITION_KINDS, RunConfig, prepare
+from network.run import ENGINES, RunConfig, prepare
+from partitioning.groupings import GROUPINGS, canonical_grouping
 from network.settings import add_settings_arguments, describe
 from utils.cli import positive_float, positive_int
 from utils.errors import TaskHetError
@@ -48,8 +49,8 @@ def build_parser(method: str | None = None) -> argparse.ArgumentParser:
     add("--data_path", type=Path, default=defaults.data_path, help="data root (default: data/synthetic)")
     add("--assignments", type=Path, default=None, help="assignments.csv of step 3b (default: see above)")
     add("--assignment_files_path", type=Path, default=defaults.assignment_files_path, help="folder of assignment files")
-    add("--type", type=partition_kind, default=None,
-        help="partition kind, label_based (alias: class_based) or embedding_based (checked against the file)")
+    add("--type", type=canonical_grouping, choices=GROUPINGS, default=None,
+        help="partition kind, checked against the file (class_based: the old name of label_based)")
     add("--alpha", type=positive_float, default=None, help="Dirichlet α of the partition (checked against the file)")
     add("--n_clients", type=positive_int, default=None, help="number of clients (checked against the file)")
     add("--n_clusters", type=positive_int, default=10, help="KMeans clusters of an embedding-based partition (default path)")
@@ -82,14 +83,6 @@ def build_parser(method: str | None = None) -> argparse.ArgumentParser:
     if method is not None:
         add_settings_arguments(parser, get_settings_class(method), method)
     return parser
-
-
-def partition_kind(text: str) -> str:
-    """argparse type: label_based | embedding_based, with the original code's class_based as an alias."""
-    kind = "label_based" if text == "class_based" else text
-    if kind not in PARTITION_KINDS:
-        raise argparse.ArgumentTypeError(f"must be one of {', '.join(PARTITION_KINDS)} (or class_based), got {text}")
-    return kind
 
 
 def parse_run_config(argv: list[str] | None) -> RunConfig | None:

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from utils.assignments import (
+from partitioning.assignments import (
     assignments_table,
     load_assignments,
     read_assignments,
@@ -16,8 +16,8 @@ from utils.assignments import (
     source_record,
     write_assignments,
 )
+from partitioning.partition import client_test_mask, get_partitioner
 from utils.errors import TaskHetError
-from utils.partition import client_test_mask, get_partitioner
 
 
 def manifest() -> pd.DataFrame:

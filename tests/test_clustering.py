@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 from sklearn.datasets import make_blobs
 
-from utils.clustering import cluster_diagnostics, cluster_embeddings, contingency, write_diagnostics
+from partitioning.clustering import cluster_diagnostics, cluster_embeddings, contingency, write_diagnostics
 from utils.errors import TaskHetError
 
 

@@ -180,7 +180,7 @@ def test_a_deployed_node_builds_only_its_clients_exactly_as_test_fed_does(tiny_d
     from datasets.taskonomy import read_manifest
     from models import get_task
     from network import flower_app
-    from utils.assignments import load_assignments, write_assignments
+    from partitioning.assignments import load_assignments, write_assignments
 
     train = read_manifest(tiny_manifest).query("split == 'train'").sort_values("sample_id").reset_index(drop=True)
     table = pd.DataFrame({"sample_id": train["sample_id"], "client_id": train.index % 3, "group": train["scene_class"],

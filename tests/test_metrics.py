@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from models.tasks import get_task, list_tasks
-from utils.metrics import ClassificationMetrics, DepthMetrics, L1Metric, NormalMetrics, SegmentationMetrics
+from training.metrics import ClassificationMetrics, DepthMetrics, L1Metric, NormalMetrics, SegmentationMetrics
 
 
 def logits_for(classes: torch.Tensor, num_classes: int) -> torch.Tensor:

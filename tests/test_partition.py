@@ -8,8 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from utils.errors import TaskHetError
-from utils.partition import (
+from partitioning.partition import (
     UNUSED,
     client_sizes,
     client_test_mask,
@@ -19,7 +18,8 @@ from utils.partition import (
     list_schemes,
     scheme_parameters,
 )
-from utils.partition_stats import client_stats, group_counts, plot_heatmap
+from partitioning.partition_stats import client_stats, group_counts, plot_heatmap
+from utils.errors import TaskHetError
 
 N_SAMPLES, N_GROUPS, N_BUILDINGS = 3000, 8, 20
 

@@ -12,8 +12,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from partitioning.partition import client_sizes, client_test_mask, get_partitioner, list_schemes, scheme_parameters
 from utils.errors import TaskHetError
-from utils.partition import client_sizes, client_test_mask, get_partitioner, list_schemes, scheme_parameters
 from utils.seeding import numpy_rng
 
 # A split of a few hundred samples takes milliseconds; two seconds means something loops.

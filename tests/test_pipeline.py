@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 import run_pipeline
+from pipeline.experiment import load_experiment
+from pipeline.report import REPORT_COLUMNS
 from utils.errors import TaskHetError
-from utils.experiment import load_experiment
-from utils.report import REPORT_COLUMNS
 
 ROOT = Path(__file__).resolve().parent.parent
 

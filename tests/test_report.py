@@ -1,7 +1,7 @@
 import numpy as np
 import pandas as pd
 
-from utils.report import REPORT_COLUMNS, gap_table, personal_gap_table, summary_sentences, write_report
+from pipeline.report import REPORT_COLUMNS, gap_table, personal_gap_table, summary_sentences, write_report
 
 
 def _finals(embedding_loss: float) -> pd.DataFrame:

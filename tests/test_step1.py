@@ -1,4 +1,4 @@
-"""Step 1 (extract_datapoints_for_experiments.py and datasets.selection) on tiny rendered data."""
+"""Step 1 (steps/select_scenes.py, extract_datapoints_for_experiments.py, and datasets.selection) on tiny rendered data."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-import extract_datapoints_for_experiments as step1
 from datasets.selection import SelectionConfig, read_scene_names, select_datapoints, summary_line, write_selection
 from datasets.synthetic import PLACES_FILE, SPLIT_FILE
 from datasets.taskonomy import DOMAINS, MANIFEST_COLUMNS, domain_dir, read_manifest
+from steps import select_scenes as step1
 from tests.fixtures import render_tiny_dataset, tiny_data_root  # noqa: F401
+from utils.cli import run_main
 from utils.errors import TaskHetError
 
 
@@ -170,7 +171,7 @@ def test_cli_end_to_end(tiny_data_root, tmp_path, capsys):
 
 def test_cli_rejects_top_k_zero_with_one_line(tiny_data_root, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        step1.run_main(step1.main, ["--data_path", str(tiny_data_root), "--out", str(tmp_path), "--top_k_classes", "0"])
+        run_main(step1.main, ["--data_path", str(tiny_data_root), "--out", str(tmp_path), "--top_k_classes", "0"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == "error: --top_k_classes must be >= 1, got 0"
     assert not (tmp_path / "manifest.csv").exists()

@@ -1,4 +1,4 @@
-"""Step 2 (train_centralized_task_model.py) end to end on tiny synthetic data, on the CPU."""
+"""Step 2 (steps/train_centralized.py, train_centralized_task_model.py) end to end on tiny synthetic data, on the CPU."""
 
 import shutil
 
@@ -6,10 +6,11 @@ import pandas as pd
 import pytest
 import torch
 
-import train_centralized_task_model as step2
-import utils.training
+import training.loop
 from models import list_tasks, load_task_model
+from steps import train_centralized as step2
 from tests.fixtures import make_tiny_manifest, render_tiny_dataset, tiny_data_root, tiny_manifest  # noqa: F401
+from utils.cli import run_main
 from utils.errors import TaskHetError
 from utils.run_dir import load_checkpoint
 
@@ -64,17 +65,17 @@ def test_killed_and_resumed_run_is_bit_identical(tiny_data_root, tiny_manifest, 
     step2.main(argv(tiny_data_root, tiny_manifest, uninterrupted, "segment_semantic", *extra))
 
     interrupted = tmp_path / "interrupted"
-    real_save = utils.training.atomic_torch_save
+    real_save = training.loop.atomic_torch_save
 
     def save_then_die(obj, path):
         real_save(obj, path)
         if path.name == "last.pt" and obj["state"]["epoch"] == 1:
             raise Killed
 
-    monkeypatch.setattr(utils.training, "atomic_torch_save", save_then_die)
+    monkeypatch.setattr(training.loop, "atomic_torch_save", save_then_die)
     with pytest.raises(Killed):
         step2.main(argv(tiny_data_root, tiny_manifest, interrupted, "segment_semantic", *extra))
-    monkeypatch.setattr(utils.training, "atomic_torch_save", real_save)
+    monkeypatch.setattr(training.loop, "atomic_torch_save", real_save)
     assert load_checkpoint(interrupted / "last.pt")["state"]["epoch"] == 1
     step2.main(argv(tiny_data_root, tiny_manifest, interrupted, "segment_semantic", *extra, "--resume"))
 
@@ -123,7 +124,7 @@ def test_bad_input_is_one_clear_error(tiny_data_root, tiny_manifest, tmp_path, c
 
     # as a script: one line on stderr, exit code 2, no traceback
     with pytest.raises(SystemExit) as exit_info:
-        step2.run_main(step2.main, argv(no_reshading, tiny_manifest, tmp_path / "f", "reshading"))
+        run_main(step2.main, argv(no_reshading, tiny_manifest, tmp_path / "f", "reshading"))
     assert exit_info.value.code == 2
     message = capsys.readouterr().err.strip()
     assert message.startswith("error: ") and "reshading" in message and "\n" not in message

@@ -9,15 +9,14 @@ import pandas as pd
 import pytest
 import torch
 
-import extract_embeddings
-import make_client_assignments
 from datasets.taskonomy import TaskonomyDataset, read_manifest
 from models import build_task_model
+from partitioning.assignments import load_assignments
+from partitioning.clustering import embed_samples
+from steps import assign, embed
 from tests.fixtures import make_tiny_manifest, render_tiny_dataset
-from utils.assignments import load_assignments
-from utils.clustering import embed_samples
+from training.loop import make_loader
 from utils.errors import TaskHetError
-from utils.training import make_loader
 
 IMAGE_SIZE = 32
 
@@ -55,7 +54,7 @@ def test_extract_embeddings_then_assignments_end_to_end(tiny):
     out = tiny["base"] / "step3"
     argv = ["--checkpoint", str(tiny["checkpoint"]), "--manifest", str(tiny["manifest"]), "--data_path", str(tiny["root"]),
             "--out", str(out), "--n_clusters", "3", "--batch_size", "5", "--no-use_accelerator"]
-    extract_embeddings.main(argv)
+    embed.main(argv)
     manifest = read_manifest(tiny["manifest"])
     embeddings = np.load(out / "embeddings.npy")
     assert embeddings.dtype == np.float32 and embeddings.shape[0] == len(manifest)
@@ -70,14 +69,14 @@ def test_extract_embeddings_then_assignments_end_to_end(tiny):
 
     # A rerun with other clustering settings reuses the embeddings (and gets the same ones).
     before = (out / "embeddings.npy").stat().st_mtime_ns
-    extract_embeddings.main([*argv[:-5], "--n_clusters", "2", "--no-use_accelerator"])
+    embed.main([*argv[:-5], "--n_clusters", "2", "--no-use_accelerator"])
     assert (out / "embeddings.npy").stat().st_mtime_ns == before
     assert set(pd.read_csv(out / "clusters.csv")["cluster"]) == {0, 1}
 
     outputs = {}
     for name, groups in (("label", "scene_class"), ("embedding", str(out / "clusters.csv")), ("again", str(out / "clusters.csv"))):
         outputs[name] = tiny["base"] / f"step3b-{name}"
-        make_client_assignments.main(["--manifest", str(tiny["manifest"]), "--groups", groups, "--scheme", "dirichlet_mixture",
+        assign.main(["--manifest", str(tiny["manifest"]), "--groups", groups, "--scheme", "dirichlet_mixture",
                                       "--alpha", "0.5", "--n_clients", "3", "--client_test_fraction", "0.25", "--seed", "1",
                                       "--out", str(outputs[name])])
     table, meta = load_assignments(outputs["embedding"] / "assignments.csv", manifest)
@@ -97,10 +96,10 @@ def test_extract_embeddings_then_assignments_end_to_end(tiny):
 def test_step3_errors_name_the_problem(tiny, capsys):
     out = tiny["base"] / "errors"
     with pytest.raises(TaskHetError, match="--checkpoint"):
-        extract_embeddings.main(["--checkpoint", str(out / "none.pt"), "--manifest", str(tiny["manifest"]),
+        embed.main(["--checkpoint", str(out / "none.pt"), "--manifest", str(tiny["manifest"]),
                                  "--data_path", str(tiny["root"]), "--out", str(out)])
     with pytest.raises(TaskHetError, match="neither a manifest column"):
-        make_client_assignments.main(["--manifest", str(tiny["manifest"]), "--groups", "nothing", "--out", str(out)])
-    make_client_assignments.main(["--manifest", str(tiny["manifest"]), "--scheme", "iid", "--alpha", "1", "--n_clients", "2",
+        assign.main(["--manifest", str(tiny["manifest"]), "--groups", "nothing", "--out", str(out)])
+    assign.main(["--manifest", str(tiny["manifest"]), "--scheme", "iid", "--alpha", "1", "--n_clients", "2",
                                   "--out", str(out)])
     assert "--alpha is not used by scheme 'iid'" in (out / "run.log").read_text()

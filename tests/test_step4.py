@@ -11,8 +11,8 @@ import torch
 import test_fed
 from datasets.taskonomy import read_manifest
 from models import build_task_model, load_task_model
+from partitioning.assignments import write_assignments
 from tests.fixtures import tiny_data_root, tiny_manifest  # noqa: F401  (session fixtures)
-from utils.assignments import write_assignments
 from utils.errors import TaskHetError
 from utils.run_dir import atomic_torch_save, load_checkpoint
 

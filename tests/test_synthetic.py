@@ -11,7 +11,6 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-import render_synthetic_buildings
 from datasets.selection import read_scene_names, read_split_csv
 from datasets.synthetic import (
     BUILDINGS_FILE,
@@ -26,6 +25,7 @@ from datasets.synthetic import (
     scene_places_indices,
 )
 from datasets.taskonomy import DEPTH_UNITS_PER_METRE, DOMAIN_SPECS, DOMAINS, NUM_SEMANTIC_CLASSES, TaskonomyDataset, domain_dir, read_manifest
+from steps import render
 from tests.fixtures import render_tiny_dataset, tiny_data_root, tiny_manifest, tiny_render_config  # noqa: F401
 from utils.errors import TaskHetError
 
@@ -177,7 +177,7 @@ def test_bad_render_config_is_refused(tmp_path):
 
 def test_cli_renders_requested_sizes(tmp_path, capsys):
     argv = ["--out", str(tmp_path / "cli"), "--n_buildings", "2", "--n_views", "2", "--image_size", "16", "--no-progress"]
-    out = render_synthetic_buildings.main(argv)
+    out = render.main(argv)
     assert "2 buildings x 2 views at 16px" in capsys.readouterr().out
     assert len(list((out / "rgb/taskonomy").iterdir())) == 2
     with Image.open(out / "normal/taskonomy/synth001/point_0_view_1_domain_normal.png") as image:

@@ -3,7 +3,7 @@
 A scheme is a class registered in :data:`SCHEMES`. Its constructor only stores
 parameters; :meth:`Partitioner.split` validates them against the data, draws from
 its own generator (derived from ``seed``) and returns a :class:`Partition`.
-Statistics live in :mod:`utils.partition_stats`.
+Statistics live in :mod:`partitioning.partition_stats`.
 
 ``groups`` are the categories whose skew a scheme controls: scene labels for
 label-based partitions, embedding clusters for embedding-based ones (the paper's

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from pipeline.stages import file_sha256
 from utils.errors import TaskHetError
 from utils.run_dir import atomic_write_text
-from utils.stages import file_sha256
 
 COLUMNS = ("sample_id", "client_id", "group", "subset")
 SUBSETS = ("train", "test")

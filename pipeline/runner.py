@@ -1,8 +1,9 @@
 """run_pipeline.py's engine: steps 1–4 for every combination of an experiment, then the report.
 
-Each step is run by calling the ``main(argv)`` of the same numbered script a user
-runs by hand, so the pipeline and the scripts cannot drift apart. Every step's
-folder name carries a hash of its parameters and inputs (utils/stages.py):
+Each step is run by calling the ``main(argv)`` of its ``steps`` module, the same function
+the numbered script a user runs by hand calls, so the pipeline and the scripts cannot drift
+apart. Every step's
+folder name carries a hash of its parameters and inputs (pipeline/stages.py):
 finished steps are skipped on a rerun, an unfinished step 4 resumes from its
 checkpoint, and a changed setting gets a new folder instead of overwriting.
 
@@ -29,16 +30,19 @@ from typing import Any, Callable
 import pandas as pd
 from tqdm.auto import tqdm
 
-import extract_datapoints_for_experiments as step1
-import extract_embeddings as step3
-import make_client_assignments as step3b
-import render_synthetic_buildings as render
-import test_fed as step4
-import train_centralized_task_model as step2
 from models.tasks import get_task
-from utils.experiment import Combination, combinations
-from utils.report import write_report
-from utils.stages import run_stage, stage_key
+from network.client import GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT
+from network.engine_sequential import GLOBAL_CLIENT
+from partitioning.groupings import EMBEDDING_BASED, LABEL_BASED
+from pipeline.experiment import Combination, combinations
+from pipeline.report import write_report
+from pipeline.stages import run_stage, stage_key
+from steps import assign as step3b
+from steps import embed as step3
+from steps import federated as step4
+from steps import render
+from steps import select_scenes as step1
+from steps import train_centralized as step2
 
 # The groups a partition is drawn over: scene labels, or the task's embedding clusters.
 LABEL_GROUPS = "scene_class"
@@ -46,7 +50,7 @@ LABEL_GROUPS = "scene_class"
 
 @dataclass
 class Pipeline:
-    """Runs one experiment (a validated config from utils.experiment.load_experiment)."""
+    """Runs one experiment (a validated config from pipeline.experiment.load_experiment)."""
 
     config: dict[str, Any]
     out_dir: Path
@@ -116,7 +120,7 @@ class Pipeline:
             "n_clients": partition["n_clients"], "client_test_fraction": partition["client_test_fraction"],
             "size_skew": partition["size_skew"], "seed": seed,
         }
-        inputs = [manifest] + ([Path(groups)] if grouping == "embedding_based" else [])
+        inputs = [manifest] + ([Path(groups)] if grouping == EMBEDDING_BASED else [])
         stage_dir = self.out_dir / "assignments" / owner / f"{grouping}-a{alpha:g}-s{seed}-{stage_key(params, inputs)}"
         self.step(f"step 3b: {grouping} α={alpha:g} seed {seed}", stage_dir, params, step3b,
                   ["--out", str(stage_dir), *flags(params)])
@@ -167,7 +171,7 @@ class Pipeline:
 
     def partition_for(self, combination: Combination, manifest: Path, cluster_dirs: dict[str, Path]) -> Path:
         owner, grouping, alpha, seed = partition_key(combination)
-        groups = LABEL_GROUPS if grouping == "label_based" else str(cluster_dirs[combination.task] / "clusters.csv")
+        groups = LABEL_GROUPS if grouping == LABEL_BASED else str(cluster_dirs[combination.task] / "clusters.csv")
         return self.assignments(owner, grouping, groups, alpha, seed, manifest)
 
     def report(self, runs: list[tuple[Combination, Path, Path]], model_dirs: dict[str, Path],
@@ -194,7 +198,7 @@ class Pipeline:
 
 def partition_key(combination: Combination) -> tuple:
     """Combinations with the same key share one assignments file (label partitions are task-free)."""
-    owner = "labels" if combination.grouping == "label_based" else combination.task
+    owner = "labels" if combination.grouping == LABEL_BASED else combination.task
     return owner, combination.grouping, combination.alpha, combination.seed
 
 
@@ -215,12 +219,12 @@ def flags(params: dict[str, Any]) -> list[str]:
 
 def global_test_history(metrics: pd.DataFrame) -> pd.DataFrame:
     """The global model's metrics on the global test split, every evaluated round (``metrics``: a run's metrics.csv)."""
-    return metrics[(metrics.split == step4.GLOBAL_TEST_SPLIT) & (metrics.client == step4.GLOBAL_CLIENT)]
+    return metrics[(metrics.split == GLOBAL_TEST_SPLIT) & (metrics.client == GLOBAL_CLIENT)]
 
 
 def final_personal_loss(metrics: pd.DataFrame) -> float:
     """Mean loss of the clients' own models on their client-test splits, last round (NaN without personal models)."""
-    rows = metrics[(metrics.split == step4.PERSONAL_TEST_SPLIT) & (metrics.client == "mean") & (metrics.metric == "loss")]
+    rows = metrics[(metrics.split == PERSONAL_TEST_SPLIT) & (metrics.client == "mean") & (metrics.metric == "loss")]
     return float(rows[rows["round"] == rows["round"].max()].value.iloc[0]) if len(rows) else float("nan")
 
 

@@ -15,9 +15,8 @@ from typing import Any
 
 import yaml
 
+from partitioning.groupings import GROUPINGS, canonical_grouping
 from utils.errors import TaskHetError
-
-GROUPINGS = ("label_based", "embedding_based")
 
 # Every key an experiment file may set, with its default. Nested dicts are sections;
 # a value of None means "no default: the file must set it" only where noted in README.
@@ -97,6 +96,8 @@ def load_experiment(path: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise TaskHetError(f"{path}: expected a mapping of keys at the top level")
     config = _merge(copy.deepcopy(SCHEMA), raw, prefix="", source=path)
+    # Old names (class_based) are replaced before anything reads them: folders and the report use one name.
+    config["partition"]["groupings"] = [canonical_grouping(name) for name in config["partition"]["groupings"]]
     validate_names(config, path)
     return config
 
@@ -121,7 +122,7 @@ def validate_names(config: dict[str, Any], source: Path) -> None:
     from models import list_encoders
     from models.tasks import list_tasks
     from network.algorithms import list_algorithms
-    from utils.partition import list_schemes
+    from partitioning.partition import list_schemes
 
     def check(key: str, values: list[str], known: list[str]) -> None:
         for value in values:

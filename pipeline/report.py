@@ -27,6 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from partitioning.groupings import EMBEDDING_BASED, LABEL_BASED  # noqa: E402
 from utils.plots import save_figure  # noqa: E402
 from utils.run_dir import atomic_write_text  # noqa: E402
 
@@ -48,8 +49,8 @@ def gap_table(finals: pd.DataFrame, centralized: dict[str, float]) -> pd.DataFra
         .reset_index()
     )
     stats[["loss_std", "metric_std"]] = stats[["loss_std", "metric_std"]].fillna(0.0)
-    label = stats[stats.grouping == "label_based"].drop(columns="grouping")
-    embedding = stats[stats.grouping == "embedding_based"].drop(columns="grouping")
+    label = stats[stats.grouping == LABEL_BASED].drop(columns="grouping")
+    embedding = stats[stats.grouping == EMBEDDING_BASED].drop(columns="grouping")
     table = label.merge(embedding, on=KEYS + ["metric"], suffixes=("_label", "_embedding"))
     renamed = {}
     for side in ("label", "embedding"):
@@ -173,7 +174,7 @@ def plot_round_curves(curves: pd.DataFrame, path: Path) -> None:
             axis = axes[row][column]
             for (algorithm, grouping), group in mean[(mean.task == task) & (mean.alpha == alpha)].groupby(["algorithm", "grouping"]):
                 axis.plot(group["round"], group.loss, color=f"C{algorithms.index(algorithm)}",
-                          linestyle="-" if grouping == "label_based" else "--", label=f"{algorithm} {grouping}")
+                          linestyle="-" if grouping == LABEL_BASED else "--", label=f"{algorithm} {grouping}")
             axis.set_title(f"{task}, α={alpha:g}", fontsize=9)
             axis.set_xlabel("round")
             axis.set_ylabel("global test loss")
@@ -186,7 +187,7 @@ def plot_heatmaps(heatmaps: dict[tuple[str, str, float], Path], path: Path) -> N
     keys = sorted({(task, alpha) for task, _, alpha in heatmaps})
     figure, axes = plt.subplots(len(keys), 2, figsize=(9, 3.4 * len(keys)), squeeze=False)
     for row, (task, alpha) in enumerate(keys):
-        for column, grouping in enumerate(("label_based", "embedding_based")):
+        for column, grouping in enumerate((LABEL_BASED, EMBEDDING_BASED)):
             axis = axes[row][column]
             axis.axis("off")
             image_path = heatmaps.get((task, grouping, alpha))

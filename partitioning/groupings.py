@@ -1,0 +1,31 @@
+"""The two kinds of client partition the experiments compare, by name.
+
+A partition skews clients over scene labels (``label_based``) or over a task's embedding
+clusters (``embedding_based``). The original code called label-based partitions
+``class_based``; that name is still accepted on input and replaced by
+:func:`canonical_grouping` as soon as it is read, so no file, folder or report says it.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any
+
+LABEL_BASED = "label_based"
+EMBEDDING_BASED = "embedding_based"
+GROUPINGS = (LABEL_BASED, EMBEDDING_BASED)
+# Old names -> current names; read-only so no caller can change what every caller sees.
+ALIASES = MappingProxyType({"class_based": LABEL_BASED})
+
+
+def canonical_grouping(name: Any) -> Any:
+    """The current name of a grouping: an alias is replaced, anything else returned unchanged.
+
+    Args:
+        name: a grouping name as given by a user (command line or experiment file). Values
+            that are not strings pass through, so the caller's validation names them.
+
+    Returns:
+        ``label_based`` for ``class_based``; otherwise ``name`` itself.
+    """
+    return ALIASES.get(name, name) if isinstance(name, str) else name

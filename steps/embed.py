@@ -1,0 +1,112 @@
+"""Step 3: embed every manifest sample with a step-2 model and cluster the embeddings.
+
+Inputs: a step-2 checkpoint (best.pt), manifest.csv (step 1) and the data root.
+Outputs in --out: embeddings.npy (float32, rows in manifest order) with
+sample_ids.csv, clusters.csv (sample_id, cluster), centers.npy, agreement.json
+(NMI/ARI of clusters vs scene labels), cluster_diagnostics.json, scatter and
+contingency plots, metrics.csv, config.json, run.log. The clusters are the
+embedding-based groups of step 3b (make_client_assignments.py --groups clusters.csv).
+"""
+
+from __future__ import annotations
+
+import utils.tv_compat  # noqa: F401  (before anything imports torchvision)
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from datasets.taskonomy import TaskonomyDataset, read_manifest
+from models import load_task_model
+from partitioning.clustering import MINIBATCH_THRESHOLD, cluster_embeddings, embed_samples, write_diagnostics
+from pipeline.stages import stage_key
+from training.loop import make_loader
+from utils.cli import positive_int
+from utils.device import pick_device, prepare_model
+from utils.errors import TaskHetError
+from utils.run_dir import atomic_write_text, setup_logging, write_config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The step-3 command line (extract_embeddings.py --help)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--checkpoint", type=Path, required=True, help="step-2 best.pt")
+    parser.add_argument("--manifest", type=Path, required=True, help="step-1 manifest.csv (train and test rows are embedded)")
+    parser.add_argument("--data_path", type=Path, required=True, help="data root the manifest's rgb_path values are relative to")
+    parser.add_argument("--out", type=Path, required=True, help="output folder")
+    parser.add_argument("--image_size", type=positive_int, default=None, help="input side; default: the step-2 run's (its config.json)")
+    parser.add_argument("--batch_size", type=positive_int, default=64)
+    parser.add_argument("--num_workers", type=int, default=0)
+    parser.add_argument("--cache_dir", type=Path, default=None, help="decoded-sample cache folder")
+    parser.add_argument("--pca_dim", type=positive_int, default=None, help="PCA components before KMeans (default: none)")
+    parser.add_argument("--n_clusters", type=positive_int, default=10)
+    parser.add_argument("--n_init", type=positive_int, default=10, help="KMeans restarts")
+    parser.add_argument("--minibatch_threshold", type=positive_int, default=MINIBATCH_THRESHOLD, help="MiniBatchKMeans above this many samples")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--use_accelerator", action=argparse.BooleanOptionalAction, default=True, help="use CUDA/MPS when present")
+    return parser
+
+
+def training_image_size(checkpoint: Path) -> int:
+    """The image size of the step-2 run that wrote ``checkpoint`` (its folder's config.json)."""
+    config_path = checkpoint.parent / "config.json"
+    try:
+        return int(json.loads(config_path.read_text())["args"]["image_size"])
+    except (OSError, KeyError, TypeError, ValueError, json.JSONDecodeError):
+        raise TaskHetError(f"cannot read image_size from {config_path}; pass --image_size") from None
+
+
+def embed(args: argparse.Namespace, manifest: pd.DataFrame, logger) -> np.ndarray:
+    """Embeddings in manifest order, reused from --out when made from the same inputs."""
+    key = stage_key({"data_path": str(args.data_path), "image_size": args.image_size}, [args.checkpoint, args.manifest])
+    key_path, embeddings_path = args.out / "embeddings_key.txt", args.out / "embeddings.npy"
+    if key_path.is_file() and key_path.read_text() == key and embeddings_path.is_file():
+        logger.info("reusing %s (same checkpoint, manifest and image size)", embeddings_path)
+        return np.load(embeddings_path)
+    device = pick_device(args.use_accelerator)
+    model = prepare_model(load_task_model(args.checkpoint), device)
+    dataset = TaskonomyDataset(args.data_path, manifest, [], args.image_size, args.cache_dir)
+    loader = make_loader(dataset, args.batch_size, shuffle=False, seed=args.seed, num_workers=args.num_workers)
+    embeddings, sample_ids = embed_samples(model, loader, device)
+    if sample_ids != manifest["sample_id"].tolist():
+        raise TaskHetError("the loader changed the manifest's order; embeddings would be misaligned")
+    np.save(embeddings_path, embeddings)
+    pd.DataFrame({"sample_id": sample_ids}).to_csv(args.out / "sample_ids.csv", index=False)
+    atomic_write_text(key_path, key)
+    logger.info("embedded %d samples on %s: dimension %d", len(sample_ids), device, embeddings.shape[1])
+    return embeddings
+
+
+def main(argv: list[str] | None = None) -> Path:
+    """Embed every manifest sample with a step-2 model, cluster the embeddings and write diagnostics.
+
+    Args:
+        argv: command-line arguments; None reads sys.argv.
+
+    Returns:
+        The path of the clusters.csv written.
+    """
+    args = build_parser().parse_args(argv)
+    if not args.checkpoint.is_file():
+        raise TaskHetError(f"--checkpoint {args.checkpoint} does not exist (run step 2, train_centralized_task_model.py)")
+    args.image_size = args.image_size or training_image_size(args.checkpoint)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_config(args.out, vars(args))
+    logger = setup_logging(args.out, "extract_embeddings")
+    manifest = read_manifest(args.manifest)
+    embeddings = embed(args, manifest, logger)
+
+    clustering = cluster_embeddings(embeddings, args.n_clusters, args.seed, args.pca_dim, args.n_init, args.minibatch_threshold)
+    pd.DataFrame({"sample_id": manifest["sample_id"], "cluster": clustering.labels}).to_csv(args.out / "clusters.csv", index=False)
+    np.save(args.out / "centers.npy", clustering.centers)
+    summary = write_diagnostics(args.out, clustering, manifest["scene_class"].to_numpy(), args.seed)
+    atomic_write_text(args.out / "cluster_diagnostics.json", json.dumps(summary, indent=2))
+    atomic_write_text(args.out / "agreement.json", json.dumps({"nmi": summary["nmi"], "ari": summary["ari"]}, indent=2))
+    scalars = {k: v for k, v in summary.items() if isinstance(v, (int, float))}
+    pd.DataFrame({"metric": list(scalars), "value": list(scalars.values())}).to_csv(args.out / "metrics.csv", index=False)
+    logger.info("%s: %d clusters, sizes %s; silhouette %.3f; vs scene labels NMI %.3f, ARI %.3f",
+                clustering.algorithm, args.n_clusters, summary["cluster_sizes"], summary["silhouette"], summary["nmi"], summary["ari"])
+    return args.out / "clusters.csv"

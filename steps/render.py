@@ -1,0 +1,51 @@
+"""Step 0 (data): render the embedded synthetic Taskonomy-format dataset (input of step 1).
+
+The library half of render_synthetic_buildings.py, which pipeline.runner also calls."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from datasets.synthetic import BUILDINGS_FILE, PLACES_FILE, SPLIT_FILE, RenderConfig, render_dataset
+from utils.cli import positive_int
+
+DESCRIPTION = f"""Step 0 (data): render synthetic buildings in the Taskonomy/omnidata layout.
+Inputs: none (a seed and sizes). Outputs under --out: <domain>/taskonomy/<building>/point_<p>_view_<v>_domain_<d>.<ext>
+for 13 domains, {SPLIT_FILE} (id,train,val,test), {PLACES_FILE} and {BUILDINGS_FILE}.
+Read by step 1 (extract_datapoints_for_experiments.py --data_path <out>). Re-running with the same
+arguments keeps the existing render."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The step-0 command line (render_synthetic_buildings.py --help)."""
+    parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("data/synthetic"), help="data root to write (default: data/synthetic)")
+    parser.add_argument("--n_buildings", type=positive_int, default=24, help="buildings (rooms) to render (default: 24)")
+    parser.add_argument("--n_views", type=positive_int, default=50, help="views per building (default: 50)")
+    parser.add_argument("--views_per_point", type=positive_int, default=5, help="views that look at the same point (default: 5)")
+    parser.add_argument("--image_size", type=positive_int, default=64, help="side of the square images in pixels (default: 64)")
+    parser.add_argument("--seed", type=int, default=0, help="root seed; the same seed gives byte-identical files (default: 0)")
+    parser.add_argument("--workers", type=positive_int, default=2, help="processes rendering buildings in parallel (default: 2)")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> Path:
+    """Render the synthetic buildings ``argv`` asks for.
+
+    Args:
+        argv: command-line arguments; None reads sys.argv.
+
+    Returns:
+        The data root written (or kept when already rendered).
+    """
+    args = build_parser().parse_args(argv)
+    config = RenderConfig(args.n_buildings, args.n_views, args.views_per_point, args.image_size, args.seed)
+    start = time.perf_counter()
+    out = render_dataset(args.out, config, workers=args.workers, progress=args.progress)
+    seconds = time.perf_counter() - start
+    sizes = f"{config.num_buildings} buildings x {config.views_per_building} views at {config.image_size}px"
+    print(f"synthetic data: {sizes} in {out} ({seconds:.1f} s)")
+    return out

@@ -1,0 +1,85 @@
+"""Step 1: choose the samples of an experiment, label their scene class and split them.
+
+The library half of extract_datapoints_for_experiments.py, which pipeline.runner also calls."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from datasets.selection import DEFAULT_TASK_DOMAINS, SPLIT_BY, SelectionConfig, log_selection, select_datapoints, write_selection
+from datasets.synthetic import PLACES_FILE, SPLIT_FILE
+from utils.run_dir import setup_logging, write_config
+
+DESCRIPTION = f"""Step 1: extract the datapoints used by the experiments.
+Inputs: a data root in the Taskonomy/omnidata layout (--data_path: real Taskonomy from download_taskonomy.py,
+or synthetic buildings from render_synthetic_buildings.py), its split CSV (--client_file_name, columns
+id,train,val,test) and the Places365 class-name list (--scene_class_file_name).
+Keeps the samples that have every domain of --tasks, labels each with the argmax of its class_scene scores,
+keeps the --top_k_classes most frequent labels (renumbered 0..K-1) and splits train/test.
+Outputs in --out: manifest.csv (sample_id, building, point, view, rgb_path, scene_class, scene_name, split),
+class_counts.csv, class_distribution.png, config.json, run.log. Next: step 2, train_centralized_task_model.py."""
+
+
+def buildings_argument(text: str) -> int | tuple[str, ...]:
+    """argparse type: a count (as in the original script) or a comma-separated list of building ids."""
+    if text.strip().isdigit():
+        return int(text)
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The step-1 command line (extract_datapoints_for_experiments.py --help)."""
+    parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data_path", type=Path, default=Path("data/synthetic"), help="data root (default: data/synthetic)")
+    parser.add_argument("--client_file_name", default=SPLIT_FILE, help=f"split CSV, relative to --data_path (default: {SPLIT_FILE})")
+    parser.add_argument(
+        "--taskonomy_clients_to_include",
+        type=buildings_argument,
+        default=None,
+        help="buildings to use: a number N (the first N of the split CSV) or comma-separated building ids (default: all)",
+    )
+    parser.add_argument("--scene_class_file_name", default=PLACES_FILE, help=f"Places365 names, relative to --data_path (default: {PLACES_FILE})")
+    parser.add_argument(
+        "--tasks",
+        nargs="+",
+        default=list(DEFAULT_TASK_DOMAINS),
+        help="task domains every kept sample must have, space- or comma-separated (default: all loader domains but mask_valid)",
+    )
+    parser.add_argument("--top_k_classes", type=int, default=16, help="keep the K most frequent scene classes (default: 16)")
+    parser.add_argument("--test_fraction", type=float, default=0.2, help="share of samples (or buildings) in the test split (default: 0.2)")
+    parser.add_argument("--split_by", choices=SPLIT_BY, default="sample", help="split samples, or whole buildings (default: sample)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the train/test split (default: 0)")
+    parser.add_argument("--out", type=Path, default=Path("results/datapoints"), help="output folder (default: results/datapoints)")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> Path:
+    """Select, label and split the samples ``argv`` asks for; write the manifest and its summaries.
+
+    Args:
+        argv: command-line arguments; None reads sys.argv.
+
+    Returns:
+        The path of the manifest.csv written.
+    """
+    args = build_parser().parse_args(argv)
+    config = SelectionConfig(
+        data_path=args.data_path,
+        client_file_name=args.client_file_name,
+        scene_class_file_name=args.scene_class_file_name,
+        taskonomy_clients_to_include=args.taskonomy_clients_to_include,
+        domains=tuple(name for names in args.tasks for name in names.split(",") if name),
+        top_k_classes=args.top_k_classes,
+        test_fraction=args.test_fraction,
+        split_by=args.split_by,
+        seed=args.seed,
+    )
+    selection = select_datapoints(config, progress=args.progress)
+    paths = write_selection(selection, args.out)
+    write_config(args.out, vars(args))
+    logger = setup_logging(args.out)
+    log_selection(selection, logger)
+    logger.info(f"wrote {paths['manifest']}, {paths['class_counts'].name}, {paths['plot'].name}")
+    return paths["manifest"]

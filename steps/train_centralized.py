@@ -1,0 +1,132 @@
+"""Step 2: train one centralized model for a task; its penultimate layer later defines the task's embedding.
+
+The library half of train_centralized_task_model.py, which pipeline.runner also calls."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+
+from datasets.taskonomy import TaskonomyDataset, read_manifest
+from models import build_task_model, get_task
+from models.encoders import NAMED_WEIGHTS, default_weights
+from training.loop import fit, make_loader
+from utils.cli import positive_float, positive_int
+from utils.device import prepare_model
+from utils.errors import TaskHetError
+from utils.run_dir import setup_logging, write_config
+from utils.seeding import derive_seed, set_deterministic
+
+DESCRIPTION = """Step 2 of TaskHet: train one centralized model per task.
+Inputs: the step-1 manifest (--manifest, default results/datapoints/manifest.csv) and the data under --data_path.
+Trains on the manifest's train split and validates on its test split.
+Outputs in --out: config.json, run.log, metrics.csv (epoch, split, metric, value), best.pt (lowest
+validation loss; step 3 reads it), last.pt (every epoch; --resume continues from it) and curves.png."""
+
+# Arguments that do not change what a run computes: a resumed run may differ in them.
+NOT_IN_SIGNATURE = ("out", "resume", "use_accelerator", "num_workers", "cache_dir", "deterministic")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The step-2 command line (train_centralized_task_model.py --help)."""
+    parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--task", required=True, help="task to train (depth_euclidean, normal, segment_semantic, class_scene, ...)")
+    add("--encoder", default="resnet50", help="resnet50 | resnet18 | small_cnn | clip_vit_b32 | vit_s16 (default: resnet50)")
+    add("--weights", default=None, help="none | imagenet | clip | PATH (default: the encoder's pretrained weights; none for small_cnn)")
+    add("--data_path", type=Path, default=Path("data/synthetic"), help="data root (default: data/synthetic)")
+    add("--manifest", type=Path, default=Path("results/datapoints/manifest.csv"), help="step-1 manifest.csv (default: step 1's)")
+    add("--image_size", type=positive_int, default=224, help="side length the images are resized to (default: 224)")
+    add("--n_epochs", type=positive_int, default=20, help="epochs (default: 20)")
+    add("--batch_size", type=positive_int, default=32, help="batch size (default: 32)")
+    add("--init_lr", type=positive_float, default=1e-3, help="initial learning rate (default: 1e-3)")
+    add("--optimizer", choices=("sgd", "adamw"), default=None, help="default: sgd, or adamw with --use_adam")
+    add("--use_adam", action=argparse.BooleanOptionalAction, default=False, help="the original flag: same as --optimizer adamw")
+    add("--momentum", type=float, default=0.9, help="SGD momentum (default: 0.9)")
+    add("--weight_decay", type=float, default=1e-4, help="weight decay (default: 1e-4)")
+    add("--scheduler", choices=("cosine", "exponential", "none"), default="exponential",
+        help="per-epoch learning-rate schedule (default: exponential, by --lr_decay_rate)")
+    add("--lr_decay_rate", type=positive_float, default=0.95, help="exponential schedule's factor per epoch (default: 0.95)")
+    add("--early_stopping_patience", type=int, default=0, help="stop after this many epochs without a lower val loss (0 = off)")
+    add("--embedding_grid", type=int, default=0, help="embedding = global average + this grid's cell averages (default: 0)")
+    add("--seed", type=int, default=0, help="root seed of init and loader order (default: 0)")
+    add("--deterministic", action=argparse.BooleanOptionalAction, default=False, help="deterministic kernels (bit-identical reruns)")
+    add("--use_accelerator", action=argparse.BooleanOptionalAction, default=True, help="use CUDA/MPS when present (default: yes)")
+    add("--num_workers", type=int, default=0, help="DataLoader worker processes (default: 0)")
+    add("--cache_dir", type=Path, default=None, help="decoded-sample cache folder (default: none)")
+    add("--resume", "--resume_training", action=argparse.BooleanOptionalAction, default=True,
+        help="continue from <out>/last.pt if present (default: yes); --no-resume starts over")
+    add("--out", type=Path, default=None, help="run folder (default: results/train_centralized/<task>/<encoder>-<weights>-seed<seed>)")
+    return parser
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill defaults that depend on other arguments and reject contradictory ones."""
+    get_task(args.task)
+    if args.weights is None:
+        args.weights = default_weights(args.encoder)
+    if args.use_adam and args.optimizer == "sgd":
+        raise TaskHetError("--use_adam contradicts --optimizer sgd; pass one of them")
+    args.optimizer = args.optimizer or ("adamw" if args.use_adam else "sgd")
+    if args.early_stopping_patience < 0 or args.embedding_grid < 0:
+        raise TaskHetError("--early_stopping_patience and --embedding_grid must be >= 0")
+    if args.out is None:
+        weights_name = args.weights if args.weights in ("none", *NAMED_WEIGHTS) else Path(args.weights).stem
+        args.out = Path("results/train_centralized") / args.task / f"{args.encoder}-{weights_name}-seed{args.seed}"
+    return args
+
+
+def make_optimizer(args: argparse.Namespace, model: torch.nn.Module):
+    """The optimizer and per-epoch scheduler the arguments ask for."""
+    if args.optimizer == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.init_lr, weight_decay=args.weight_decay)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.init_lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    if args.scheduler == "cosine":
+        return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.n_epochs)
+    if args.scheduler == "exponential":
+        return optimizer, torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=args.lr_decay_rate)
+    return optimizer, None
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Train one centralized task model as ``argv`` asks, resuming from the run folder's last.pt.
+
+    Args:
+        argv: command-line arguments; None reads sys.argv.
+
+    Returns:
+        The summary of :func:`training.loop.fit` for the run.
+    """
+    args = resolve(build_parser().parse_args(argv))
+    task = get_task(args.task)
+    set_deterministic(args.deterministic)
+    manifest = read_manifest(args.manifest)
+    splits = {split: manifest[manifest["split"] == split] for split in ("train", "test")}
+    for split, rows in splits.items():
+        if rows.empty:
+            raise TaskHetError(f"manifest {args.manifest}: no rows with split {split!r}")
+    datasets = {split: TaskonomyDataset(args.data_path, rows, task.required_domains, args.image_size, args.cache_dir)
+                for split, rows in splits.items()}
+    num_classes = int(manifest["scene_class"].max()) + 1 if task.kind == "classification" else None
+    model = build_task_model(args.task, args.encoder, args.weights, num_classes=num_classes,
+                             embedding_grid=args.embedding_grid, seed=args.seed)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    logger = setup_logging(args.out, "train_centralized")
+    write_config(args.out, vars(args))
+    device = Accelerator(cpu=not args.use_accelerator).device
+    logger.info("task %s, encoder %s (weights %s), %d train / %d test samples, device %s", args.task, args.encoder,
+                args.weights, len(datasets["train"]), len(datasets["test"]), device)
+    model = prepare_model(model, device)
+    optimizer, scheduler = make_optimizer(args, model)
+    loader_seed = derive_seed(args.seed, "centralized", args.task)
+    train_loader = make_loader(datasets["train"], args.batch_size, True, loader_seed, args.num_workers)
+    val_loader = make_loader(datasets["test"], args.batch_size, False, loader_seed, args.num_workers)
+    signature = {key: str(value) for key, value in vars(args).items() if key not in NOT_IN_SIGNATURE}
+    return fit(model, task, train_loader, val_loader, optimizer, scheduler, device, n_epochs=args.n_epochs,
+               out_dir=args.out, run_signature=signature, early_stopping_patience=args.early_stopping_patience or None,
+               resume=args.resume, logger=logger)

@@ -1,0 +1,40 @@
+"""``class_based``, the original code's name for label-based partitions, is accepted and read as ``label_based``."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+import test_fed
+from partitioning.groupings import GROUPINGS, LABEL_BASED, canonical_grouping
+from pipeline.experiment import load_experiment
+from utils.errors import TaskHetError
+
+
+@pytest.mark.parametrize("given, expected", [("class_based", LABEL_BASED), *((name, name) for name in GROUPINGS),
+                                             ("clas_based", "clas_based"), (3, 3)])
+def test_canonical_grouping_replaces_only_the_alias(given, expected):
+    assert canonical_grouping(given) == expected
+
+
+def test_test_fed_type_accepts_class_based_as_label_based():
+    parser = test_fed.build_parser()
+    assert parser.parse_args(["--task", "normal", "--type", "class_based"]).type == LABEL_BASED
+    assert parser.parse_args(["--task", "normal", "--type", "label_based"]).type == LABEL_BASED
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--task", "normal", "--type", "clas_based"])
+
+
+def test_test_fed_default_assignments_path_uses_label_based(tmp_path):
+    args = test_fed.build_parser().parse_args(["--task", "normal", "--type", "class_based", "--alpha", "0.5",
+                                               "--assignment_files_path", str(tmp_path)])
+    assert test_fed.default_assignments(args) == tmp_path / "label_based" / "labels" / "a0.5" / "assignments.csv"
+
+
+def test_experiment_file_groupings_are_normalised(tmp_path):
+    path = tmp_path / "experiment.yaml"
+    path.write_text(yaml.safe_dump({"partition": {"groupings": ["class_based", "embedding_based"]}}))
+    assert load_experiment(path)["partition"]["groupings"] == [LABEL_BASED, "embedding_based"]
+    path.write_text(yaml.safe_dump({"partition": {"groupings": ["clas_based"]}}))
+    with pytest.raises(TaskHetError, match="clas_based"):
+        load_experiment(path)
