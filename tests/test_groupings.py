@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-import test_fed
+from network.run import default_assignments
+from steps.federated import build_parser, parse_run_config
 from partitioning.groupings import GROUPINGS, LABEL_BASED, canonical_grouping
 from pipeline.experiment import load_experiment
 from utils.errors import TaskHetError
@@ -18,7 +19,7 @@ def test_canonical_grouping_replaces_only_the_alias(given, expected):
 
 
 def test_test_fed_type_accepts_class_based_as_label_based():
-    parser = test_fed.build_parser()
+    parser = build_parser()
     assert parser.parse_args(["--task", "normal", "--type", "class_based"]).type == LABEL_BASED
     assert parser.parse_args(["--task", "normal", "--type", "label_based"]).type == LABEL_BASED
     with pytest.raises(SystemExit):
@@ -26,9 +27,9 @@ def test_test_fed_type_accepts_class_based_as_label_based():
 
 
 def test_test_fed_default_assignments_path_uses_label_based(tmp_path):
-    args = test_fed.build_parser().parse_args(["--task", "normal", "--type", "class_based", "--alpha", "0.5",
-                                               "--assignment_files_path", str(tmp_path)])
-    assert test_fed.default_assignments(args) == tmp_path / "label_based" / "labels" / "a0.5" / "assignments.csv"
+    config = parse_run_config(["--task", "normal", "--type", "class_based", "--alpha", "0.5",
+                               "--assignment_files_path", str(tmp_path)])
+    assert default_assignments(config) == tmp_path / "label_based" / "labels" / "a0.5" / "assignments.csv"
 
 
 def test_experiment_file_groupings_are_normalised(tmp_path):

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import test_fed
+from network.client import GLOBAL_TEST_SPLIT
+from network.engine_sequential import GLOBAL_CLIENT
 from datasets.taskonomy import read_manifest
 from models import build_task_model, load_task_model
 from partitioning.assignments import write_assignments
@@ -48,7 +50,7 @@ def test_step4_writes_the_run_folder_and_resumes_without_redoing_work(tiny_data_
     assert json.loads((out / "config.json").read_text())["args"]["method"] == method
     metrics = pd.read_csv(out / "metrics.csv", dtype={"client": str})
     assert list(metrics.columns) == ["round", "split", "client", "metric", "value"]
-    tested = metrics[(metrics.split == test_fed.GLOBAL_TEST_SPLIT) & (metrics.client == test_fed.GLOBAL_CLIENT)]
+    tested = metrics[(metrics.split == GLOBAL_TEST_SPLIT) & (metrics.client == GLOBAL_CLIENT)]
     assert sorted(tested["round"].unique()) == [0, 1, 2] and {"loss", "abs_rel"} <= set(tested.metric)
     splits = set(metrics.split)
     assert {"train", "client_test"} <= splits and (("client_test_personal" in splits) == (method == "fedrep"))
@@ -112,3 +114,24 @@ def test_step4_flower_engine_matches_the_sequential_engine(tiny_data_root, tiny_
     weights = [load_checkpoint(tmp_path / name / "checkpoint.pt")["model"] for name in ("sequential", "flower")]
     for key, value in weights[0].items():
         torch.testing.assert_close(weights[1][key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_step4_finetunes_each_client_before_evaluation_when_asked(tiny_data_root, tiny_manifest, assignments,  # noqa: F811
+                                                                  tmp_path):
+    out = tmp_path / "finetuned"
+    test_fed.main(argv(tiny_data_root, tiny_manifest, assignments, out, "--finetune_steps", "2"))
+    metrics = pd.read_csv(out / "metrics.csv", dtype={"client": str})
+    finetuned = metrics.query("split == 'client_test_finetuned' and metric == 'loss' and round == 2")
+    plain = metrics.query("split == 'client_test' and metric == 'loss' and round == 2")
+    assert set(finetuned.client) == set(plain.client) >= {"0", "1", "2", "mean"}
+    assert not finetuned.set_index("client").value.equals(plain.set_index("client").value)
+
+
+def test_step4_accepts_exactly_the_methods_settings(tiny_data_root, tiny_manifest, assignments, tmp_path,  # noqa: F811
+                                                   capsys):
+    with pytest.raises(TaskHetError, match=r"fedavg has no setting --mu; its settings: --server_opt"):
+        test_fed.main(argv(tiny_data_root, tiny_manifest, assignments, tmp_path / "x", "--mu", "0.1"))
+    assert not (tmp_path / "x").exists()
+    test_fed.main(["--list_methods"])
+    listing = capsys.readouterr().out
+    assert "fedprox:" in listing and "--mu (float, default 0.01)" in listing and "ifca:" in listing
