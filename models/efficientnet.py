@@ -199,7 +199,7 @@ class EfficientNetLite0(Encoder):
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         x = self.bn1(self.conv_stem(x))
         features = []
-        for index, block in enumerate(self.blocks[: self.feature_blocks[-1] + 1]):
+        for index, block in enumerate(self.blocks):
             x = block(x)
             if index in self.feature_blocks:
                 features.append(x)
