@@ -10,7 +10,8 @@ upsamples. Each encoder names the normalisation its weights were trained with
 Weights (``--weights``): ``none`` (random init, only when asked for), a named
 source (``imagenet``, ``clip``) read from the owning library's cache (torch hub
 for torchvision, ``~/.cache/clip`` for the ``clip`` package, the Hugging Face
-cache for timm) and downloaded there if missing, or a file path. Without the
+cache for timm) and downloaded there if missing, or from an installed pip package
+that ships the file (``efficientnet_lite0``), or a file path. Without the
 file and without a network the build stops with a :class:`TaskHetError` that
 says which file to put where. A file whose tensors do not match the encoder is
 an error too, never a partial load.
@@ -71,6 +72,14 @@ class Encoder(nn.Module):
     def pretrained(self) -> dict[str, list[WeightSource]]:
         """Named weights this encoder can load: name -> candidate sources."""
         return {}
+
+    def rename_file_keys(self, tensors: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+        """A published file's tensors under the names this encoder's architecture uses.
+
+        Applied after ``file_prefix`` is stripped and before ``ignored_keys`` and
+        ``module_prefix`` apply; the default keeps the names as they are.
+        """
+        return tensors
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -158,6 +167,9 @@ def fetch_weights(encoder_name: str, weights: str, sources: list[WeightSource]) 
             return path, source
     try:
         return source_download(sources[0]), sources[0]
+    except TaskHetError as error:
+        # a source that cannot be downloaded (an uninstalled package) says itself what to do
+        raise TaskHetError(f"--weights {weights} for encoder {encoder_name}: {error}") from error
     except Exception as error:  # noqa: BLE001 - any failure to fetch (offline, proxy, HTTP) gets the same advice
         raise TaskHetError(
             f"--weights {weights} for encoder {encoder_name}: no cached file and the download failed ({error}). "
@@ -203,6 +215,7 @@ def match_state_dict(encoder: Encoder, name: str, tensors: dict[str, torch.Tenso
         prefix = encoder.file_prefix
         if prefix and any(key.startswith(prefix) for key in tensors):
             tensors = {key.removeprefix(prefix): value for key, value in tensors.items() if key.startswith(prefix)}
+        tensors = encoder.rename_file_keys(tensors, path)
         ignored = re.compile("|".join(encoder.ignored_keys)) if encoder.ignored_keys else None
         tensors = {encoder.module_prefix + key: value for key, value in tensors.items()
                    if not (ignored and ignored.match(key))}

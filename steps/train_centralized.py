@@ -11,7 +11,7 @@ import torch
 from accelerate import Accelerator
 
 from datasets.taskonomy import TaskonomyDataset, read_manifest
-from models import build_task_model, get_task
+from models import build_task_model, get_task, list_encoders
 from models.encoders import NAMED_WEIGHTS, default_weights
 from training.loop import fit, make_loader
 from utils.cli import positive_float, positive_int
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--task", required=True, help="task to train (depth_euclidean, normal, segment_semantic, class_scene, ...)")
-    add("--encoder", default="resnet50", help="resnet50 | resnet18 | small_cnn | clip_vit_b32 | vit_s16 (default: resnet50)")
+    add("--encoder", default="resnet50", help=f"{' | '.join(list_encoders())} (default: resnet50)")
     add("--weights", default=None, help="none | imagenet | clip | PATH (default: the encoder's pretrained weights; none for small_cnn)")
     add("--data_path", type=Path, default=Path("data/synthetic"), help="data root (default: data/synthetic)")
     add("--manifest", type=Path, default=Path("results/datapoints/manifest.csv"), help="step-1 manifest.csv (default: step 1's)")
