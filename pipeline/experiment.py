@@ -131,7 +131,12 @@ def validate_names(config: dict[str, Any], source: Path) -> None:
 
     check("tasks", list(config["tasks"]), list_tasks())
     check("model.encoder", [config["model"]["encoder"]], list_encoders())
-    check("federated.algorithms", list(config["federated"]["algorithms"]), list_algorithms())
+    algorithms = config["federated"]["algorithms"]
+    if not isinstance(algorithms, dict):
+        raise TaskHetError(f"{source}: federated.algorithms must map algorithm names to their settings, e.g. "
+                           "{fedavg: {}, fedprox: {mu: 0.01}}")
+    check("federated.algorithms", list(algorithms), list_algorithms())
+    validate_algorithm_settings(algorithms, source)
     check("partition.scheme", [config["partition"]["scheme"]], list_schemes())
     check("partition.groupings", list(config["partition"]["groupings"]), list(GROUPINGS))
     check("data.source", [config["data"]["source"]], ["synthetic", "taskonomy"])
@@ -140,6 +145,20 @@ def validate_names(config: dict[str, Any], source: Path) -> None:
             raise TaskHetError(f"{source}: partition.alphas must be > 0, got {alpha}")
     if not config["seeds"]:
         raise TaskHetError(f"{source}: seeds must list at least one seed")
+
+
+def validate_algorithm_settings(algorithms: dict[str, Any], source: Path) -> None:
+    """Each algorithm's settings against its own ``Settings`` (types, ranges, no foreign keys)."""
+    from network.algorithms.base import get_settings_class
+    from network.settings import build_settings
+
+    for name, settings in algorithms.items():
+        if settings is not None and not isinstance(settings, dict):
+            raise TaskHetError(f"{source}: federated.algorithms.{name} must be a mapping of its settings")
+        try:
+            build_settings(get_settings_class(name), settings or {}, name)
+        except TaskHetError as error:
+            raise TaskHetError(f"{source}: federated.algorithms.{name}: {error}") from None
 
 
 def combinations(config: dict[str, Any]) -> list[Combination]:

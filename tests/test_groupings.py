@@ -39,3 +39,17 @@ def test_experiment_file_groupings_are_normalised(tmp_path):
     path.write_text(yaml.safe_dump({"partition": {"groupings": ["clas_based"]}}))
     with pytest.raises(TaskHetError, match="clas_based"):
         load_experiment(path)
+
+
+@pytest.mark.parametrize("algorithms, message", [
+    ({"fedprox": {"muu": 0.1}}, r"federated.algorithms.fedprox: fedprox has no setting muu; its settings: .*mu"),
+    ({"fedavg": {"mu": 0.1}}, r"federated.algorithms.fedavg: fedavg has no setting mu"),
+    ({"ditto": {"lam": "abc"}}, r"federated.algorithms.ditto: ditto setting lam must be a float"),
+    ({"scaffold": {"option": "III"}}, r"federated.algorithms.scaffold: scaffold setting option must be one of I, II"),
+    (["fedavg", "fedprox"], r"federated.algorithms must map algorithm names to their settings"),
+])
+def test_experiment_algorithm_settings_are_checked_before_any_work(tmp_path, algorithms, message):
+    path = tmp_path / "experiment.yaml"
+    path.write_text(yaml.safe_dump({"federated": {"algorithms": algorithms}}))
+    with pytest.raises(TaskHetError, match=message):
+        load_experiment(path)
