@@ -27,8 +27,9 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from network.algorithms import AlgorithmConfig, get_algorithm  # noqa: E402
-from network.engine_sequential import ClientData, EngineConfig, SequentialEngine, make_lr_schedule  # noqa: E402
+from network.algorithms import build_algorithm  # noqa: E402
+from network.client import ClientData  # noqa: E402
+from network.engine_sequential import EngineConfig, SequentialEngine, make_lr_schedule  # noqa: E402
 from utils.device import pick_device, prepare_model, to_device  # noqa: E402
 
 
@@ -54,8 +55,8 @@ def tiny_mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
 
 
-def loss_fn(model: nn.Module, batch: dict) -> torch.Tensor:
-    return nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+def loss_fn(model: nn.Module, batch: dict, reduction: str = "mean") -> torch.Tensor:
+    return nn.functional.cross_entropy(model(batch["x"]), batch["y"], reduction=reduction)
 
 
 def make_clients(count: int, samples: int, shape: tuple[int, ...], batch_size: int) -> list[ClientData]:
@@ -73,8 +74,8 @@ def make_engine(model: nn.Module, name: str, clients: list[ClientData], steps: i
                 device: torch.device) -> SequentialEngine:
     config = EngineConfig(out_dir=out_dir, n_rounds=1000, lr_schedule=make_lr_schedule("constant", 0.01, 1),
                           local_steps=steps, progress=False)
-    algorithm = get_algorithm(name, AlgorithmConfig(num_clients=len(clients)))
-    return SequentialEngine(model, algorithm, clients, loss_fn, lambda net, loader: {"loss": 0.0}, [], config, device)
+    algorithm, worker = build_algorithm(name, model, {client.client_id: client.num_samples for client in clients})
+    return SequentialEngine(worker, algorithm, clients, loss_fn, lambda net, loader: {"loss": 0.0}, [], config, device)
 
 
 def plain_loop(model: nn.Module, clients: list[ClientData], steps: int, device: torch.device) -> None:
@@ -118,7 +119,7 @@ def overhead(device: torch.device, clients: int, steps: int, repeats: int, tiny:
     what = "tiny MLP, batch 16: the worst case" if tiny else "small CNN, 32×32, batch 32"
     print(f"overhead: {clients} clients × {steps} steps ({what}) on {device}: "
           f"engine {engine_time:.3f} s/round, plain loop {plain_time:.3f} s; ratio plain/engine = "
-          f"{plain_time / engine_time:.3f}")
+          f"{plain_time / engine_time:.3f}; engine overhead per client {1e3 * (engine_time - plain_time) / clients:.2f} ms")
 
 
 def scaling(device: torch.device, counts: list[int], steps: int, rounds: int) -> None:

@@ -16,6 +16,7 @@ subclass chooses ``phases`` and ``private_keys``; the halves below do the rest.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Collection, Iterable, Iterator
 
@@ -122,13 +123,19 @@ class ModelAveraging(Algorithm):
     def personalized(self) -> bool:  # type: ignore[override]
         return bool(self.private_keys())
 
-    def shared_keys(self) -> list[str]:
+    @functools.cached_property
+    def _shared(self) -> tuple[str, ...]:
+        # Derived once from the fixed layout: it is read for every client of every round.
         private = self.private_keys()
-        return [key for key in self.federation.layout.state_keys if key not in private]
+        return tuple(key for key in self.federation.layout.state_keys if key not in private)
+
+    def shared_keys(self) -> tuple[str, ...]:
+        """The entries every client uploads Δ of (all but the private ones), in the model's order."""
+        return self._shared
 
     def init_server(self, weights: Weights) -> ServerState:
         return ServerState({GLOBAL_MODEL: weights},
-                           init_server_optimizer(self.settings, weights, self._averaged_params()))
+                           init_server_optimizer(self.settings, weights, self._averaged_params))
 
     def client_update(self, model: nn.Module, broadcast: Bundle, client_state: Weights,
                       loader: Iterable[dict], cfg: ClientConfig) -> ClientResult:
@@ -152,13 +159,14 @@ class ModelAveraging(Algorithm):
         for upload in uploads:
             mean.add(upload.tensors[DELTA], upload.num_samples)
         weights, tensors = server_step(server.models[GLOBAL_MODEL], mean.mean(), server.tensors, self.settings,
-                                       self._averaged_params())
+                                       self._averaged_params)
         return ServerState({GLOBAL_MODEL: weights}, tensors)
 
     def personal_model(self, models: dict[str, Weights], client_state: Weights) -> Weights | None:
         own = self.own_entries(client_state)
         return {**models[GLOBAL_MODEL], **own} if own else None
 
-    def _averaged_params(self) -> list[str]:
+    @functools.cached_property
+    def _averaged_params(self) -> tuple[str, ...]:
         params = self.federation.layout.param_keys
-        return [key for key in self.shared_keys() if key in params]
+        return tuple(key for key in self.shared_keys() if key in params)
