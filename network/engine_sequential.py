@@ -39,6 +39,7 @@ from network.client import (CLIENT_TEST_SPLIT, FINETUNED_TEST_SPLIT, GLOBAL_TEST
                             ClientData, ClientFailure, EvaluateFn, Finetune, evaluate_client, evaluate_model,
                             finetune_seed, train_client)
 from network.client_store import ClientStore
+from network.diagnostics import DriftMeter
 from network.local_train import NonFiniteLossError
 from network.sampling import client_seed, sample_clients
 from utils.errors import TaskHetError
@@ -74,6 +75,8 @@ class EngineConfig:
         signature: the caller's description of the run (its arguments); resuming a
             checkpoint written with another signature is refused.
         finetune_steps: evaluate every client's model also after this many local steps (0: off).
+        diagnostics: record client drift, update norms and the update-cosine matrix every round
+            (network.diagnostics).
     """
 
     out_dir: Path
@@ -91,6 +94,7 @@ class EngineConfig:
     progress: bool = True
     signature: dict[str, str] | None = None
     finetune_steps: int = 0
+    diagnostics: bool = False
 
 
 class SequentialEngine:
@@ -127,6 +131,7 @@ class SequentialEngine:
             {key: value.detach().clone() for key, value in model.state_dict().items()})
         self.best_loss = math.inf
         self.metrics = MetricsCSV(self.out_dir / METRICS_FILE, METRICS_COLUMNS)
+        self.drift = DriftMeter(self.out_dir, algorithm.federation.layout.param_keys) if config.diagnostics else None
 
     @property
     def global_weights(self) -> Weights:
@@ -149,7 +154,7 @@ class SequentialEngine:
         began = time.perf_counter()
         rows = self.train_round(round_index)
         test_loss = None
-        if round_index % self.config.eval_every == 0 or round_index == self.config.n_rounds:
+        if self._evaluates(round_index):
             eval_rows, test_loss = self.evaluate(round_index)
             rows += eval_rows
         self._finish_round(round_index, rows, test_loss)
@@ -168,6 +173,8 @@ class SequentialEngine:
         def uploads() -> Iterator[Upload]:
             for client_id, result in self.client_results(round_index, sampled, broadcast, lr):
                 results[client_id] = result.metrics
+                if self.drift is not None:
+                    self.drift.add(client_id, result.upload)
                 yield Upload(client_id, result.upload, result.num_samples, result.metrics)
 
         self.server = self.algorithm.aggregate(self.server, uploads())
@@ -181,7 +188,12 @@ class SequentialEngine:
         for metric in dict.fromkeys(metric for metrics in results.values() for metric in metrics):
             values = [metrics[metric] for metrics in results.values() if metric in metrics]
             rows.append(_row(round_index, TRAIN_SPLIT, "mean", metric, sum(values) / len(values)))
+        if self.drift is not None:
+            rows += self.drift.finish(round_index, plot=self._evaluates(round_index))
         return rows
+
+    def _evaluates(self, round_index: int) -> bool:
+        return round_index % self.config.eval_every == 0 or round_index == self.config.n_rounds
 
     def evaluate(self, round_index: int) -> tuple[list[dict[str, Any]], float]:
         """Server models on the global test split, then every client's splits (network.client.evaluate_client).

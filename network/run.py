@@ -33,7 +33,7 @@ from utils.seeding import set_deterministic
 ENGINES = ("sequential", "flower")  # round loops over the same algorithm objects
 # Fields that do not change what a run computes: a resumed run may differ in them.
 NOT_IN_SIGNATURE = ("out", "resume", "use_accelerator", "num_workers", "cache_dir", "deterministic", "n_rounds",
-                    "eval_every", "progress", "client_state_memory_mb", "engine", "flower_mode", "flower_num_cpus",
+                    "eval_every", "diagnostics", "progress", "client_state_memory_mb", "engine", "flower_mode", "flower_num_cpus",
                     "flower_num_gpus", "min_available_clients")
 
 
@@ -71,6 +71,7 @@ class RunConfig:
     weight_decay: float = 0.0
     client_fraction: float = 1.0
     finetune_steps: int = 0
+    diagnostics: bool = False
     eval_every: int = 1
     rand_seed: int = 42
     deterministic: bool = False
@@ -140,6 +141,7 @@ def prepare(config: RunConfig) -> FedSetup:
         client_fraction=config.client_fraction, eval_every=config.eval_every, momentum=config.momentum,
         weight_decay=config.weight_decay, resume=config.resume, progress=config.progress,
         max_state_memory_bytes=int(config.client_state_memory_mb * 2**20), finetune_steps=config.finetune_steps,
+        diagnostics=config.diagnostics,
         signature={key: str(value) for key, value in dataclasses.asdict(config).items() if key not in NOT_IN_SIGNATURE})
     return FedSetup(
         config=config, task=task, manifest=manifest, table=table, algorithm=algorithm, engine_config=engine_config,

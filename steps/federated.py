@@ -70,6 +70,9 @@ def build_parser(method: str | None = None) -> argparse.ArgumentParser:
     add("--client_fraction", type=positive_float, default=1.0, help="share of clients per round (default: 1)")
     add("--finetune_steps", type=int, default=0,
         help="also evaluate each client's model after this many local SGD steps on its train rows (default: 0, off)")
+    add("--diagnostics", action=argparse.BooleanOptionalAction, default=False,
+        help="per round: client drift ‖y_k − x‖, mean/max update norm (metrics.csv) and the update-cosine matrix "
+             "(diagnostics/round_<r>_cosine.npy, heatmap on evaluation rounds)")
     add("--eval_every", type=positive_int, default=1, help="evaluate every this many rounds (default: 1)")
     add("--rand_seed", "--seed", type=int, default=defaults.rand_seed, help="root seed of init, sampling and training (default: 42)")
     add("--deterministic", action=argparse.BooleanOptionalAction, default=False, help="deterministic kernels")
