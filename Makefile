@@ -27,10 +27,15 @@ bench: setup
 	$(PIP) install --quiet --disable-pip-version-check -c constraints.txt -r bench/requirements.txt
 	for script in bench/bench_*.py; do $(PY) $$script || exit 1; done
 
-# Real Taskonomy via omnidata-tools (needs internet). SUBSET=debug|tiny|medium|full|fullplus
+# Real Taskonomy via omnidata-tools (needs internet). SUBSET=debug|tiny|medium|full|fullplus.
+# The licence must be accepted: NAME, EMAIL and AGREE=yes are passed on (the download refuses to start without them).
 SUBSET ?= tiny
+NAME ?=
+EMAIL ?=
+AGREE ?= no
 download: setup
-	$(PY) download_taskonomy.py --subset $(SUBSET) --dest data/taskonomy
+	$(PY) download_taskonomy.py --subset $(SUBSET) --dest data/taskonomy --name "$(NAME)" --email "$(EMAIL)" \
+		$(if $(filter yes,$(AGREE)),--agree_all,--no-agree_all)
 
 clean:
 	rm -rf results/* data/synthetic

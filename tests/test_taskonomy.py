@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-import download_taskonomy
+from steps import download as download_taskonomy
 from datasets.cache import DecodedSampleCache
 from datasets.taskonomy import (
     DOMAINS,
@@ -221,17 +221,31 @@ def test_download_fails_at_once_when_offline(tmp_path, monkeypatch):
         closed_port = probe.getsockname()[1]
     monkeypatch.setattr(download_taskonomy, "DATA_SERVER", ("127.0.0.1", closed_port))
     start = time.perf_counter()
+    agreed = ["--agree_all", "--name", "Ada", "--email", "ada@example.org"]
     with pytest.raises(TaskHetError, match="cannot reach the Taskonomy server 127.0.0.1"):
-        download_taskonomy.main(["--dest", str(tmp_path / "taskonomy"), "--timeout_s", "2"])
+        download_taskonomy.main(["--dest", str(tmp_path / "taskonomy"), "--timeout_s", "2", *agreed])
     assert time.perf_counter() - start < 5
     assert not (tmp_path / "taskonomy").exists()
-    with pytest.raises(TaskHetError, match="--agree_all needs --name and --email"):
-        download_taskonomy.main(["--agree_all", "--dest", str(tmp_path / "taskonomy")])
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], r"needs --agree_all \(AGREE=yes\), --name \(NAME=...\), --email \(EMAIL=...\)"),
+    (["--agree_all", "--name", "Ada"], r"needs --email \(EMAIL=...\)"),
+    (["--name", "Ada", "--email", "ada@example.org"], r"needs --agree_all"),
+    (["--agree_all", "--name", "Ada", "--email", "not-an-email"], "is not an email address"),
+])
+def test_download_refuses_to_start_without_an_accepted_licence(tmp_path, capsys, flags, message):
+    with pytest.raises(TaskHetError, match=message):
+        download_taskonomy.main(["--dest", str(tmp_path / "taskonomy"), *flags])
+    assert "non-commercial research" in capsys.readouterr().out
+    assert not (tmp_path / "taskonomy").exists()
 
 
 def test_download_command_names_the_pipeline_domains(tmp_path):
-    args = download_taskonomy.build_parser().parse_args(["--subset", "medium", "--dest", str(tmp_path)])
+    args = download_taskonomy.build_parser().parse_args(["--subset", "medium", "--dest", str(tmp_path), "--agree_all",
+                                                         "--name", "Ada", "--email", "ada@example.org"])
     command = download_taskonomy.downloader_command(args)
+    assert command[command.index("--email") + 1] == "ada@example.org" and "--agree_all" in command
     assert command[0].endswith("omnitools.download")
     assert set(DOMAINS) <= set(command) and command[command.index("--subset") + 1] == "medium"
     assert command[command.index("--components") + 1] == "taskonomy"
