@@ -23,6 +23,7 @@ Node config (``flower-supernode --node-config``), each optional except ``partiti
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -47,7 +48,7 @@ def run_config(context: Context, node_paths: bool = False) -> RunConfig:
         raise TaskHetError(f"the Flower run config has no {RUN_CONFIG!r} (a RunConfig as JSON; "
                            "`python -m network.flower.app <test_fed.py flags>` prints it); see docs/FLOWER.md")
     config = RunConfig.from_json(str(context.run_config[RUN_CONFIG]))
-    overrides = {field: Path(str(context.node_config[key])) for key, field in NODE_PATHS.items()
+    overrides = {field: Path(str(context.node_config[key])) for key, field in NODE_PATHS
                  if node_paths and key in context.node_config}
     return config.replace(**overrides)
 
@@ -59,8 +60,6 @@ def client_ids(table) -> list[str]:
 
 def build_engine(grid: Grid, context: Context) -> FlowerEngine:
     """The server side: the engine over every client of the assignments, writing the run folder."""
-    import dataclasses
-
     from network.client_data import global_test_loader
     from utils.run_dir import setup_logging, write_config
 

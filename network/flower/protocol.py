@@ -71,8 +71,8 @@ PARTITION_ID = "partition-id"
 NUM_PARTITIONS = "num-partitions"
 PARTITION_IDS = "partition-ids"  # a real node: comma-separated client ids whose data it holds
 STATE_DIR = "state-dir"  # a real node: where it keeps client state
-NODE_PATHS = {"data-path": "data_path", "manifest": "manifest", "assignments": "assignments",
-              "centralized-checkpoint": "centralized_checkpoint"}  # node config key -> RunConfig field
+NODE_PATHS = (("data-path", "data_path"), ("manifest", "manifest"), ("assignments", "assignments"),
+              ("centralized-checkpoint", "centralized_checkpoint"))  # (node config key, RunConfig field)
 
 # ----- run config (flwr run --run-config) -----
 RUN_CONFIG = "run-config"  # network.run.RunConfig.to_json()
