@@ -30,9 +30,10 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from network.algorithms import AlgorithmConfig, get_algorithm  # noqa: E402
-from network.engine_flower import FlowerOptions, run_flower  # noqa: E402
-from network.engine_sequential import ClientData, EngineConfig, SequentialEngine, make_lr_schedule  # noqa: E402
+from network.algorithms import build_algorithm  # noqa: E402
+from network.client import ClientData  # noqa: E402
+from network.engine_sequential import EngineConfig, SequentialEngine, make_lr_schedule  # noqa: E402
+from network.flower.simulation import FlowerOptions, run_flower  # noqa: E402
 
 
 class RoundClock(logging.Handler):
@@ -53,8 +54,8 @@ def small_cnn() -> nn.Module:
                          nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(64 * 8 * 8, 10))
 
 
-def loss_fn(model: nn.Module, batch: dict) -> torch.Tensor:
-    return nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+def loss_fn(model: nn.Module, batch: dict, reduction: str = "mean") -> torch.Tensor:
+    return nn.functional.cross_entropy(model(batch["x"]), batch["y"], reduction=reduction)
 
 
 def evaluate(model: nn.Module, loader) -> dict[str, float]:
@@ -84,8 +85,9 @@ def timed_run(engine_name: str, count: int, args: argparse.Namespace, out_dir: P
     logger.addHandler(clock)
     logger.setLevel(logging.INFO)
     torch.manual_seed(0)
-    model, clients = small_cnn(), make_clients(count, args.samples, args.batch_size)
-    inputs = (model, get_algorithm("fedavg", AlgorithmConfig(num_clients=count)), clients, loss_fn, evaluate,
+    clients = make_clients(count, args.samples, args.batch_size)
+    algorithm, model = build_algorithm("fedavg", small_cnn(), {client.client_id: client.num_samples for client in clients})
+    inputs = (model, algorithm, clients, loss_fn, evaluate,
               [], EngineConfig(out_dir=out_dir, n_rounds=args.rounds, lr_schedule=make_lr_schedule("constant", 0.01, 1),
                                seed=0, local_steps=args.steps, eval_every=args.rounds, progress=False),
               torch.device("cpu"))

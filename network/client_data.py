@@ -1,6 +1,6 @@
 """Client data of a federated run: each client's train/test loaders over the assignment rows, and the global test loader.
 
-Shared by step 4 (all clients) and a Flower SuperNode (``network/flower_app.py``: only
+Shared by step 4 (all clients) and a Flower SuperNode (``network/flower/app.py``: only
 the clients whose data that machine holds). ``args`` is the run's ``network.run.RunConfig`` (data_path,
 image_size, cache_dir, batch_size, num_workers).
 """

@@ -214,8 +214,8 @@ class SequentialEngine:
         for split in CLIENT_SPLITS:
             rows += _client_rows(round_index, split, per_split.get(split, {}))
         if self.algorithm.personalized:
-            testable = sum(client.test_loader is not None for client in self.clients.values())
-            skipped = testable - len(per_split.get(PERSONAL_TEST_SPLIT, {}))
+            # Every client with test samples has a client_test row: an engine whose clients are remote counts them so.
+            skipped = len(per_split.get(CLIENT_TEST_SPLIT, {})) - len(per_split.get(PERSONAL_TEST_SPLIT, {}))
             rows.append(_row(round_index, PERSONAL_TEST_SPLIT, SKIPPED_CLIENT, "clients", skipped))
         return rows, global_loss
 

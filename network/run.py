@@ -208,7 +208,7 @@ def run(setup: FedSetup) -> dict:
     inputs = (setup.model, setup.algorithm, clients, setup.loss_fn, setup.evaluate_fn, test_loader,
               setup.engine_config, setup.device)
     if config.engine == "flower":
-        from network.engine_flower import FlowerOptions, run_flower  # only here: the sequential path never imports flwr
+        from network.flower.simulation import FlowerOptions, run_flower  # only here: the sequential path never imports flwr
 
         engine = run_flower(*inputs, model_config=setup.model_config, logger=logger, options=FlowerOptions(
             mode=config.flower_mode, num_cpus=config.flower_num_cpus, num_gpus=config.flower_num_gpus,

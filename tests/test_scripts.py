@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY_PACKAGES = ("datasets", "models", "network", "partitioning", "pipeline", "steps", "training", "utils")
-ALLOWED_SCRIPT_IMPORTS = {("network/flower_app.py", "test_fed")}  # until the Flower app reads RunConfig
+ALLOWED_SCRIPT_IMPORTS: set[tuple[str, str]] = set()
 THIN_SCRIPTS = {
     "render_synthetic_buildings.py": "Step 0 (data)",
     "extract_datapoints_for_experiments.py": "Step 1:",
