@@ -19,6 +19,7 @@ an error too, never a partial load.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -138,6 +139,32 @@ class WeightSource:
         torch.hub.download_url_to_file(self.url, str(target), progress=True)
         return target
 
+    def published_sha256(self) -> str | None:
+        """The SHA-256 (or its prefix) the source publishes for its file, or None.
+
+        CLIP's URLs carry the full SHA-256 as a path segment, torchvision's file names end in
+        its first hex digits (``resnet50-11ad3fa6.pth``); timm's Hugging Face files publish none here.
+        """
+        if self.library == "clip":
+            return self.url.rstrip("/").split("/")[-2]
+        if self.library == "torchvision":
+            match = re.search(r"-([0-9a-f]{8,64})\.pth$", self.url)
+            return match.group(1) if match else None
+        return None
+
+    def verify(self, path: Path) -> None:
+        """Check ``path`` against the published hash (a :class:`TaskHetError` naming both on a mismatch)."""
+        published = self.published_sha256()
+        if published is None:
+            return
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        if not digest.hexdigest().startswith(published):
+            raise TaskHetError(f"{path} is not the published {self.description} file: its SHA-256 "
+                               f"{digest.hexdigest()[:16]}… does not start with {published[:16]}; delete it and retry")
+
     def where(self) -> str:
         """How to provide the file by hand."""
         if self.library == "timm":
@@ -182,8 +209,13 @@ def source_download(source: WeightSource) -> Path:
     return source.download()
 
 
-def read_weights_file(path: Path) -> dict[str, torch.Tensor]:
-    """Tensors of a weights file: safetensors, a torch pickle (plain, ``{"state_dict"}``, ``{"model"}``) or TorchScript."""
+def read_weights_file(path: Path, torchscript: bool = False) -> dict[str, torch.Tensor]:
+    """Tensors of a weights file: safetensors or a torch pickle (plain, ``{"state_dict"}``, ``{"model"}``).
+
+    ``torch.load(weights_only=True)`` never runs code from the file. A TorchScript archive
+    can, so it is read only with ``torchscript=True``: the caller passes that for the CLIP
+    files the clip package names, after checking their published SHA-256, never for a PATH.
+    """
     path = Path(path)
     if not path.is_file():
         raise TaskHetError(f"--weights {path}: no such file (expected none, imagenet, clip or a path to a weights file)")
@@ -193,11 +225,12 @@ def read_weights_file(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # noqa: BLE001 - not a plain pickle: CLIP ships TorchScript archives
-        try:
-            loaded = torch.jit.load(str(path), map_location="cpu").state_dict()
-        except Exception as error:  # noqa: BLE001
-            raise TaskHetError(f"--weights {path}: not a readable weights file ({error})") from error
+    except Exception as error:  # noqa: BLE001 - not a plain pickle of tensors
+        if not torchscript:
+            raise TaskHetError(f"--weights {path}: not a safetensors file or a torch state dict that loads with "
+                               "weights_only=True; TorchScript archives are read only for the CLIP files the clip "
+                               "package names (after checking their published SHA-256)") from error
+        loaded = torch.jit.load(str(path), map_location="cpu").state_dict()
     for key in ("model", "state_dict"):
         if isinstance(loaded, dict) and isinstance(loaded.get(key), dict):
             loaded = loaded[key]
@@ -239,15 +272,18 @@ def match_state_dict(encoder: Encoder, name: str, tensors: dict[str, torch.Tenso
 
 def load_encoder_weights(encoder: Encoder, name: str, weights: str) -> None:
     """Load ``weights`` (a name from ``encoder.pretrained`` or a file path) into ``encoder`` in place."""
+    torchscript = False
     if weights in encoder.pretrained:
         path, source = fetch_weights(name, weights, encoder.pretrained[weights])
+        source.verify(path)
+        torchscript = source.library == "clip"  # OpenAI ships CLIP as TorchScript; its hash was just checked
         LOGGER.info("encoder %s: %s weights from %s", name, source.description, path)
     elif weights in NAMED_WEIGHTS:
         offered = ", ".join(["none", *encoder.pretrained, "PATH"])
         raise TaskHetError(f"--weights {weights}: encoder {name} has no {weights} weights; choose one of: {offered}")
     else:
         path = Path(weights)
-    tensors = match_state_dict(encoder, name, read_weights_file(path), path)
+    tensors = match_state_dict(encoder, name, read_weights_file(path, torchscript), path)
     encoder.load_state_dict(tensors, strict=True)
 
 

@@ -150,11 +150,17 @@ def test_step2_checkpoint_as_weights_file(tmp_path):
     assert all(torch.equal(value, theirs[key]) for key, value in target.encoder.state_dict().items())
 
 
-def test_named_weights_come_from_the_torch_hub_cache(tmp_path):
+def test_named_weights_come_from_the_torch_hub_cache_and_must_match_the_published_hash(tmp_path, monkeypatch):
     reference = build_encoder("resnet18").state_dict()
     cached = tmp_path / "torch" / "hub" / "checkpoints" / "resnet18-f37072fd.pth"
     cached.parent.mkdir(parents=True)
     torch.save(reference, cached)
+    with pytest.raises(TaskHetError, match=r"resnet18-f37072fd.pth is not the published .* does not start with f37072fd"):
+        build_encoder("resnet18", "imagenet")  # our stand-in file is not torchvision's
+    import hashlib
+
+    digest = hashlib.sha256(cached.read_bytes()).hexdigest()
+    monkeypatch.setattr(encoders.WeightSource, "published_sha256", lambda source: digest[:8])
     loaded = build_encoder("resnet18", "imagenet").state_dict()
     assert all(torch.equal(loaded[key], reference[key]) for key in reference)
 
