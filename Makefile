@@ -8,7 +8,9 @@ DATA ?= data/synthetic
 
 .PHONY: setup demo test bench download clean
 
-setup: $(STAMP)
+HOOK_STAMP := $(VENV)/.torchvision_hook
+
+setup: $(STAMP) $(HOOK_STAMP)
 
 # Re-installs only when a requirements file changes.
 $(STAMP): requirements.txt requirements-flower.txt constraints.txt
@@ -16,6 +18,14 @@ $(STAMP): requirements.txt requirements-flower.txt constraints.txt
 	$(PIP) install --quiet --disable-pip-version-check -c constraints.txt -r requirements.txt
 	$(PIP) install --quiet --disable-pip-version-check -c constraints.txt -r requirements-flower.txt
 	touch $(STAMP)
+
+# `import torchvision` in any code run by the venv's Python (utils/torchvision_hook.py says how).
+$(HOOK_STAMP): utils/torchvision_hook.py utils/tv_compat.py $(STAMP)
+	site=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+	cp utils/tv_compat.py $$site/taskhet_tv_compat.py && \
+	cp utils/torchvision_hook.py $$site/taskhet_torchvision_hook.py && \
+	echo "import taskhet_torchvision_hook" > $$site/taskhet_torchvision_hook.pth
+	touch $(HOOK_STAMP)
 
 demo: setup
 	$(PY) run_pipeline.py experiments/demo.yaml

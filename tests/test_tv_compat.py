@@ -42,3 +42,16 @@ def test_torchvision_imports_in_a_fresh_worker_process():
 
 def test_install_is_a_no_op_once_ops_exist():
     assert utils.tv_compat.install() is None
+
+
+def test_the_venv_imports_torchvision_in_code_that_never_imports_the_project(tmp_path):
+    """make setup installs a start-up hook, so a user's own script needs no project import first."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "mine.py"
+    script.write_text("import torchvision, torch\nprint(torchvision.__version__, hasattr(torch.ops.torchvision, 'nms'))\n")
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
+                            env={"PATH": "/usr/bin:/bin"}, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith("True")

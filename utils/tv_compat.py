@@ -34,6 +34,8 @@ def _compiled_ops_loaded() -> bool:
     if hasattr(torch.ops.torchvision, "nms"):
         return True
     spec = importlib.util.find_spec("torchvision")
+    if hasattr(torch.ops.torchvision, "nms"):  # finding torchvision ran the venv's start-up hook (torchvision_hook.py)
+        return True
     if spec is None or not spec.submodule_search_locations:
         return False
     for library in Path(spec.submodule_search_locations[0]).glob("_C*.so"):
