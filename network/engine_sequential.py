@@ -43,7 +43,7 @@ from network.diagnostics import DriftMeter
 from network.local_train import NonFiniteLossError
 from network.sampling import client_seed, sample_clients
 from utils.errors import TaskHetError
-from utils.run_dir import MetricsCSV, atomic_torch_save, load_checkpoint
+from utils.run_dir import MetricsCSV, atomic_torch_save, load_checkpoint, remove_stale_temporaries
 
 # Names in metrics.csv, shared with every engine and with the report.
 TRAIN_SPLIT = "train"  # the clients' local training metrics
@@ -269,6 +269,7 @@ class SequentialEngine:
 
     def _start(self) -> int:
         """Restore the checkpoint (resume) or evaluate round 0; returns the last finished round."""
+        remove_stale_temporaries(self.out_dir)  # half-written files of a killed earlier run of this folder
         if self.config.resume and self.checkpoint_path.exists():
             checkpoint = load_checkpoint(self.checkpoint_path)
             if checkpoint["run"] != self._fingerprint():

@@ -2,10 +2,11 @@
 
 A stage's folder is named after a hash of everything that determines its output:
 its parameters and the content hashes of its input files. The stage writes
-``stage.json`` last, after all its outputs; a folder without it is unfinished and
-is run again (steps that checkpoint, like step 4, then resume from their
-checkpoint). A changed parameter or input gives a new folder, so no run ever
-overwrites the outputs of a different configuration.
+``stage.json`` last, after all its outputs, listing every file of the folder with
+its size; a folder without it, or whose files no longer match it (one deleted,
+truncated or replaced), is unfinished and is run again (steps that checkpoint, like
+step 4, then resume from their checkpoint). A changed parameter or input gives a new
+folder, so no run ever overwrites the outputs of a different configuration.
 """
 
 from __future__ import annotations
@@ -35,9 +36,24 @@ def stage_key(params: dict[str, Any], inputs: list[Path]) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
+def output_sizes(stage_dir: Path) -> dict[str, int]:
+    """Every file under ``stage_dir`` except the marker: relative path -> size in bytes."""
+    stage_dir = Path(stage_dir)
+    return {path.relative_to(stage_dir).as_posix(): path.stat().st_size
+            for path in sorted(stage_dir.rglob("*")) if path.is_file() and path.name != MARKER}
+
+
 def is_done(stage_dir: Path) -> bool:
-    """True if the stage finished (its marker exists)."""
-    return (Path(stage_dir) / MARKER).is_file()
+    """True if the stage finished and every output its marker lists is still there with the recorded size."""
+    marker = Path(stage_dir) / MARKER
+    if not marker.is_file():
+        return False
+    try:
+        recorded = json.loads(marker.read_text())["outputs"]
+    except (ValueError, KeyError, TypeError):
+        return False  # a marker of an older format or a damaged one: redo (or resume) the stage
+    return all((Path(stage_dir) / name).is_file() and (Path(stage_dir) / name).stat().st_size == size
+               for name, size in recorded.items())
 
 
 def run_stage(stage_dir: Path, params: dict[str, Any], work: Callable[[], None]) -> bool:
@@ -45,6 +61,8 @@ def run_stage(stage_dir: Path, params: dict[str, Any], work: Callable[[], None])
     if is_done(stage_dir):
         return False
     Path(stage_dir).mkdir(parents=True, exist_ok=True)
+    (Path(stage_dir) / MARKER).unlink(missing_ok=True)  # a stale marker must never outlive a rerun
     work()
-    atomic_write_text(Path(stage_dir) / MARKER, json.dumps({"params": params}, indent=2, sort_keys=True, default=str))
+    record = {"params": params, "outputs": output_sizes(stage_dir)}
+    atomic_write_text(Path(stage_dir) / MARKER, json.dumps(record, indent=2, sort_keys=True, default=str))
     return True

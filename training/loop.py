@@ -30,7 +30,7 @@ from models.tasks import TaskSpec, get_task
 from utils.device import autocast, to_device
 from utils.errors import TaskHetError
 from utils.plots import plot_curves
-from utils.run_dir import MetricsCSV, atomic_torch_save, load_checkpoint
+from utils.run_dir import MetricsCSV, atomic_torch_save, load_checkpoint, remove_stale_temporaries
 from utils.seeding import torch_generator
 
 METRICS_COLUMNS = ("epoch", "split", "metric", "value")
@@ -156,6 +156,7 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, val_lo
     logger = logger or logging.getLogger(__name__)
     out_dir = Path(out_dir)
     last_path, best_path, csv_path = out_dir / "last.pt", out_dir / "best.pt", out_dir / "metrics.csv"
+    remove_stale_temporaries(out_dir)  # half-written files of a killed earlier run of this folder
     state = {"epoch": 0, "best_epoch": 0, "best_val_loss": math.inf, "epochs_without_improvement": 0, "stopped_early": False}
     if resume and last_path.is_file():
         checkpoint = load_checkpoint(last_path)

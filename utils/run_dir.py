@@ -60,12 +60,28 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
         torch.save(obj, temp_name)
 
 
+# Temporary files of atomic writes: a kill between writing and renaming leaves one behind,
+# and the next run of the same folder removes it (remove_stale_temporaries).
+TEMP_PREFIX, TEMP_SUFFIX = ".partial-", ".tmp"
+
+
+def remove_stale_temporaries(folder: Path) -> int:
+    """Delete the temporary files that killed atomic writes left in ``folder`` (recursively); returns how many.
+
+    Call it only where no other process writes into ``folder`` (the start or resume of its run).
+    """
+    stale = list(Path(folder).rglob(f"{TEMP_PREFIX}*{TEMP_SUFFIX}")) if Path(folder).is_dir() else []
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return len(stale)
+
+
 @contextlib.contextmanager
 def _atomic_target(path: Path) -> Iterator[str]:
     """A temp file next to ``path`` to write; renamed onto ``path`` on success, removed on failure."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp_name = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    handle, temp_name = tempfile.mkstemp(dir=path.parent, prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX)
     os.close(handle)
     try:
         yield temp_name
@@ -119,10 +135,13 @@ class MetricsCSV:
                 writer.writerow({key: _format(value) for key, value in row.items()})
 
     def truncate_after(self, column: str, last_kept: int) -> None:
-        """Drop rows whose integer ``column`` is greater than ``last_kept``."""
+        """Drop rows whose integer ``column`` is greater than ``last_kept``.
+
+        The file is rewritten atomically: a kill during the rewrite leaves the old file whole.
+        """
         with self.path.open(newline="") as handle:
             rows = [row for row in csv.DictReader(handle) if int(row[column]) <= last_kept]
-        with self.path.open("w", newline="") as handle:
+        with _atomic_target(self.path) as temp_name, open(temp_name, "w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=self.columns)
             writer.writeheader()
             writer.writerows(rows)
