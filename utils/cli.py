@@ -10,12 +10,31 @@ from utils.errors import TaskHetError
 
 
 def run_main(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:
-    """Run a script's ``main``; a :class:`TaskHetError` becomes one line on stderr and exit code 2."""
+    """Run a script's ``main``; bad input becomes one ``error:`` line on stderr and exit code 2.
+
+    Bad input is a :class:`TaskHetError`, or an ``OSError`` about a path (an ``--out`` that is a
+    file, a read-only folder, a missing file): the line names the path and the reason. Open
+    progress bars are closed first, so the error never shares a line with a bar.
+    """
     try:
         main(argv)
     except TaskHetError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        fail(str(error))
+    except OSError as error:
+        if error.filename is None:
+            raise  # not about a path the user gave: a real bug, keep the traceback
+        fail(f"{error.filename}: {error.strerror or type(error).__name__}")
+
+
+def fail(message: str) -> None:
+    """Print ``error: message`` on its own line (after closing progress bars) and exit with code 2."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+    sys.stdout.flush()
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def positive_float(text: str) -> float:
