@@ -16,25 +16,32 @@ from torch.optim.sgd import sgd
 
 from utils.errors import TaskHetError
 
-FROZEN = "frozen"  # optimizer state key: bool tensor, True where the mask is 0
+MASK = "mask"  # optimizer state key: the 0/1 mask as a float tensor of the parameter's dtype
 
 
 class SparseSGDM(torch.optim.SGD):
     """SGD with momentum (torch's pseudo-code, every option) that never changes an entry whose mask is 0.
 
     Each step builds the direction torch's SGD would start from, ``d = g + wd·θ`` (``−g`` with
-    ``maximize``), sets ``d`` to 0 wherever the mask is 0, and hands it to torch's own ``sgd``
-    kernel with ``weight_decay=0``; momentum, dampening, nesterov, ``foreach`` and ``fused``
-    then behave exactly as in ``torch.optim.SGD``. With an all-ones mask the result is
-    bit-identical to ``torch.optim.SGD``.
+    ``maximize``), multiplies it by the mask, and hands it to torch's own ``sgd`` kernel with
+    ``weight_decay=0``; momentum, dampening, nesterov, ``foreach`` and ``fused`` then behave
+    exactly as in ``torch.optim.SGD``. With an all-ones mask the result is bit-identical to
+    ``torch.optim.SGD`` (d·1 = d); a frozen entry's direction is ±0, so its value never
+    changes (θ − lr·(±0) = θ; only a parameter that is exactly 0 may flip the sign of its zero).
+
+    The mask is kept as a float tensor of the parameter's dtype (one parameter-sized copy)
+    and applied by one in-place ``_foreach_mul_``: on CPU, ``masked_fill_`` or ``where`` with
+    a bool mask took 7–8× as long as the whole multiply and cost SparseSGDM most of its speed
+    (bench/bench_sparse.py). The price: a non-finite gradient at a frozen entry gives
+    0·inf = NaN there. Such a gradient means training has diverged; the local loop stops on the
+    next non-finite loss (``NonFiniteLossError``).
 
     Momentum buffer: it accumulates the *masked* direction, so a frozen entry's buffer is
     and stays exactly 0. TaLoS's AdamW keeps its moments from the full gradient and masks
     the step instead; because SGD's buffer is element-wise, both choices give the same
     updates on every trainable entry. They differ only at frozen entries, where a masked
     buffer holds no hidden velocity (that would move an entry the moment its mask is
-    relaxed, e.g. between calibration rounds or in a later phase) and carries no
-    ``NaN``/``inf`` from a gradient the entry was never meant to use.
+    relaxed, e.g. between calibration rounds or in a later phase).
 
     Args:
         params: parameters or parameter groups, as for ``torch.optim.SGD``.
@@ -57,14 +64,7 @@ class SparseSGDM(torch.optim.SGD):
                 continue
             if mask.shape != param.shape:
                 raise TaskHetError(f"mask {index} has shape {tuple(mask.shape)}, its parameter {tuple(param.shape)}")
-            self.state[param][FROZEN] = mask.detach().to(device=param.device) == 0
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """torch's loader, then the masks back to bool (it casts every state tensor to the parameter's dtype)."""
-        super().load_state_dict(state_dict)
-        for state in self.state.values():
-            if FROZEN in state:
-                state[FROZEN] = state[FROZEN] != 0
+            self.state[param][MASK] = (mask.detach() != 0).to(device=param.device, dtype=param.dtype)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -89,20 +89,21 @@ class SparseSGDM(torch.optim.SGD):
         return loss
 
     def _directions(self, params: list[Tensor], grads: list[Tensor], group: dict) -> list[Tensor]:
-        """``(±g + wd·θ)`` with frozen entries set to +0 (never multiplied: 0·inf would be NaN)."""
+        """``(±g + wd·θ) · mask``: one in-place foreach multiply (a float mask; see the class docstring)."""
         fresh = group["maximize"] or group["weight_decay"] != 0
         if group["maximize"]:
             grads = torch._foreach_neg(grads)
         if group["weight_decay"] != 0:
             # The same op torch's SGD applies (grad.add(param, alpha=wd)), so all-ones masks stay bit-identical.
             grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
-        directions = []
-        for param, grad in zip(params, grads):
-            frozen = self.state[param].get(FROZEN)
-            if frozen is None:
-                directions.append(grad)
-            elif fresh:  # our own tensor: mask it in place
-                directions.append(grad.masked_fill_(frozen, 0.0))
-            else:  # the caller's .grad: never modified
-                directions.append(grad.masked_fill(frozen, 0.0))
-        return directions
+        grads = list(grads)
+        masked = [index for index, param in enumerate(params) if MASK in self.state[param]]
+        targets = [grads[index] for index in masked]
+        masks = [self.state[params[index]][MASK] for index in masked]
+        if fresh:  # our own tensors: multiply in place
+            torch._foreach_mul_(targets, masks)
+        else:
+            targets = torch._foreach_mul(targets, masks)
+        for index, product in zip(masked, targets):
+            grads[index] = product
+        return grads
