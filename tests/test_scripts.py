@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LIBRARY_PACKAGES = ("datasets", "models", "network", "partitioning", "pipeline", "steps", "training", "utils")
+LIBRARY_PACKAGES = ("datasets", "models", "network", "partitioning", "pipeline", "sparse", "steps", "training", "utils")
 ALLOWED_SCRIPT_IMPORTS: set[tuple[str, str]] = set()
 THIN_SCRIPTS = {
     "render_synthetic_buildings.py": "Step 0 (data)",
@@ -20,6 +20,7 @@ THIN_SCRIPTS = {
     "make_client_assignments.py": "Step 3b:",
     "test_fed.py": "Step 4 of TaskHet",
     "download_taskonomy.py": "Step 0 (data): download real Taskonomy",
+    "merge_task_vectors.py": "Task arithmetic (TaLoS, issue 15)",
 }
 
 

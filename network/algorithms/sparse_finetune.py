@@ -1,0 +1,157 @@
+"""Sparse fine-tuning (TaLoS, Iurada et al., ICLR 2025) in FL: clients train a fixed, calibrated subset of entries.
+
+Client: load the global model; take the mask (see ``mask_source``); train with
+:class:`sparse.optim.SparseSGDM` (the round's lr, momentum and weight decay) so an entry
+outside the mask never moves, through gradient, momentum or weight decay; non-maskable
+parameters (the head: ``head_keys()`` and ``sparse.calibration.default_maskable``) take
+no gradient and buffers (BatchNorm statistics) are restored, so the update is exactly
+sparse (a task vector supported on the mask). Upload Δ of the maskable parameters (0
+at frozen entries) and the mask.
+
+Masks, ``mask_source``:
+* ``client``: each client calibrates its own mask on its first ``calibration_batches``
+  training batches at its first participation (at that round's global weights) and
+  keeps it (client state). The label draws come from the seeded RNG the engine gives
+  each client round.
+* ``server``: one mask for everyone, calibrated by :meth:`SparseFinetune.calibrate_server`
+  on a held-out calibration loader before round 1 and broadcast with the model. The
+  engines do not call that hook yet (the algorithm interface has no server-side data),
+  so a run with ``server`` stops with an error naming what is missing; the proposed core
+  addition is: ``RunConfig.calibration`` names a split, and the engine, right after
+  ``init_server``, calls ``server = algorithm.calibrate_server(server, model, loader, device)``
+  for algorithms that define it.
+
+Server: per entry, the sample-weighted mean of Δ over the clients whose mask trained it
+(``sparse.aggregation.MaskedMean``: a frozen entry's 0 is no vote), then the server
+optimizer (``server_opt``). With one server mask it is FedAvg's mean.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from network.aggregation import ServerOptSettings, Weights, init_server_optimizer, server_step, subtract
+from network.algorithms.base import (ALGORITHMS, GLOBAL_MODEL, LOCAL_STEPS, TRAIN_LOSS, Algorithm, Bundle,
+                                     ClientConfig, ClientResult, ServerState, Upload, load_weights, require)
+from network.algorithms.skeleton import frozen
+from network.local_train import local_train
+from network.settings import check, setting
+from sparse.aggregation import MaskedMean
+from sparse.calibration import calibrate_mask, default_maskable, fisher_score_fn
+from sparse.fisher import LIKELIHOODS, VARIANTS, evaluating, model_outputs
+from sparse.optim import SparseSGDM
+from sparse.rules import list_rules
+from utils.device import to_device
+from utils.seeding import torch_generator
+
+DELTA = "delta"  # upload group: Δ of the maskable parameters
+MASK = "mask"  # broadcast (server masks) and upload group: parameter name -> bool mask
+MASK_PREFIX = "mask/"  # server tensors and client state: the mask of a parameter
+MASK_SOURCES = ("client", "server")
+
+
+@dataclass(frozen=True)
+class SparseFinetuneSettings(ServerOptSettings):
+    density: float = setting(0.1, "fraction d of the maskable entries that train, in (0, 1]")
+    calibration_rounds: int = setting(4, "mask calibration rounds R (round r keeps d^((r+1)/R))")
+    calibration_batches: int = setting(4, "batches of calibration data per calibration round")
+    mask_rule: str = setting("least_sensitive", "which entries train (TaLoS: least_sensitive)",
+                             choices=tuple(list_rules()))
+    score: str = setting("log_prob", "sensitivity: log_prob (Fisher) or logit (TaLoS's sampled logit)",
+                         choices=VARIANTS)
+    likelihood: str = setting("auto", "predictive distribution: categorical, gaussian, or auto (one output: gaussian)",
+                              choices=("auto", *LIKELIHOODS))
+    mask_source: str = setting("client", "who calibrates the mask: client (own data) or server (held-out data)",
+                               choices=MASK_SOURCES)
+    input_key: str = setting("rgb,x", "model input: the first of these batch keys the batch has")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(0 < self.density <= 1, "density", "in (0, 1]", self.density)
+        check(self.calibration_rounds >= 1, "calibration_rounds", ">= 1", self.calibration_rounds)
+        check(self.calibration_batches >= 1, "calibration_batches", ">= 1", self.calibration_batches)
+
+
+@ALGORITHMS.register("sparse_ft")
+class SparseFinetune(Algorithm):
+    """Clients fine-tune only a calibrated sparse mask of entries (TaLoS); the server averages per entry."""
+
+    name = "sparse_ft"
+    Settings = SparseFinetuneSettings
+
+    @functools.cached_property
+    def maskable(self) -> tuple[str, ...]:
+        layout = self.federation.layout
+        return tuple(key for key in layout.state_keys if key in layout.param_keys and key not in layout.head_keys
+                     and default_maskable(key))
+
+    def calibrate(self, model: nn.Module, batches: Iterable[dict], generator: torch.Generator,
+                  device: torch.device) -> Weights:
+        """The mask of the model's current weights from the first ``calibration_batches`` of ``batches``."""
+        settings = self.settings
+        data = [to_device(batch, device) for batch in itertools.islice(batches, settings.calibration_batches)]
+        require(bool(data), f"{self.name} needs calibration data: the loader gave no batch")
+        output_fn = model_outputs(next((key for key in settings.input_key.split(",") if key in data[0]), "x"))
+        likelihood = settings.likelihood
+        if likelihood == "auto":
+            with torch.no_grad(), evaluating(model):
+                likelihood = "gaussian" if output_fn(model, data[0])[0].numel() == 1 else "categorical"
+        seed = int(torch.randint(2 ** 62, (1,), generator=generator))
+        score_fn = fisher_score_fn(model, lambda _: data, output_fn, likelihood=likelihood, variant=settings.score,
+                                   seed=seed)
+        return calibrate_mask(model, score_fn, density=settings.density, rounds=settings.calibration_rounds,
+                              rule=settings.mask_rule, maskable=set(self.maskable).__contains__,
+                              generator=torch_generator(seed, "mask_rule"))
+
+    def calibrate_server(self, server: ServerState, model: nn.Module, batches: Iterable[dict],
+                         device: torch.device) -> ServerState:
+        """Server masks (``mask_source`` server): calibrated once at the global model on held-out ``batches``."""
+        load_weights(model, server.models[GLOBAL_MODEL])
+        masks = self.calibrate(model, batches, torch_generator(self.federation.seed, "server_mask"), device)
+        return ServerState(server.models, {**server.tensors, **{MASK_PREFIX + key: mask for key, mask in masks.items()}})
+
+    def init_server(self, weights: Weights) -> ServerState:
+        return ServerState({GLOBAL_MODEL: weights}, init_server_optimizer(self.settings, weights, self.maskable))
+
+    def broadcast(self, server: ServerState) -> Bundle:
+        masks = {key[len(MASK_PREFIX):]: value for key, value in server.tensors.items() if key.startswith(MASK_PREFIX)}
+        return {GLOBAL_MODEL: server.models[GLOBAL_MODEL], MASK: masks}
+
+    def client_update(self, model: nn.Module, broadcast: Bundle, client_state: Weights,
+                      loader: Iterable[dict], cfg: ClientConfig) -> ClientResult:
+        weights = broadcast[GLOBAL_MODEL]
+        load_weights(model, weights)
+        masks = self._client_masks(model, broadcast, client_state, loader, cfg)
+        params = dict(model.named_parameters())
+        with frozen(model, [key for key in self.federation.layout.state_keys if key not in masks]):
+            optimizer = SparseSGDM([params[key] for key in masks], list(masks.values()), lr=cfg.lr,
+                                   momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+            result = local_train(model, loader, cfg.loss_fn, optimizer, cfg.device, **cfg.budget())
+        upload = {DELTA: subtract(model.state_dict(), weights, masks), MASK: masks}
+        state = {MASK_PREFIX + key: mask for key, mask in masks.items()} if self.settings.mask_source == "client" else {}
+        return ClientResult(upload, state, {TRAIN_LOSS: result.mean_loss, LOCAL_STEPS: result.steps}, cfg.num_samples)
+
+    def _client_masks(self, model: nn.Module, broadcast: Bundle, client_state: Weights, loader: Iterable[dict],
+                      cfg: ClientConfig) -> Weights:
+        if self.settings.mask_source == "server":
+            require(bool(broadcast[MASK]), f"{self.name} mask_source=server needs the engine to call calibrate_server "
+                    "with a held-out calibration loader before round 1, which no engine does yet; use mask_source=client")
+            return {key: mask.to(cfg.device) for key, mask in broadcast[MASK].items()}
+        if client_state:
+            return {key[len(MASK_PREFIX):]: mask.to(cfg.device) for key, mask in client_state.items()}
+        seed = int(torch.randint(2 ** 62, (1,)))  # the engine seeds each client round's RNG
+        return self.calibrate(model, loader, torch.Generator().manual_seed(seed), cfg.device)
+
+    def aggregate(self, server: ServerState, uploads: Iterable[Upload]) -> ServerState:
+        mean = MaskedMean()
+        for upload in uploads:
+            mean.add(upload.tensors[DELTA], upload.tensors[MASK], upload.num_samples)
+        weights, tensors = server_step(server.models[GLOBAL_MODEL], mean.mean(), server.tensors, self.settings,
+                                       self.maskable)
+        return ServerState({GLOBAL_MODEL: weights}, tensors)

@@ -1,0 +1,84 @@
+"""sparse_ft (network/algorithms/sparse_finetune.py): frozen entries never move; per-entry aggregation by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from network.algorithms import build_algorithm
+from network.algorithms.base import GLOBAL_MODEL, ServerState, Upload
+from network.algorithms.sparse_finetune import DELTA, MASK, MASK_PREFIX
+from network.client import ClientFailure
+from sparse.calibration import mask_density
+from tests.test_algorithms import UploadRecorder
+from tests.test_engine import global_test, make_engine
+from tests.tiny_models import TinyNet
+
+MASKABLE = ("body.0.weight", "body.0.bias", "body.1.weight", "body.1.bias")  # the head and BatchNorm buffers are not
+
+
+def test_client_masks_have_the_density_and_frozen_entries_never_move_through_rounds(tmp_path):
+    engine = make_engine(tmp_path, "sparse_ft", rounds=3, client_fraction=1.0, eval_every=3,
+                         weight_decay=0.1, settings={"density": 0.25, "calibration_rounds": 2})
+    recorder = UploadRecorder(engine)
+    start = {key: value.clone() for key, value in engine.server.models[GLOBAL_MODEL].items()}
+    engine.run()
+    trained_by_anyone = {key: torch.zeros_like(start[key], dtype=torch.bool) for key in MASKABLE}
+    for client_id, upload, state in recorder.calls:
+        assert set(upload[DELTA]) == set(MASKABLE) and set(upload[MASK]) == set(MASKABLE)
+        assert mask_density(upload[MASK]) == round(0.25 * 112) / 112  # TinyNet body: Linear 4·16 + 16, BatchNorm 2·16
+        for key, mask in upload[MASK].items():
+            assert torch.equal(upload[DELTA][key][~mask], torch.zeros(int((~mask).sum())))  # zero where frozen
+            assert torch.equal(state[MASK_PREFIX + key], mask)
+            trained_by_anyone[key] |= mask
+    final = engine.server.models[GLOBAL_MODEL]
+    for key, value in final.items():
+        frozen = ~trained_by_anyone[key] if key in trained_by_anyone else torch.ones_like(value, dtype=torch.bool)
+        assert torch.equal(value[frozen], start[key][frozen]), key  # the head and BatchNorm buffers too
+    masks_per_client = {}
+    for client_id, upload, _ in recorder.calls:  # a client's mask is calibrated once, then kept
+        masks_per_client.setdefault(client_id, upload[MASK])
+        assert all(torch.equal(upload[MASK][key], masks_per_client[client_id][key]) for key in MASKABLE)
+    assert any(not torch.equal(first[key], second[key]) for first in masks_per_client.values()
+               for second in masks_per_client.values() for key in MASKABLE)  # masks differ between clients
+
+
+def test_a_server_mask_is_broadcast_and_only_its_entries_move(tmp_path):
+    engine = make_engine(tmp_path, "sparse_ft", rounds=2, client_fraction=1.0,
+                         settings={"mask_source": "server", "density": 0.1, "mask_rule": "random"})
+    engine.server = engine.algorithm.calibrate_server(engine.server, engine.model, global_test(), torch.device("cpu"))
+    masks = {key[len(MASK_PREFIX):]: value for key, value in engine.server.tensors.items() if key.startswith(MASK_PREFIX)}
+    assert set(masks) == set(MASKABLE) and mask_density(masks) == round(0.1 * 112) / 112
+    start = {key: value.clone() for key, value in engine.server.models[GLOBAL_MODEL].items()}
+    engine.run()
+    final = engine.server.models[GLOBAL_MODEL]
+    for key, mask in masks.items():
+        assert torch.equal(final[key][~mask], start[key][~mask]) and not torch.equal(final[key][mask], start[key][mask])
+
+
+def test_a_server_mask_without_calibration_data_is_one_clear_error(tmp_path):
+    engine = make_engine(tmp_path, "sparse_ft", rounds=1, settings={"mask_source": "server"})
+    with pytest.raises(ClientFailure, match="mask_source=server needs the engine to call calibrate_server"):
+        engine.run()
+
+
+def test_aggregation_by_hand_two_clients_whose_masks_differ():
+    algorithm, _ = build_algorithm("sparse_ft", TinyNet(), {"a": 1, "b": 3})
+    weights = {key: torch.zeros_like(value) for key, value in TinyNet().state_dict().items()}
+    server = algorithm.init_server(weights)
+    shape = weights["body.0.bias"].shape
+
+    def upload(client_id, trained, value, num_samples):
+        mask = {key: torch.zeros_like(weights[key], dtype=torch.bool) for key in MASKABLE}
+        mask["body.0.bias"][trained] = True
+        delta = {key: torch.zeros_like(weights[key]) for key in MASKABLE}
+        delta["body.0.bias"][trained] = value
+        return Upload(client_id, {DELTA: delta, MASK: mask}, num_samples)
+
+    # a trains entries 0, 1 (Δ = 1, n = 1); b trains entries 1, 2 (Δ = 5, n = 3); nobody trains the rest.
+    new = algorithm.aggregate(server, [upload("a", [0, 1], 1.0, 1), upload("b", [1, 2], 5.0, 3)])
+    expected = torch.zeros(shape)
+    expected[:3] = torch.tensor([1.0, (1 * 1 + 3 * 5) / 4, 5.0])  # entry 0: a only; entry 2: b only, not shrunk
+    assert torch.equal(new.models[GLOBAL_MODEL]["body.0.bias"], expected)
+    assert all(torch.equal(new.models[GLOBAL_MODEL][key], weights[key]) for key in weights if key != "body.0.bias")
+    assert isinstance(new, ServerState)

@@ -1,0 +1,95 @@
+"""SparseSGDM (sparse/optim.py): frozen entries keep their bits; all-ones masks are torch's SGD exactly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from sparse.optim import SparseSGDM
+from utils.errors import TaskHetError
+
+OPTIONS = [dict(momentum=0.9, weight_decay=0.1),
+           dict(momentum=0.9, weight_decay=0.1, nesterov=True),
+           dict(momentum=0.9, weight_decay=0.1, dampening=0.3),
+           dict(momentum=0.0, weight_decay=0.1),
+           dict(momentum=0.9, weight_decay=0.0, maximize=True)]
+
+
+def model_and_masks(seed: int = 0) -> tuple[nn.Module, list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator))
+    masks = [torch.rand(param.shape, generator=generator) < 0.4 for param in model.parameters()]
+    return model, masks
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int = 100) -> None:
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(8, 6, generator=generator), torch.randn(8, 3, generator=generator)
+        optimizer.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+def test_masked_entries_keep_their_bits_for_100_steps(options):
+    model, masks = model_and_masks()
+    before = [param.detach().clone() for param in model.parameters()]
+    optimizer = SparseSGDM(model.parameters(), masks, lr=0.05, **options)
+    train(model, optimizer)
+    for param, old, mask in zip(model.parameters(), before, masks):
+        assert torch.equal(param[~mask], old[~mask])
+        assert not torch.equal(param[mask], old[mask])  # the trainable entries did move
+        if options["momentum"]:
+            assert torch.equal(optimizer.state[param]["momentum_buffer"][~mask], torch.zeros(int((~mask).sum())))
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+@pytest.mark.parametrize("implementation", [dict(), dict(foreach=True)])
+def test_an_all_ones_mask_is_torch_sgd_bit_for_bit(options, implementation):
+    sparse_model, _ = model_and_masks()
+    dense_model, _ = model_and_masks()
+    ones = [torch.ones_like(param) for param in sparse_model.parameters()]
+    train(sparse_model, SparseSGDM(sparse_model.parameters(), ones, lr=0.05, **options, **implementation))
+    train(dense_model, torch.optim.SGD(dense_model.parameters(), lr=0.05, **options, **implementation))
+    for sparse, dense in zip(sparse_model.parameters(), dense_model.parameters()):
+        assert torch.equal(sparse, dense)
+
+
+def test_the_callers_gradients_are_never_modified():
+    param = nn.Parameter(torch.tensor([1.0, 3.0, 2.0]))
+    optimizer = SparseSGDM([param], [torch.tensor([1, 0, 0])], lr=0.1, momentum=0.9)
+    param.grad = torch.tensor([1.0, 5.0, -4.0])
+    optimizer.step()
+    assert torch.equal(param.detach(), torch.tensor([0.9, 3.0, 2.0]))
+    assert torch.equal(param.grad, torch.tensor([1.0, 5.0, -4.0]))
+
+
+def test_masks_must_match_the_parameters():
+    model, masks = model_and_masks()
+    with pytest.raises(TaskHetError, match="one mask per parameter: 4 parameters, 3 masks"):
+        SparseSGDM(model.parameters(), masks[:3], lr=0.1)
+    with pytest.raises(TaskHetError, match=r"mask 0 has shape \(5,\)"):
+        SparseSGDM(model.parameters(), [torch.ones(5)] + masks[1:], lr=0.1)
+
+
+def test_none_means_dense_and_the_state_dict_round_trips():
+    model, masks = model_and_masks()
+    masks[0] = None
+    optimizer = SparseSGDM(model.parameters(), masks, lr=0.1, momentum=0.9, weight_decay=0.1)
+    train(model, optimizer, steps=2)
+    twin, _ = model_and_masks()
+    twin.load_state_dict(model.state_dict())
+    restored = SparseSGDM(twin.parameters(), [torch.ones_like(p) for p in twin.parameters()], lr=0.1, momentum=0.9,
+                          weight_decay=0.1)
+    restored.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # state_dict() shares the buffers
+    train(model, optimizer, steps=3)
+    train(twin, restored, steps=3)
+    for first, second in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(first, second)
