@@ -162,7 +162,7 @@ class SegmentationMetrics:
 class ClassificationMetrics:
     """Top-1 and top-5 accuracy of logits ``[B, K]`` against labels ``batch[domain]`` ([B])."""
 
-    def __init__(self, domain: str = "scene_class") -> None:
+    def __init__(self, domain: str) -> None:
         self.domain = domain
         self.top1 = 0
         self.top5 = 0
