@@ -5,4 +5,4 @@ module registers it in :data:`datasets.family.FAMILIES`. Note that this package
 shadows Hugging Face ``datasets`` for scripts run from the repository root.
 """
 
-from datasets import cache, family, taskonomy, synthetic, selection  # noqa: F401
+from datasets import cache, family, taskonomy, digits, synthetic, selection  # noqa: F401

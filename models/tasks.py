@@ -86,7 +86,7 @@ def _register_tasks() -> None:
             TaskSpec(name, name, "dense", channels, activation, loss_fn, metrics_factory, [name], primary)
         )
     # Classification tasks take K from their data family (datasets.family.DataFamily.num_classes).
-    for name, domain in (("class_scene", "scene_class"),):
+    for name, domain in (("class_scene", "scene_class"), ("digit_class", "digit_class")):
         TASKS.register(name)(
             TaskSpec(name, domain, "classification", None, "identity", losses.classification_loss,
                      functools.partial(metrics.ClassificationMetrics, domain), [], "top1")
