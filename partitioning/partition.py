@@ -388,10 +388,10 @@ class ShardsPartitioner(Partitioner):
 @SCHEMES.register("natural")
 class NaturalPartitioner(Partitioner):
     """Feature skew: one client per source (the data family's source column: a Taskonomy
-    building); a client holds all of its building's samples. With fewer clients than eligible buildings (those with at least
-    ``min_client_size`` samples), a uniformly random subset of buildings is used and the
-    rest is unused. Client ids follow the sorted building names. No ``size_skew``:
-    the buildings fix the sizes."""
+    building); a client holds all of its building's samples. With fewer clients than
+    eligible buildings (those with at least ``min_client_size`` samples), a uniformly
+    random subset of buildings is used and the rest is unused. Client ids follow the
+    sorted building names. No ``size_skew``: the buildings fix the sizes."""
 
     name = "natural"
 
