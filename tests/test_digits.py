@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -109,3 +110,9 @@ def test_digits_experiment_rejects_a_taskonomy_task(tmp_path):
     experiment.write_text(yaml.safe_dump(config))
     with pytest.raises(TaskHetError, match=r"bad.yaml: tasks \(data.source digits\): task 'normal' is not a task of data family 'digits'"):
         load_experiment(experiment)
+
+
+def test_shipped_digits_experiment_is_valid():
+    config = load_experiment(Path(__file__).resolve().parent.parent / "experiments" / "digits.yaml")
+    assert config["data"]["source"] == "digits" and config["tasks"] == ["digit_class"]
+    assert set(config["partition"]["groupings"]) == {"label_based", "embedding_based"} and len(config["seeds"]) == 2
