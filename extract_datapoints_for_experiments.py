@@ -1,7 +1,7 @@
-"""Step 1: choose the samples of an experiment, label their scene class and split them."""
+"""Step 1: choose the samples of an experiment, label them and split them (--family picks the data family)."""
 
-from steps import select_scenes
+from steps import select
 from utils.cli import run_main
 
 if __name__ == "__main__":
-    run_main(select_scenes.main)
+    run_main(select.main)

@@ -58,7 +58,7 @@ def taskhet_epoch(model: torch.nn.Module, samples: list[dict], task_name: str, b
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     seen = 0
     for batch in make_loader(samples, batch_size, shuffle=True, seed=0):
-        train_one_batch(model, batch, task_name, optimizer, device)
+        train_one_batch(model, batch, task_name, optimizer, device, input_key="rgb")
         seen += batch["rgb"].shape[0]
     return seen
 

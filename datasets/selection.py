@@ -21,8 +21,9 @@ from tqdm import tqdm
 from datasets.synthetic import PLACES_FILE, SPLIT_FILE
 from datasets.taskonomy import (
     DOMAIN_SPECS,
-    DOMAINS,
+    FAMILY,
     MANIFEST_COLUMNS,
+    TASKS,
     check_data_root,
     discover_samples,
     get_domain,
@@ -35,7 +36,7 @@ from utils.seeding import numpy_rng
 
 SPLIT_BY = ("sample", "building")
 # Every task domain the loader decodes; mask_valid is optional (used when on disk).
-DEFAULT_TASK_DOMAINS = tuple(domain for domain in DOMAINS if domain not in ("rgb", "mask_valid"))
+DEFAULT_TASK_DOMAINS = TASKS
 SPLIT_CSV_COLUMNS = ("id", "train", "val", "test")
 
 
@@ -188,6 +189,7 @@ def select_datapoints(config: SelectionConfig, progress: bool = True) -> Selecti
     chosen["scene_class"] = chosen["places_index"].map(remap).astype(np.int64)
     chosen["scene_name"] = [names[label] for label in chosen["places_index"]]
     chosen["rgb_path"] = chosen["path_rgb"]
+    chosen["family"] = FAMILY
     chosen["split"] = split_samples(chosen, config.test_fraction, config.split_by, config.seed)
     manifest = chosen[list(MANIFEST_COLUMNS)].copy()
     class_counts = pd.DataFrame(

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -29,14 +29,19 @@ from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
 from datasets.cache import DecodedSampleCache, cache_key
+from datasets.family import FAMILIES, FAMILY_COLUMN, DataFamily, with_family_column
 from utils.errors import TaskHetError
+
+if TYPE_CHECKING:
+    from models.tasks import TaskSpec
 
 NUM_SEMANTIC_CLASSES = 17
 NUM_SCENE_SCORES = 365
 DEPTH_INVALID = 65535
 DEPTH_UNITS_PER_METRE = 512.0
 NORMAL_INVALID = 128
-MANIFEST_COLUMNS = ("sample_id", "building", "point", "view", "rgb_path", "scene_class", "scene_name", "split")
+FAMILY = "taskonomy"
+MANIFEST_COLUMNS = (FAMILY_COLUMN, "sample_id", "building", "point", "view", "rgb_path", "scene_class", "scene_name", "split")
 SPLITS = ("train", "test")
 FILE_PATTERN = re.compile(r".*point_(\d+)_view_(\d+)_domain_(\w+)\.(png|npy)")
 
@@ -182,6 +187,8 @@ DOMAIN_SPECS: Mapping[str, DomainSpec] = MappingProxyType(
     }
 )
 DOMAINS = tuple(DOMAIN_SPECS)
+# A task is named after the domain holding its target; rgb is the input and mask_valid only masks.
+TASKS = tuple(domain for domain in DOMAINS if domain not in ("rgb", "mask_valid"))
 
 
 def get_domain(name: str) -> DomainSpec:
@@ -276,6 +283,7 @@ def validate_manifest(manifest: pd.DataFrame, source: str = "manifest") -> pd.Da
     Raises:
         TaskHetError: naming ``source`` and the first bad column or row.
     """
+    manifest = with_family_column(manifest, FAMILY, source)
     missing = [column for column in MANIFEST_COLUMNS if column not in manifest.columns]
     if missing:
         raise TaskHetError(f"{source}: missing column(s) {', '.join(missing)}; expected {', '.join(MANIFEST_COLUMNS)}")
@@ -327,7 +335,7 @@ def read_manifest(path: Path) -> pd.DataFrame:
     path = Path(path)
     if not path.is_file():
         raise TaskHetError(f"manifest {path} does not exist (run step 1, extract_datapoints_for_experiments.py)")
-    text_columns = {column: str for column in ("sample_id", "building", "rgb_path", "scene_name", "split")}
+    text_columns = {column: str for column in (FAMILY_COLUMN, "sample_id", "building", "rgb_path", "scene_name", "split")}
     try:
         manifest = pd.read_csv(path, dtype=text_columns, keep_default_na=False)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as error:
@@ -468,3 +476,32 @@ class TaskonomyDataset(Dataset):
         sample["scene_class"] = torch.tensor(int(self.scene_classes[index]), dtype=torch.int64)
         sample["sample_id"] = self.sample_ids[index]
         return sample
+
+
+class TaskonomyFamily(DataFamily):
+    """Taskonomy in the omnidata layout: real downloads and synthetic buildings alike.
+
+    The manifest is :data:`MANIFEST_COLUMNS`; the label is the scene class (top-K
+    Places365 labels renumbered 0..K-1) and a sample's natural owner its building.
+    Items are :class:`TaskonomyDataset` samples (``"rgb"`` input, decoded-sample cache).
+    """
+
+    name = FAMILY
+    input_key = "rgb"
+    label_column = "scene_class"
+    source_column = "building"
+    tasks = TASKS
+
+    def read_manifest(self, path: Path) -> pd.DataFrame:
+        return read_manifest(path)
+
+    def num_classes(self, manifest: pd.DataFrame) -> int:
+        # Step 1 renumbers the kept labels 0..K-1, so the largest label fixes K.
+        return int(manifest[self.label_column].max()) + 1
+
+    def dataset(self, root: Path, rows: pd.DataFrame, task: TaskSpec | None, image_size: int, cache_dir: Path | None = None) -> Dataset:
+        domains = [] if task is None else task.required_domains
+        return TaskonomyDataset(root, rows, domains, image_size, cache_dir)
+
+
+FAMILIES.register(FAMILY)(TaskonomyFamily())

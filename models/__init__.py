@@ -29,7 +29,7 @@ def build_task_model(task: str, encoder: str = "resnet50", weights: str = "none"
         task: task name (see :func:`list_tasks`).
         encoder: encoder name (see :func:`list_encoders`).
         weights: encoder weights: "none" (random), "imagenet", "clip" or a file path.
-        num_classes: K, the number of scene classes (class_scene only; from the manifest).
+        num_classes: K, the number of classes (classification tasks only; from the data family).
         embedding_grid: grid side of the pooled embedding (0 = global average only).
         embedding_layer: "penultimate" or "bottleneck" (see :mod:`models.task_model`).
         seed: when given, the random initialisation is drawn from a generator derived
@@ -39,13 +39,13 @@ def build_task_model(task: str, encoder: str = "resnet50", weights: str = "none"
         The model, on the CPU, in training mode.
 
     Raises:
-        TaskHetError: unknown task or encoder, missing ``num_classes`` for class_scene,
+        TaskHetError: unknown task or encoder, missing ``num_classes`` for a classification task,
             or weights that cannot be found or do not match the encoder.
     """
     spec = get_task(task)
     if spec.kind == "classification":
         if num_classes is None or num_classes < 2:
-            raise TaskHetError(f"task {task} needs num_classes >= 2 (the manifest's scene classes), got {num_classes}")
+            raise TaskHetError(f"task {task} needs num_classes >= 2 (its data family's classes), got {num_classes}")
         out_channels = num_classes
     else:
         out_channels = spec.out_channels

@@ -34,9 +34,9 @@ class TaskSpec:
 
     Attributes:
         name: task name (registry key).
-        domain: key of the target in a batch dict ("scene_class" for class_scene).
+        domain: key of the target in a batch dict ("scene_class" for class_scene, "digit_class" for digit_class).
         kind: "dense" (per-pixel prediction ``[B, C, H, W]``) or "classification" (logits ``[B, K]``).
-        out_channels: output channels; None for class_scene, whose K comes from the manifest.
+        out_channels: output channels; None for classification tasks, whose K comes from the data family.
         activation: output activation (see :data:`models.heads.ACTIVATIONS`).
         loss_fn: ``(prediction, batch, domain, reduction) -> scalar`` (``[B]`` with reduction "none").
         metrics_factory: ``() -> TaskMetrics``.
@@ -85,10 +85,12 @@ def _register_tasks() -> None:
         TASKS.register(name)(
             TaskSpec(name, name, "dense", channels, activation, loss_fn, metrics_factory, [name], primary)
         )
-    TASKS.register("class_scene")(
-        TaskSpec("class_scene", "scene_class", "classification", None, "identity", losses.classification_loss,
-                 metrics.ClassificationMetrics, [], "top1")
-    )
+    # Classification tasks take K from their data family (datasets.family.DataFamily.num_classes).
+    for name, domain in (("class_scene", "scene_class"), ("digit_class", "digit_class")):
+        TASKS.register(name)(
+            TaskSpec(name, domain, "classification", None, "identity", losses.classification_loss,
+                     functools.partial(metrics.ClassificationMetrics, domain), [], "top1")
+        )
 
 
 _register_tasks()

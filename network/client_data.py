@@ -11,16 +11,17 @@ import argparse
 from functools import partial
 
 import pandas as pd
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader, Dataset, Subset
 
-from datasets.taskonomy import TaskonomyDataset
+from datasets.family import family_of
 from network.client import ClientData
 from training.loop import make_loader
 
 
-def task_dataset(args: argparse.Namespace, manifest: pd.DataFrame, task, sample_ids) -> TaskonomyDataset:
+def task_dataset(args: argparse.Namespace, manifest: pd.DataFrame, task, sample_ids) -> Dataset:
+    """The samples ``sample_ids`` (in that order) as the manifest's data family builds them for ``task``."""
     rows = manifest.set_index("sample_id").loc[list(sample_ids)].reset_index()
-    return TaskonomyDataset(args.data_path, rows, task.required_domains, args.image_size, args.cache_dir)
+    return family_of(manifest).dataset(args.data_path, rows, task, args.image_size, args.cache_dir)
 
 
 def make_clients(args: argparse.Namespace, manifest: pd.DataFrame, table: pd.DataFrame, task) -> list[ClientData]:

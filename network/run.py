@@ -18,7 +18,7 @@ from typing import Any, Callable
 import pandas as pd
 import torch
 
-from datasets.taskonomy import read_manifest
+from datasets.family import load_manifest
 from models import build_task_model, get_task, load_task_model
 from network.algorithms import build_algorithm
 from network.algorithms.base import Algorithm
@@ -124,11 +124,13 @@ def prepare(config: RunConfig) -> FedSetup:
     """Read and check the inputs, then build the worker model, the algorithm and the engine config."""
     task = get_task(config.task)
     config = config.replace(assignments=config.assignments or default_assignments(config))
-    manifest = read_manifest(config.manifest)
+    family, manifest = load_manifest(config.manifest)
+    family.check_task(config.task, f"--task (manifest {config.manifest})")
     table, meta = load_assignments(config.assignments, manifest)
     config = resolve(config, meta)
     set_deterministic(config.deterministic)
-    num_classes = int(manifest["scene_class"].max()) + 1 if task.kind == "classification" else None
+    num_classes = family.num_classes(manifest) if task.kind == "classification" else None
+    input_key = family.input_key
     device = pick_device(config.use_accelerator)
     task_model = initial_model(config, num_classes)
     train_counts = table[table["subset"] == "train"].groupby("client_id").size()
@@ -146,9 +148,10 @@ def prepare(config: RunConfig) -> FedSetup:
     return FedSetup(
         config=config, task=task, manifest=manifest, table=table, algorithm=algorithm, engine_config=engine_config,
         device=device, model=prepare_model(worker, device), model_config=task_model.config,
-        loss_fn=lambda net, batch, reduction="mean": task.loss(net(batch["rgb"])[0].float(), batch, reduction),
+        loss_fn=lambda net, batch, reduction="mean": task.loss(net(batch[input_key])[0].float(), batch, reduction),
         # The model's own device, not the server's: Flower nodes may train on another device.
-        evaluate_fn=lambda net, loader: evaluate(net, loader, task, next(net.parameters()).device, progress=False))
+        evaluate_fn=lambda net, loader: evaluate(net, loader, task, next(net.parameters()).device, input_key=input_key,
+                                                 progress=False))
 
 
 def resolve(config: RunConfig, meta: dict) -> RunConfig:
@@ -157,7 +160,8 @@ def resolve(config: RunConfig, meta: dict) -> RunConfig:
         raise TaskHetError("pass one of --local_steps (--sgd_per_epoch) and --local_epochs, not both")
     if config.local_steps is None and config.local_epochs is None:
         config = config.replace(local_steps=50)
-    kind = EMBEDDING_BASED if str(meta.get("groups", "scene_class")).endswith(".csv") else LABEL_BASED
+    # Groups are a clusters CSV (embedding-based) or a manifest column (label-based).
+    kind = EMBEDDING_BASED if str(meta.get("groups", "")).endswith(".csv") else LABEL_BASED
     for name, given, recorded in (("type", config.type, kind if meta else None),
                                   ("n_clients", config.n_clients, meta.get("n_clients")),
                                   ("alpha", config.alpha, meta.get("alpha"))):

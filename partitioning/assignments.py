@@ -159,7 +159,7 @@ def resolve_groups(manifest: pd.DataFrame, groups: str) -> tuple[pd.Series, Path
 
     Args:
         manifest: the step-1 manifest.
-        groups: a manifest column name (``scene_class``: label-based) or the path of a
+        groups: a manifest column name (the family's label column, e.g. ``scene_class``: label-based) or the path of a
             ``clusters.csv`` with ``sample_id, cluster`` (embedding-based).
 
     Returns:

@@ -1,6 +1,6 @@
-"""KMeans clusters of task embeddings (step 3) and how they relate to scene labels.
+"""KMeans clusters of task embeddings (step 3) and how they relate to the data's class labels.
 
-The clusters are the embedding-based groups of the paper; their agreement with scene
+The clusters are the embedding-based groups of the paper; their agreement with the class
 labels (NMI, ARI, contingency table) measures how far embedding-based partitions can
 differ from label-based ones.
 """
@@ -38,7 +38,7 @@ SCATTER_POINTS = 20_000
 
 
 @torch.inference_mode()
-def embed_samples(model: nn.Module, loader: DataLoader, device: torch.device) -> tuple[np.ndarray, list[str]]:
+def embed_samples(model: nn.Module, loader: DataLoader, device: torch.device, input_key: str) -> tuple[np.ndarray, list[str]]:
     """Embed every sample of a loader with a TaskModel in eval mode, in float32.
 
     Eval mode makes batch norm use its running statistics, so a sample's embedding
@@ -46,9 +46,10 @@ def embed_samples(model: nn.Module, loader: DataLoader, device: torch.device) ->
     depend on the device's reduced precision.
 
     Args:
-        model: ``model(rgb) -> (prediction, embedding [B, D])``, already on ``device``.
-        loader: batches with ``"rgb"`` [B, 3, H, W] and ``"sample_id"`` (list of str), in order.
+        model: ``model(images) -> (prediction, embedding [B, D])``, already on ``device``.
+        loader: batches with ``input_key`` [B, 3, H, W] and ``"sample_id"`` (list of str), in order.
         device: where the model is.
+        input_key: batch key of the model input (the data family's ``input_key``).
 
     Returns:
         ``(embeddings float32 [N, D] in loader order, sample ids)``.
@@ -56,7 +57,7 @@ def embed_samples(model: nn.Module, loader: DataLoader, device: torch.device) ->
     model.eval()
     chunks, sample_ids = [], []
     for batch in tqdm(loader, desc="embedding", leave=False, dynamic_ncols=True):
-        _, embedding = model(batch["rgb"].to(device, non_blocking=True))
+        _, embedding = model(batch[input_key].to(device, non_blocking=True))
         chunks.append(embedding.float().cpu().numpy())
         sample_ids.extend(batch["sample_id"])
     return np.concatenate(chunks).astype(np.float32, copy=False), sample_ids
@@ -124,17 +125,17 @@ def cluster_embeddings(
     return Clustering(labels, estimator.cluster_centers_.astype(np.float32), features, estimator_class.__name__, explained)
 
 
-def contingency(labels: np.ndarray, scene_labels: np.ndarray) -> pd.DataFrame:
-    """Counts of samples per (cluster, scene class): rows clusters, columns scene classes."""
-    return pd.crosstab(pd.Series(labels, name="cluster"), pd.Series(scene_labels, name="scene_class"))
+def contingency(labels: np.ndarray, class_labels: np.ndarray, label_name: str = "label") -> pd.DataFrame:
+    """Counts of samples per (cluster, class): rows clusters, columns classes (named ``label_name``)."""
+    return pd.crosstab(pd.Series(labels, name="cluster"), pd.Series(class_labels, name=label_name))
 
 
-def cluster_diagnostics(features: np.ndarray, labels: np.ndarray, scene_labels: np.ndarray, seed: int) -> dict[str, Any]:
-    """Cluster sizes, silhouette score and the agreement with scene labels.
+def cluster_diagnostics(features: np.ndarray, labels: np.ndarray, class_labels: np.ndarray, seed: int) -> dict[str, Any]:
+    """Cluster sizes, silhouette score and the agreement with the class labels.
 
     Returns:
         ``{"cluster_sizes": list[int], "silhouette": float (NaN with one cluster),
-        "nmi": float, "ari": float}``; NMI/ARI are 1 when clusters equal scene classes
+        "nmi": float, "ari": float}``; NMI/ARI are 1 when clusters equal the classes
         and ~0 when unrelated.
     """
     n_labels = np.unique(labels).size
@@ -145,8 +146,8 @@ def cluster_diagnostics(features: np.ndarray, labels: np.ndarray, scene_labels: 
     return {
         "cluster_sizes": np.bincount(labels).tolist(),
         "silhouette": silhouette,
-        "nmi": float(normalized_mutual_info_score(scene_labels, labels)),
-        "ari": float(adjusted_rand_score(scene_labels, labels)),
+        "nmi": float(normalized_mutual_info_score(class_labels, labels)),
+        "ari": float(adjusted_rand_score(class_labels, labels)),
     }
 
 
@@ -172,33 +173,35 @@ def plot_scatter(features: np.ndarray, colours: np.ndarray, path: Path, title: s
 
 
 def plot_contingency(table: pd.DataFrame, path: Path) -> None:
-    """Heatmap of the cluster × scene-class table, each cluster's row as fractions."""
+    """Heatmap of the cluster × class table (:func:`contingency`), each cluster's row as fractions."""
     fractions = table.to_numpy(dtype=float) / np.maximum(table.to_numpy().sum(axis=1, keepdims=True), 1)
     figure, axis = plt.subplots(figsize=(np.clip(3 + 0.4 * table.shape[1], 6, 16), np.clip(2 + 0.4 * table.shape[0], 4, 12)))
     image = axis.imshow(fractions, aspect="auto", cmap="magma", vmin=0, vmax=1)
     axis.set_xticks(range(table.shape[1]), [str(c) for c in table.columns], rotation=90)
     axis.set_yticks(range(table.shape[0]), [str(r) for r in table.index])
-    axis.set_xlabel("scene class")
+    axis.set_xlabel(str(table.columns.name))
     axis.set_ylabel("cluster")
-    axis.set_title("clusters vs scene classes (row fractions)")
+    axis.set_title(f"clusters vs {table.columns.name} (row fractions)")
     figure.colorbar(image, ax=axis, label="fraction of the cluster")
     save_figure(figure, path, dpi=120)
 
 
-def write_diagnostics(out_dir: Path, clustering: Clustering, scene_labels: np.ndarray, seed: int) -> dict[str, Any]:
-    """All step-3 diagnostics into ``out_dir``.
+def write_diagnostics(out_dir: Path, clustering: Clustering, class_labels: np.ndarray, seed: int,
+                      label_name: str = "label") -> dict[str, Any]:
+    """All step-3 diagnostics into ``out_dir``; ``label_name`` names the classes (the family's label column).
 
-    Writes ``scatter_clusters.png``, ``scatter_scene_class.png``, ``contingency.csv``
+    Writes ``scatter_clusters.png``, ``scatter_<label_name>.png``, ``contingency.csv``
     and ``contingency.png``; returns :func:`cluster_diagnostics` plus the algorithm
     and PCA variance.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary = cluster_diagnostics(clustering.features, clustering.labels, scene_labels, seed)
+    summary = cluster_diagnostics(clustering.features, clustering.labels, class_labels, seed)
     summary.update(algorithm=clustering.algorithm, pca_explained_variance=clustering.pca_explained_variance)
     plot_scatter(clustering.features, clustering.labels, out_dir / "scatter_clusters.png", "embeddings coloured by cluster", seed)
-    plot_scatter(clustering.features, np.asarray(scene_labels), out_dir / "scatter_scene_class.png", "embeddings coloured by scene class", seed)
-    table = contingency(clustering.labels, np.asarray(scene_labels))
+    plot_scatter(clustering.features, np.asarray(class_labels), out_dir / f"scatter_{label_name}.png",
+                 f"embeddings coloured by {label_name}", seed)
+    table = contingency(clustering.labels, np.asarray(class_labels), label_name)
     table.to_csv(out_dir / "contingency.csv")
     plot_contingency(table, out_dir / "contingency.png")
     return summary

@@ -1,7 +1,7 @@
 """The two kinds of client partition the experiments compare, by name.
 
-A partition skews clients over scene labels (``label_based``) or over a task's embedding
-clusters (``embedding_based``). The original code called label-based partitions
+A partition skews clients over class labels (``label_based``: the data family's label
+column) or over a task's embedding clusters (``embedding_based``). The original code called label-based partitions
 ``class_based``; that name is still accepted on input and replaced by
 :func:`canonical_grouping` as soon as it is read, so no file, folder or report says it.
 """

@@ -5,7 +5,7 @@ parameters; :meth:`Partitioner.split` validates them against the data, draws fro
 its own generator (derived from ``seed``) and returns a :class:`Partition`.
 Statistics live in :mod:`partitioning.partition_stats`.
 
-``groups`` are the categories whose skew a scheme controls: scene labels for
+``groups`` are the categories whose skew a scheme controls: class labels (scene class, digit) for
 label-based partitions, embedding clusters for embedding-based ones (the paper's
 point). Every draw is vectorised over clients and groups, and every retry loop is
 bounded: a draw that cannot be met ends in a :class:`TaskHetError` that says what
@@ -39,7 +39,7 @@ class Partition:
         client_of: int64 [n_samples], the client of each sample or ``UNUSED`` (-1).
             One entry per sample, so no sample can be held by two clients.
         n_clients: number of clients (ids 0..n_clients-1).
-        client_labels: for ``natural``, the source (building) behind each client id.
+        client_labels: for ``natural``, the source (e.g. a building) behind each client id.
     """
 
     client_of: np.ndarray
@@ -192,8 +192,8 @@ class Partitioner:
         """Partition samples among clients.
 
         Args:
-            groups: [n_samples] any hashable labels (scene class, cluster id).
-            sources: [n_samples] the natural owner of each sample (its building); only
+            groups: [n_samples] any hashable labels (a class label, a cluster id).
+            sources: [n_samples] the natural owner of each sample (Taskonomy: its building); only
                 ``natural`` uses it.
 
         Returns:
@@ -387,11 +387,11 @@ class ShardsPartitioner(Partitioner):
 
 @SCHEMES.register("natural")
 class NaturalPartitioner(Partitioner):
-    """Feature skew: one client per source (building); a client holds all of its
-    building's samples. With fewer clients than eligible buildings (those with at least
-    ``min_client_size`` samples), a uniformly random subset of buildings is used and the
-    rest is unused. Client ids follow the sorted building names. No ``size_skew``:
-    the buildings fix the sizes."""
+    """Feature skew: one client per source (the data family's source column: a Taskonomy
+    building); a client holds all of its building's samples. With fewer clients than
+    eligible buildings (those with at least ``min_client_size`` samples), a uniformly
+    random subset of buildings is used and the rest is unused. Client ids follow the
+    sorted building names. No ``size_skew``: the buildings fix the sizes."""
 
     name = "natural"
 
@@ -402,7 +402,8 @@ class NaturalPartitioner(Partitioner):
 
     def _assign(self, group_codes: np.ndarray, sources: np.ndarray | None, rng: np.random.Generator) -> Partition:
         if sources is None or np.asarray(sources).shape != group_codes.shape:
-            raise TaskHetError(f"{self.name}: needs the building of every sample (sources of the same length as groups)")
+            raise TaskHetError(f"{self.name}: needs the natural owner of every sample (sources of the same length as groups, "
+                               "e.g. Taskonomy's building); a data family without a source column (digits) has none")
         names, source_codes = np.unique(np.asarray(sources).astype(str), return_inverse=True)
         source_sizes = np.bincount(source_codes)
         eligible = np.flatnonzero(source_sizes >= self.min_client_size)

@@ -18,18 +18,22 @@ import yaml
 from partitioning.groupings import GROUPINGS, canonical_grouping
 from utils.errors import TaskHetError
 
+# data.source -> the data family that reads it (synthetic buildings are written in the Taskonomy layout).
+DATA_SOURCES = {"synthetic": "taskonomy", "taskonomy": "taskonomy", "digits": "digits"}
+
 # Every key an experiment file may set, with its default. Nested dicts are sections;
 # a value of None means "no default: the file must set it" only where noted in README.
 SCHEMA: dict[str, Any] = {
     "name": "experiment",
     "data": {
-        "source": "synthetic",  # synthetic | taskonomy
-        "root": "data/synthetic",
+        "source": "synthetic",  # synthetic | taskonomy | digits (see DATA_SOURCES)
+        "root": "data/synthetic",  # ignored by digits (scikit-learn ships the images)
         "synthetic": {"n_buildings": 24, "n_views": 50, "image_size": 64, "seed": 0},
         "buildings": None,  # taskonomy only: list of buildings to include (None: all on disk)
-        "top_k_classes": 16,
+        "top_k_classes": 16,  # taskonomy/synthetic only
         "test_fraction": 0.2,
-        "split_by": "building",
+        "split_by": "building",  # taskonomy/synthetic only
+        "n_samples": None,  # digits only: samples kept, stratified by digit (None: all 1,797)
     },
     "tasks": ["depth_euclidean", "normal", "segment_semantic", "class_scene"],
     "model": {"encoder": "resnet50", "weights": "none", "image_size": 64, "embedding_grid": 0},
@@ -129,7 +133,9 @@ def validate_names(config: dict[str, Any], source: Path) -> None:
             if value not in known:
                 raise TaskHetError(f"{source}: {key} {value!r} is unknown; choose from: {', '.join(known)}")
 
+    check("data.source", [config["data"]["source"]], list(DATA_SOURCES))
     check("tasks", list(config["tasks"]), list_tasks())
+    validate_family_tasks(config, source)
     check("model.encoder", [config["model"]["encoder"]], list_encoders())
     algorithms = config["federated"]["algorithms"]
     if not isinstance(algorithms, dict):
@@ -139,12 +145,20 @@ def validate_names(config: dict[str, Any], source: Path) -> None:
     validate_algorithm_settings(algorithms, source)
     check("partition.scheme", [config["partition"]["scheme"]], list_schemes())
     check("partition.groupings", list(config["partition"]["groupings"]), list(GROUPINGS))
-    check("data.source", [config["data"]["source"]], ["synthetic", "taskonomy"])
     for alpha in config["partition"]["alphas"]:
         if not float(alpha) > 0:
             raise TaskHetError(f"{source}: partition.alphas must be > 0, got {alpha}")
     if not config["seeds"]:
         raise TaskHetError(f"{source}: seeds must list at least one seed")
+
+
+def validate_family_tasks(config: dict[str, Any], source: Path) -> None:
+    """Every task must be one the data source's family can feed (digits has digit_class, Taskonomy the rest)."""
+    from datasets.family import get_family
+
+    family = get_family(DATA_SOURCES[config["data"]["source"]])
+    for task in config["tasks"]:
+        family.check_task(task, f"{source}: tasks (data.source {config['data']['source']})")
 
 
 def validate_algorithm_settings(algorithms: dict[str, Any], source: Path) -> None:

@@ -9,7 +9,7 @@ Inputs are plain tables the pipeline collects from the run folders:
   heads; NaN for algorithms without personal models).
 - ``curves``: one row per evaluated round: the same keys plus round, loss.
 - ``centralized``: task -> the centralized model's test loss (reference).
-- ``agreement``: task -> {"nmi": ..., "ari": ...} between clusters and scene labels.
+- ``agreement``: task -> {"nmi": ..., "ari": ...} between clusters and the data family's class labels.
 - ``heatmaps``: (task, grouping, alpha) -> PNG of the seed-0 partition.
 
 Every sentence of the summary is computed from these numbers.
@@ -75,7 +75,7 @@ def summary_sentences(table: pd.DataFrame, agreement: dict[str, dict[str, float]
     for task, rows in table.groupby("task"):
         larger = int((rows.gap_percent > 0).sum())
         nmi = agreement.get(task, {}).get("nmi")
-        nmi_text = f"; clusters vs scene labels NMI = {nmi:.2f}" if nmi is not None else ""
+        nmi_text = f"; clusters vs class labels NMI = {nmi:.2f}" if nmi is not None else ""
         worst = rows.loc[rows.gap_percent.idxmax()]
         best = rows.loc[rows.gap_percent.idxmin()]
         verdict = "hurts more" if rows.gap_percent.mean() > 0 else "does not hurt more"
@@ -198,7 +198,7 @@ def plot_heatmaps(heatmaps: dict[tuple[str, str, float], Path], path: Path) -> N
 
 
 def plot_agreement(agreement: dict[str, dict[str, float]], path: Path) -> None:
-    """NMI and ARI between embedding clusters and scene labels per task (1 = same grouping)."""
+    """NMI and ARI between embedding clusters and class labels per task (1 = same grouping)."""
     tasks = sorted(agreement)
     positions = np.arange(len(tasks))
     figure, axis = plt.subplots(figsize=(max(4.0, 1.3 * len(tasks)), 3.5))
@@ -206,7 +206,7 @@ def plot_agreement(agreement: dict[str, dict[str, float]], path: Path) -> None:
     axis.bar(positions + 0.2, [agreement[task]["ari"] for task in tasks], width=0.4, label="ARI")
     axis.set_xticks(positions, tasks, rotation=30, ha="right")
     axis.set_ylim(0, 1)
-    axis.set_ylabel("agreement with scene labels")
+    axis.set_ylabel("agreement with class labels")
     axis.legend()
     save_figure(figure, path, dpi=110)
 
@@ -257,7 +257,7 @@ def write_report(
         markdown_table(table),
         "",
         *personal_section,
-        "## Clusters vs scene labels",
+        "## Clusters vs class labels",
         "",
         "| task | NMI | ARI |",
         "|---|---|---|",

@@ -9,7 +9,7 @@ checkpoint, and a changed setting gets a new folder instead of overwriting.
 
 Layout under ``results/<experiment name>/``::
 
-    data/<key>/                         synthetic buildings (data.source: synthetic)
+    data/<key>/                         synthetic buildings (data.source: synthetic; digits needs no data folder)
     step1-<key>/manifest.csv
     centralized/<task>-<key>/           step 2 run folder (best.pt)
     embeddings/<task>-<key>/            step 3 (clusters.csv, diagnostics)
@@ -34,18 +34,15 @@ from models.tasks import get_task
 from network.client import GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT
 from network.engine_sequential import GLOBAL_CLIENT
 from partitioning.groupings import EMBEDDING_BASED, LABEL_BASED
-from pipeline.experiment import Combination, combinations
+from pipeline.experiment import DATA_SOURCES, Combination, combinations
 from pipeline.report import write_report
 from pipeline.stages import run_stage, stage_key
 from steps import assign as step3b
 from steps import embed as step3
 from steps import federated as step4
 from steps import render
-from steps import select_scenes as step1
+from steps import select as step1
 from steps import train_centralized as step2
-
-# The groups a partition is drawn over: scene labels, or the task's embedding clusters.
-LABEL_GROUPS = "scene_class"
 
 
 @dataclass
@@ -76,7 +73,7 @@ class Pipeline:
     # ----- steps -----
     def data_root(self) -> Path:
         data = self.config["data"]
-        if data["source"] == "taskonomy":
+        if data["source"] != "synthetic":
             return Path(data["root"])
         params = dict(data["synthetic"])
         stage_dir = Path(data["root"]) / stage_key(params, [])
@@ -85,14 +82,17 @@ class Pipeline:
 
     def manifest(self, root: Path) -> Path:
         data = self.config["data"]
-        params = {
-            "data_path": str(root), "tasks": self.config["tasks"], "top_k_classes": data["top_k_classes"],
-            "test_fraction": data["test_fraction"], "split_by": data["split_by"], "seed": self.config["seeds"][0],
-        }
+        family = DATA_SOURCES[data["source"]]
+        params = {"family": family, "test_fraction": data["test_fraction"], "seed": self.config["seeds"][0]}
+        if family == "digits":
+            params["n_samples"] = data["n_samples"]
+        else:
+            params.update(data_path=str(root), tasks=self.config["tasks"], top_k_classes=data["top_k_classes"],
+                          split_by=data["split_by"])
         if data["buildings"]:
             params["taskonomy_clients_to_include"] = ",".join(data["buildings"])
         stage_dir = self.out_dir / f"step1-{stage_key(params, [])}"
-        self.step("step 1: select scenes", stage_dir, params, step1, ["--out", str(stage_dir), *flags(params)])
+        self.step("step 1: select samples", stage_dir, params, step1, ["--out", str(stage_dir), *flags(params)])
         return stage_dir / "manifest.csv"
 
     def centralized(self, task: str, root: Path, manifest: Path) -> Path:
@@ -113,7 +113,7 @@ class Pipeline:
         self.step(f"step 3: embed + cluster {task}", stage_dir, params, step3, ["--out", str(stage_dir), *flags(params)])
         return stage_dir
 
-    def assignments(self, owner: str, grouping: str, groups: str, alpha: float, seed: int, manifest: Path) -> Path:
+    def assignments(self, owner: str, grouping: str, groups: str | None, alpha: float, seed: int, manifest: Path) -> Path:
         partition = self.config["partition"]
         params = {
             "manifest": str(manifest), "groups": groups, "scheme": partition["scheme"], "alpha": alpha,
@@ -171,7 +171,8 @@ class Pipeline:
 
     def partition_for(self, combination: Combination, manifest: Path, cluster_dirs: dict[str, Path]) -> Path:
         owner, grouping, alpha, seed = partition_key(combination)
-        groups = LABEL_GROUPS if grouping == LABEL_BASED else str(cluster_dirs[combination.task] / "clusters.csv")
+        # Label-based: no --groups, so step 3b uses the manifest's family's label column.
+        groups = None if grouping == LABEL_BASED else str(cluster_dirs[combination.task] / "clusters.csv")
         return self.assignments(owner, grouping, groups, alpha, seed, manifest)
 
     def report(self, runs: list[tuple[Combination, Path, Path]], model_dirs: dict[str, Path],

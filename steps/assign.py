@@ -1,7 +1,8 @@
 """Step 3b: assign the manifest's train samples to federated clients.
 
-Inputs: manifest.csv (step 1) and the groups to skew: a manifest column
-(``scene_class``: label-based) or a clusters.csv (step 3: embedding-based).
+Inputs: manifest.csv (step 1) and the groups to skew: a manifest column (by
+default the data family's label column, e.g. ``scene_class``: label-based) or a
+clusters.csv (step 3: embedding-based).
 Outputs in --out: assignments.csv (sample_id, client_id, group, subset) with its
 assignments.json sidecar, client_stats.csv, client_group_heatmap.png,
 unused_samples.csv, metrics.csv, config.json, run.log.
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from datasets.taskonomy import read_manifest
+from datasets.family import load_manifest
 from partitioning.assignments import assignments_table, resolve_groups, source_record, write_assignments
 from partitioning.partition import client_test_mask, get_partitioner, list_schemes, scheme_parameters
 from partitioning.partition_stats import client_stats, plot_heatmap
@@ -23,15 +24,12 @@ from utils.errors import TaskHetError
 from utils.run_dir import setup_logging, write_config
 from utils.seeding import numpy_rng
 
-# The manifest column that makes the natural (one client per building) partition.
-NATURAL_SOURCE = "building"
-
 
 def build_parser() -> argparse.ArgumentParser:
     """The step-3b command line (make_client_assignments.py --help)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--manifest", type=Path, required=True, help="step-1 manifest.csv; only its train split is partitioned")
-    parser.add_argument("--groups", default="scene_class", help="a manifest column or a step-3 clusters.csv")
+    parser.add_argument("--groups", default=None, help="a manifest column or a step-3 clusters.csv (default: the data family's label column)")
     parser.add_argument("--scheme", default="dirichlet_mixture", choices=list_schemes())
     parser.add_argument("--alpha", type=positive_float, default=None, help="Dirichlet concentration (Dirichlet schemes; scheme default 1.0)")
     parser.add_argument("--n_clients", type=positive_int, default=10)
@@ -57,10 +55,11 @@ def main(argv: list[str] | None = None) -> Path:
     args.out.mkdir(parents=True, exist_ok=True)
     write_config(args.out, vars(args))
     logger = setup_logging(args.out, "make_client_assignments")
-    manifest = read_manifest(args.manifest)
+    family, manifest = load_manifest(args.manifest)
     train = manifest[manifest["split"] == "train"].reset_index(drop=True)
     if train.empty:
         raise TaskHetError(f"{args.manifest}: has no train rows to partition")
+    args.groups = args.groups or family.label_column
     groups, groups_file = resolve_groups(train, args.groups)
 
     given = {"alpha": args.alpha, "size_skew": args.size_skew, "groups_per_client": args.groups_per_client,
@@ -69,7 +68,9 @@ def main(argv: list[str] | None = None) -> Path:
     for name in sorted(k for k, v in given.items() if v is not None and k not in accepted):
         logger.warning("--%s is not used by scheme %r; ignored", name, args.scheme)
     partitioner = get_partitioner(args.scheme, args.n_clients, **{k: v for k, v in given.items() if v is not None and k in accepted})
-    partition = partitioner.split(groups.to_numpy(), sources=train[NATURAL_SOURCE].to_numpy())
+    # Only the natural scheme reads sources; it names the problem when a family has none.
+    sources = train[family.source_column].to_numpy() if family.source_column else None
+    partition = partitioner.split(groups.to_numpy(), sources=sources)
     is_test = client_test_mask(partition.client_of, args.client_test_fraction, numpy_rng(args.seed, "client_test"))
 
     table = assignments_table(train["sample_id"].to_numpy(), groups.to_numpy(), partition.client_of, is_test)

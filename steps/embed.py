@@ -3,7 +3,7 @@
 Inputs: a step-2 checkpoint (best.pt), manifest.csv (step 1) and the data root.
 Outputs in --out: embeddings.npy (float32, rows in manifest order) with
 sample_ids.csv, clusters.csv (sample_id, cluster), centers.npy, agreement.json
-(NMI/ARI of clusters vs scene labels), cluster_diagnostics.json, scatter and
+(NMI/ARI of clusters vs the data family's class labels), cluster_diagnostics.json, scatter and
 contingency plots, metrics.csv, config.json, run.log. The clusters are the
 embedding-based groups of step 3b (make_client_assignments.py --groups clusters.csv).
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from datasets.taskonomy import TaskonomyDataset, read_manifest
+from datasets.family import DataFamily, load_manifest
 from models import load_task_model
 from partitioning.clustering import MINIBATCH_THRESHOLD, cluster_embeddings, embed_samples, write_diagnostics
 from pipeline.stages import stage_key
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--checkpoint", type=Path, required=True, help="step-2 best.pt")
     parser.add_argument("--manifest", type=Path, required=True, help="step-1 manifest.csv (train and test rows are embedded)")
-    parser.add_argument("--data_path", type=Path, required=True, help="data root the manifest's rgb_path values are relative to")
+    parser.add_argument("--data_path", type=Path, required=True, help="data root of the manifest's files (ignored by families that ship their data)")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument("--image_size", type=positive_int, default=None, help="input side; default: the step-2 run's (its config.json)")
     parser.add_argument("--batch_size", type=positive_int, default=64)
@@ -59,7 +59,7 @@ def training_image_size(checkpoint: Path) -> int:
         raise TaskHetError(f"cannot read image_size from {config_path}; pass --image_size") from None
 
 
-def embed(args: argparse.Namespace, manifest: pd.DataFrame, logger) -> np.ndarray:
+def embed(args: argparse.Namespace, family: DataFamily, manifest: pd.DataFrame, logger) -> np.ndarray:
     """Embeddings in manifest order, reused from --out when made from the same inputs."""
     key = stage_key({"data_path": str(args.data_path), "image_size": args.image_size}, [args.checkpoint, args.manifest])
     key_path, embeddings_path = args.out / "embeddings_key.txt", args.out / "embeddings.npy"
@@ -68,9 +68,9 @@ def embed(args: argparse.Namespace, manifest: pd.DataFrame, logger) -> np.ndarra
         return np.load(embeddings_path)
     device = pick_device(args.use_accelerator)
     model = prepare_model(load_task_model(args.checkpoint), device)
-    dataset = TaskonomyDataset(args.data_path, manifest, [], args.image_size, args.cache_dir)
+    dataset = family.dataset(args.data_path, manifest, None, args.image_size, args.cache_dir)
     loader = make_loader(dataset, args.batch_size, shuffle=False, seed=args.seed, num_workers=args.num_workers)
-    embeddings, sample_ids = embed_samples(model, loader, device)
+    embeddings, sample_ids = embed_samples(model, loader, device, family.input_key)
     if sample_ids != manifest["sample_id"].tolist():
         raise TaskHetError("the loader changed the manifest's order; embeddings would be misaligned")
     np.save(embeddings_path, embeddings)
@@ -96,17 +96,18 @@ def main(argv: list[str] | None = None) -> Path:
     args.out.mkdir(parents=True, exist_ok=True)
     write_config(args.out, vars(args))
     logger = setup_logging(args.out, "extract_embeddings")
-    manifest = read_manifest(args.manifest)
-    embeddings = embed(args, manifest, logger)
+    family, manifest = load_manifest(args.manifest)
+    embeddings = embed(args, family, manifest, logger)
 
     clustering = cluster_embeddings(embeddings, args.n_clusters, args.seed, args.pca_dim, args.n_init, args.minibatch_threshold)
     pd.DataFrame({"sample_id": manifest["sample_id"], "cluster": clustering.labels}).to_csv(args.out / "clusters.csv", index=False)
     np.save(args.out / "centers.npy", clustering.centers)
-    summary = write_diagnostics(args.out, clustering, manifest["scene_class"].to_numpy(), args.seed)
+    labels = manifest[family.label_column].to_numpy()
+    summary = write_diagnostics(args.out, clustering, labels, args.seed, label_name=family.label_column)
     atomic_write_text(args.out / "cluster_diagnostics.json", json.dumps(summary, indent=2))
     atomic_write_text(args.out / "agreement.json", json.dumps({"nmi": summary["nmi"], "ari": summary["ari"]}, indent=2))
     scalars = {k: v for k, v in summary.items() if isinstance(v, (int, float))}
     pd.DataFrame({"metric": list(scalars), "value": list(scalars.values())}).to_csv(args.out / "metrics.csv", index=False)
-    logger.info("%s: %d clusters, sizes %s; silhouette %.3f; vs scene labels NMI %.3f, ARI %.3f",
-                clustering.algorithm, args.n_clusters, summary["cluster_sizes"], summary["silhouette"], summary["nmi"], summary["ari"])
+    logger.info("%s: %d clusters, sizes %s; silhouette %.3f; vs %s NMI %.3f, ARI %.3f", clustering.algorithm, args.n_clusters,
+                summary["cluster_sizes"], summary["silhouette"], family.label_column, summary["nmi"], summary["ari"])
     return args.out / "clusters.csv"

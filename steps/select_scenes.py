@@ -17,8 +17,9 @@ or synthetic buildings from render_synthetic_buildings.py), its split CSV (--cli
 id,train,val,test) and the Places365 class-name list (--scene_class_file_name).
 Keeps the samples that have every domain of --tasks, labels each with the argmax of its class_scene scores,
 keeps the --top_k_classes most frequent labels (renumbered 0..K-1) and splits train/test.
-Outputs in --out: manifest.csv (sample_id, building, point, view, rgb_path, scene_class, scene_name, split),
-class_counts.csv, class_distribution.png, config.json, run.log. Next: step 2, train_centralized_task_model.py."""
+Outputs in --out: manifest.csv (family, sample_id, building, point, view, rgb_path, scene_class, scene_name, split),
+class_counts.csv, class_distribution.png, config.json, run.log. Next: step 2, train_centralized_task_model.py.
+This is the Taskonomy data family (--family taskonomy, the default); --family digits --help shows the digits family's step 1."""
 
 
 def buildings_argument(text: str) -> int | tuple[str, ...]:

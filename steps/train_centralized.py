@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from datasets.taskonomy import TaskonomyDataset, read_manifest
+from datasets.family import load_manifest
 from models import build_task_model, get_task, list_encoders
 from models.encoders import NAMED_WEIGHTS, default_weights
 from training.loop import fit, make_loader
@@ -21,7 +21,8 @@ from utils.run_dir import setup_logging, write_config
 from utils.seeding import derive_seed, set_deterministic
 
 DESCRIPTION = """Step 2 of TaskHet: train one centralized model per task.
-Inputs: the step-1 manifest (--manifest, default results/datapoints/manifest.csv) and the data under --data_path.
+Inputs: the step-1 manifest (--manifest, default results/datapoints/manifest.csv; it names its data family)
+and the data under --data_path (families whose data ships with a package ignore it).
 Trains on the manifest's train split and validates on its test split.
 Outputs in --out: config.json, run.log, metrics.csv (epoch, split, metric, value), best.pt (lowest
 validation loss; step 3 reads it), last.pt (every epoch; --resume continues from it) and curves.png."""
@@ -34,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The step-2 command line (train_centralized_task_model.py --help)."""
     parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
-    add("--task", required=True, help="task to train (depth_euclidean, normal, segment_semantic, class_scene, ...)")
+    add("--task", required=True, help="task to train (depth_euclidean, normal, segment_semantic, class_scene, digit_class, ...)")
     add("--encoder", default="resnet50", help=f"{' | '.join(list_encoders())} (default: resnet50)")
     add("--weights", default=None, help="none | imagenet | clip | PATH (default: the encoder's pretrained weights; none for small_cnn)")
     add("--data_path", type=Path, default=Path("data/synthetic"), help="data root (default: data/synthetic)")
@@ -104,14 +105,15 @@ def main(argv: list[str] | None = None) -> dict:
     args = resolve(build_parser().parse_args(argv))
     task = get_task(args.task)
     set_deterministic(args.deterministic)
-    manifest = read_manifest(args.manifest)
+    family, manifest = load_manifest(args.manifest)
+    family.check_task(args.task, f"--task (manifest {args.manifest})")
     splits = {split: manifest[manifest["split"] == split] for split in ("train", "test")}
     for split, rows in splits.items():
         if rows.empty:
             raise TaskHetError(f"manifest {args.manifest}: no rows with split {split!r}")
-    datasets = {split: TaskonomyDataset(args.data_path, rows, task.required_domains, args.image_size, args.cache_dir)
+    datasets = {split: family.dataset(args.data_path, rows, task, args.image_size, args.cache_dir)
                 for split, rows in splits.items()}
-    num_classes = int(manifest["scene_class"].max()) + 1 if task.kind == "classification" else None
+    num_classes = family.num_classes(manifest) if task.kind == "classification" else None
     model = build_task_model(args.task, args.encoder, args.weights, num_classes=num_classes,
                              embedding_grid=args.embedding_grid, seed=args.seed)
 
@@ -127,6 +129,6 @@ def main(argv: list[str] | None = None) -> dict:
     train_loader = make_loader(datasets["train"], args.batch_size, True, loader_seed, args.num_workers)
     val_loader = make_loader(datasets["test"], args.batch_size, False, loader_seed, args.num_workers)
     signature = {key: str(value) for key, value in vars(args).items() if key not in NOT_IN_SIGNATURE}
-    return fit(model, task, train_loader, val_loader, optimizer, scheduler, device, n_epochs=args.n_epochs,
+    return fit(model, task, train_loader, val_loader, optimizer, scheduler, device, input_key=family.input_key, n_epochs=args.n_epochs,
                out_dir=args.out, run_signature=signature, early_stopping_patience=args.early_stopping_patience or None,
                resume=args.resume, logger=logger)

@@ -74,7 +74,7 @@ def test_contingency_counts():
 def test_write_diagnostics(tmp_path):
     features, truth = blobs()
     clustering = cluster_embeddings(features, n_clusters=4, seed=0)
-    summary = write_diagnostics(tmp_path, clustering, truth, seed=0)
+    summary = write_diagnostics(tmp_path, clustering, truth, seed=0, label_name="scene_class")
     for name in ("scatter_clusters.png", "scatter_scene_class.png", "contingency.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     table = pd.read_csv(tmp_path / "contingency.csv", index_col=0)

@@ -14,8 +14,10 @@ def make_batch(task_name: str, seed: int = 0) -> dict:
     generator = torch.Generator().manual_seed(seed)
     task = get_task(task_name)
     mask = torch.rand(2, 1, SIZE, SIZE, generator=generator) > 0.3
-    batch = {"mask": mask, "scene_class": torch.tensor([1, 3])}
-    if task.name == "segment_semantic":
+    batch = {"mask": mask}
+    if task.kind == "classification":
+        batch[task.domain] = torch.tensor([1, 3])
+    elif task.name == "segment_semantic":
         batch[task.domain] = torch.randint(0, task.out_channels, (2, SIZE, SIZE), generator=generator)
     elif task.name == "normal":
         vectors = torch.randn(2, 3, SIZE, SIZE, generator=generator)

@@ -99,7 +99,7 @@ def test_depth_metrics_accumulate_pixels_across_batches():
 
 
 def test_classification_top1_top5():
-    metric = ClassificationMetrics()
+    metric = ClassificationMetrics("scene_class")
     logits = torch.tensor([
         [9.0, 8, 7, 6, 5, 4, 3],  # label 0: top-1
         [9.0, 8, 7, 6, 5, 4, 3],  # label 4: top-5 only
@@ -113,7 +113,7 @@ def test_classification_top1_top5():
 
 
 def test_classification_top5_with_fewer_than_five_classes():
-    metric = ClassificationMetrics()
+    metric = ClassificationMetrics("scene_class")
     metric.update(torch.tensor([[0.0, 1.0, 2.0]]), {"scene_class": torch.tensor([0])})
     assert metric.compute() == {"top1": 0.0, "top5": 1.0}
 

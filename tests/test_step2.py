@@ -7,7 +7,9 @@ import pytest
 import torch
 
 import training.loop
-from models import list_tasks, load_task_model
+from datasets.digits import select_digits
+from datasets.family import get_family, list_families
+from models import load_task_model
 from steps import train_centralized as step2
 from tests.fixtures import make_tiny_manifest, render_tiny_dataset, tiny_data_root, tiny_manifest  # noqa: F401
 from utils.cli import run_main
@@ -38,11 +40,20 @@ def val_losses(run_dir) -> pd.Series:
     return metrics[(metrics.split == "test") & (metrics.metric == "loss")].set_index("epoch").value
 
 
-@pytest.mark.parametrize("task", list_tasks())
-def test_short_run_lowers_validation_loss(task, views96, tmp_path):
+@pytest.fixture(scope="module")
+def digits96(views96, tmp_path_factory):
+    """96 digits (72 train / 24 test), the same sizes as views96; the data root is unused."""
+    manifest = tmp_path_factory.mktemp("digits96_step1") / "manifest.csv"
+    select_digits(0.25, seed=0, n_samples=96).to_csv(manifest, index=False)
+    return views96[0], manifest
+
+
+@pytest.mark.parametrize("family, task", [(name, task) for name in list_families() for task in get_family(name).tasks])
+def test_short_run_lowers_validation_loss(family, task, views96, digits96, tmp_path):
     out = tmp_path / task
     epochs = EPOCHS.get(task, 2)
-    summary = step2.main(argv(*views96, out, task, "--n_epochs", str(epochs)))
+    data = {"taskonomy": views96, "digits": digits96}[family]
+    summary = step2.main(argv(*data, out, task, "--n_epochs", str(epochs)))
     losses = val_losses(out)
     assert list(losses.index) == list(range(epochs + 1))
     assert losses[epochs] < losses[0], f"{task}: validation loss {losses[0]:.4f} -> {losses[epochs]:.4f}"

@@ -42,8 +42,8 @@ def test_embeddings_do_not_depend_on_batch_size(tiny):
     model.train()
     with torch.no_grad():
         model(torch.rand(8, 3, IMAGE_SIZE, IMAGE_SIZE, generator=torch.Generator().manual_seed(0)))
-    one, ids_one = embed_samples(model, make_loader(dataset, 1, shuffle=False, seed=0), torch.device("cpu"))
-    many, ids_many = embed_samples(model, make_loader(dataset, 64, shuffle=False, seed=0), torch.device("cpu"))
+    one, ids_one = embed_samples(model, make_loader(dataset, 1, shuffle=False, seed=0), torch.device("cpu"), "rgb")
+    many, ids_many = embed_samples(model, make_loader(dataset, 64, shuffle=False, seed=0), torch.device("cpu"), "rgb")
     assert not model.training
     assert ids_one == ids_many == dataset.manifest["sample_id"].tolist()
     assert one.dtype == np.float32 and one.shape[0] == len(dataset)

@@ -59,15 +59,16 @@ def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, seed: int, num
 
 
 def train_one_batch(model: nn.Module, batch: dict, task: TaskSpec | str, optimizer: torch.optim.Optimizer,
-                    device: torch.device) -> float:
+                    device: torch.device, *, input_key: str) -> float:
     """One optimisation step on one batch; the model must already be in training mode and on ``device``.
 
     Args:
-        model: a :class:`models.TaskModel` (``model(rgb) -> (prediction, embedding)``).
-        batch: a batch dict (``"rgb"`` plus the task's target and ``"mask"``).
+        model: a :class:`models.TaskModel` (``model(images) -> (prediction, embedding)``).
+        batch: a batch dict (``input_key`` plus the task's target and an optional ``"mask"``).
         task: the task (spec or name) whose loss is minimised.
         optimizer: steps the model's parameters.
         device: where the model lives; the batch is moved there.
+        input_key: batch key of the model input (the data family's ``input_key``).
 
     Returns:
         The loss of the batch as a float.
@@ -75,7 +76,7 @@ def train_one_batch(model: nn.Module, batch: dict, task: TaskSpec | str, optimiz
     spec = _spec(task)
     batch = to_device(batch, device)
     with autocast(device):
-        prediction, _ = model(batch["rgb"])
+        prediction, _ = model(batch[input_key])
     # the loss in float32: bf16 sums over many pixels lose precision
     loss = spec.loss(prediction.float(), batch)
     optimizer.zero_grad(set_to_none=True)
@@ -85,11 +86,12 @@ def train_one_batch(model: nn.Module, batch: dict, task: TaskSpec | str, optimiz
 
 
 @torch.inference_mode()
-def evaluate(model: nn.Module, loader: DataLoader, task: TaskSpec | str, device: torch.device,
-             progress: bool = True) -> dict[str, float]:
+def evaluate(model: nn.Module, loader: DataLoader, task: TaskSpec | str, device: torch.device, *,
+             input_key: str, progress: bool = True) -> dict[str, float]:
     """Loss and task metrics over a whole split (the model's train/eval mode is restored afterwards).
 
-    ``progress=False`` hides the bar (the federated engine evaluates every client per round).
+    ``input_key`` is the batch key of the model input (the data family's); ``progress=False``
+    hides the bar (the federated engine evaluates every client per round).
 
     Returns:
         ``{"loss": ..., **task metrics}``. The loss is the mean of the batch
@@ -104,9 +106,9 @@ def evaluate(model: nn.Module, loader: DataLoader, task: TaskSpec | str, device:
     for batch in tqdm(loader, desc="evaluate", leave=False, dynamic_ncols=True, disable=not progress):
         batch = to_device(batch, device)
         with autocast(device):
-            prediction, _ = model(batch["rgb"])
+            prediction, _ = model(batch[input_key])
         prediction = prediction.float()
-        size = batch["rgb"].shape[0]
+        size = batch[input_key].shape[0]
         loss_sum += float(spec.loss(prediction, batch)) * size
         count += size
         metrics.update(prediction, batch)
@@ -128,7 +130,7 @@ def _check_signature(path: Path, saved: dict, current: dict) -> None:
 
 def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, val_loader: DataLoader,
         optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-        device: torch.device, *, n_epochs: int, out_dir: Path, run_signature: dict,
+        device: torch.device, *, input_key: str, n_epochs: int, out_dir: Path, run_signature: dict,
         early_stopping_patience: int | None = None, resume: bool = True,
         logger: logging.Logger | None = None) -> dict:
     """Train ``n_epochs`` epochs (or until early stopping), validating and checkpointing after each.
@@ -141,6 +143,7 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, val_lo
         optimizer: over the model's parameters.
         scheduler: stepped once per epoch, or None for a constant learning rate.
         device: the model's device.
+        input_key: batch key of the model input (the data family's ``input_key``).
         n_epochs: epochs in total (a resumed run counts the epochs already done).
         out_dir: the run folder.
         run_signature: the arguments that define the run; resuming a checkpoint written
@@ -174,7 +177,7 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, val_lo
     else:
         csv_path.unlink(missing_ok=True)
         metrics_csv = MetricsCSV(csv_path, METRICS_COLUMNS)
-        initial = evaluate(model, val_loader, spec, device)
+        initial = evaluate(model, val_loader, spec, device, input_key=input_key)
         metrics_csv.write({"epoch": 0, "split": VAL_SPLIT, "metric": key, "value": value} for key, value in initial.items())
         _track_best(model, spec, 0, initial, state, best_path)
         logger.info("epoch 0 (untrained): val %s", _format_metrics(initial))
@@ -184,12 +187,12 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, val_lo
         model.train()
         loss_sum, batches = 0.0, 0
         for batch in tqdm(train_loader, desc=f"epoch {epoch}/{n_epochs}", leave=False, dynamic_ncols=True):
-            loss_sum += train_one_batch(model, batch, spec, optimizer, device)
+            loss_sum += train_one_batch(model, batch, spec, optimizer, device, input_key=input_key)
             batches += 1
         learning_rate = optimizer.param_groups[0]["lr"]
         if scheduler is not None:
             scheduler.step()
-        val = evaluate(model, val_loader, spec, device)
+        val = evaluate(model, val_loader, spec, device, input_key=input_key)
         rows = [{"epoch": epoch, "split": TRAIN_SPLIT, "metric": "loss", "value": loss_sum / max(batches, 1)},
                 {"epoch": epoch, "split": TRAIN_SPLIT, "metric": "lr", "value": learning_rate}]
         rows += [{"epoch": epoch, "split": VAL_SPLIT, "metric": key, "value": value} for key, value in val.items()]

@@ -6,8 +6,8 @@ float64 on the CPU, so the result is the metric over every valid pixel (or
 sample) of the split, not an average of per-batch values, which would weigh a
 batch with few valid pixels as much as a full one.
 
-Batches are the dicts of ``datasets/taskonomy.py``: ``batch[domain]`` is the
-target and ``batch["mask"]`` (bool ``[B, 1, H, W]``) marks valid pixels.
+Batches are the dicts of a data family's dataset (``datasets/family.py``): ``batch[domain]``
+is the target and ``batch["mask"]`` (bool ``[B, 1, H, W]``, when present) marks valid pixels.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ class SegmentationMetrics:
 class ClassificationMetrics:
     """Top-1 and top-5 accuracy of logits ``[B, K]`` against labels ``batch[domain]`` ([B])."""
 
-    def __init__(self, domain: str = "scene_class") -> None:
+    def __init__(self, domain: str) -> None:
         self.domain = domain
         self.top1 = 0
         self.top5 = 0

@@ -1,0 +1,188 @@
+"""The ``digits`` family: scikit-learn's bundled 8x8 handwritten digits (1,797 real images, no download).
+
+A second, tiny family that proves the data seam: the whole pipeline (label- vs
+embedding-based partitions over a trained model's embeddings) runs on it in
+minutes on a CPU. The step-1 manifest has columns :data:`MANIFEST_COLUMNS`:
+``image_index`` is the row of ``sklearn.datasets.load_digits()``, ``label`` the
+digit 0..9, ``split`` train/test (stratified by label, seeded).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+from torch.utils.data import Dataset
+
+from datasets.family import FAMILIES, FAMILY_COLUMN, SPLITS, DataFamily, with_family_column
+from utils.errors import TaskHetError
+from utils.seeding import derive_seed
+
+if TYPE_CHECKING:
+    from models.tasks import TaskSpec
+
+FAMILY = "digits"
+TASK = "digit_class"
+INPUT_KEY = "image"
+NUM_CLASSES = 10
+MAX_PIXEL = 16.0  # load_digits' grey levels are 0..16
+MANIFEST_COLUMNS = (FAMILY_COLUMN, "sample_id", "image_index", "label", "split")
+
+
+def load_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """``(images float64 [1797, 8, 8] in 0..16, labels int64 [1797])`` as scikit-learn ships them."""
+    bunch = load_digits()
+    return bunch.images, bunch.target.astype(np.int64)
+
+
+def select_digits(test_fraction: float, seed: int, n_samples: int | None = None) -> pd.DataFrame:
+    """Step 1 for digits: a seeded, label-stratified sample of the images, split into train/test.
+
+    Args:
+        test_fraction: share of the kept samples in the test split, in (0, 1); the test
+            split holds exactly ``ceil(test_fraction * kept)`` samples (scikit-learn's rule).
+        seed: root seed of the subsample and the split.
+        n_samples: keep this many images (stratified by label); None keeps all 1,797.
+
+    Returns:
+        The manifest: :data:`MANIFEST_COLUMNS`, rows sorted by ``image_index``.
+
+    Raises:
+        TaskHetError: naming the flag (--test_fraction, --n_samples) that cannot be honoured.
+    """
+    if not 0.0 < test_fraction < 1.0:
+        raise TaskHetError(f"--test_fraction must be in (0, 1), got {test_fraction}")
+    _, labels = load_arrays()
+    kept = np.arange(len(labels))
+    if n_samples is not None and not NUM_CLASSES * 2 <= n_samples <= len(labels):
+        raise TaskHetError(f"--n_samples must be between {NUM_CLASSES * 2} and {len(labels)}, got {n_samples}")
+    try:
+        if n_samples is not None and n_samples < len(labels):
+            kept, _ = train_test_split(kept, train_size=n_samples, stratify=labels, random_state=_sklearn_seed(seed, "subsample"))
+        _, test = train_test_split(kept, test_size=test_fraction, stratify=labels[kept], random_state=_sklearn_seed(seed, "split"))
+    except ValueError as error:
+        raise TaskHetError(f"--test_fraction {test_fraction} with {len(kept)} samples: no stratified split over "
+                           f"{NUM_CLASSES} digits ({error})") from None
+    kept = np.sort(kept)
+    split = np.where(np.isin(kept, test), "test", "train")
+    return pd.DataFrame({FAMILY_COLUMN: FAMILY, "sample_id": [f"digit_{index:04d}" for index in kept], "image_index": kept,
+                         "label": labels[kept], "split": split}, columns=list(MANIFEST_COLUMNS))
+
+
+def _sklearn_seed(seed: int, purpose: str) -> int:
+    """A derived seed in scikit-learn's accepted range [0, 2**32)."""
+    return derive_seed(seed, "digits", purpose) % 2**32
+
+
+def class_counts(manifest: pd.DataFrame) -> pd.DataFrame:
+    """``label, num_train, num_test`` per digit."""
+    table = pd.crosstab(manifest["label"], manifest["split"]).reindex(columns=list(SPLITS), fill_value=0)
+    return pd.DataFrame({"label": table.index, "num_train": table["train"].to_numpy(), "num_test": table["test"].to_numpy()})
+
+
+def validate_manifest(manifest: pd.DataFrame, source: str = "manifest") -> pd.DataFrame:
+    """Check a digits manifest; returns it with a fresh 0..N-1 index and int64 numbers.
+
+    Raises:
+        TaskHetError: naming ``source`` and the first bad column or row.
+    """
+    missing = [column for column in MANIFEST_COLUMNS if column not in manifest.columns]
+    if missing:
+        raise TaskHetError(f"{source}: missing column(s) {', '.join(missing)}; expected {', '.join(MANIFEST_COLUMNS)}")
+    if manifest.empty:
+        raise TaskHetError(f"{source}: has no rows")
+    manifest = with_family_column(manifest.reset_index(drop=True), FAMILY, source)
+    checks = {"sample_id": ~manifest["sample_id"].duplicated(), "split": manifest["split"].isin(SPLITS)}
+    for column, upper in (("image_index", len(load_arrays()[1])), ("label", NUM_CLASSES)):
+        values = pd.to_numeric(manifest[column], errors="coerce")
+        checks[column] = values.notna() & (values >= 0) & (values < upper) & (values == values.round())
+    expected = {"sample_id": "a sample_id not seen before", "split": f"one of {SPLITS}",
+                "image_index": "an integer in 0..1796", "label": f"an integer in 0..{NUM_CLASSES - 1}"}
+    for column, good in checks.items():
+        if not good.all():
+            row = int(np.flatnonzero(~good.to_numpy())[0])
+            raise TaskHetError(f"{source}: row {row + 2} has {column} {manifest.at[row, column]!r}, expected {expected[column]}")
+    return manifest.astype({"image_index": np.int64, "label": np.int64})
+
+
+def read_manifest(path: Path) -> pd.DataFrame:
+    """Read and validate a digits ``manifest.csv``."""
+    try:
+        manifest = pd.read_csv(path, dtype={FAMILY_COLUMN: str, "sample_id": str, "split": str}, keep_default_na=False)
+    except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as error:
+        raise TaskHetError(f"manifest {path}: not a readable CSV ({error})") from error
+    return validate_manifest(manifest, str(path))
+
+
+class DigitsDataset(Dataset):
+    """Digits of some manifest rows as model inputs.
+
+    An item is ``{"image": float32 [3, S, S] in [0, 1], "digit_class": int64 scalar,
+    "label": int64 scalar (the same digit, under the manifest's name), "sample_id": str}``.
+
+    Every image is decoded once here (the whole set is ~7 MB at 32 px), so there is
+    no cache. The 8x8 grey values 0..16 are scaled to [0, 1], resized bilinearly to
+    ``S`` and repeated to three channels: every encoder (small_cnn, the ImageNet
+    ResNets, EfficientNet) has a 3-channel RGB stem and too many stride-2 stages for
+    8 pixels, so the family adapts to the models rather than each model to the family.
+
+    Args:
+        rows: digits manifest rows.
+        image_size: ``S``.
+
+    Raises:
+        TaskHetError: a row's label is not the digit scikit-learn ships for its image_index.
+    """
+
+    def __init__(self, rows: pd.DataFrame, image_size: int) -> None:
+        if image_size < 1:
+            raise TaskHetError(f"image_size must be >= 1, got {image_size}")
+        rows = validate_manifest(rows)
+        images, labels = load_arrays()
+        index = rows["image_index"].to_numpy()
+        wrong = labels[index] != rows["label"].to_numpy()
+        if wrong.any():
+            row = int(np.flatnonzero(wrong)[0])
+            raise TaskHetError(f"manifest row {row + 2} ({rows.at[row, 'sample_id']}): label {rows.at[row, 'label']} but "
+                               f"image {index[row]} is a {labels[index[row]]}; was the label column edited?")
+        pixels = torch.from_numpy(images[index] / MAX_PIXEL).float().unsqueeze(1)
+        self.images = F.interpolate(pixels, size=(image_size, image_size), mode="bilinear", align_corners=False).clamp(0, 1)
+        self.labels = torch.from_numpy(labels[index])
+        self.sample_ids = rows["sample_id"].astype(str).tolist()
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def __getitem__(self, index: int) -> dict:
+        label = self.labels[index]
+        return {INPUT_KEY: self.images[index].expand(3, -1, -1), TASK: label, "label": label, "sample_id": self.sample_ids[index]}
+
+
+class DigitsFamily(DataFamily):
+    """scikit-learn's handwritten digits: one classification task, no natural owner of a sample."""
+
+    name = FAMILY
+    input_key = INPUT_KEY
+    label_column = "label"
+    source_column = None
+    tasks = (TASK,)
+
+    def read_manifest(self, path: Path) -> pd.DataFrame:
+        return read_manifest(path)
+
+    def num_classes(self, manifest: pd.DataFrame) -> int:
+        # Always all ten digits, so a subsample or a client's share never shrinks the head.
+        return NUM_CLASSES
+
+    def dataset(self, root: Path, rows: pd.DataFrame, task: TaskSpec | None, image_size: int,
+                cache_dir: Path | None = None) -> Dataset:
+        return DigitsDataset(rows, image_size)
+
+
+FAMILIES.register(FAMILY)(DigitsFamily())

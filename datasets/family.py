@@ -1,0 +1,144 @@
+"""Data families: everything the pipeline needs to know about one kind of data, behind one interface.
+
+A family owns its step-1 manifest (columns, validation), its label column (the
+label-based groups of step 3b), the tasks it supports, the batch key of the
+model input and how to build a ``torch.utils.data.Dataset`` for a task over
+some manifest rows. Steps 2-4 and the pipeline talk to a family only through
+:class:`DataFamily`, and pick it from the manifest's ``family`` column, never
+from a flag a user could get wrong.
+
+Families register themselves in :data:`FAMILIES` (``datasets/taskonomy.py``,
+``datasets/digits.py``); ``datasets/__init__.py`` imports them explicitly.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+from torch.utils.data import Dataset
+
+from utils.errors import TaskHetError
+from utils.registry import Registry
+
+if TYPE_CHECKING:
+    from models.tasks import TaskSpec
+
+# The manifest column that names the family of every row (one value per file).
+FAMILY_COLUMN = "family"
+# Manifests written before families existed were all Taskonomy: they have no family column.
+LEGACY_FAMILY = "taskonomy"
+SPLITS = ("train", "test")
+
+
+class DataFamily(ABC):
+    """One kind of data, seen by the pipeline.
+
+    Attributes:
+        name: registry name, written into the manifest's ``family`` column.
+        input_key: batch key of the model input: float32 ``[B, 3, H, W]`` in [0, 1].
+        label_column: manifest column of the integer class label 0..K-1 (the
+            label-based groups of step 3b; also what step 3 compares clusters with).
+        source_column: manifest column of a sample's natural owner (the ``natural``
+            partition scheme), or None when the data has none.
+        tasks: names of the registered tasks (``models.tasks``) this family can feed.
+    """
+
+    name: str
+    input_key: str
+    label_column: str
+    source_column: str | None
+    tasks: tuple[str, ...]
+
+    @abstractmethod
+    def read_manifest(self, path: Path) -> pd.DataFrame:
+        """Read and validate a step-1 manifest of this family.
+
+        Returns:
+            The rows with a 0..N-1 index; columns include ``family`` (= :attr:`name`),
+            ``sample_id`` (unique str), ``split`` ("train"/"test") and :attr:`label_column` (int64).
+
+        Raises:
+            TaskHetError: naming the file and the first bad column or row.
+        """
+
+    @abstractmethod
+    def num_classes(self, manifest: pd.DataFrame) -> int:
+        """K, the classes of the family's classification task(s) given its manifest."""
+
+    @abstractmethod
+    def dataset(self, root: Path, rows: pd.DataFrame, task: TaskSpec | None, image_size: int,
+                cache_dir: Path | None = None) -> Dataset:
+        """The samples of ``rows`` (manifest rows: a split or a client's share), in row order.
+
+        Args:
+            root: data root of families that read files (ignored by families whose data ships with a package).
+            rows: manifest rows of this family.
+            task: the task whose target each item carries; None for the input alone (step 3's embedding).
+            image_size: side length of the square input.
+            cache_dir: folder for a decoded-sample cache where the family has one; None for none.
+
+        Returns:
+            A Dataset whose items are dicts: :attr:`input_key` -> float32 ``[3, H, W]`` in [0, 1],
+            ``task.domain`` -> the target (int64 scalar for classification, ``[C, H, W]`` for dense
+            tasks, with an optional bool ``"mask"`` ``[1, H, W]``), :attr:`label_column` -> int64
+            scalar, ``"sample_id"`` -> str.
+        """
+
+    def check_task(self, task: str, source: str) -> None:
+        """Raise a :class:`TaskHetError` naming ``source`` unless the family supports ``task``."""
+        if task not in self.tasks:
+            raise TaskHetError(f"{source}: task {task!r} is not a task of data family {self.name!r}; "
+                               f"its tasks: {', '.join(self.tasks)}")
+
+
+FAMILIES: Registry[DataFamily] = Registry("data family")
+
+
+def get_family(name: str) -> DataFamily:
+    """The family called ``name``; a :class:`TaskHetError` listing the families otherwise."""
+    return FAMILIES.get(name)
+
+
+def list_families() -> list[str]:
+    """Registered family names, sorted."""
+    return FAMILIES.names()
+
+
+def family_of(manifest: pd.DataFrame, source: str = "manifest") -> DataFamily:
+    """The family of a manifest already read (its ``family`` column; Taskonomy without one)."""
+    if FAMILY_COLUMN not in manifest.columns or manifest.empty:
+        return get_family(LEGACY_FAMILY)
+    name = str(manifest[FAMILY_COLUMN].iloc[0])
+    if name not in FAMILIES:
+        raise TaskHetError(f"{source}: row 2 has family {name!r}; known data families: {', '.join(list_families())}")
+    return get_family(name)
+
+
+def load_manifest(path: Path) -> tuple[DataFamily, pd.DataFrame]:
+    """Read a step-1 manifest of any family: ``(its family, its validated rows)``."""
+    path = Path(path)
+    if not path.is_file():
+        raise TaskHetError(f"manifest {path} does not exist (run step 1, extract_datapoints_for_experiments.py)")
+    try:
+        head = pd.read_csv(path, nrows=1, dtype=str, keep_default_na=False)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as error:
+        raise TaskHetError(f"manifest {path}: not a readable CSV ({error})") from error
+    family = family_of(head, str(path))
+    return family, family.read_manifest(path)
+
+
+def with_family_column(manifest: pd.DataFrame, family: str, source: str) -> pd.DataFrame:
+    """``manifest`` with a ``family`` column first (added for legacy files); every row must name ``family``."""
+    if FAMILY_COLUMN not in manifest.columns:
+        manifest = manifest.copy()
+        manifest.insert(0, FAMILY_COLUMN, family)
+    wrong = manifest[FAMILY_COLUMN].astype(str) != family
+    if wrong.any():
+        row = int(np.flatnonzero(wrong)[0])
+        raise TaskHetError(f"{source}: row {row + 2} has family {manifest[FAMILY_COLUMN].iloc[row]!r}, "
+                           f"but the file is a {family!r} manifest (one family per manifest)")
+    return manifest

@@ -1,0 +1,118 @@
+"""The digits family: its step 1 (stratified, seeded, exact sizes), its dataset and a whole pipeline run."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+import run_pipeline
+from datasets.digits import DigitsDataset, load_arrays, select_digits
+from datasets.family import load_manifest
+from pipeline.experiment import load_experiment
+from steps import select
+from utils.errors import TaskHetError
+
+
+@pytest.mark.parametrize("test_fraction, n_samples", [(0.2, None), (0.25, 200), (0.1, 100)])
+def test_split_is_stratified_with_exact_sizes(test_fraction, n_samples):
+    manifest = select_digits(test_fraction, seed=3, n_samples=n_samples)
+    kept = n_samples or 1797
+    assert len(manifest) == kept and manifest["sample_id"].is_unique and manifest["image_index"].is_monotonic_increasing
+    num_test = int((manifest["split"] == "test").sum())
+    assert num_test == math.ceil(test_fraction * kept)
+    _, labels = load_arrays()
+    assert (manifest["label"].to_numpy() == labels[manifest["image_index"]]).all()
+    # Stratified: each digit's share of a split is within one sample of its overall share.
+    counts = pd.crosstab(manifest["label"], manifest["split"])
+    expected = counts.sum(axis=1) * num_test / kept
+    assert (counts["test"] - expected).abs().max() <= 1.0 and (counts.sum(axis=0) > 0).all()
+
+
+def test_split_is_seeded():
+    pd.testing.assert_frame_equal(select_digits(0.2, seed=1, n_samples=300), select_digits(0.2, seed=1, n_samples=300))
+    assert not select_digits(0.2, seed=1).equals(select_digits(0.2, seed=2))
+
+
+@pytest.mark.parametrize("kwargs, flag", [({"test_fraction": 1.0}, "--test_fraction"), ({"test_fraction": 0.01, "n_samples": 40}, "--test_fraction"),
+                                          ({"test_fraction": 0.2, "n_samples": 5}, "--n_samples"), ({"test_fraction": 0.2, "n_samples": 5000}, "--n_samples")])
+def test_bad_step1_arguments_name_the_flag(kwargs, flag):
+    with pytest.raises(TaskHetError, match=flag):
+        select_digits(seed=0, **kwargs)
+
+
+def test_step1_command_writes_a_digits_manifest(tmp_path):
+    path = select.main(["--family", "digits", "--test_fraction", "0.3", "--n_samples", "50", "--seed", "4", "--out", str(tmp_path)])
+    family, manifest = load_manifest(path)
+    assert family.name == "digits" and len(manifest) == 50 and int((manifest["split"] == "test").sum()) == 15
+    assert (tmp_path / "class_counts.csv").is_file() and (tmp_path / "config.json").is_file()
+    with pytest.raises(SystemExit):  # a Taskonomy flag is not a digits flag
+        select.main(["--family", "digits", "--top_k_classes", "3", "--out", str(tmp_path)])
+    with pytest.raises(TaskHetError, match="--family: unknown data family 'digitz'"):
+        select.main(["--family", "digitz"])
+
+
+def test_images_are_scaled_resized_and_grey(tmp_path):
+    manifest = select_digits(0.2, seed=0, n_samples=50)
+    item = DigitsDataset(manifest, 32)[0]
+    images, _ = load_arrays()
+    image = item["image"]
+    assert torch.equal(image[0], image[1]) and torch.equal(image[0], image[2])
+    small = torch.nn.functional.interpolate(image[None, :1], size=8, mode="area")[0, 0].numpy()
+    assert np.abs(small - images[manifest.at[0, "image_index"]] / 16).mean() < 0.1
+
+
+def test_an_edited_label_is_rejected():
+    manifest = select_digits(0.2, seed=0, n_samples=50)
+    manifest.loc[4, "label"] = (manifest.at[4, "label"] + 1) % 10
+    with pytest.raises(TaskHetError, match=r"row 6 \(digit_\d+\): label"):
+        DigitsDataset(manifest, 8)
+
+
+def tiny_digits_experiment(tmp_path) -> dict:
+    return {
+        "name": "tinydigits",
+        "data": {"source": "digits", "n_samples": 160, "test_fraction": 0.25},
+        "tasks": ["digit_class"],
+        "model": {"encoder": "small_cnn", "weights": "none", "image_size": 16},
+        "centralized": {"n_epochs": 1, "batch_size": 16},
+        "embeddings": {"n_clusters": 4},
+        "partition": {"alphas": [1.0], "n_clients": 3},
+        "federated": {"algorithms": {"fedavg": {}}, "n_rounds": 2, "local_steps": 2, "batch_size": 8},
+        "seeds": [0],
+        "use_accelerator": False,
+    }
+
+
+def test_digits_pipeline_end_to_end(tmp_path):
+    experiment = tmp_path / "digits.yaml"
+    experiment.write_text(yaml.safe_dump(tiny_digits_experiment(tmp_path)))
+    run_pipeline.main([str(experiment), "--results", str(tmp_path / "results")])
+    out = tmp_path / "results" / "tinydigits"
+    assert (out / "report.md").stat().st_size > 0
+    report = pd.read_csv(out / "report.csv")
+    assert set(report.task) == {"digit_class"} and report.notna().all(axis=None)
+    runs = pd.concat([pd.read_csv(path) for path in out.rglob("federated/**/metrics.csv")])
+    assert {"top1", "top5"} <= set(runs.metric)
+    groupings = {path.parts[-5] for path in out.rglob("federated/**/metrics.csv")}
+    assert groupings == {"label_based", "embedding_based"}
+
+
+def test_digits_experiment_rejects_a_taskonomy_task(tmp_path):
+    config = tiny_digits_experiment(tmp_path)
+    config["tasks"] = ["digit_class", "normal"]
+    experiment = tmp_path / "bad.yaml"
+    experiment.write_text(yaml.safe_dump(config))
+    with pytest.raises(TaskHetError, match=r"bad.yaml: tasks \(data.source digits\): task 'normal' is not a task of data family 'digits'"):
+        load_experiment(experiment)
+
+
+def test_shipped_digits_experiment_is_valid():
+    config = load_experiment(Path(__file__).resolve().parent.parent / "experiments" / "digits.yaml")
+    assert config["data"]["source"] == "digits" and config["tasks"] == ["digit_class"]
+    assert set(config["partition"]["groupings"]) == {"label_based", "embedding_based"} and len(config["seeds"]) == 2

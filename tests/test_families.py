@@ -1,0 +1,103 @@
+"""Every data family: its manifest, tasks and datasets, tested through the generic interface only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from datasets.digits import select_digits
+from datasets.family import FAMILY_COLUMN, get_family, list_families, load_manifest
+from models.tasks import get_task, list_tasks
+from steps.select import STEP1_MODULES
+from tests.fixtures import tiny_data_root, tiny_manifest  # noqa: F401  (session fixtures)
+from utils.errors import TaskHetError
+
+IMAGE_SIZE = 16
+
+
+@pytest.fixture(scope="session")
+def manifests(tiny_manifest, tmp_path_factory) -> dict[str, Path]:  # noqa: F811
+    """A small step-1 manifest of every family."""
+    digits = tmp_path_factory.mktemp("digits_step1") / "manifest.csv"
+    select_digits(0.25, seed=0, n_samples=40).to_csv(digits, index=False)
+    return {"taskonomy": tiny_manifest, "digits": digits}
+
+
+def test_every_family_has_a_test_manifest_and_a_step1(manifests):
+    assert sorted(manifests) == list_families() == sorted(STEP1_MODULES)
+
+
+def test_every_task_belongs_to_exactly_one_family():
+    owners = {task: [name for name in list_families() if task in get_family(name).tasks] for task in list_tasks()}
+    assert all(len(names) == 1 for names in owners.values()), owners
+
+
+@pytest.mark.parametrize("name", list_families())
+def test_family_reads_its_manifest(name, manifests):
+    family, manifest = load_manifest(manifests[name])
+    assert family is get_family(name) and family.name == name
+    assert (manifest[FAMILY_COLUMN] == name).all() and manifest["sample_id"].is_unique
+    assert set(manifest["split"]) == {"train", "test"}
+    assert manifest[family.label_column].dtype == "int64"
+    assert family.source_column is None or family.source_column in manifest.columns
+    assert 2 <= family.num_classes(manifest) and manifest[family.label_column].max() < family.num_classes(manifest)
+
+
+@pytest.mark.parametrize("name, task_name", [(name, task) for name in list_families() for task in get_family(name).tasks])
+def test_family_dataset_items_hold_the_input_and_the_target(name, task_name, manifests, tiny_data_root):  # noqa: F811
+    family, manifest = load_manifest(manifests[name])
+    task = get_task(task_name)
+    rows = manifest.iloc[[2, 0, 1]]
+    dataset = family.dataset(tiny_data_root, rows, task, IMAGE_SIZE)
+    assert len(dataset) == 3
+    for item, row in zip(dataset, rows.itertuples(index=False)):
+        image = item[family.input_key]
+        assert image.dtype == torch.float32 and image.shape == (3, IMAGE_SIZE, IMAGE_SIZE)
+        assert 0.0 <= float(image.min()) and float(image.max()) <= 1.0
+        assert item["sample_id"] == row.sample_id  # row order is kept
+        assert item[family.label_column].dtype == torch.int64 and item[family.label_column].dim() == 0
+        target = item[task.domain]
+        if task.kind == "classification":
+            assert target.dtype == torch.int64 and target.dim() == 0 and int(target) < family.num_classes(manifest)
+        else:
+            assert target.shape[-2:] == (IMAGE_SIZE, IMAGE_SIZE)
+    batch = next(iter(torch.utils.data.DataLoader(dataset, batch_size=3)))
+    assert batch[family.input_key].shape == (3, 3, IMAGE_SIZE, IMAGE_SIZE)
+
+
+@pytest.mark.parametrize("name", list_families())
+def test_family_dataset_without_a_task_is_the_input(name, manifests, tiny_data_root):  # noqa: F811
+    family, manifest = load_manifest(manifests[name])
+    item = family.dataset(tiny_data_root, manifest, None, IMAGE_SIZE)[0]
+    assert item[family.input_key].shape == (3, IMAGE_SIZE, IMAGE_SIZE) and isinstance(item["sample_id"], str)
+
+
+@pytest.mark.parametrize("name", list_families())
+def test_family_rejects_a_task_it_cannot_feed(name):
+    foreign = next(task for task in list_tasks() if task not in get_family(name).tasks)
+    with pytest.raises(TaskHetError, match=f"--task: task {foreign!r} is not a task of data family {name!r}"):
+        get_family(name).check_task(foreign, "--task")
+
+
+@pytest.mark.parametrize("name", list_families())
+def test_mixed_family_column_names_the_row(name, manifests, tmp_path):
+    manifest = pd.read_csv(manifests[name], dtype=str, keep_default_na=False)
+    other = next(family for family in list_families() if family != name)
+    manifest.loc[3, FAMILY_COLUMN] = other
+    manifest.to_csv(tmp_path / "mixed.csv", index=False)
+    with pytest.raises(TaskHetError, match=f"mixed.csv: row 5 has family '{other}'"):
+        load_manifest(tmp_path / "mixed.csv")
+
+
+def test_unknown_family_and_legacy_manifest(manifests, tmp_path):
+    manifest = pd.read_csv(manifests["taskonomy"], dtype=str, keep_default_na=False)
+    manifest.assign(family="cifar").to_csv(tmp_path / "unknown.csv", index=False)
+    with pytest.raises(TaskHetError, match="unknown.csv: row 2 has family 'cifar'; known data families: digits, taskonomy"):
+        load_manifest(tmp_path / "unknown.csv")
+    # Manifests written before families existed are Taskonomy's.
+    manifest.drop(columns=[FAMILY_COLUMN]).to_csv(tmp_path / "legacy.csv", index=False)
+    family, legacy = load_manifest(tmp_path / "legacy.csv")
+    assert family.name == "taskonomy" and (legacy[FAMILY_COLUMN] == "taskonomy").all()
