@@ -145,6 +145,9 @@ def validate_names(config: dict[str, Any], source: Path) -> None:
     validate_algorithm_settings(algorithms, source)
     check("partition.scheme", [config["partition"]["scheme"]], list_schemes())
     check("partition.groupings", list(config["partition"]["groupings"]), list(GROUPINGS))
+    if sorted(set(config["partition"]["groupings"])) != sorted(GROUPINGS):
+        raise TaskHetError(f"{source}: partition.groupings must list both {' and '.join(GROUPINGS)}: the report "
+                           f"compares them; got {config['partition']['groupings']}")
     for alpha in config["partition"]["alphas"]:
         if not float(alpha) > 0:
             raise TaskHetError(f"{source}: partition.alphas must be > 0, got {alpha}")

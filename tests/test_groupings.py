@@ -53,3 +53,10 @@ def test_experiment_algorithm_settings_are_checked_before_any_work(tmp_path, alg
     path.write_text(yaml.safe_dump({"federated": {"algorithms": algorithms}}))
     with pytest.raises(TaskHetError, match=message):
         load_experiment(path)
+
+
+def test_an_experiment_needs_both_groupings(tmp_path):
+    path = tmp_path / "experiment.yaml"
+    path.write_text(yaml.safe_dump({"partition": {"groupings": ["label_based"]}}))
+    with pytest.raises(TaskHetError, match="partition.groupings must list both label_based and embedding_based"):
+        load_experiment(path)
