@@ -1,7 +1,7 @@
 """On-disk formats and Datasets: the data families (Taskonomy, digits), the synthetic renderer, step-1 selection, the decoded cache.
 
 The modules are imported explicitly (no discovery magic); importing a family
-module registers it in :data:`datasets.family.FAMILIES`. Note that this package
+module registers it in :data:`datasets.family.DATASETS`. Note that this package
 shadows Hugging Face ``datasets`` for scripts run from the repository root.
 """
 

@@ -20,7 +20,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch.utils.data import Dataset
 
-from datasets.family import FAMILIES, FAMILY_COLUMN, SPLITS, DataFamily, with_family_column
+from datasets.family import DATASETS, FAMILY_COLUMN, SPLITS, DataFamily, with_family_column
 from utils.errors import TaskHetError
 from utils.seeding import derive_seed
 
@@ -185,4 +185,4 @@ class DigitsFamily(DataFamily):
         return DigitsDataset(rows, image_size)
 
 
-FAMILIES.register(FAMILY)(DigitsFamily())
+DATASETS.register(FAMILY)(DigitsFamily())

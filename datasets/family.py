@@ -7,7 +7,7 @@ some manifest rows. Steps 2-4 and the pipeline talk to a family only through
 :class:`DataFamily`, and pick it from the manifest's ``family`` column, never
 from a flag a user could get wrong.
 
-Families register themselves in :data:`FAMILIES` (``datasets/taskonomy.py``,
+Families register themselves in :data:`DATASETS` (``datasets/taskonomy.py``,
 ``datasets/digits.py``); ``datasets/__init__.py`` imports them explicitly.
 """
 
@@ -95,17 +95,17 @@ class DataFamily(ABC):
                                f"its tasks: {', '.join(self.tasks)}")
 
 
-FAMILIES: Registry[DataFamily] = Registry("data family")
+DATASETS: Registry[DataFamily] = Registry("data family")
 
 
 def get_family(name: str) -> DataFamily:
     """The family called ``name``; a :class:`TaskHetError` listing the families otherwise."""
-    return FAMILIES.get(name)
+    return DATASETS.get(name)
 
 
 def list_families() -> list[str]:
     """Registered family names, sorted."""
-    return FAMILIES.names()
+    return DATASETS.names()
 
 
 def family_of(manifest: pd.DataFrame, source: str = "manifest") -> DataFamily:
@@ -113,7 +113,7 @@ def family_of(manifest: pd.DataFrame, source: str = "manifest") -> DataFamily:
     if FAMILY_COLUMN not in manifest.columns or manifest.empty:
         return get_family(LEGACY_FAMILY)
     name = str(manifest[FAMILY_COLUMN].iloc[0])
-    if name not in FAMILIES:
+    if name not in DATASETS:
         raise TaskHetError(f"{source}: row 2 has family {name!r}; known data families: {', '.join(list_families())}")
     return get_family(name)
 

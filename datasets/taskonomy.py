@@ -29,7 +29,7 @@ from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
 from datasets.cache import DecodedSampleCache, cache_key
-from datasets.family import FAMILIES, FAMILY_COLUMN, DataFamily, with_family_column
+from datasets.family import DATASETS, FAMILY_COLUMN, DataFamily, with_family_column
 from utils.errors import TaskHetError
 
 if TYPE_CHECKING:
@@ -504,4 +504,4 @@ class TaskonomyFamily(DataFamily):
         return TaskonomyDataset(root, rows, domains, image_size, cache_dir)
 
 
-FAMILIES.register(FAMILY)(TaskonomyFamily())
+DATASETS.register(FAMILY)(TaskonomyFamily())
