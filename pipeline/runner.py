@@ -91,7 +91,7 @@ class Pipeline:
                           split_by=data["split_by"])
         if data["buildings"]:
             params["taskonomy_clients_to_include"] = ",".join(data["buildings"])
-        stage_dir = self.out_dir / f"step1-{stage_key(params, [])}"
+        stage_dir = self.out_dir / f"step1-{stage_key(params, [], self.out_dir)}"
         self.step("step 1: select samples", stage_dir, params, step1, ["--out", str(stage_dir), *flags(params)])
         return stage_dir / "manifest.csv"
 
@@ -100,7 +100,7 @@ class Pipeline:
             "task": task, "data_path": str(root), "manifest": str(manifest), "seed": self.config["seeds"][0],
             "use_accelerator": self.config["use_accelerator"], **self.config["model"], **self.config["centralized"],
         }
-        stage_dir = self.out_dir / "centralized" / f"{task}-{stage_key(params, [manifest])}"
+        stage_dir = self.out_dir / "centralized" / f"{task}-{stage_key(params, [manifest], self.out_dir)}"
         self.step(f"step 2: train {task}", stage_dir, params, step2, ["--out", str(stage_dir), *flags(params)])
         return stage_dir
 
@@ -109,7 +109,7 @@ class Pipeline:
             "checkpoint": str(model_dir / "best.pt"), "manifest": str(manifest), "data_path": str(root),
             "seed": self.config["seeds"][0], **self.config["embeddings"],
         }
-        stage_dir = self.out_dir / "embeddings" / f"{task}-{stage_key(params, [manifest, model_dir / 'best.pt'])}"
+        stage_dir = self.out_dir / "embeddings" / f"{task}-{stage_key(params, [manifest, model_dir / 'best.pt'], self.out_dir)}"
         self.step(f"step 3: embed + cluster {task}", stage_dir, params, step3, ["--out", str(stage_dir), *flags(params)])
         return stage_dir
 
@@ -121,7 +121,7 @@ class Pipeline:
             "size_skew": partition["size_skew"], "seed": seed,
         }
         inputs = [manifest] + ([Path(groups)] if grouping == EMBEDDING_BASED else [])
-        stage_dir = self.out_dir / "assignments" / owner / f"{grouping}-a{alpha:g}-s{seed}-{stage_key(params, inputs)}"
+        stage_dir = self.out_dir / "assignments" / owner / f"{grouping}-a{alpha:g}-s{seed}-{stage_key(params, inputs, self.out_dir)}"
         self.step(f"step 3b: {grouping} α={alpha:g} seed {seed}", stage_dir, params, step3b,
                   ["--out", str(stage_dir), *flags(params)])
         return stage_dir
@@ -140,7 +140,7 @@ class Pipeline:
             params["centralized_checkpoint"] = str(model_dir / "best.pt")
         c = combination
         stage_dir = (self.out_dir / "federated" / c.task / c.grouping / f"a{c.alpha:g}" / c.algorithm
-                     / f"s{c.seed}-{stage_key(params, [manifest, assignments / 'assignments.csv'])}")
+                     / f"s{c.seed}-{stage_key(params, [manifest, assignments / 'assignments.csv'], self.out_dir)}")
         self.step(f"step 4: {c.label()}", stage_dir, params, step4, ["--out", str(stage_dir), "--resume", *flags(params)])
         return stage_dir
 

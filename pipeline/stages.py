@@ -30,10 +30,25 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def stage_key(params: dict[str, Any], inputs: list[Path]) -> str:
-    """A short hash of the parameters and the contents of the input files."""
-    record = {"params": params, "inputs": {str(path): file_sha256(path) for path in inputs}}
+def stage_key(params: dict[str, Any], inputs: list[Path], root: Path | None = None) -> str:
+    """A short hash of the parameters and the contents of the input files.
+
+    Paths inside ``root`` (the experiment's results folder) enter the hash relative to it,
+    and input files by position and content, so a moved or renamed results folder keeps
+    its stage names and nothing is redone.
+    """
+    portable = {key: _relative(value, root) for key, value in params.items()}
+    record = {"params": portable, "inputs": [file_sha256(path) for path in inputs]}
     return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _relative(value: Any, root: Path | None) -> Any:
+    if root is None or not isinstance(value, (str, Path)):
+        return value
+    try:
+        return Path(value).resolve().relative_to(Path(root).resolve()).as_posix()
+    except ValueError:  # not a path inside the results folder: it stays as given
+        return value
 
 
 def output_sizes(stage_dir: Path) -> dict[str, int]:

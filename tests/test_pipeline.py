@@ -64,6 +64,9 @@ def test_tiny_experiment_end_to_end(tmp_path):
     before = finished_stages(out)
     run_pipeline.main([str(experiment), "--results", str(tmp_path / "results")])
     assert finished_stages(out) == before  # a rerun redoes nothing
+    (tmp_path / "results").rename(tmp_path / "moved")
+    run_pipeline.main([str(experiment), "--results", str(tmp_path / "moved")])
+    assert finished_stages(tmp_path / "moved" / "tiny") == before  # a moved results folder redoes nothing either
 
 
 def test_killed_during_step4_resumes_to_the_same_report(tmp_path):
