@@ -14,6 +14,8 @@ from typing import Any
 LABEL_BASED = "label_based"
 EMBEDDING_BASED = "embedding_based"
 GROUPINGS = (LABEL_BASED, EMBEDDING_BASED)
+# The reference partition of an experiment (partition.iid_reference): clients drawn uniformly at random.
+IID_REFERENCE = "iid"
 # Old names -> current names; read-only so no caller can change what every caller sees.
 ALIASES = MappingProxyType({"class_based": LABEL_BASED})
 

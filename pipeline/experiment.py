@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from partitioning.groupings import GROUPINGS, canonical_grouping
+from partitioning.groupings import GROUPINGS, IID_REFERENCE, canonical_grouping
 from utils.errors import TaskHetError
 
 # data.source -> the data family that reads it (synthetic buildings are written in the Taskonomy layout).
@@ -54,7 +55,9 @@ SCHEMA: dict[str, Any] = {
         "n_clients": 10,
         "client_test_fraction": 0.2,
         "size_skew": None,
+        "iid_reference": False,  # also run every algorithm and seed on an iid partition (the report's reference)
     },
+    "heterogeneity_meter": True,  # step 3c: G² and B² of every label/embedding partition at the centralized model
     "federated": {
         "algorithms": {"fedavg": {}, "fedprox": {"mu": 0.01}, "scaffold": {}, "fedrep": {}},
         "n_rounds": 10,
@@ -85,7 +88,8 @@ class Combination:
     seed: int
 
     def label(self) -> str:
-        return f"{self.task} · {self.grouping} · α={self.alpha:g} · {self.algorithm} · seed {self.seed}"
+        partition = self.grouping if self.grouping == IID_REFERENCE else f"{self.grouping} · α={self.alpha:g}"
+        return f"{self.task} · {partition} · {self.algorithm} · seed {self.seed}"
 
 
 def load_experiment(path: Path) -> dict[str, Any]:
@@ -179,14 +183,15 @@ def validate_algorithm_settings(algorithms: dict[str, Any], source: Path) -> Non
 
 
 def combinations(config: dict[str, Any]) -> list[Combination]:
-    """Every federated run of the grid, in the order the pipeline runs them."""
-    return [
+    """Every federated run of the grid, in the order the pipeline runs them (the iid reference runs last; α = inf)."""
+    algorithms = list(config["federated"]["algorithms"])
+    grid = [
         Combination(task, grouping, float(alpha), algorithm, int(seed))
         for task, grouping, alpha, algorithm, seed in itertools.product(
-            config["tasks"],
-            config["partition"]["groupings"],
-            config["partition"]["alphas"],
-            list(config["federated"]["algorithms"]),
-            config["seeds"],
-        )
+            config["tasks"], config["partition"]["groupings"], config["partition"]["alphas"], algorithms,
+            config["seeds"])
     ]
+    if config["partition"]["iid_reference"]:
+        grid += [Combination(task, IID_REFERENCE, math.inf, algorithm, int(seed))
+                 for task, algorithm, seed in itertools.product(config["tasks"], algorithms, config["seeds"])]
+    return grid

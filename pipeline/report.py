@@ -11,7 +11,13 @@ Inputs are plain tables the pipeline collects from the run folders:
 - ``centralized``: task -> the centralized model's test loss (reference).
 - ``agreement``: task -> {"nmi": ..., "ari": ...} between clusters and the data family's class labels.
 - ``heatmaps``: (task, grouping, alpha) -> PNG of the seed-0 partition.
+- ``meters`` (optional): one row per partition and task: task, grouping, alpha, seed, g2, b2
+  (step 3c's heterogeneity meter at the centralized model).
 
+Runs with grouping ``iid`` (the iid reference partition) are reported in their own table.
+The label-vs-embedding gap of a cell is the paired difference over seeds (the same seed gives
+the same initial model and client sampling on both sides) with a 95% t interval
+(pipeline/statistics.py); a verdict counts only where the interval excludes 0.
 Every sentence of the summary is computed from these numbers.
 """
 
@@ -27,7 +33,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from partitioning.groupings import EMBEDDING_BASED, LABEL_BASED  # noqa: E402
+from partitioning.groupings import EMBEDDING_BASED, IID_REFERENCE, LABEL_BASED  # noqa: E402
+from pipeline.statistics import EMBEDDING_WORSE, LABEL_WORSE, mean_interval, paired_difference  # noqa: E402
 from utils.plots import save_figure  # noqa: E402
 from utils.run_dir import atomic_write_text  # noqa: E402
 
@@ -36,12 +43,17 @@ REPORT_COLUMNS = [
     "task", "algorithm", "alpha", "metric",
     "label_loss_mean", "label_loss_std", "embedding_loss_mean", "embedding_loss_std",
     "label_metric_mean", "label_metric_std", "embedding_metric_mean", "embedding_metric_std",
-    "centralized_loss", "gap_percent", "gap_exceeds_seed_std", "n_seeds",
+    "centralized_loss", "gap_percent", "diff_mean", "diff_ci_low", "diff_ci_high", "verdict", "n_seeds",
 ]
+SIGNIFICANT = (EMBEDDING_WORSE, LABEL_WORSE)
+IID_COLUMNS = ["task", "algorithm", "iid_loss_mean", "iid_loss_ci_low", "iid_loss_ci_high", "centralized_loss",
+               "above_centralized_percent", "within_10_percent", "n_seeds"]
+WITHIN = 10.0  # % above the centralized loss that counts as "trained enough" under the iid partition
 
 
 def gap_table(finals: pd.DataFrame, centralized: dict[str, float]) -> pd.DataFrame:
-    """Mean ± std over seeds per task × algorithm × α, label vs embedding, and the relative gap in %."""
+    """Per task × algorithm × α: mean ± std over seeds of each side, and the paired embedding − label difference."""
+    finals = finals[finals.grouping.isin([LABEL_BASED, EMBEDDING_BASED])]
     stats = (
         finals.groupby(KEYS + ["metric", "grouping"])
         .agg(loss_mean=("loss", "mean"), loss_std=("loss", "std"), metric_mean=("metric_value", "mean"),
@@ -58,49 +70,81 @@ def gap_table(finals: pd.DataFrame, centralized: dict[str, float]) -> pd.DataFra
             for stat in ("mean", "std"):
                 renamed[f"{quantity}_{stat}_{side}"] = f"{side}_{quantity}_{stat}"
     table = table.rename(columns=renamed)
-    table["n_seeds"] = table[["n_seeds_label", "n_seeds_embedding"]].min(axis=1)
     table["centralized_loss"] = table.task.map(centralized).astype(float)
-    table["gap_percent"] = 100.0 * (table.embedding_loss_mean - table.label_loss_mean) / table.label_loss_mean
-    # A transparent noise rule rather than a test statistic (2-3 seeds give no usable p-value):
-    # the gap counts only when it is larger than the two seed spreads added together.
-    spread = table.label_loss_std + table.embedding_loss_std
-    gap = (table.embedding_loss_mean - table.label_loss_mean).abs()
-    table["gap_exceeds_seed_std"] = (table.n_seeds >= 2) & (gap > spread)
+    paired = pd.DataFrame([_paired(group) for _, group in finals.groupby(KEYS)])
+    table = table.merge(paired, on=KEYS).drop(columns=["n_seeds_label", "n_seeds_embedding"])
     return table[REPORT_COLUMNS].sort_values(KEYS).reset_index(drop=True)
 
 
-def summary_sentences(table: pd.DataFrame, agreement: dict[str, dict[str, float]]) -> list[str]:
+def _paired(group: pd.DataFrame) -> dict:
+    """The paired difference of one cell over the seeds both groupings ran."""
+    sides = group.pivot_table(index="seed", columns="grouping", values="loss").dropna()
+    first = group.iloc[0]
+    keys = {key: first[key] for key in KEYS}
+    if sides.empty or LABEL_BASED not in sides or EMBEDDING_BASED not in sides:
+        return {**keys, "gap_percent": np.nan, "diff_mean": np.nan, "diff_ci_low": np.nan, "diff_ci_high": np.nan,
+                "verdict": "no pairs", "n_seeds": 0}
+    result = paired_difference(list(sides[LABEL_BASED]), list(sides[EMBEDDING_BASED]))
+    return {**keys, "gap_percent": result.relative, "diff_mean": result.mean, "diff_ci_low": result.low,
+            "diff_ci_high": result.high, "verdict": result.verdict, "n_seeds": result.n}
+
+
+def iid_table(finals: pd.DataFrame, centralized: dict[str, float]) -> pd.DataFrame:
+    """The iid reference runs per task × algorithm: final loss with its 95% interval against the centralized loss."""
+    iid = finals[finals.grouping == IID_REFERENCE]
+    rows = []
+    for (task, algorithm), group in iid.groupby(["task", "algorithm"]):
+        mean, low, high = mean_interval(list(group.loss))
+        reference = float(centralized.get(task, np.nan))
+        above = 100.0 * (mean / reference - 1.0) if reference else np.nan
+        rows.append({"task": task, "algorithm": algorithm, "iid_loss_mean": mean, "iid_loss_ci_low": low,
+                     "iid_loss_ci_high": high, "centralized_loss": reference, "above_centralized_percent": above,
+                     "within_10_percent": bool(above <= WITHIN), "n_seeds": group.seed.nunique()})
+    return pd.DataFrame(rows, columns=IID_COLUMNS)
+
+
+def summary_sentences(table: pd.DataFrame, agreement: dict[str, dict[str, float]],
+                      iid: pd.DataFrame | None = None) -> list[str]:
     """Plain-language findings, one per task and one overall, derived from the table."""
     sentences = []
     for task, rows in table.groupby("task"):
         larger = int((rows.gap_percent > 0).sum())
+        worse = int((rows.verdict == EMBEDDING_WORSE).sum())
+        better = int((rows.verdict == LABEL_WORSE).sum())
         nmi = agreement.get(task, {}).get("nmi")
         nmi_text = f"; clusters vs class labels NMI = {nmi:.2f}" if nmi is not None else ""
         worst = rows.loc[rows.gap_percent.idxmax()]
         best = rows.loc[rows.gap_percent.idxmin()]
-        verdict = "hurts more" if rows.gap_percent.mean() > 0 else "does not hurt more"
-        beyond = int(rows.gap_exceeds_seed_std.sum())
-        above_centralized = 100.0 * (rows.label_loss_mean / rows.centralized_loss - 1.0).median()
-        reference = ""
-        if np.isfinite(above_centralized):
-            reference = f"; federated (label) vs centralized loss: median {above_centralized:+.0f}%"
+        verdict = "hurts more" if worse > better else "does not hurt more"
         sentences.append(
-            f"**{task}**: embedding-based heterogeneity {verdict} on average "
-            f"(mean gap {rows.gap_percent.mean():+.1f}%, larger loss in {larger} of {len(rows)} "
-            f"algorithm × α cells, {beyond} of {len(rows)} gaps beyond the seed spread); largest gap "
-            f"{worst.gap_percent:+.1f}% ({worst.algorithm}, α={worst.alpha:g}), "
-            f"smallest {best.gap_percent:+.1f}% ({best.algorithm}, α={best.alpha:g}){nmi_text}{reference}."
+            f"**{task}**: embedding-based heterogeneity {verdict}: the 95% interval of the paired difference "
+            f"puts embedding-based above label-based in {worse} and below it in {better} of {len(rows)} "
+            f"algorithm × α cells ({len(rows) - worse - better} undecided; larger mean loss in {larger}); mean gap "
+            f"{rows.gap_percent.mean():+.1f}%, largest {worst.gap_percent:+.1f}% ({worst.algorithm}, "
+            f"α={worst.alpha:g}), smallest {best.gap_percent:+.1f}% ({best.algorithm}, α={best.alpha:g}){nmi_text}"
+            f"{_iid_clause(iid, task)}."
         )
-    positive = int((table.gap_percent > 0).sum())
-    claim = "holds" if positive > len(table) / 2 else "does not hold"
+    worse, better = int((table.verdict == EMBEDDING_WORSE).sum()), int((table.verdict == LABEL_WORSE).sum())
+    claim = "holds" if worse > len(table) / 2 else "holds only in part" if worse > better else "does not hold"
     sentences.append(
         f"Overall the paper's claim (embedding-based partitions give a larger federated loss) {claim} on this data: "
-        f"{positive} of {len(table)} task × algorithm × α cells show a larger loss under embedding-based "
-        f"partitions (median gap {table.gap_percent.median():+.1f}%); "
-        f"{int(table.gap_exceeds_seed_std.sum())} of {len(table)} gaps are larger than the seed spread "
-        f"(label std + embedding std)."
+        f"counting only cells whose 95% interval excludes 0, embedding-based is worse in {worse} and better in "
+        f"{better} of {len(table)} task × algorithm × α cells (median gap {table.gap_percent.median():+.1f}%)."
     )
     return sentences
+
+
+def _iid_clause(iid: pd.DataFrame | None, task: str) -> str:
+    """'; under the iid partition ... of the centralized loss' for one task (empty without iid runs)."""
+    if iid is None or iid.empty or task not in set(iid.task):
+        return ""
+    rows = iid[iid.task == task]
+    far = rows[~rows.within_10_percent]
+    status = (f"all within {WITHIN:.0f}%" if far.empty else
+              f"NOT within {WITHIN:.0f}% for {', '.join(f'{row.algorithm} ({row.above_centralized_percent:+.0f}%)' for row in far.itertuples())}")
+    low, high = rows.above_centralized_percent.min(), rows.above_centralized_percent.max()
+    span = f"{low:+.0f}%" if round(low) == round(high) else f"{low:+.0f}% to {high:+.0f}%"
+    return f"; under the iid partition the federated loss is {span} off the centralized loss ({status})"
 
 
 def personal_gap_table(finals: pd.DataFrame) -> pd.DataFrame:
@@ -121,44 +165,52 @@ def personal_markdown_table(table: pd.DataFrame) -> str:
         lines.append(
             f"| {row.task} | {row.algorithm} | {row.alpha:g} | {row.label_loss_mean:.4f} ± {row.label_loss_std:.4f} "
             f"| {row.embedding_loss_mean:.4f} ± {row.embedding_loss_std:.4f} "
-            f"| {row.gap_percent:+.1f}{'*' if row.gap_exceeds_seed_std else ''} |"
+            f"| {row.gap_percent:+.1f}{'*' if row.verdict in SIGNIFICANT else ''} |"
         )
     return "\n".join(lines)
 
 
 def markdown_table(table: pd.DataFrame) -> str:
     """The report table as GitHub Markdown."""
-    header = "| task | algorithm | α | label loss | embedding loss | gap % | label metric | embedding metric | centralized loss |"
-    lines = [header, "|" + "---|" * 9]
+    header = ("| task | algorithm | α | label loss | embedding loss | gap % | embedding − label [95% CI] "
+              "| label metric | embedding metric | centralized loss |")
+    lines = [header, "|" + "---|" * 10]
     for row in table.itertuples():
         lines.append(
             f"| {row.task} | {row.algorithm} | {row.alpha:g} "
             f"| {row.label_loss_mean:.4f} ± {row.label_loss_std:.4f} "
             f"| {row.embedding_loss_mean:.4f} ± {row.embedding_loss_std:.4f} "
-            f"| {row.gap_percent:+.1f}{'*' if row.gap_exceeds_seed_std else ''} "
+            f"| {row.gap_percent:+.1f}{'*' if row.verdict in SIGNIFICANT else ''} "
+            f"| {row.diff_mean:+.4f} [{row.diff_ci_low:+.4f}, {row.diff_ci_high:+.4f}] "
             f"| {row.metric} {row.label_metric_mean:.3f} ± {row.label_metric_std:.3f} "
             f"| {row.embedding_metric_mean:.3f} ± {row.embedding_metric_std:.3f} | {row.centralized_loss:.4f} |"
         )
     return "\n".join(lines)
 
 
-def plot_loss_vs_alpha(table: pd.DataFrame, path: Path) -> None:
-    """One panel per task: final loss vs α, solid = label-based, dashed = embedding-based."""
-    tasks = sorted(table.task.unique())
-    figure, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.8), squeeze=False)
+def plot_loss_vs_alpha(finals: pd.DataFrame, path: Path) -> None:
+    """One panel per task: final loss vs α with 95% interval bands; solid = label-based, dashed = embedding-based,
+    dotted = the iid reference (no α)."""
+    tasks = sorted(finals.task.unique())
+    figure, axes = plt.subplots(1, len(tasks), figsize=(4.8 * len(tasks), 4.0), squeeze=False)
+    algorithms = sorted(finals.algorithm.unique())
     for axis, task in zip(axes[0], tasks):
-        rows = table[table.task == task]
-        for index, (algorithm, group) in enumerate(rows.groupby("algorithm")):
-            color = f"C{index}"
-            group = group.sort_values("alpha")
-            axis.errorbar(group.alpha, group.label_loss_mean, group.label_loss_std, color=color, marker="o",
-                          label=f"{algorithm} label")
-            axis.errorbar(group.alpha, group.embedding_loss_mean, group.embedding_loss_std, color=color,
-                          marker="s", linestyle="--", label=f"{algorithm} embedding")
+        rows = finals[finals.task == task]
+        for (algorithm, grouping), group in rows.groupby(["algorithm", "grouping"]):
+            color = f"C{algorithms.index(algorithm)}"
+            cells = [(alpha, *mean_interval(list(cell.loss))) for alpha, cell in group.groupby("alpha")]
+            alphas, means, lows, highs = (np.array(values) for values in zip(*cells))
+            if grouping == IID_REFERENCE:
+                axis.axhline(means[0], color=color, linestyle=":", label=f"{algorithm} iid")
+                continue
+            style = "-" if grouping == LABEL_BASED else "--"
+            axis.plot(alphas, means, color=color, linestyle=style, marker="o" if style == "-" else "s",
+                      label=f"{algorithm} {grouping.split('_')[0]}")
+            axis.fill_between(alphas, lows, highs, color=color, alpha=0.15)
         axis.set_xscale("log")
         axis.set_title(task)
         axis.set_xlabel("Dirichlet α")
-        axis.set_ylabel("final global test loss")
+        axis.set_ylabel("final global test loss (mean, 95% CI)")
     axes[0][-1].legend(fontsize=7)
     save_figure(figure, path, dpi=110)
 
@@ -173,9 +225,10 @@ def plot_round_curves(curves: pd.DataFrame, path: Path) -> None:
         for column, alpha in enumerate(alphas):
             axis = axes[row][column]
             for (algorithm, grouping), group in mean[(mean.task == task) & (mean.alpha == alpha)].groupby(["algorithm", "grouping"]):
-                axis.plot(group["round"], group.loss, color=f"C{algorithms.index(algorithm)}",
-                          linestyle="-" if grouping == LABEL_BASED else "--", label=f"{algorithm} {grouping}")
-            axis.set_title(f"{task}, α={alpha:g}", fontsize=9)
+                style = {LABEL_BASED: "-", EMBEDDING_BASED: "--"}.get(grouping, ":")
+                axis.plot(group["round"], group.loss, color=f"C{algorithms.index(algorithm)}", linestyle=style,
+                          label=f"{algorithm} {grouping}")
+            axis.set_title(f"{task}, {'iid reference' if np.isinf(alpha) else f'α={alpha:g}'}", fontsize=9)
             axis.set_xlabel("round")
             axis.set_ylabel("global test loss")
     axes[0][-1].legend(fontsize=6)
@@ -211,6 +264,15 @@ def plot_agreement(agreement: dict[str, dict[str, float]], path: Path) -> None:
     save_figure(figure, path, dpi=110)
 
 
+def iid_markdown(iid: pd.DataFrame) -> str:
+    lines = ["| task | algorithm | iid loss [95% CI] | centralized loss | above centralized | within 10% |", "|" + "---|" * 6]
+    for row in iid.itertuples():
+        lines.append(f"| {row.task} | {row.algorithm} | {row.iid_loss_mean:.4f} [{row.iid_loss_ci_low:.4f}, "
+                     f"{row.iid_loss_ci_high:.4f}] | {row.centralized_loss:.4f} | {row.above_centralized_percent:+.1f}% "
+                     f"| {'yes' if row.within_10_percent else '**no**'} |")
+    return "\n".join(lines)
+
+
 def write_report(
     out_dir: Path,
     finals: pd.DataFrame,
@@ -219,44 +281,62 @@ def write_report(
     agreement: dict[str, dict[str, float]],
     heatmaps: dict[tuple[str, str, float], Path],
     command: str,
+    meters: pd.DataFrame | None = None,
 ) -> pd.DataFrame:
-    """Write report.csv, report.md and the four PNG plots into ``out_dir``; returns the table."""
+    """Write report.csv, report.md and the PNG plots into ``out_dir``; returns the gap table."""
+    from pipeline.heterogeneity_report import meter_markdown, meter_sentence, meter_table, plot_meter
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     table = gap_table(finals, centralized)
-    plot_loss_vs_alpha(table, out_dir / "loss_vs_alpha.png")
+    iid = iid_table(finals, centralized)
+    meter = meter_table(meters if meters is not None else pd.DataFrame())
+    plot_loss_vs_alpha(finals, out_dir / "loss_vs_alpha.png")
     plot_round_curves(curves, out_dir / "round_curves.png")
     plot_heatmaps(heatmaps, out_dir / "partition_heatmaps.png")
     plot_agreement(agreement, out_dir / "cluster_label_agreement.png")
     personal = personal_gap_table(finals)
-    personal_section = [] if personal.empty else [
-        "## Personalised models",
-        "",
-        "Mean loss of each client's own model on its client-test split (last round; FedRep's global head is never "
-        "trained, so for FedRep this, not the global loss above, is the result). Each partition has its own "
-        "client-test splits: a client holding one group has an easy local task, so this measures how well "
-        "clients' own models fit their own data, not one shared test set.",
-        "",
-        personal_markdown_table(personal),
-        "",
-    ]
+    sentences = summary_sentences(table, agreement, iid)
+    if not meter.empty:
+        plot_meter(meters, out_dir / "heterogeneity_meter.png")
+        sentences.insert(-1, meter_sentence(meter, table))
+    sections = []
+    if not iid.empty:
+        sections += ["## IID reference", "",
+                     f"The same algorithms on an iid partition: is the federated model trained enough (within "
+                     f"{WITHIN:.0f}% of the centralized loss)? Mean over seeds with its 95% interval.", "",
+                     iid_markdown(iid), ""]
+    if not meter.empty:
+        sections += ["## Heterogeneity meter", "",
+                     "Gradient dissimilarity G² = Σ_k p_k ‖∇F_k − ∇F‖² and FedProx's B² = Σ_k p_k ‖∇F_k‖² / ‖∇F‖² "
+                     "of each partition's clients at the centralized model (mean over seeds).", "",
+                     meter_markdown(meter), "", "![heterogeneity meter](heterogeneity_meter.png)", ""]
+    if not personal.empty:
+        sections += [
+            "## Personalised models", "",
+            "Mean loss of each client's own model on its client-test split (last round; FedRep's global head is "
+            "never trained, so for FedRep this, not the global loss above, is the result). Each partition has its "
+            "own client-test splits: a client holding one group has an easy local task, so this measures how well "
+            "clients' own models fit their own data, not one shared test set.", "",
+            personal_markdown_table(personal), ""]
     agreement_lines = [f"| {task} | {values['nmi']:.3f} | {values['ari']:.3f} |" for task, values in sorted(agreement.items())]
     text = "\n".join([
         "# Label-based vs embedding-based heterogeneity",
         "",
         f"Produced by `{command}`. Losses are the final global model's loss on the global test split, "
-        "mean ± std over seeds; gap % = (embedding − label) / label; * marks a gap larger than the two "
-        "seed spreads added together.",
+        "mean ± std over seeds; gap % = (embedding − label) / label, from the seeds run under both partitions; "
+        "the interval is the 95% paired t interval of embedding − label over seeds, and * marks a gap whose "
+        "interval excludes 0 (only those count in the summary).",
         "",
         "## Summary",
         "",
-        *[f"- {sentence}" for sentence in summary_sentences(table, agreement)],
+        *[f"- {sentence}" for sentence in sentences],
         "",
         "## Results",
         "",
         markdown_table(table),
         "",
-        *personal_section,
+        *sections,
         "## Clusters vs class labels",
         "",
         "| task | NMI | ARI |",
@@ -271,7 +351,8 @@ def write_report(
         "![cluster-label agreement](cluster_label_agreement.png)",
         "",
     ])
-    for frame, name in ((table, "report.csv"), (personal, "report_personal.csv")):
+    for frame, name in ((table, "report.csv"), (personal, "report_personal.csv"), (iid, "report_iid.csv"),
+                        (meter, "report_heterogeneity.csv")):
         frame.to_csv(out_dir / f"{name}.tmp", index=False)
         Path(out_dir / f"{name}.tmp").replace(out_dir / name)
     atomic_write_text(out_dir / "report.md", text)

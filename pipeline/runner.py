@@ -33,13 +33,15 @@ from tqdm.auto import tqdm
 from models.tasks import get_task
 from network.client import GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT
 from network.engine_sequential import GLOBAL_CLIENT
-from partitioning.groupings import EMBEDDING_BASED, LABEL_BASED
+from partitioning.groupings import EMBEDDING_BASED, GROUPINGS, IID_REFERENCE
 from pipeline.experiment import DATA_SOURCES, Combination, combinations
 from pipeline.report import write_report
 from pipeline.stages import run_stage, stage_key
 from steps import assign as step3b
 from steps import embed as step3
 from steps import federated as step4
+from steps import meter as step3c
+from steps.meter import METER_FILE
 from steps import render
 from steps import select as step1
 from steps import train_centralized as step2
@@ -65,7 +67,7 @@ class Pipeline:
 
     def shared_flags(self, script: Callable) -> list[str]:
         """Flags that change speed, not results (so not part of any stage key)."""
-        if script in (step2, step3, step4):
+        if script in (step2, step3, step3c, step4):
             # One decoded-sample cache for the experiment: PNGs are decoded once, not once per run.
             return ["--cache_dir", str(self.out_dir / "cache")]
         return []
@@ -115,14 +117,28 @@ class Pipeline:
 
     def assignments(self, owner: str, grouping: str, groups: str | None, alpha: float, seed: int, manifest: Path) -> Path:
         partition = self.config["partition"]
+        iid = grouping == IID_REFERENCE
         params = {
-            "manifest": str(manifest), "groups": groups, "scheme": partition["scheme"], "alpha": alpha,
-            "n_clients": partition["n_clients"], "client_test_fraction": partition["client_test_fraction"],
-            "size_skew": partition["size_skew"], "seed": seed,
+            "manifest": str(manifest), "groups": groups, "scheme": "iid" if iid else partition["scheme"],
+            "alpha": None if iid else alpha, "n_clients": partition["n_clients"],
+            "client_test_fraction": partition["client_test_fraction"], "size_skew": partition["size_skew"], "seed": seed,
         }
         inputs = [manifest] + ([Path(groups)] if grouping == EMBEDDING_BASED else [])
-        stage_dir = self.out_dir / "assignments" / owner / f"{grouping}-a{alpha:g}-s{seed}-{stage_key(params, inputs, self.out_dir)}"
-        self.step(f"step 3b: {grouping} α={alpha:g} seed {seed}", stage_dir, params, step3b,
+        name = f"{grouping}-s{seed}" if iid else f"{grouping}-a{alpha:g}-s{seed}"
+        stage_dir = self.out_dir / "assignments" / owner / f"{name}-{stage_key(params, inputs, self.out_dir)}"
+        self.step(f"step 3b: {name}", stage_dir, params, step3b, ["--out", str(stage_dir), *flags(params)])
+        return stage_dir
+
+    def meter(self, task: str, grouping: str, alpha: float, seed: int, root: Path, manifest: Path, assignments: Path,
+              model_dir: Path) -> Path:
+        """Step 3c: G² and B² of one partition's clients at the task's centralized model."""
+        params = {"checkpoint": str(model_dir / "best.pt"), "manifest": str(manifest),
+                  "assignments": str(assignments / "assignments.csv"), "data_path": str(root),
+                  "use_accelerator": self.config["use_accelerator"]}
+        inputs = [manifest, assignments / "assignments.csv", model_dir / "best.pt"]
+        stage_dir = (self.out_dir / "heterogeneity" / task
+                     / f"{grouping}-a{alpha:g}-s{seed}-{stage_key(params, inputs, self.out_dir)}")
+        self.step(f"step 3c: meter {task} {grouping} α={alpha:g} seed {seed}", stage_dir, params, step3c,
                   ["--out", str(stage_dir), *flags(params)])
         return stage_dir
 
@@ -131,7 +147,8 @@ class Pipeline:
         hyper = federated.pop("algorithms")[combination.algorithm] or {}
         params = {
             "task": combination.task, "method": combination.algorithm, "rand_seed": combination.seed,
-            "alpha": combination.alpha, "data_path": str(root), "manifest": str(manifest),
+            "alpha": None if combination.grouping == IID_REFERENCE else combination.alpha,
+            "data_path": str(root), "manifest": str(manifest),
             "assignments": str(assignments / "assignments.csv"), "encoder": self.config["model"]["encoder"],
             "image_size": self.config["model"]["image_size"], "use_accelerator": self.config["use_accelerator"],
             **federated, **hyper,
@@ -139,7 +156,8 @@ class Pipeline:
         if federated["init_from"] == "centralized":
             params["centralized_checkpoint"] = str(model_dir / "best.pt")
         c = combination
-        stage_dir = (self.out_dir / "federated" / c.task / c.grouping / f"a{c.alpha:g}" / c.algorithm
+        partition = c.grouping if c.grouping == IID_REFERENCE else Path(c.grouping, f"a{c.alpha:g}")
+        stage_dir = (self.out_dir / "federated" / c.task / partition / c.algorithm
                      / f"s{c.seed}-{stage_key(params, [manifest, assignments / 'assignments.csv'], self.out_dir)}")
         self.step(f"step 4: {c.label()}", stage_dir, params, step4, ["--out", str(stage_dir), "--resume", *flags(params)])
         return stage_dir
@@ -150,7 +168,13 @@ class Pipeline:
         runs = combinations(self.config)
         n_partitions = len({partition_key(combination) for combination in runs})
         synthetic = self.config["data"]["source"] == "synthetic"
-        return synthetic + 1 + 2 * len(self.config["tasks"]) + n_partitions + len(runs)
+        return synthetic + 1 + 2 * len(self.config["tasks"]) + n_partitions + len(self.metered(runs)) + len(runs)
+
+    def metered(self, runs: list[Combination]) -> list[tuple]:
+        """(task, grouping, α, seed) of every label/embedding partition step 3c measures (none when it is off)."""
+        if not self.config["heterogeneity_meter"]:
+            return []
+        return list(dict.fromkeys((c.task, c.grouping, c.alpha, c.seed) for c in runs if c.grouping in GROUPINGS))
 
     def run(self) -> pd.DataFrame:
         """Every step for every combination, then the report; returns the report table."""
@@ -159,24 +183,27 @@ class Pipeline:
             manifest = self.manifest(root)
             model_dirs = {task: self.centralized(task, root, manifest) for task in self.config["tasks"]}
             cluster_dirs = {task: self.clusters(task, root, manifest, model_dirs[task]) for task in self.config["tasks"]}
-            runs, partitions = [], {}
+            runs, partitions, meters = [], {}, {}
             for combination in combinations(self.config):
                 key = partition_key(combination)
                 if key not in partitions:
                     partitions[key] = self.partition_for(combination, manifest, cluster_dirs)
                 assignments = partitions[key]
+                measured = (combination.task, combination.grouping, combination.alpha, combination.seed)
+                if measured in self.metered([combination]) and measured not in meters:
+                    meters[measured] = self.meter(*measured, root, manifest, assignments, model_dirs[combination.task])
                 run_dir = self.federated(combination, root, manifest, assignments, model_dirs[combination.task])
                 runs.append((combination, run_dir, assignments))
-        return self.report(runs, model_dirs, cluster_dirs)
+        return self.report(runs, model_dirs, cluster_dirs, meters)
 
     def partition_for(self, combination: Combination, manifest: Path, cluster_dirs: dict[str, Path]) -> Path:
         owner, grouping, alpha, seed = partition_key(combination)
-        # Label-based: no --groups, so step 3b uses the manifest's family's label column.
-        groups = None if grouping == LABEL_BASED else str(cluster_dirs[combination.task] / "clusters.csv")
+        # Label-based and iid: no --groups, so step 3b uses the manifest's family's label column.
+        groups = str(cluster_dirs[combination.task] / "clusters.csv") if grouping == EMBEDDING_BASED else None
         return self.assignments(owner, grouping, groups, alpha, seed, manifest)
 
     def report(self, runs: list[tuple[Combination, Path, Path]], model_dirs: dict[str, Path],
-               cluster_dirs: dict[str, Path]) -> pd.DataFrame:
+               cluster_dirs: dict[str, Path], meters: dict[tuple, Path]) -> pd.DataFrame:
         finals, curves, heatmaps = [], [], {}
         for combination, run_dir, assignments in runs:
             keys = {"task": combination.task, "grouping": combination.grouping, "alpha": combination.alpha,
@@ -189,17 +216,20 @@ class Pipeline:
                            "personal_loss": final_personal_loss(metrics)})
             for round_index, loss in history[history.metric == "loss"][["round", "value"]].itertuples(index=False):
                 curves.append({**keys, "round": round_index, "loss": loss})
-            if combination.seed == self.config["seeds"][0]:
+            if combination.seed == self.config["seeds"][0] and combination.grouping in GROUPINGS:
                 heatmaps[(combination.task, combination.grouping, combination.alpha)] = assignments / "client_group_heatmap.png"
         centralized = {task: best_validation_loss(model_dir / "metrics.csv") for task, model_dir in model_dirs.items()}
         agreement = {task: json.loads((cluster_dir / "agreement.json").read_text()) for task, cluster_dir in cluster_dirs.items()}
+        meter_rows = [{"task": task, "grouping": grouping, "alpha": alpha, "seed": seed,
+                       **json.loads((stage_dir / METER_FILE).read_text())}
+                      for (task, grouping, alpha, seed), stage_dir in meters.items()]
         return write_report(self.out_dir, pd.DataFrame(finals), pd.DataFrame(curves), centralized, agreement,
-                            heatmaps, self.command)
+                            heatmaps, self.command, pd.DataFrame(meter_rows))
 
 
 def partition_key(combination: Combination) -> tuple:
-    """Combinations with the same key share one assignments file (label partitions are task-free)."""
-    owner = "labels" if combination.grouping == LABEL_BASED else combination.task
+    """Combinations with the same key share one assignments file (label and iid partitions are task-free)."""
+    owner = combination.task if combination.grouping == EMBEDDING_BASED else "labels"
     return owner, combination.grouping, combination.alpha, combination.seed
 
 

@@ -55,3 +55,16 @@ def paired_difference(label: Sequence[float], embedding: Sequence[float], level:
     low, high = mean - half, mean + half
     verdict = EMBEDDING_WORSE if low > 0 else LABEL_WORSE if high < 0 else NO_DIFFERENCE
     return PairedDifference(n, mean, low, high, relative, verdict)
+
+
+def mean_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
+    """``(mean, low, high)``: the t interval of the mean of ``values`` (NaN bounds with fewer than 2 values)."""
+    if not values:
+        raise ValueError("need at least one value")
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, math.nan, math.nan
+    std = math.sqrt(sum((value - mean) ** 2 for value in values) / (n - 1))
+    half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * std / math.sqrt(n)
+    return mean, mean - half, mean + half

@@ -50,12 +50,20 @@ def finished_stages(results: Path) -> dict[str, float]:
 def test_tiny_experiment_end_to_end(tmp_path):
     config = tiny_experiment(tmp_path)
     config["federated"]["algorithms"]["fedrep"] = {}
+    config["partition"]["iid_reference"] = True
     experiment = write_experiment(tmp_path, config)
     run_pipeline.main([str(experiment), "--results", str(tmp_path / "results")])
     out = tmp_path / "results" / "tiny"
-    for name in ("report.md", "report.csv", "report_personal.csv", "loss_vs_alpha.png", "round_curves.png",
-                 "partition_heatmaps.png", "cluster_label_agreement.png"):
+    for name in ("report.md", "report.csv", "report_personal.csv", "report_iid.csv", "report_heterogeneity.csv",
+                 "loss_vs_alpha.png", "round_curves.png", "partition_heatmaps.png", "cluster_label_agreement.png",
+                 "heterogeneity_meter.png"):
         assert (out / name).stat().st_size > 0, name
+    iid = pd.read_csv(out / "report_iid.csv")
+    assert list(iid.algorithm) == ["fedavg", "fedrep"] and iid.iid_loss_mean.gt(0).all()
+    meter = pd.read_csv(out / "report_heterogeneity.csv")
+    assert len(meter) == 1 and (meter[["label_g2", "embedding_g2"]] > 0).all(axis=None)
+    assert len(list(out.glob("heterogeneity/depth_euclidean/*/meter.json"))) == 2  # label and embedding
+    assert "## IID reference" in (out / "report.md").read_text()
     report = pd.read_csv(out / "report.csv")
     assert list(report.columns) == REPORT_COLUMNS
     assert list(report.algorithm) == ["fedavg", "fedrep"] and set(report.task) == {"depth_euclidean"}

@@ -20,6 +20,7 @@ THIN_SCRIPTS = {
     "make_client_assignments.py": "Step 3b:",
     "test_fed.py": "Step 4 of TaskHet",
     "download_taskonomy.py": "Step 0 (data): download real Taskonomy",
+    "measure_heterogeneity.py": "Step 3c:",
     "merge_task_vectors.py": "Task arithmetic (TaLoS, issue 15)",
 }
 

@@ -1,0 +1,85 @@
+"""Step 3c: the heterogeneity meter of one partition: G² and B² of the clients' gradients at a trained model.
+
+Inputs: a step-2 checkpoint (best.pt: the centralized model the gradients are taken at),
+the step-1 manifest, the data root and a step-3b assignments.csv. For every client, the
+full-batch gradient of its mean loss over its train rows; then the gradient dissimilarity
+G² = Σ_k p_k ‖∇F_k − ∇F‖² and FedProx's B² = Σ_k p_k ‖∇F_k‖² / ‖∇F‖² (p_k = n_k / n;
+network/heterogeneity.py). Outputs in --out: meter.json (g2, b2, ‖∇F‖², clients),
+metrics.csv (client, metric, value: each client's n_k and ‖∇F_k‖², and the totals),
+config.json, run.log. run_pipeline.py runs it for every partition it makes.
+"""
+
+from __future__ import annotations
+
+import utils.tv_compat  # noqa: F401  (before anything imports torchvision)
+
+import argparse
+import json
+from pathlib import Path
+
+from datasets.family import load_manifest
+from models import get_task, load_task_model
+from network.heterogeneity import dissimilarity, full_gradient
+from partitioning.assignments import load_assignments
+from steps.embed import training_image_size
+from training.loop import make_loader
+from utils.cli import positive_int
+from utils.device import pick_device, prepare_model
+from utils.run_dir import MetricsCSV, atomic_write_text, setup_logging, write_config
+
+METER_FILE = "meter.json"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The step-3c command line (measure_heterogeneity.py --help)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--checkpoint", type=Path, required=True, help="step-2 best.pt (the model the gradients are taken at)")
+    parser.add_argument("--manifest", type=Path, required=True, help="step-1 manifest.csv")
+    parser.add_argument("--assignments", type=Path, required=True, help="step-3b assignments.csv")
+    parser.add_argument("--data_path", type=Path, required=True, help="data root of the manifest's files")
+    parser.add_argument("--out", type=Path, required=True, help="output folder")
+    parser.add_argument("--image_size", type=positive_int, default=None, help="input side; default: the step-2 run's")
+    parser.add_argument("--batch_size", type=positive_int, default=64, help="batch size of the gradient passes")
+    parser.add_argument("--cache_dir", type=Path, default=None, help="decoded-sample cache folder")
+    parser.add_argument("--use_accelerator", action=argparse.BooleanOptionalAction, default=True, help="use CUDA/MPS when present")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Measure one partition; returns what meter.json holds."""
+    args = build_parser().parse_args(argv)
+    family, manifest = load_manifest(args.manifest)
+    table, _ = load_assignments(args.assignments, manifest)
+    model = load_task_model(args.checkpoint)
+    task = get_task(model.config["task"])
+    image_size = args.image_size or training_image_size(args.checkpoint)
+    args.out.mkdir(parents=True, exist_ok=True)
+    logger = setup_logging(args.out, "meter")
+    write_config(args.out, vars(args))
+    device = pick_device(args.use_accelerator)
+    model = prepare_model(model, device)
+    rows_by_id = manifest.set_index("sample_id")
+    input_key = family.input_key
+
+    def loss_fn(net, batch, reduction="mean"):
+        return task.loss(net(batch[input_key])[0].float(), batch, reduction)
+
+    gradients, sizes, metrics = [], [], []
+    train = table[table["subset"] == "train"]
+    for client_id, client_rows in train.groupby("client_id", sort=True):
+        rows = rows_by_id.loc[list(client_rows["sample_id"])].reset_index()
+        dataset = family.dataset(args.data_path, rows, task, image_size, args.cache_dir)
+        gradient = full_gradient(model, make_loader(dataset, args.batch_size, False, 0), loss_fn, device)
+        gradients.append(gradient)
+        sizes.append(len(rows))
+        metrics += [{"client": str(client_id), "metric": "n_samples", "value": len(rows)},
+                    {"client": str(client_id), "metric": "grad_norm2", "value": float(gradient @ gradient)}]
+    reading = dissimilarity(gradients, sizes)
+    record = {"g2": reading.g2, "b2": reading.b2, "global_grad_norm2": reading.global_grad_norm2,
+              "n_clients": len(sizes), "task": task.name}
+    metrics += [{"client": "all", "metric": name, "value": record[name]} for name in ("g2", "b2", "global_grad_norm2")]
+    MetricsCSV(args.out / "metrics.csv", ("client", "metric", "value")).write(metrics)
+    atomic_write_text(args.out / METER_FILE, json.dumps(record, indent=2))
+    logger.info("%s, %d clients: G² = %.4g, B² = %.4g (‖∇F‖² = %.4g)", task.name, len(sizes), reading.g2, reading.b2,
+                reading.global_grad_norm2)
+    return record
