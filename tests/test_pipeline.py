@@ -124,3 +124,23 @@ def test_shipped_experiment_files_are_valid():
     for name in ("demo.yaml", "paper.yaml"):
         config = load_experiment(ROOT / "experiments" / name)
         assert json.dumps(config)
+
+
+def test_verdicts_do_not_depend_on_the_thread_count(tmp_path):
+    """Floating-point sums differ with the number of threads; the report's verdicts must not."""
+    import torch
+
+    config = tiny_experiment(tmp_path)
+    config["tasks"] = ["class_scene"]
+    config["seeds"] = [0, 1, 2]
+    experiment = write_experiment(tmp_path, config)
+    previous = torch.get_num_threads()
+    try:
+        reports = {}
+        for threads in (1, 2):
+            run_pipeline.main([str(experiment), "--results", str(tmp_path / f"threads{threads}"), "--threads", str(threads)])
+            reports[threads] = pd.read_csv(tmp_path / f"threads{threads}" / "tiny" / "report.csv")
+    finally:
+        torch.set_num_threads(previous)
+    assert list(reports[1].verdict) == list(reports[2].verdict)
+    assert (reports[1].gap_percent - reports[2].gap_percent).abs().max() < 1.0  # percentage points
