@@ -145,10 +145,21 @@ def test_option_one_weights_unequal_batches_by_size_and_gives_unused_parameters_
     model.register_parameter("unused", torch.nn.Parameter(torch.ones(2, dtype=torch.float64)))  # no loss reaches it
     x = torch.linspace(0, 1, DIM, dtype=torch.float64).unsqueeze(0)
     batches = [{"x": a[:10], "y": b[:10]}, {"x": a[10:], "y": b[10:]}]  # 10 and 20 rows
+    c = {"unused": torch.full((2,), 0.5, dtype=torch.float64)}
     result = algorithm.client_update(model, {"global": {"weight": x, "unused": torch.ones(2, dtype=torch.float64)},
-                                             CONTROL: {}}, {}, batches, client_config(30, steps=1))
+                                             CONTROL: c}, {}, batches, client_config(30, lr=0.01, steps=2))
     assert torch.allclose(result.client_state["weight"].squeeze(0), gradient(x.squeeze(0), a, b), rtol=0, atol=1e-13)
     assert torch.equal(result.client_state["unused"], torch.zeros(2, dtype=torch.float64))
+    # no loss gradient reaches it, yet each of the K = 2 steps moves it by −η_l·(c − c_i)
+    assert torch.allclose(result.upload[DELTA]["unused"], torch.full((2,), -2 * 0.01 * 0.5, dtype=torch.float64),
+                          rtol=0, atol=1e-15)
+
+
+def test_no_local_step_is_the_named_error():
+    a, b = least_squares_clients(sizes=(10,))[0]
+    with pytest.raises(TaskHetError, match=r"^scaffold needs at least one local step \(K >= 1\) per client$"):
+        scaffold().client_update(linear_model(), {"global": {"weight": vec(0.0)}, CONTROL: {}}, {}, [{"x": a, "y": b}],
+                                 client_config(10, steps=0))
 
 
 def test_option_one_needs_training_data_and_one_sample_is_enough():
