@@ -117,3 +117,10 @@ def test_client_summary_mean_std_and_worst_decile():
     assert summary["std"] == pytest.approx(math.sqrt(1.25))  # population std
     assert summary["worst_decile"] == 4.0  # ceil(10 % of 4) = 1 client
     assert client_summary([float(value) for value in range(1, 21)])["worst_decile"] == 19.5  # mean(20, 19)
+
+
+def test_apply_update_rounds_a_fractional_update_into_an_integer_entry():
+    updated = apply_update({"count": torch.tensor(10), "x": torch.tensor([1.0])},
+                           {"count": torch.tensor(2.6), "x": torch.tensor([0.5])}, scale=1.0)
+    assert updated["count"].dtype == torch.int64 and updated["count"].item() == 13  # 10 + 2.6, rounded
+    assert updated["x"].item() == 1.5

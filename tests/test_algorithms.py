@@ -273,3 +273,31 @@ def test_loading_weights_the_model_does_not_have_is_an_error():
 
     with pytest.raises(TaskHetError, match="unknown entries"):
         load_weights(nn.Linear(2, 1), {"weight": torch.zeros(1, 2), "cluster0.weight": torch.zeros(1, 2)})
+
+
+def test_run_phases_passes_each_phases_grad_hook_to_the_loop():
+    from network.algorithms.skeleton import Phase, run_phases
+    from tests.oracles import client_config
+
+    model = nn.Linear(4, 1)
+    start = {key: value.clone() for key, value in model.state_dict().items()}
+
+    def unit_gradient(module):  # every step then moves each parameter by exactly −lr
+        for param in module.parameters():
+            param.grad = torch.ones_like(param)
+
+    metrics = run_phases(model, [Phase(grad_hook=unit_gradient)], regression_batches(0),
+                         client_config(1, lr=0.1, steps=3, loss_fn=linear_loss))
+    assert metrics["local_steps"] == 3
+    for key, value in model.state_dict().items():
+        assert torch.allclose(value, start[key] - 0.3, rtol=0, atol=1e-6), key
+
+
+def test_server_state_to_moves_every_tensor_and_leaves_the_original():
+    from network.algorithms.base import ServerState
+
+    state = ServerState({"global": {"w": torch.ones(2, requires_grad=True)}}, {"m": torch.zeros(2)})
+    moved = state.to("meta")
+    assert moved.models["global"]["w"].device.type == "meta" and moved.tensors["m"].device.type == "meta"
+    assert not moved.models["global"]["w"].requires_grad
+    assert state.models["global"]["w"].device.type == "cpu"
