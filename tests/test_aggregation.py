@@ -124,3 +124,21 @@ def test_apply_update_rounds_a_fractional_update_into_an_integer_entry():
                            {"count": torch.tensor(2.6), "x": torch.tensor([0.5])}, scale=1.0)
     assert updated["count"].dtype == torch.int64 and updated["count"].item() == 13  # 10 + 2.6, rounded
     assert updated["x"].item() == 1.5
+
+
+def test_server_step_keeps_each_weights_dtype_whatever_the_uploads_dtype():
+    weights = {"x": torch.tensor([1.0], dtype=torch.float32), "count": torch.tensor(4)}
+    new, _ = server_step(weights, {"x": torch.tensor([0.25], dtype=torch.float64), "count": torch.tensor(2)}, {},
+                         ServerOptSettings(server_lr=2.0), param_keys=["x"])
+    assert new["x"].dtype == torch.float32 and new["x"].item() == 1.5
+    assert new["count"].dtype == torch.int64 and new["count"].item() == 6
+
+
+def test_client_summary_in_double_precision_and_its_worst_decile_rounds_up():
+    values = [0.1, 0.2, 0.4]
+    summary = client_summary(values)
+    assert summary["mean"] == pytest.approx(sum(values) / 3, rel=1e-15, abs=0)  # float32 would be off by ~1e-8
+    assert summary["std"] == pytest.approx(math.sqrt(sum((v - sum(values) / 3) ** 2 for v in values) / 3), rel=1e-14)
+    assert client_summary([float(value) for value in range(1, 12)])["worst_decile"] == 10.5  # ceil(1.1) = 2: mean(11, 10)
+    with pytest.raises(ValueError, match="^client_summary needs at least one value$"):
+        client_summary([])
