@@ -36,16 +36,20 @@ def test_weighted_average_reads_a_generator_once():
 def test_integer_entries_take_the_rounded_mean_and_keep_their_dtype():
     mean, _ = weighted_average([({"count": torch.tensor(1)}, 1), ({"count": torch.tensor(4)}, 2)])
     assert mean["count"].dtype == torch.int64 and mean["count"].item() == 3  # (1 + 8) / 3
+    mean, _ = weighted_average([({"count": torch.tensor(2)}, 2), ({"count": torch.tensor(3)}, 3)])
+    assert mean["count"].item() == 3  # (4 + 9) / 5 = 2.6 rounds to 3 (truncating would give 2)
 
 
 def test_weighted_mean_rejects_mismatched_keys_negative_weights_and_nothing():
     accumulator = WeightedMean()
     accumulator.add({"a": torch.zeros(2)}, 1.0)
-    with pytest.raises(ValueError, match="keys differ"):
+    with pytest.raises(ValueError, match=r"keys differ from the first upload's: \['a', 'b'\]$"):  # the differing keys
         accumulator.add({"b": torch.zeros(2)}, 1.0)
+    with pytest.raises(ValueError, match=r": \['a', 'k0', 'k1', 'k2', 'k3'\]$"):  # at most 5 of them
+        accumulator.add({f"k{index}": torch.zeros(2) for index in range(6)}, 1.0)
     with pytest.raises(ValueError, match=">= 0"):
         accumulator.add({"a": torch.zeros(2)}, -1.0)
-    with pytest.raises(TaskHetError, match="nothing to aggregate"):
+    with pytest.raises(TaskHetError, match="^nothing to aggregate: no client upload with a positive weight this round$"):
         WeightedMean().mean()
     with pytest.raises(TaskHetError, match="nothing to aggregate"):
         weighted_average([({"a": torch.ones(1)}, 0)])

@@ -301,3 +301,10 @@ def test_server_state_to_moves_every_tensor_and_leaves_the_original():
     assert moved.models["global"]["w"].device.type == "meta" and moved.tensors["m"].device.type == "meta"
     assert not moved.models["global"]["w"].requires_grad
     assert state.models["global"]["w"].device.type == "cpu"
+
+
+def test_an_algorithm_refuses_another_algorithms_settings():
+    algorithm, _ = build_algorithm("fedavg", TinyNet(), {"a": 1})
+    scaffold_settings = ALGORITHMS.get("scaffold").Settings()
+    with pytest.raises(TypeError, match="^fedavg takes ServerOptSettings, got ScaffoldSettings$"):
+        FedAvg(scaffold_settings, algorithm.federation)

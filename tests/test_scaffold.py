@@ -171,3 +171,14 @@ def test_option_one_needs_training_data_and_one_sample_is_enough():
     assert torch.allclose(result.client_state["weight"].squeeze(0), gradient(x.squeeze(0), a, b), rtol=0, atol=1e-13)
     with pytest.raises(TaskHetError, match="scaffold option I needs a client with training data"):
         algorithm.client_update(linear_model(), {"global": {"weight": x}, CONTROL: {}}, {}, [], client_config(1))
+
+
+def test_a_frozen_parameter_has_no_control_variate_and_never_moves():
+    a, b = least_squares_clients(sizes=(20,))[0]
+    model = linear_model()
+    model.register_parameter("frozen", torch.nn.Parameter(torch.ones(2, dtype=torch.float64), requires_grad=False))
+    start = {"weight": vec(0.5), "frozen": torch.ones(2, dtype=torch.float64)}
+    result = scaffold().client_update(model, {"global": start, CONTROL: {}}, {}, [{"x": a, "y": b}],
+                                      client_config(20, steps=3))
+    assert set(result.client_state) == set(result.upload[CONTROL_DELTA]) == {"weight"}
+    assert torch.equal(result.upload[DELTA]["frozen"], torch.zeros(2, dtype=torch.float64))
