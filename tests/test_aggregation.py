@@ -146,3 +146,12 @@ def test_client_summary_in_double_precision_and_its_worst_decile_rounds_up():
     assert client_summary([float(value) for value in range(1, 12)])["worst_decile"] == 10.5  # ceil(1.1) = 2: mean(11, 10)
     with pytest.raises(ValueError, match="^client_summary needs at least one value$"):
         client_summary([])
+
+
+def test_server_step_moves_parameters_that_follow_a_buffer():
+    weights = {"body": torch.tensor([1.0]), "running_mean": torch.tensor([0.0]), "head": torch.tensor([2.0])}
+    mean_delta = {key: torch.tensor([1.0]) for key in weights}  # the model's order: a buffer between parameters
+    for settings in (ServerOptSettings(server_lr=0.5), ServerOptSettings(server_opt="momentum", server_lr=0.5)):
+        new, _ = server_step(weights, mean_delta, init_server_optimizer(settings, weights, ["body", "head"]), settings,
+                             param_keys=["body", "head"])
+        assert new["body"].item() == 1.5 and new["head"].item() == 2.5 and new["running_mean"].item() == 1.0
