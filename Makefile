@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 DATA ?= data/synthetic
 
-.PHONY: setup demo test bench download clean
+.PHONY: setup demo test bench mutation download clean
 
 HOOK_STAMP := $(VENV)/.torchvision_hook
 
@@ -36,6 +36,13 @@ test: setup
 bench: setup
 	$(PIP) install --quiet --disable-pip-version-check -c constraints.txt -r bench/requirements.txt
 	for script in bench/bench_*.py; do $(PY) $$script || exit 1; done
+
+# Mutation testing (dev-only, not CI): mutmut over network/algorithms/ and network/aggregation.py with
+# the tests named in setup.cfg's [mutmut] section; 2 workers (the development machine has 2 cores).
+mutation: setup
+	$(PIP) install --quiet --disable-pip-version-check -c constraints.txt -r requirements-dev.txt
+	$(VENV)/bin/mutmut run --max-children 2
+	$(VENV)/bin/mutmut results
 
 # Real Taskonomy via omnidata-tools (needs internet). SUBSET=debug|tiny|medium|full|fullplus.
 # The licence must be accepted: NAME, EMAIL and AGREE=yes are passed on (the download refuses to start without them).

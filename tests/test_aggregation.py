@@ -36,16 +36,20 @@ def test_weighted_average_reads_a_generator_once():
 def test_integer_entries_take_the_rounded_mean_and_keep_their_dtype():
     mean, _ = weighted_average([({"count": torch.tensor(1)}, 1), ({"count": torch.tensor(4)}, 2)])
     assert mean["count"].dtype == torch.int64 and mean["count"].item() == 3  # (1 + 8) / 3
+    mean, _ = weighted_average([({"count": torch.tensor(2)}, 2), ({"count": torch.tensor(3)}, 3)])
+    assert mean["count"].item() == 3  # (4 + 9) / 5 = 2.6 rounds to 3 (truncating would give 2)
 
 
 def test_weighted_mean_rejects_mismatched_keys_negative_weights_and_nothing():
     accumulator = WeightedMean()
     accumulator.add({"a": torch.zeros(2)}, 1.0)
-    with pytest.raises(ValueError, match="keys differ"):
+    with pytest.raises(ValueError, match=r"keys differ from the first upload's: \['a', 'b'\]$"):  # the differing keys
         accumulator.add({"b": torch.zeros(2)}, 1.0)
+    with pytest.raises(ValueError, match=r": \['a', 'k0', 'k1', 'k2', 'k3'\]$"):  # at most 5 of them
+        accumulator.add({f"k{index}": torch.zeros(2) for index in range(6)}, 1.0)
     with pytest.raises(ValueError, match=">= 0"):
         accumulator.add({"a": torch.zeros(2)}, -1.0)
-    with pytest.raises(TaskHetError, match="nothing to aggregate"):
+    with pytest.raises(TaskHetError, match="^nothing to aggregate: no client upload with a positive weight this round$"):
         WeightedMean().mean()
     with pytest.raises(TaskHetError, match="nothing to aggregate"):
         weighted_average([({"a": torch.ones(1)}, 0)])
@@ -117,3 +121,37 @@ def test_client_summary_mean_std_and_worst_decile():
     assert summary["std"] == pytest.approx(math.sqrt(1.25))  # population std
     assert summary["worst_decile"] == 4.0  # ceil(10 % of 4) = 1 client
     assert client_summary([float(value) for value in range(1, 21)])["worst_decile"] == 19.5  # mean(20, 19)
+
+
+def test_apply_update_rounds_a_fractional_update_into_an_integer_entry():
+    updated = apply_update({"count": torch.tensor(10), "x": torch.tensor([1.0])},
+                           {"count": torch.tensor(2.6), "x": torch.tensor([0.5])}, scale=1.0)
+    assert updated["count"].dtype == torch.int64 and updated["count"].item() == 13  # 10 + 2.6, rounded
+    assert updated["x"].item() == 1.5
+
+
+def test_server_step_keeps_each_weights_dtype_whatever_the_uploads_dtype():
+    weights = {"x": torch.tensor([1.0], dtype=torch.float32), "count": torch.tensor(4)}
+    new, _ = server_step(weights, {"x": torch.tensor([0.25], dtype=torch.float64), "count": torch.tensor(2)}, {},
+                         ServerOptSettings(server_lr=2.0), param_keys=["x"])
+    assert new["x"].dtype == torch.float32 and new["x"].item() == 1.5
+    assert new["count"].dtype == torch.int64 and new["count"].item() == 6
+
+
+def test_client_summary_in_double_precision_and_its_worst_decile_rounds_up():
+    values = [0.1, 0.2, 0.4]
+    summary = client_summary(values)
+    assert summary["mean"] == pytest.approx(sum(values) / 3, rel=1e-15, abs=0)  # float32 would be off by ~1e-8
+    assert summary["std"] == pytest.approx(math.sqrt(sum((v - sum(values) / 3) ** 2 for v in values) / 3), rel=1e-14)
+    assert client_summary([float(value) for value in range(1, 12)])["worst_decile"] == 10.5  # ceil(1.1) = 2: mean(11, 10)
+    with pytest.raises(ValueError, match="^client_summary needs at least one value$"):
+        client_summary([])
+
+
+def test_server_step_moves_parameters_that_follow_a_buffer():
+    weights = {"body": torch.tensor([1.0]), "running_mean": torch.tensor([0.0]), "head": torch.tensor([2.0])}
+    mean_delta = {key: torch.tensor([1.0]) for key in weights}  # the model's order: a buffer between parameters
+    for settings in (ServerOptSettings(server_lr=0.5), ServerOptSettings(server_opt="momentum", server_lr=0.5)):
+        new, _ = server_step(weights, mean_delta, init_server_optimizer(settings, weights, ["body", "head"]), settings,
+                             param_keys=["body", "head"])
+        assert new["body"].item() == 1.5 and new["head"].item() == 2.5 and new["running_mean"].item() == 1.0

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from network.algorithms import build_algorithm, describe_algorithms, list_algorithms
-from network.algorithms.base import ALGORITHMS, Upload
+from network.algorithms.base import ALGORITHMS, Upload, get_settings_class
 from network.algorithms.fedavg import FedAvg
 from network.algorithms.fedrep import FedRep
 from network.client import ClientFailure
@@ -55,6 +55,72 @@ def test_a_foreign_or_mistyped_setting_is_one_error_listing_the_algorithms_setti
     settings = build_algorithm("fedprox", TinyNet(), {"a": 1}, {"mu": "0.5", "server_lr": 2})[0].settings
     assert settings.mu == 0.5 and settings.server_lr == 2.0
     assert "--lam" in describe_algorithms() and "--n_cluster_models" in describe_algorithms()
+
+
+# Every setting of every algorithm: values its __post_init__ must refuse (with the exact message a user
+# reads) and edge values it must accept. A new setting fails the test until it is listed here.
+REFUSED = {
+    "server_opt": [({"server_opt": "lamb"}, "setting server_opt must be one of sgd, momentum, adam, got 'lamb'")],
+    "server_lr": [({"server_lr": 0.0}, "setting server_lr must be > 0, got 0.0")],
+    "server_momentum": [({"server_momentum": 1.0}, "setting server_momentum must be in [0, 1), got 1.0"),
+                        ({"server_momentum": -0.1}, "setting server_momentum must be in [0, 1), got -0.1")],
+    "server_beta1": [({"server_beta1": 1.0}, "setting server_beta1 must be in [0, 1), got 1.0"),
+                     ({"server_beta1": -0.1}, "setting server_beta1 must be in [0, 1), got -0.1")],
+    "server_beta2": [({"server_beta2": 1.0}, "setting server_beta2 must be in [0, 1), got 1.0"),
+                     ({"server_beta2": -0.1}, "setting server_beta2 must be in [0, 1), got -0.1")],
+    "server_tau": [({"server_tau": 0.0}, "setting server_tau must be > 0, got 0.0")],
+    "mu": [({"mu": -0.5}, "setting mu must be >= 0, got -0.5")],
+    "lam": [({"lam": -0.5}, "setting lam must be >= 0, got -0.5")],
+    "prox_step": [({"prox_step": "newton"}, "setting prox_step must be one of explicit, implicit, got 'newton'")],
+    "head_epochs": [({"head_epochs": -1}, "setting head_epochs/body_epochs must be >= 0 and not both 0, got (-1, 1)"),
+                    ({"head_epochs": 0, "body_epochs": 0},
+                     "setting head_epochs/body_epochs must be >= 0 and not both 0, got (0, 0)")],
+    "body_epochs": [({"body_epochs": -1}, "setting head_epochs/body_epochs must be >= 0 and not both 0, got (1, -1)")],
+    "n_cluster_models": [({"n_cluster_models": 0}, "setting n_cluster_models must be >= 1, got 0")],
+    "init_noise": [({"init_noise": -0.1}, "setting init_noise must be >= 0, got -0.1")],
+    "option": [({"option": "III"}, "setting option must be I or II, got 'III'")],
+    "weighting": [({"weighting": "median"}, "setting weighting must be samples or uniform, got 'median'")],
+    "density": [({"density": 0.0}, "setting density must be in (0, 1], got 0.0"),
+                ({"density": 1.5}, "setting density must be in (0, 1], got 1.5")],
+    "calibration_rounds": [({"calibration_rounds": 0}, "setting calibration_rounds must be >= 1, got 0")],
+    "calibration_batches": [({"calibration_batches": 0}, "setting calibration_batches must be >= 1, got 0")],
+}
+# Settings no __post_init__ check guards: their choices are enforced when the settings are built from a run's
+# values (build_settings), or any value is valid.
+NOT_CHECKED_AFTER_BUILD = {"mask_rule", "score", "likelihood", "mask_source", "input_key"}
+ACCEPTED_EDGES = {"server_lr": [{"server_lr": 1e-9}], "server_momentum": [{"server_momentum": 0.0}],
+                  "server_beta1": [{"server_beta1": 0.0}], "server_beta2": [{"server_beta2": 0.0}],
+                  "mu": [{"mu": 0.0}], "lam": [{"lam": 0.0}], "head_epochs": [{"head_epochs": 0, "body_epochs": 1}],
+                  "body_epochs": [{"head_epochs": 1, "body_epochs": 0}], "n_cluster_models": [{"n_cluster_models": 1}],
+                  "init_noise": [{"init_noise": 0.0}], "density": [{"density": 1.0}],
+                  "calibration_rounds": [{"calibration_rounds": 1}], "calibration_batches": [{"calibration_batches": 1}]}
+
+
+@pytest.mark.parametrize("name", list_algorithms())
+def test_every_setting_refuses_bad_values_with_its_message_and_accepts_its_edges(name):
+    settings_class = ALGORITHMS.get(name).Settings
+    assert get_settings_class(name) is settings_class
+    for info in describe(settings_class):
+        assert info.name in REFUSED or info.name in NOT_CHECKED_AFTER_BUILD, f"{name}: list {info.name}'s bad values"
+        for overrides, message in REFUSED.get(info.name, []):
+            with pytest.raises(TaskHetError) as error:
+                settings_class(**overrides)
+            assert str(error.value) == message
+        for overrides in ACCEPTED_EDGES.get(info.name, []):
+            settings = settings_class(**overrides)
+            assert all(getattr(settings, key) == value for key, value in overrides.items())
+        for choice in info.choices or ():
+            assert getattr(settings_class(**{info.name: choice}), info.name) == choice
+
+
+def test_list_methods_shows_each_algorithm_with_its_summary_and_settings():
+    blocks = describe_algorithms().split("\n\n")
+    assert len(blocks) == len(list_algorithms())
+    for name, block in zip(list_algorithms(), blocks):
+        algorithm_class = ALGORITHMS.get(name)
+        lines = block.split("\n")
+        assert lines[0] == f"{name}: {algorithm_class.__doc__.strip().splitlines()[0]}"
+        assert [line.split(" (")[0] for line in lines[1:]] == [f"  --{info.name}" for info in describe(algorithm_class.Settings)]
 
 
 # ----- the engine's view of every algorithm -----
@@ -207,3 +273,38 @@ def test_loading_weights_the_model_does_not_have_is_an_error():
 
     with pytest.raises(TaskHetError, match="unknown entries"):
         load_weights(nn.Linear(2, 1), {"weight": torch.zeros(1, 2), "cluster0.weight": torch.zeros(1, 2)})
+
+
+def test_run_phases_passes_each_phases_grad_hook_to_the_loop():
+    from network.algorithms.skeleton import Phase, run_phases
+    from tests.oracles import client_config
+
+    model = nn.Linear(4, 1)
+    start = {key: value.clone() for key, value in model.state_dict().items()}
+
+    def unit_gradient(module):  # every step then moves each parameter by exactly −lr
+        for param in module.parameters():
+            param.grad = torch.ones_like(param)
+
+    metrics = run_phases(model, [Phase(grad_hook=unit_gradient)], regression_batches(0),
+                         client_config(1, lr=0.1, steps=3, loss_fn=linear_loss))
+    assert metrics["local_steps"] == 3
+    for key, value in model.state_dict().items():
+        assert torch.allclose(value, start[key] - 0.3, rtol=0, atol=1e-6), key
+
+
+def test_server_state_to_moves_every_tensor_and_leaves_the_original():
+    from network.algorithms.base import ServerState
+
+    state = ServerState({"global": {"w": torch.ones(2, requires_grad=True)}}, {"m": torch.zeros(2)})
+    moved = state.to("meta")
+    assert moved.models["global"]["w"].device.type == "meta" and moved.tensors["m"].device.type == "meta"
+    assert not moved.models["global"]["w"].requires_grad
+    assert state.models["global"]["w"].device.type == "cpu"
+
+
+def test_an_algorithm_refuses_another_algorithms_settings():
+    algorithm, _ = build_algorithm("fedavg", TinyNet(), {"a": 1})
+    scaffold_settings = ALGORITHMS.get("scaffold").Settings()
+    with pytest.raises(TypeError, match="^fedavg takes ServerOptSettings, got ScaffoldSettings$"):
+        FedAvg(scaffold_settings, algorithm.federation)

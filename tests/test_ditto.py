@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 import torch
 
@@ -65,3 +66,16 @@ def test_global_model_is_fedavgs(tmp_path):
     ditto, _ = run_oracle(tmp_path, "ditto", rounds=4, steps=3, lr=lr, data=data, lam=0.3)
     fedavg, _ = run_oracle(tmp_path / "avg", "fedavg", rounds=4, steps=3, lr=lr, data=data)
     assert torch.allclose(ditto, fedavg, rtol=0, atol=1e-13)
+
+
+def test_never_sampled_clients_have_no_personal_model_and_are_counted(tmp_path):
+    data = least_squares_clients(sizes=(10, 20, 30, 40, 50))
+    _, engine = run_oracle(tmp_path, "ditto", rounds=1, steps=2, lr=0.01, data=data, fraction=0.4)
+    trained = {client for client in "01234" if engine.store.get(client)}
+    assert len(trained) == 2
+    for client in "01234":
+        own = engine.algorithm.personal_model(engine.server.models, engine.store.get(client) or {})
+        assert (own is None) == (client not in trained)
+    metrics = pd.read_csv(tmp_path / "ditto" / "metrics.csv", dtype={"client": str})
+    skipped = metrics.query("split == 'client_test_personal' and client == 'skipped' and round == 1").value
+    assert list(skipped) == [3]

@@ -128,3 +128,18 @@ def test_fedavg_with_several_local_steps_converges_away_from_the_optimum(tmp_pat
     more, _ = run_oracle(tmp_path / "more", "fedavg", rounds=160, steps=10, lr=lr, data=data)
     assert torch.allclose(weights, more, atol=1e-9)  # converged ...
     assert relative_error(weights, pooled_optimum(data)) > 1e-2  # ... to a point that is not the optimum (client drift)
+
+
+def test_local_steps_use_the_rounds_momentum_and_weight_decay_by_hand():
+    a, b = least_squares_clients(sizes=(20,))[0]
+    lr, momentum, decay, steps = 0.05, 0.9, 0.3, 4
+    algorithm, model = build_algorithm("fedavg", linear_model(), {"0": 20})
+    start = torch.linspace(-1, 1, DIM, dtype=torch.float64)
+    result = algorithm.client_update(model, {"global": {"weight": start.unsqueeze(0)}}, {}, [{"x": a, "y": b}],
+                                     client_config(20, lr=lr, steps=steps, momentum=momentum, weight_decay=decay))
+    w, velocity = start.clone(), torch.zeros(DIM, dtype=torch.float64)
+    for step in range(steps):
+        g = gradient(w, a, b) + decay * w  # torch.optim.SGD: decay enters the gradient, then the momentum buffer
+        velocity = g if step == 0 else momentum * velocity + g
+        w = w - lr * velocity
+    assert torch.allclose(result.upload[DELTA]["weight"].squeeze(0), w - start, rtol=0, atol=1e-13)

@@ -42,3 +42,8 @@ def test_clients_keep_their_own_statistics_and_the_global_model_never_receives_t
 def test_without_batchnorm_fedbn_is_fedavg():
     algorithm, _ = build_algorithm("fedbn", linear_model(), {"0": 1})
     assert algorithm.private_keys() == frozenset() and not algorithm.personalized
+
+
+def test_a_model_that_is_a_batchnorm_layer_has_unprefixed_keys():
+    assert ModelLayout.of(torch.nn.BatchNorm1d(3)).batchnorm_keys == {"weight", "bias", "running_mean", "running_var",
+                                                                       "num_batches_tracked"}

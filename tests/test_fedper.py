@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from network.algorithms import build_algorithm
 from network.algorithms.skeleton import DELTA
-from tests.oracles import TwoLayer, client_config, least_squares_clients, manual_sgd
+from tests.oracles import TwoLayer, client_config, least_squares_clients, linear_model, manual_sgd
+from utils.errors import TaskHetError
 
 
 def test_joint_local_training_by_hand_with_the_clients_own_head():
@@ -25,3 +27,8 @@ def test_joint_local_training_by_hand_with_the_clients_own_head():
     personal = algorithm.personal_model({"global": start}, result.client_state)
     assert torch.equal(personal["body.weight"], start["body.weight"])  # the global body with the own head
     assert torch.equal(personal["head.weight"], result.client_state["head.weight"])
+
+
+def test_a_model_without_a_head_is_refused_naming_the_algorithm():
+    with pytest.raises(TaskHetError, match=r"^fedper needs a model with head_keys\(\)"):
+        build_algorithm("fedper", linear_model(), {"0": 1})

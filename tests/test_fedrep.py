@@ -70,8 +70,34 @@ def test_never_sampled_clients_have_no_personal_model_and_are_counted(tmp_path):
     assert engine.algorithm.personal_model(engine.server.models, engine.store.get(untrained) or {}) is None
 
 
-def test_a_model_without_a_head_is_refused():
+def test_a_model_without_a_head_is_refused_naming_the_algorithm():
     from tests.oracles import linear_model
 
-    with pytest.raises(TaskHetError, match="head_keys"):
+    with pytest.raises(TaskHetError, match=r"^fedrep needs a model with head_keys\(\)"):
         build_algorithm("fedrep", linear_model(), {"0": 1})
+
+
+def test_each_phase_reports_its_own_mean_loss():
+    algorithm, model = build_algorithm("fedrep", TwoLayer(), {"0": 24}, {"head_epochs": 2, "body_epochs": 1})
+    start = {key: value.clone() for key, value in model.state_dict().items()}
+    result = algorithm.client_update(model, {"global": start}, {}, batches(), client_config(24, lr=0.1, steps=3))
+    weights, losses = start, {"head.weight": [], "body.weight": []}
+    for key, steps in (("head.weight", 6), ("body.weight", 3)):
+        for step in range(steps):  # the loss before each step, as the local loop reports it
+            batch = batches()[step % 2]
+            prediction = batch["x"] @ weights["body.weight"].T @ weights["head.weight"].T
+            losses[key].append(float(0.5 * ((prediction.squeeze(-1) - batch["y"]) ** 2).mean()))
+            weights = manual_sgd(weights, {key}, [batch], 0.1, steps=1)
+    assert result.metrics["head_train_loss"] == pytest.approx(sum(losses["head.weight"]) / 6, rel=1e-6)  # the loop averages in float32
+    assert result.metrics["train_loss"] == pytest.approx(sum(losses["body.weight"]) / 3, rel=1e-6)
+
+
+def test_a_head_phase_of_zero_budgets_leaves_the_body_phase():
+    algorithm, model = build_algorithm("fedrep", TwoLayer(), {"0": 24}, {"head_epochs": 0, "body_epochs": 2})
+    start = {key: value.clone() for key, value in model.state_dict().items()}
+    result = algorithm.client_update(model, {"global": start}, {}, batches(), client_config(24, lr=0.1, steps=3))
+    expected = manual_sgd(start, {"body.weight"}, batches(), 0.1, steps=6)
+    assert torch.allclose(result.upload[DELTA]["body.weight"], expected["body.weight"] - start["body.weight"],
+                          rtol=0, atol=1e-13)
+    assert torch.equal(result.client_state["head.weight"], start["head.weight"])
+    assert result.metrics["local_steps"] == 6 and "head_train_loss" not in result.metrics

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import pandas as pd
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from network.algorithms import build_algorithm
+from network.algorithms.base import ServerState, Upload
+from network.algorithms.skeleton import DELTA
 from tests.oracles import DIM, least_squares_clients, linear_model, max_curvature, pooled_optimum, run_oracle
 
 SHIFT = 4.0
@@ -57,3 +61,67 @@ def test_initial_cluster_models_differ_only_in_parameters_and_are_seeded():
     assert not torch.equal(server.models["cluster1"]["body.0.weight"], server.models["cluster2"]["body.0.weight"])
     assert torch.equal(server.models["cluster1"]["body.1.running_var"], weights["body.1.running_var"])
     assert torch.equal(server.models["cluster2"]["body.0.weight"], again.models["cluster2"]["body.0.weight"])
+
+
+def test_initial_cluster_models_are_the_model_plus_noise_of_std_init_noise_and_depend_on_the_seed():
+    model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64))  # 4,160 parameter entries, BatchNorm buffers
+    weights = {key: value.clone() for key, value in model.state_dict().items()}
+    for std in (0.5, 1.0):
+        algorithm, _ = build_algorithm("ifca", model, {"0": 1}, {"n_cluster_models": 3, "init_noise": std}, seed=5)
+        server = algorithm.init_server(weights)
+        for j in (1, 2):
+            cluster = server.models[f"cluster{j}"]
+            assert all(cluster[key].dtype == value.dtype for key, value in weights.items())
+            noise = torch.cat([(cluster[key] - weights[key]).flatten() for key in ("0.weight", "0.bias", "1.weight",
+                                                                                   "1.bias")]).double()
+            assert abs(noise.std().item() - std) < 0.05 * std and abs(noise.mean().item()) < 0.05 * std
+            for key in ("1.running_mean", "1.running_var", "1.num_batches_tracked"):
+                assert torch.equal(cluster[key], weights[key])  # buffers are copied
+        other_seed, _ = build_algorithm("ifca", model, {"0": 1}, {"n_cluster_models": 3, "init_noise": std}, seed=6)
+        assert not torch.equal(other_seed.init_server(weights).models["cluster1"]["0.weight"],
+                               server.models["cluster1"]["0.weight"])
+
+
+def half_squared_error(model: nn.Module, batch: dict, reduction: str = "mean") -> torch.Tensor:
+    """The least-squares loss through torch's own ``reduction`` argument (it refuses anything but none/mean/sum)."""
+    return 0.5 * F.mse_loss(model(batch["x"]).squeeze(-1), batch["y"], reduction=reduction)
+
+
+def test_cluster_choice_uses_the_mean_per_sample_loss_over_all_batches():
+    # θ0 = 0 fits the 9-row batch B exactly (loss 0.5 per row under θ1); θ1 = e_1 fits the 1-row batch A
+    # (loss 2 under θ0). Per sample over all 10 rows: F(θ0) = 2/10 < F(θ1) = 4.5/10, so cluster 0. The mean of
+    # the batch means (1 vs 0.25) or the last batch alone (2 vs 0) would pick cluster 1.
+    generator = torch.Generator().manual_seed(0)
+    x_b = torch.randn(9, DIM, generator=generator, dtype=torch.float64)
+    x_b[:, 0] = torch.tensor([1.0, -1.0] * 4 + [1.0], dtype=torch.float64)
+    x_a = torch.randn(1, DIM, generator=generator, dtype=torch.float64)
+    x_a[:, 0] = 2.0
+    loader = [{"x": x_b, "y": torch.zeros(9, dtype=torch.float64)}, {"x": x_a, "y": torch.full((1,), 2.0, dtype=torch.float64)}]
+    algorithm, model = build_algorithm("ifca", linear_model(), {"0": 10}, {"n_cluster_models": 2})
+    e1 = torch.zeros(1, DIM, dtype=torch.float64)
+    e1[0, 0] = 1.0
+    models = {"cluster0": {"weight": torch.zeros(1, DIM, dtype=torch.float64)}, "cluster1": {"weight": e1}}
+    from tests.oracles import client_config
+
+    result = algorithm.client_update(model, models, {}, loader, client_config(10, steps=1, loss_fn=half_squared_error))
+    assert int(result.client_state["id"]) == 0
+
+
+def test_server_averages_per_cluster_and_evaluates_the_most_populated_cluster_first():
+    algorithm, _ = build_algorithm("ifca", linear_model(), {"0": 10, "1": 10, "2": 30}, {"n_cluster_models": 3})
+    start = {f"cluster{j}": {"weight": torch.full((1, DIM), float(j), dtype=torch.float64)} for j in range(3)}
+    server = ServerState(start, {"cluster_samples": torch.zeros(3)})
+
+    def upload(cluster: int, delta: float, n: int) -> Upload:
+        return Upload("c", {DELTA: {"weight": torch.full((1, DIM), delta, dtype=torch.float64)},
+                            "cluster": {"id": torch.tensor(cluster)}}, n)
+
+    new = algorithm.aggregate(server, [upload(2, 1.0, 10), upload(0, 4.0, 10), upload(2, 2.0, 30)])
+    assert torch.equal(new.models["cluster2"]["weight"], start["cluster2"]["weight"] + (10 * 1.0 + 30 * 2.0) / 40)
+    assert torch.equal(new.models["cluster0"]["weight"], start["cluster0"]["weight"] + 4.0)
+    assert torch.equal(new.models["cluster1"]["weight"], start["cluster1"]["weight"])  # nobody chose it
+    assert list(algorithm.evaluated_models(new)) == ["cluster2", "cluster0", "cluster1"]  # by samples: 40, 10, 0
+    tied = algorithm.aggregate(server, [upload(2, 1.0, 10), upload(1, 1.0, 10)])
+    assert list(algorithm.evaluated_models(tied)) == ["cluster1", "cluster2", "cluster0"]  # ties: the lowest index
+    assert algorithm.personal_model(new.models, {"id": torch.tensor(2)}) is new.models["cluster2"]
+    assert algorithm.personal_model(new.models, {}) is None  # never sampled: no own model

@@ -11,6 +11,7 @@ from network.algorithms.scaffold import CONTROL, CONTROL_DELTA, DELTA
 from tests.oracles import (DIM, client_config, gradient, least_squares_clients, linear_model, max_curvature,
                            pooled_optimum, relative_error, run_oracle, uniform_optimum)
 from tests.tiny_models import TinyNet
+from utils.errors import TaskHetError
 
 SIZES = {"0": 10, "1": 20, "2": 30, "3": 40}  # n = 100
 
@@ -135,3 +136,49 @@ def test_batchnorm_buffers_are_not_scaled_by_the_server_lr():
     before, after = server.models["global"], new.models["global"]
     assert torch.equal(after["body.1.running_mean"], before["body.1.running_mean"] + 1)
     assert torch.equal(after["body.0.weight"], before["body.0.weight"] + 0.5)
+
+
+def test_option_one_weights_unequal_batches_by_size_and_gives_unused_parameters_a_zero_control():
+    a, b = least_squares_clients(sizes=(30,))[0]
+    algorithm = scaffold(option="I")
+    model = linear_model()
+    model.register_parameter("unused", torch.nn.Parameter(torch.ones(2, dtype=torch.float64)))  # no loss reaches it
+    x = torch.linspace(0, 1, DIM, dtype=torch.float64).unsqueeze(0)
+    batches = [{"x": a[:10], "y": b[:10]}, {"x": a[10:], "y": b[10:]}]  # 10 and 20 rows
+    c = {"unused": torch.full((2,), 0.5, dtype=torch.float64)}
+    result = algorithm.client_update(model, {"global": {"weight": x, "unused": torch.ones(2, dtype=torch.float64)},
+                                             CONTROL: c}, {}, batches, client_config(30, lr=0.01, steps=2))
+    assert torch.allclose(result.client_state["weight"].squeeze(0), gradient(x.squeeze(0), a, b), rtol=0, atol=1e-13)
+    assert torch.equal(result.client_state["unused"], torch.zeros(2, dtype=torch.float64))
+    # no loss gradient reaches it, yet each of the K = 2 steps moves it by −η_l·(c − c_i)
+    assert torch.allclose(result.upload[DELTA]["unused"], torch.full((2,), -2 * 0.01 * 0.5, dtype=torch.float64),
+                          rtol=0, atol=1e-15)
+
+
+def test_no_local_step_is_the_named_error():
+    a, b = least_squares_clients(sizes=(10,))[0]
+    with pytest.raises(TaskHetError, match=r"^scaffold needs at least one local step \(K >= 1\) per client$"):
+        scaffold().client_update(linear_model(), {"global": {"weight": vec(0.0)}, CONTROL: {}}, {}, [{"x": a, "y": b}],
+                                 client_config(10, steps=0))
+
+
+def test_option_one_needs_training_data_and_one_sample_is_enough():
+    a, b = least_squares_clients(sizes=(1,))[0]
+    algorithm = scaffold(option="I")
+    x = torch.zeros(1, DIM, dtype=torch.float64)
+    result = algorithm.client_update(linear_model(), {"global": {"weight": x}, CONTROL: {}}, {}, [{"x": a, "y": b}],
+                                     client_config(1, steps=1))
+    assert torch.allclose(result.client_state["weight"].squeeze(0), gradient(x.squeeze(0), a, b), rtol=0, atol=1e-13)
+    with pytest.raises(TaskHetError, match="^scaffold option I needs a client with training data$"):
+        algorithm.client_update(linear_model(), {"global": {"weight": x}, CONTROL: {}}, {}, [], client_config(1))
+
+
+def test_a_frozen_parameter_has_no_control_variate_and_never_moves():
+    a, b = least_squares_clients(sizes=(20,))[0]
+    model = linear_model()
+    model.register_parameter("frozen", torch.nn.Parameter(torch.ones(2, dtype=torch.float64), requires_grad=False))
+    start = {"weight": vec(0.5), "frozen": torch.ones(2, dtype=torch.float64)}
+    result = scaffold().client_update(model, {"global": start, CONTROL: {}}, {}, [{"x": a, "y": b}],
+                                      client_config(20, steps=3))
+    assert set(result.client_state) == set(result.upload[CONTROL_DELTA]) == {"weight"}
+    assert torch.equal(result.upload[DELTA]["frozen"], torch.zeros(2, dtype=torch.float64))
