@@ -14,6 +14,7 @@ from PIL import Image
 from datasets.selection import read_scene_names, read_split_csv
 from datasets.synthetic import (
     BUILDINGS_FILE,
+    OBJECT_CLASSES,
     PLACES_FILE,
     SCENE_TYPES,
     SPLIT_FILE,
@@ -24,7 +25,8 @@ from datasets.synthetic import (
     render_view,
     scene_places_indices,
 )
-from datasets.taskonomy import DEPTH_UNITS_PER_METRE, DOMAIN_SPECS, DOMAINS, NUM_SEMANTIC_CLASSES, TaskonomyDataset, domain_dir, read_manifest
+from datasets.taskonomy import (DEPTH_UNITS_PER_METRE, DOMAIN_SPECS, DOMAINS, NUM_SEMANTIC_CLASSES, SEGMENT_IGNORE_INDEX,
+                                SEMANTIC_CLASS_NAMES, TaskonomyDataset, domain_dir, read_manifest)
 from steps import render
 from tests.fixtures import render_tiny_dataset, tiny_data_root, tiny_manifest, tiny_render_config  # noqa: F401
 from utils.errors import TaskHetError
@@ -63,8 +65,9 @@ def test_round_trip_matches_renderer_ground_truth(tiny_data_root, tiny_manifest)
         assert np.all(np.abs(lengths[hit] - 1.0) < 0.02)
         np.testing.assert_allclose(normal[:, hit], truth.normal[hit].T, atol=1.0 / 255 + 1e-6)
         semantic = sample["segment_semantic"].numpy()
-        assert semantic.min() >= 0 and semantic.max() < NUM_SEMANTIC_CLASSES
-        np.testing.assert_array_equal(semantic, truth.semantic)
+        assert semantic[hit].min() >= 0 and semantic[hit].max() < NUM_SEMANTIC_CLASSES
+        np.testing.assert_array_equal(semantic[hit], truth.semantic[hit])  # room = 0 (background), objects 1..16
+        assert np.all(semantic[~hit] == SEGMENT_IGNORE_INDEX)
         np.testing.assert_array_equal(sample["mask"][0].numpy(), hit)
         np.testing.assert_array_equal(sample["mask_valid"][0].numpy(), hit)
         assert np.all(sample["reshading"][0].numpy()[~hit] == 0)
@@ -182,3 +185,20 @@ def test_cli_renders_requested_sizes(tmp_path, capsys):
     assert len(list((out / "rgb/taskonomy").iterdir())) == 2
     with Image.open(out / "normal/taskonomy/synth001/point_0_view_1_domain_normal.png") as image:
         assert image.size == (16, 16)
+
+
+def test_renderer_writes_real_segmentation_ids(tiny_data_root):
+    # The renderer writes what real Taskonomy stores: raw = class + 1, raw 0 where no surface was hit.
+    assert [object_class.name for object_class in OBJECT_CLASSES] == list(SEMANTIC_CLASS_NAMES[1:])
+    assert [object_class.class_id for object_class in OBJECT_CLASSES] == list(range(1, NUM_SEMANTIC_CLASSES))
+    config = tiny_render_config()
+    raw_values = set()
+    for sample_id, truth in rendered_views(config).items():
+        building, rest = sample_id.split("_", 1)
+        name = f"{rest}_domain_segmentsemantic.png"
+        with Image.open(domain_dir(tiny_data_root, "segment_semantic", building) / name) as image:
+            raw = np.array(image)
+        np.testing.assert_array_equal(raw[truth.hit], truth.semantic[truth.hit].astype(np.int64) + 1)
+        assert np.all(raw[~truth.hit] == 0)
+        raw_values |= set(np.unique(raw).tolist())
+    assert {0, 1} <= raw_values and max(raw_values) <= NUM_SEMANTIC_CLASSES  # unlabelled windows and background walls
