@@ -223,3 +223,11 @@ def test_tasks_require_only_the_domains_they_need(data_copy, tmp_path):
     assert len(manifest) == 24
     with pytest.raises(TaskHetError, match="domain folder .*depth_zbuffer/taskonomy is missing"):
         step1.main(["--data_path", str(data_copy), "--tasks", "depth_zbuffer", "--out", str(tmp_path / "c"), "--no-progress"])
+
+
+def test_the_official_tiny_split_csv_is_read():
+    from omnidata_tools.dataset.starter_dataset.component_datasets import taskonomy as omnidata_taskonomy
+
+    path = Path(omnidata_taskonomy.taskonomy_split_files["tiny"])
+    assert b"\r" in path.read_bytes() and b"\n" not in path.read_bytes()  # CR-only, as shipped
+    assert len(read_split_csv(path)) == 35
