@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from datasets.taskonomy import SEGMENT_IGNORE_INDEX
+
 
 def valid_pixels(batch: dict, like: torch.Tensor) -> torch.Tensor:
     """The batch's valid-pixel mask broadcast to ``like`` ([B, C, H, W]); all valid without a mask."""
@@ -83,11 +85,16 @@ def normal_loss(prediction: torch.Tensor, batch: dict, domain: str = "normal", r
 
 def segmentation_loss(prediction: torch.Tensor, batch: dict, domain: str = "segment_semantic",
                       reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy over class logits ``[B, C, H, W]``; class 0 (unlabelled) and masked pixels are ignored."""
+    """Cross-entropy over class logits ``[B, C, H, W]`` against class ids ``batch[domain]`` ([B, H, W]).
+
+    Every class id 0..C-1 counts (0 is Taskonomy's background); unlabelled pixels
+    (``SEGMENT_IGNORE_INDEX``) and masked pixels are ignored.
+    """
     target = batch[domain].to(prediction.device)
-    valid = valid_pixels(batch, prediction[:, :1])[:, 0] & (target != 0)
+    valid = valid_pixels(batch, prediction[:, :1])[:, 0] & (target != SEGMENT_IGNORE_INDEX)
     logits = torch.where(valid.unsqueeze(1), prediction, torch.zeros_like(prediction))
-    per_pixel = F.cross_entropy(logits, torch.where(valid, target, torch.zeros_like(target)), reduction="none")
+    target = torch.where(valid, target, torch.full_like(target, SEGMENT_IGNORE_INDEX))
+    per_pixel = F.cross_entropy(logits, target, ignore_index=SEGMENT_IGNORE_INDEX, reduction="none")
     return _mean_over(per_pixel, valid, reduction)
 
 

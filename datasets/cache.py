@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 
 # Bump when decoders change what a cached row holds, so old caches are not reused.
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2  # 2: segment_semantic as class = raw - 1, unlabelled = 255
 FILLED = "_filled"
 
 

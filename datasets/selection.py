@@ -23,9 +23,9 @@ from datasets.taskonomy import (
     DOMAIN_SPECS,
     FAMILY,
     MANIFEST_COLUMNS,
-    TASKS,
     check_data_root,
     discover_samples,
+    domain_dir,
     get_domain,
     read_scene_names,
 )
@@ -35,8 +35,8 @@ from utils.run_dir import atomic_write_text
 from utils.seeding import numpy_rng
 
 SPLIT_BY = ("sample", "building")
-# Every task domain the loader decodes; mask_valid is optional (used when on disk).
-DEFAULT_TASK_DOMAINS = TASKS
+# Always required: the model input and the scene label's scores. Task domains come on top.
+ALWAYS_REQUIRED = ("rgb", "class_scene")
 SPLIT_CSV_COLUMNS = ("id", "train", "val", "test")
 
 
@@ -50,7 +50,8 @@ class SelectionConfig:
         scene_class_file_name: Places365 class-name list, relative to ``data_path`` unless absolute.
         taskonomy_clients_to_include: an int N uses the first N buildings of the split CSV (as
             the original script); a tuple of building ids uses those; None uses all.
-        domains: domains every kept sample must have (rgb and class_scene are always required).
+        domains: domains every kept sample must have besides rgb and class_scene (always required):
+            those the experiment's tasks need, nothing more.
         top_k_classes: keep the K most frequent scene labels.
         test_fraction: share of samples (or buildings) in the test split, in (0, 1).
         split_by: "sample" or "building" (no building in both splits).
@@ -61,7 +62,7 @@ class SelectionConfig:
     client_file_name: str = SPLIT_FILE
     scene_class_file_name: str = PLACES_FILE
     taskonomy_clients_to_include: int | tuple[str, ...] | None = None
-    domains: tuple[str, ...] = DEFAULT_TASK_DOMAINS
+    domains: tuple[str, ...] = ()
     top_k_classes: int = 16
     test_fraction: float = 0.2
     split_by: str = "sample"
@@ -89,7 +90,9 @@ class Selection:
     Attributes:
         manifest: one row per kept sample, columns :data:`MANIFEST_COLUMNS`.
         class_counts: one row per kept class: ``scene_class, scene_name, places_index, num_samples, num_train, num_test``.
-        buildings: buildings searched, in split-CSV order.
+        buildings: buildings searched, in split-CSV order (those on disk).
+        missing_buildings: buildings of the split CSV that were asked for but are not on disk
+            (each as ``"<building> (no <domain> folder)"``), skipped.
         num_complete: complete samples found before the top-K filter.
         num_labels_found: distinct scene labels among them.
         config: the arguments.
@@ -101,6 +104,7 @@ class Selection:
     num_complete: int
     num_labels_found: int
     config: SelectionConfig = field(repr=False)
+    missing_buildings: list[str] = field(default_factory=list)
 
 
 def _resolve(root: Path, name: str) -> Path:
@@ -108,7 +112,10 @@ def _resolve(root: Path, name: str) -> Path:
 
 
 def read_split_csv(path: Path) -> list[str]:
-    """Building ids of a Taskonomy split CSV (``id,train,val,test``), in file order."""
+    """Building ids of a Taskonomy split CSV (``id,train,val,test``), in file order.
+
+    The official CSVs end their lines with a bare CR; pandas reads CR, LF and CRLF alike.
+    """
     if not path.is_file():
         raise TaskHetError(f"split CSV {path} does not exist (--client_file_name)")
     try:
@@ -154,27 +161,58 @@ def split_samples(samples: pd.DataFrame, test_fraction: float, split_by: str, se
     return split
 
 
+def missing_domain(root: Path, domains: list[str], building: str) -> str | None:
+    """The first of ``domains`` with no folder for ``building``, or None when it is on disk in all of them."""
+    return next((domain for domain in domains if not domain_dir(root, domain, building).is_dir()), None)
+
+
+def buildings_on_disk(root: Path, domains: list[str], listed: list[str], include: int | tuple[str, ...] | None,
+                      split_csv: Path) -> tuple[list[str], list[str]]:
+    """The buildings to search and those skipped because they are not on disk.
+
+    The official split CSVs list buildings that ``omnitools.download`` does not fetch
+    (the tiny subset lists 35 and downloads 34), so a building without a folder in one
+    of ``domains`` is skipped rather than fatal. An int ``include`` takes the first N
+    buildings of the CSV that are on disk; a tuple takes the named ones that are.
+
+    Returns:
+        (buildings to search in order, skipped buildings as ``"<building> (no <domain> folder)"``).
+    """
+    if isinstance(include, tuple):
+        unknown = [building for building in include if building not in listed]
+        if unknown:
+            raise TaskHetError(f"--taskonomy_clients_to_include: building(s) {', '.join(unknown)} not in split CSV {split_csv}")
+        listed = list(include)
+    kept, missing = [], []
+    for building in listed:
+        if isinstance(include, int) and len(kept) == include:
+            break
+        domain = missing_domain(root, domains, building)
+        if domain is None:
+            kept.append(building)
+        else:
+            missing.append(f"{building} (no {domain} folder)")
+    if not kept:
+        raise TaskHetError(f"no building of split CSV {split_csv} is on disk in {root}: {', '.join(missing)}")
+    return kept, missing
+
+
 def select_datapoints(config: SelectionConfig, progress: bool = True) -> Selection:
     """Find complete samples, label them, keep the top-K labels and split them.
 
+    Buildings of the split CSV that are not on disk are skipped and listed in
+    ``Selection.missing_buildings`` (:func:`log_selection` warns once, naming them all).
+
     Raises:
-        TaskHetError: missing data root, domain folder, split CSV, name list or
-            building folder; a corrupt class_scene file; bad arguments; no samples.
+        TaskHetError: missing data root, domain folder, split CSV or name list; no
+            building of the split CSV on disk; a corrupt class_scene file; bad arguments; no samples.
     """
     config.validate()
     root = Path(config.data_path)
-    domains = list(dict.fromkeys(["rgb", "class_scene", *config.domains]))
+    domains = list(dict.fromkeys([*ALWAYS_REQUIRED, *config.domains]))
     check_data_root(root, domains)
     split_csv = _resolve(root, config.client_file_name)
-    buildings = read_split_csv(split_csv)
-    include = config.taskonomy_clients_to_include
-    if isinstance(include, int):
-        buildings = buildings[:include]
-    elif include is not None:
-        unknown = [building for building in include if building not in buildings]
-        if unknown:
-            raise TaskHetError(f"--taskonomy_clients_to_include: building(s) {', '.join(unknown)} not in split CSV {split_csv}")
-        buildings = list(include)
+    buildings, missing = buildings_on_disk(root, domains, read_split_csv(split_csv), config.taskonomy_clients_to_include, split_csv)
     names = read_scene_names(_resolve(root, config.scene_class_file_name))
     samples = discover_samples(root, domains, buildings)
     if samples.empty:
@@ -202,7 +240,7 @@ def select_datapoints(config: SelectionConfig, progress: bool = True) -> Selecti
             "num_test": [int(((chosen["places_index"] == label) & (chosen["split"] == "test")).sum()) for label in kept],
         }
     )
-    return Selection(manifest, class_counts, buildings, len(samples), len(counts), config)
+    return Selection(manifest, class_counts, buildings, len(samples), len(counts), config, missing)
 
 
 def plot_class_distribution(class_counts: pd.DataFrame, path: Path) -> None:
@@ -249,7 +287,11 @@ def summary_line(selection: Selection) -> str:
 
 
 def log_selection(selection: Selection, logger: logging.Logger) -> None:
-    """Log the summary line and the kept classes."""
+    """Log one warning naming every skipped building (if any), the summary line and the kept classes."""
+    if selection.missing_buildings:
+        missing = selection.missing_buildings
+        logger.warning(f"step 1: skipped {len(missing)} building(s) of split CSV {selection.config.client_file_name} "
+                       f"that are not on disk: {', '.join(missing)}")
     logger.info(summary_line(selection))
     for row in selection.class_counts.itertuples():
         logger.info(f"  class {row.scene_class}: {row.scene_name} (Places365 {row.places_index}): {row.num_samples} samples")

@@ -42,7 +42,8 @@ from utils.run_dir import atomic_write_text
 from utils.seeding import numpy_rng
 
 META_FILE = "synthetic_meta.json"
-FORMAT_VERSION = 1
+# 2: segment_semantic written as raw = class + 1 (0 unlabelled), normals with y down and z away from the camera.
+FORMAT_VERSION = 2
 SPLIT_FILE = "train_val_test_synthetic.csv"
 PLACES_FILE = "places_class_names.txt"
 BUILDINGS_FILE = "synthetic_buildings.csv"
@@ -67,7 +68,8 @@ class ObjectClass:
     colour: tuple[float, float, float]
 
 
-# Ids 1..16 follow Taskonomy's indoor COCO classes; 0 is walls/floor/ceiling/no surface (unlabelled).
+# Class ids 1..16 are Taskonomy's indoor COCO classes (datasets.taskonomy.SEMANTIC_CLASS_NAMES); walls, floor and
+# ceiling are class 0 (background). Files store raw = class + 1, and raw 0 where no surface was hit (unlabelled).
 OBJECT_CLASSES = (
     ObjectClass(1, "bottle", "cylinder", (0.15, 0.15, 0.35), (0.25, 0.25, 0.6), (0.6, 1.0), (0.15, 0.55, 0.30)),
     ObjectClass(2, "chair", "box", (0.45, 0.45, 0.8), (0.6, 0.6, 1.0), (0.0, 0.0), (0.55, 0.35, 0.20)),
@@ -207,8 +209,10 @@ class ViewRender:
     """The float ground truth of one view (H x W): what the files encode.
 
     ``depth_*`` are metres (inf where no surface); ``normal`` is camera-frame unit
-    vectors (x right, y up, z towards the camera); ``surface`` is -1 for no surface,
-    0..5 for room faces, 6+k for object k.
+    vectors in real Taskonomy's frame (x right, y down, z away from the camera);
+    ``semantic`` is the class id (0 background, 1..16 objects; 0 also where ``hit``
+    is False); ``surface`` is -1 for no surface, 0..5 for room faces (2*axis + side:
+    4 floor, 5 ceiling), 6+k for object k.
     """
 
     rgb: np.ndarray
@@ -522,7 +526,8 @@ def render_view(building: Building, camera: Camera, image_size: int) -> ViewRend
     sky = np.array([0.55, 0.75, 0.95]) + 0.3 * np.clip(directions[:, 2:3], 0, 1)
     rgb = np.where(hit[:, None], np.clip(albedo * shading[:, None], 0, 1), np.clip(sky, 0, 1))
     forward = np.array(camera.forward)
-    camera_normal = normal @ np.stack([np.array(camera.right), np.array(camera.up), -forward], axis=1)
+    # Real Taskonomy's camera frame (measured on omnidata's files): x right, y down, z away from the camera.
+    camera_normal = normal @ np.stack([np.array(camera.right), -np.array(camera.up), forward], axis=1)
     shape = (image_size, image_size)
     return ViewRender(
         rgb=rgb.reshape(*shape, 3),
@@ -617,7 +622,7 @@ def encode_view(render: ViewRender, scores: np.ndarray) -> dict[str, np.ndarray]
         "depth_zbuffer": depth_png(render.depth_zbuffer),
         "normal": normal,
         "reshading": np.round(render.reshading * 255).astype(np.uint8),
-        "segment_semantic": render.semantic,
+        "segment_semantic": np.where(hit, render.semantic + 1, 0).astype(np.uint8),
         "edge_texture": unit16(edges),
         "edge_occlusion": unit16(occlusion_edges(render.depth_euclidean, render.surface).astype(np.float64)),
         "keypoints2d": unit16(keypoints2d),

@@ -36,6 +36,16 @@ if TYPE_CHECKING:
     from models.tasks import TaskSpec
 
 NUM_SEMANTIC_CLASSES = 17
+# Taskonomy's segment_semantic classes, class id = index = raw file value - 1 (raw 0 is unlabelled).
+# Background first, then the 16 indoor COCO classes in COCO category order; Taskonomy labelled
+# them by distilling an FCIS model trained on COCO. docs/DATA.md says where the names come from.
+SEMANTIC_CLASS_NAMES = (
+    "background", "bottle", "chair", "couch", "potted_plant", "bed", "dining_table", "toilet", "tv",
+    "microwave", "oven", "toaster", "sink", "refrigerator", "book", "clock", "vase",
+)
+# The target value of unlabelled pixels (raw 0, or a raw id above 17): losses and metrics skip it.
+# 255 rather than -1 so decoded labels fit the uint8 decoded-sample cache.
+SEGMENT_IGNORE_INDEX = 255
 NUM_SCENE_SCORES = 365
 DEPTH_INVALID = 65535
 DEPTH_UNITS_PER_METRE = 512.0
@@ -118,7 +128,11 @@ def decode_depth(path: Path) -> Decoded:
 
 
 def decode_normal(path: Path) -> Decoded:
-    """8-bit RGB PNG -> float32 [3, H, W] in [-1, 1] (x right, y up, z towards the camera); (128,128,128) invalid."""
+    """8-bit RGB PNG -> float32 [3, H, W] in [-1, 1]; (128,128,128) invalid.
+
+    Camera frame as measured on real omnidata files: x right, y down, z away from the
+    camera, so a floor has G < 128, a ceiling G > 128 and a surface facing the camera B < 128.
+    """
     pixels = _read_png(path, ("RGB", "RGBA"))[..., :3]
     valid = ~np.all(pixels == NORMAL_INVALID, axis=-1)
     return pixels.transpose(2, 0, 1).astype(np.float32) / 255.0 * 2.0 - 1.0, valid
@@ -131,9 +145,11 @@ def decode_reshading(path: Path) -> Decoded:
 
 
 def decode_segment_semantic(path: Path) -> Decoded:
-    """8-bit class-id PNG -> int64 [H, W] in 0..16; ids outside that range count as 0 (unlabelled)."""
-    ids = _first_channel(_read_png(path, ("L", "P", "RGB", "RGBA"))).astype(np.int64)
-    return np.where(ids < NUM_SEMANTIC_CLASSES, ids, 0), None
+    """8-bit raw-id PNG -> int64 [H, W]: class = raw - 1 for raw 1..17 (0 = background);
+    raw 0 (unlabelled) and raw > 17 -> :data:`SEGMENT_IGNORE_INDEX`. As Taskonomy's own loader."""
+    raw = _first_channel(_read_png(path, ("L", "P", "RGB", "RGBA"))).astype(np.int64)
+    labelled = (raw >= 1) & (raw <= NUM_SEMANTIC_CLASSES)
+    return np.where(labelled, raw - 1, SEGMENT_IGNORE_INDEX), None
 
 
 def decode_unit16(path: Path) -> Decoded:

@@ -30,6 +30,7 @@ SCHEMA: dict[str, Any] = {
         "source": "synthetic",  # synthetic | taskonomy | digits (see DATA_SOURCES)
         "root": "data/synthetic",  # ignored by digits (scikit-learn ships the images)
         "synthetic": {"n_buildings": 24, "n_views": 50, "image_size": 64, "seed": 0},
+        "split_csv": None,  # taskonomy only, required: the split CSV (id,train,val,test), relative to root unless absolute
         "buildings": None,  # taskonomy only: list of buildings to include (None: all on disk)
         "top_k_classes": 16,  # taskonomy/synthetic only
         "test_fraction": 0.2,
@@ -138,6 +139,7 @@ def validate_names(config: dict[str, Any], source: Path) -> None:
                 raise TaskHetError(f"{source}: {key} {value!r} is unknown; choose from: {', '.join(known)}")
 
     check("data.source", [config["data"]["source"]], list(DATA_SOURCES))
+    validate_split_csv(config["data"], source)
     check("tasks", list(config["tasks"]), list_tasks())
     validate_family_tasks(config, source)
     check("model.encoder", [config["model"]["encoder"]], list_encoders())
@@ -157,6 +159,24 @@ def validate_names(config: dict[str, Any], source: Path) -> None:
             raise TaskHetError(f"{source}: partition.alphas must be > 0, got {alpha}")
     if not config["seeds"]:
         raise TaskHetError(f"{source}: seeds must list at least one seed")
+
+
+def validate_split_csv(data: dict[str, Any], source: Path) -> None:
+    """Real Taskonomy needs its split CSV named (the renderer writes its own; digits has none)."""
+    split_csv = data["split_csv"]
+    if data["source"] == "taskonomy":
+        if not isinstance(split_csv, str) or not split_csv.strip():
+            raise TaskHetError(f"{source}: data.split_csv is required for data.source taskonomy: the split CSV "
+                               "(id,train,val,test) download_taskonomy.py wrote, e.g. train_val_test_tiny.csv, "
+                               "relative to data.root unless absolute")
+    elif split_csv is not None:
+        raise TaskHetError(f"{source}: data.split_csv is only for data.source taskonomy (data.source is {data['source']!r})")
+
+
+def split_csv_path(data: dict[str, Any]) -> Path:
+    """The split CSV of a taskonomy experiment: ``data.split_csv``, relative to ``data.root`` unless absolute."""
+    path = Path(data["split_csv"])
+    return path if path.is_absolute() else Path(data["root"]) / path
 
 
 def validate_family_tasks(config: dict[str, Any], source: Path) -> None:

@@ -34,7 +34,7 @@ from models.tasks import get_task
 from network.client import GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT
 from network.engine_sequential import GLOBAL_CLIENT
 from partitioning.groupings import EMBEDDING_BASED, GROUPINGS, IID_REFERENCE
-from pipeline.experiment import DATA_SOURCES, Combination, combinations
+from pipeline.experiment import DATA_SOURCES, Combination, combinations, split_csv_path
 from pipeline.report import write_report
 from pipeline.stages import run_stage, stage_key
 from steps import assign as step3b
@@ -45,6 +45,7 @@ from steps.meter import METER_FILE
 from steps import render
 from steps import select as step1
 from steps import train_centralized as step2
+from utils.errors import TaskHetError
 
 
 @dataclass
@@ -91,9 +92,14 @@ class Pipeline:
         else:
             params.update(data_path=str(root), tasks=self.config["tasks"], top_k_classes=data["top_k_classes"],
                           split_by=data["split_by"])
+        inputs = []
+        if data["source"] == "taskonomy":
+            # Step 1's --client_file_name has data.split_csv's meaning: relative to the data root unless absolute.
+            params["client_file_name"] = data["split_csv"]
+            inputs.append(split_csv_path(data))
         if data["buildings"]:
             params["taskonomy_clients_to_include"] = ",".join(data["buildings"])
-        stage_dir = self.out_dir / f"step1-{stage_key(params, [], self.out_dir)}"
+        stage_dir = self.out_dir / f"step1-{stage_key(params, inputs, self.out_dir)}"
         self.step("step 1: select samples", stage_dir, params, step1, ["--out", str(stage_dir), *flags(params)])
         return stage_dir / "manifest.csv"
 
@@ -176,8 +182,19 @@ class Pipeline:
             return []
         return list(dict.fromkeys((c.task, c.grouping, c.alpha, c.seed) for c in runs if c.grouping in GROUPINGS))
 
+    def check_inputs(self) -> None:
+        """Inputs the experiment names but no step makes: checked before any step runs, errors name the key."""
+        data = self.config["data"]
+        if data["source"] == "taskonomy":
+            if not Path(data["root"]).is_dir():
+                raise TaskHetError(f"data.root {data['root']} does not exist (download Taskonomy first: download_taskonomy.py)")
+            if not split_csv_path(data).is_file():
+                raise TaskHetError(f"data.split_csv: {split_csv_path(data)} does not exist (download_taskonomy.py writes "
+                                   "train_val_test_<subset>.csv into data.root)")
+
     def run(self) -> pd.DataFrame:
         """Every step for every combination, then the report; returns the report table."""
+        self.check_inputs()
         with tqdm(total=self.count_steps(), desc="pipeline", unit="step", file=sys.stdout) as self.progress:
             root = self.data_root()
             manifest = self.manifest(root)

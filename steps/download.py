@@ -18,7 +18,6 @@ from pathlib import Path
 
 from omnidata_tools.dataset.starter_dataset.component_datasets import taskonomy as omnidata_taskonomy
 
-from datasets.selection import DEFAULT_TASK_DOMAINS
 from datasets.synthetic import write_places_file
 from datasets.taskonomy import DOMAINS, get_domain
 from utils.cli import positive_float
@@ -26,7 +25,8 @@ from utils.errors import TaskHetError
 
 DATA_SERVER = ("datasets.epfl.ch", 443)
 SUBSETS = ("debug", "tiny", "medium", "full", "fullplus")
-DEFAULT_DOMAINS = ("rgb", *DEFAULT_TASK_DOMAINS, "mask_valid")
+# Every domain the loader decodes, so any experiment's tasks find their data.
+DEFAULT_DOMAINS = ("rgb", *(domain for domain in DOMAINS if domain not in ("rgb", "mask_valid")), "mask_valid")
 DESCRIPTION = """Step 0 (data): download real Taskonomy for the pipeline via omnidata-tools (`omnitools.download`).
 Inputs: the domains and the subset (debug/tiny/medium/full/fullplus). Outputs under --dest:
 <domain>/taskonomy/<building>/... for each domain, train_val_test_<subset>.csv (the subset's split CSV,

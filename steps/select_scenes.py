@@ -7,15 +7,19 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from datasets.selection import DEFAULT_TASK_DOMAINS, SPLIT_BY, SelectionConfig, log_selection, select_datapoints, write_selection
+from datasets.selection import SPLIT_BY, SelectionConfig, log_selection, select_datapoints, write_selection
 from datasets.synthetic import PLACES_FILE, SPLIT_FILE
+from datasets.taskonomy import DOMAINS
+from datasets.taskonomy import TASKS as TASKONOMY_TASKS
+from utils.errors import TaskHetError
 from utils.run_dir import setup_logging, write_config
 
 DESCRIPTION = f"""Step 1: extract the datapoints used by the experiments.
 Inputs: a data root in the Taskonomy/omnidata layout (--data_path: real Taskonomy from download_taskonomy.py,
 or synthetic buildings from render_synthetic_buildings.py), its split CSV (--client_file_name, columns
 id,train,val,test) and the Places365 class-name list (--scene_class_file_name).
-Keeps the samples that have every domain of --tasks, labels each with the argmax of its class_scene scores,
+Keeps the samples that have rgb, class_scene and every domain the --tasks need, labels each with the argmax
+of its class_scene scores,
 keeps the --top_k_classes most frequent labels (renumbered 0..K-1) and splits train/test.
 Outputs in --out: manifest.csv (family, sample_id, building, point, view, rgb_path, scene_class, scene_name, split),
 class_counts.csv, class_distribution.png, config.json, run.log. Next: step 2, train_centralized_task_model.py.
@@ -27,6 +31,25 @@ def buildings_argument(text: str) -> int | tuple[str, ...]:
     if text.strip().isdigit():
         return int(text)
     return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def required_domains(names: list[str]) -> tuple[str, ...]:
+    """The domains ``names`` need: a Taskonomy task's ``required_domains``, or a domain name as itself.
+
+    Raises:
+        TaskHetError: a name that is neither a Taskonomy task nor a domain.
+    """
+    from models.tasks import get_task  # the models package imports torchvision; only this flag needs it
+
+    domains: list[str] = []
+    for name in names:
+        if name in TASKONOMY_TASKS:
+            domains += get_task(name).required_domains
+        elif name in DOMAINS:
+            domains.append(name)
+        else:
+            raise TaskHetError(f"--tasks: {name!r} is neither a Taskonomy task nor a domain; tasks: {', '.join(TASKONOMY_TASKS)}")
+    return tuple(dict.fromkeys(domains))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tasks",
         nargs="+",
-        default=list(DEFAULT_TASK_DOMAINS),
-        help="task domains every kept sample must have, space- or comma-separated (default: all loader domains but mask_valid)",
+        default=[],
+        help="tasks (or domains) the samples are for, space- or comma-separated: a kept sample has every domain they "
+        "need besides rgb and class_scene (default: none, so only rgb and class_scene are required)",
     )
     parser.add_argument("--top_k_classes", type=int, default=16, help="keep the K most frequent scene classes (default: 16)")
     parser.add_argument("--test_fraction", type=float, default=0.2, help="share of samples (or buildings) in the test split (default: 0.2)")
@@ -71,7 +95,7 @@ def main(argv: list[str] | None = None) -> Path:
         client_file_name=args.client_file_name,
         scene_class_file_name=args.scene_class_file_name,
         taskonomy_clients_to_include=args.taskonomy_clients_to_include,
-        domains=tuple(name for names in args.tasks for name in names.split(",") if name),
+        domains=required_domains([name for names in args.tasks for name in names.split(",") if name]),
         top_k_classes=args.top_k_classes,
         test_fraction=args.test_fraction,
         split_by=args.split_by,

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from datasets.taskonomy import SEGMENT_IGNORE_INDEX
 from models.tasks import get_task, list_tasks
 
 SIZE = 8
@@ -98,15 +99,25 @@ def test_loss_with_no_valid_pixel_is_zero_and_differentiable(task_name):
     assert torch.all(prediction.grad == 0)
 
 
-def test_segmentation_ignores_unlabelled_class_zero():
+def test_segmentation_ignores_unlabelled_pixels_and_counts_background():
     task = get_task("segment_semantic")
     batch = make_batch("segment_semantic")
     batch["mask"] = torch.ones_like(batch["mask"])
-    target = batch[task.domain]
+    target = batch[task.domain].clone()
     prediction = perfect_prediction("segment_semantic", batch)
-    # predict rubbish wherever the label is 0: the loss must not notice
-    prediction = torch.where((target == 0).unsqueeze(1), torch.randn_like(prediction) * 50, prediction)
-    assert float(task.loss(prediction, batch)) == pytest.approx(0.0, abs=1e-6)
+    unlabelled = target % 3 == 0
+    batch[task.domain] = torch.where(unlabelled, torch.full_like(target, SEGMENT_IGNORE_INDEX), target)
+    # rubbish wherever the pixel is unlabelled: the loss must not notice
+    rubbish = torch.where(unlabelled.unsqueeze(1), torch.randn_like(prediction) * 50, prediction)
+    assert float(task.loss(rubbish, batch)) == pytest.approx(0.0, abs=1e-6)
+    # class 0 is background, a class like any other: a wrong prediction there costs
+    batch[task.domain] = torch.zeros_like(target)
+    wrong = 100.0 * torch.nn.functional.one_hot(torch.ones_like(target), task.out_channels).permute(0, 3, 1, 2).float()
+    assert float(task.loss(wrong, batch)) > 50
+    # the 17th class (id 16) is a target like the others
+    batch[task.domain] = torch.full_like(target, 16)
+    right = 100.0 * torch.nn.functional.one_hot(batch[task.domain], task.out_channels).permute(0, 3, 1, 2).float()
+    assert float(task.loss(right, batch)) == pytest.approx(0.0, abs=1e-6)
 
 
 def test_depth_loss_is_l1_in_metres_over_valid_pixels():

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from datasets.taskonomy import SEGMENT_IGNORE_INDEX
 from models.tasks import get_task, list_tasks
 from training.metrics import ClassificationMetrics, DepthMetrics, L1Metric, NormalMetrics, SegmentationMetrics
 
@@ -14,15 +15,18 @@ def logits_for(classes: torch.Tensor, num_classes: int) -> torch.Tensor:
     return torch.nn.functional.one_hot(classes, num_classes).permute(0, 3, 1, 2).float()
 
 
+IGNORE = SEGMENT_IGNORE_INDEX
+
+
 def test_segmentation_miou_with_absent_class_and_ignore():
     metric = SegmentationMetrics(num_classes=4)
-    target = torch.tensor([[[1, 1, 2, 0]]])  # class 3 never appears; pixel 4 is unlabelled
-    predicted = torch.tensor([[[1, 2, 2, 3]]])  # the unlabelled pixel's prediction must not count
+    target = torch.tensor([[[0, 1, 1, 2, IGNORE]]])  # class 3 never appears; the last pixel is unlabelled
+    predicted = torch.tensor([[[0, 1, 2, 2, 3]]])  # the unlabelled pixel's prediction must not count
     metric.update(logits_for(predicted, 4), {"segment_semantic": target})
     result = metric.compute()
-    # class 1: TP 1, union 2 -> 0.5; class 2: TP 1, union 2 -> 0.5; class 3 absent -> left out
-    assert result["miou"] == pytest.approx(0.5)
-    assert result["pixel_acc"] == pytest.approx(2 / 3)
+    # class 0 (background, a class like any other): 1/1; class 1: TP 1, union 2 -> 0.5; class 2: 0.5; class 3 absent
+    assert result["miou"] == pytest.approx((1.0 + 0.5 + 0.5) / 3)
+    assert result["pixel_acc"] == pytest.approx(3 / 4)
 
 
 def test_segmentation_accumulates_confusion_over_batches_not_batch_means():
@@ -36,16 +40,25 @@ def test_segmentation_accumulates_confusion_over_batches_not_batch_means():
     assert result["pixel_acc"] == pytest.approx(3 / 4)
 
 
-def test_segmentation_prediction_of_class_zero_is_wrong_and_mask_respected():
+def test_segmentation_background_is_a_class_and_mask_respected():
     metric = SegmentationMetrics(num_classes=3)
     target = torch.tensor([[[1, 2, 2]]])
     predicted = torch.tensor([[[0, 2, 1]]])
     mask = torch.tensor([[[[True, True, False]]]])
     metric.update(logits_for(predicted, 3), {"segment_semantic": target, "mask": mask})
     result = metric.compute()
-    # valid pixels: (1 -> 0) wrong, (2 -> 2) right. class 1: TP 0, union 1; class 2: TP 1, union 1
-    assert result["miou"] == pytest.approx(0.5)
+    # valid pixels: (1 -> 0) wrong, (2 -> 2) right. class 0: TP 0, union 1; class 1: TP 0, union 1; class 2: 1/1
+    assert result["miou"] == pytest.approx(1 / 3)
     assert result["pixel_acc"] == pytest.approx(0.5)
+
+
+def test_segmentation_miou_runs_over_all_17_taskonomy_classes():
+    task = get_task("segment_semantic")
+    metric = task.new_metrics()
+    target = torch.arange(17).reshape(1, 1, 17)  # every class once, the 17th (id 16) included
+    metric.update(logits_for(target, task.out_channels), {"segment_semantic": target})
+    assert task.out_channels == 17 and metric.compute()["miou"] == pytest.approx(1.0)
+    assert metric.confusion.shape == (17, 17) and metric.confusion.diagonal().sum() == 17
 
 
 def test_normal_angles_of_known_vectors():

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from datasets.selection import SelectionConfig, read_scene_names, select_datapoints, summary_line, write_selection
+from datasets.selection import SelectionConfig, read_scene_names, read_split_csv, select_datapoints, summary_line, write_selection
 from datasets.synthetic import PLACES_FILE, SPLIT_FILE
 from datasets.taskonomy import DOMAINS, MANIFEST_COLUMNS, domain_dir, read_manifest
 from steps import select_scenes as step1
@@ -46,8 +46,9 @@ def test_manifest_has_one_row_per_complete_sample(tiny_data_root):
 
 def test_incomplete_samples_are_left_out(data_copy):
     (domain_dir(data_copy, "keypoints3d", "synth002") / "point_1_view_0_domain_keypoints3d.png").unlink()
-    manifest = select_datapoints(config_for(data_copy), progress=False).manifest
+    manifest = select_datapoints(config_for(data_copy, domains=("keypoints3d",)), progress=False).manifest
     assert len(manifest) == 23 and "synth002_point_1_view_0" not in set(manifest["sample_id"])
+    assert len(select_datapoints(config_for(data_copy), progress=False).manifest) == 24  # keypoints3d not asked for
     only_depth = select_datapoints(config_for(data_copy, domains=("depth_euclidean",)), progress=False).manifest
     assert len(only_depth) == 24
 
@@ -101,14 +102,45 @@ def test_missing_data_root_or_domain_folder(data_copy):
         select_datapoints(config_for(data_copy / "absent"), progress=False)
     shutil.rmtree(data_copy / "edge_texture")
     with pytest.raises(TaskHetError, match="domain folder .*edge_texture/taskonomy is missing"):
-        select_datapoints(config_for(data_copy), progress=False)
+        select_datapoints(config_for(data_copy, domains=("edge_texture",)), progress=False)
 
 
-def test_building_in_split_csv_not_on_disk(data_copy):
-    with (data_copy / SPLIT_FILE).open("a") as handle:
-        handle.write("ghosttown,1,0,0\n")
-    with pytest.raises(TaskHetError, match="building 'ghosttown' is not on disk"):
-        select_datapoints(config_for(data_copy), progress=False)
+def write_cr_split_csv(path: Path, buildings: list[str]) -> None:
+    """A split CSV as the official ones are written: CR-only line endings."""
+    path.write_bytes("\r".join(["id,train,val,test", *(f"{building},1,0,0" for building in buildings)]).encode() + b"\r")
+
+
+def test_split_csv_with_cr_only_line_endings_is_read(tmp_path):
+    write_cr_split_csv(tmp_path / "splits.csv", ["allensville", "beechwood", "coffeen"])
+    assert b"\n" not in (tmp_path / "splits.csv").read_bytes()
+    assert read_split_csv(tmp_path / "splits.csv") == ["allensville", "beechwood", "coffeen"]
+
+
+def test_buildings_of_split_csv_not_on_disk_are_skipped_with_one_warning(data_copy, tmp_path):
+    # As the official tiny CSV, which lists 35 buildings of which omnitools.download fetches 34.
+    write_cr_split_csv(data_copy / "official.csv", ["ghosttown", "synth000", "synth001", "nowhere", "synth002", "synth003"])
+    shutil.rmtree(domain_dir(data_copy, "depth_euclidean", "synth003"))  # half-downloaded: no depth folder
+    config = config_for(data_copy, client_file_name="official.csv", domains=("depth_euclidean",))
+    selection = select_datapoints(config, progress=False)
+    assert selection.buildings == ["synth000", "synth001", "synth002"]
+    assert selection.missing_buildings == ["ghosttown (no rgb folder)", "nowhere (no rgb folder)",
+                                           "synth003 (no depth_euclidean folder)"]
+    assert set(selection.manifest["building"]) == {"synth000", "synth001", "synth002"}
+    first_two = select_datapoints(replace(config, taskonomy_clients_to_include=2), progress=False)
+    assert first_two.buildings == ["synth000", "synth001"] and first_two.missing_buildings == ["ghosttown (no rgb folder)"]
+    out = tmp_path / "step1"
+    step1.main(["--data_path", str(data_copy), "--client_file_name", "official.csv", "--tasks", "depth_euclidean",
+                "--out", str(out), "--no-progress"])
+    warnings = [line for line in (out / "run.log").read_text().splitlines() if "WARNING" in line]
+    assert len(warnings) == 1
+    for name in ("ghosttown", "nowhere", "synth003", "official.csv"):
+        assert name in warnings[0]
+
+
+def test_no_building_of_split_csv_on_disk_is_an_error(data_copy):
+    write_cr_split_csv(data_copy / "official.csv", ["ghosttown", "nowhere"])
+    with pytest.raises(TaskHetError, match="no building of split CSV .*official.csv is on disk .*ghosttown .*nowhere"):
+        select_datapoints(config_for(data_copy, client_file_name="official.csv"), progress=False)
 
 
 def test_corrupt_class_scene_file_is_named(data_copy):
@@ -177,6 +209,25 @@ def test_cli_rejects_top_k_zero_with_one_line(tiny_data_root, tmp_path, capsys):
     assert not (tmp_path / "manifest.csv").exists()
 
 
-def test_default_tasks_cover_every_task_domain():
-    defaults = step1.build_parser().parse_args([]).tasks
-    assert set(defaults) == set(DOMAINS) - {"rgb", "mask_valid"}
+def test_tasks_require_only_the_domains_they_need(data_copy, tmp_path):
+    assert step1.build_parser().parse_args([]).tasks == []
+    assert step1.required_domains(["class_scene", "normal", "segment_semantic"]) == ("normal", "segment_semantic")
+    with pytest.raises(TaskHetError, match="'depth' is neither a Taskonomy task nor a domain"):
+        step1.required_domains(["depth"])
+    for domain in set(DOMAINS) - {"rgb", "class_scene", "normal"}:  # a download of only what the tasks need
+        shutil.rmtree(data_copy / domain)
+    manifest = read_manifest(step1.main(["--data_path", str(data_copy), "--out", str(tmp_path / "a"), "--no-progress"]))
+    assert len(manifest) == 24
+    manifest = read_manifest(step1.main(["--data_path", str(data_copy), "--tasks", "class_scene,normal", "--out",
+                                         str(tmp_path / "b"), "--no-progress"]))
+    assert len(manifest) == 24
+    with pytest.raises(TaskHetError, match="domain folder .*depth_zbuffer/taskonomy is missing"):
+        step1.main(["--data_path", str(data_copy), "--tasks", "depth_zbuffer", "--out", str(tmp_path / "c"), "--no-progress"])
+
+
+def test_the_official_tiny_split_csv_is_read():
+    from omnidata_tools.dataset.starter_dataset.component_datasets import taskonomy as omnidata_taskonomy
+
+    path = Path(omnidata_taskonomy.taskonomy_split_files["tiny"])
+    assert b"\r" in path.read_bytes() and b"\n" not in path.read_bytes()  # CR-only, as shipped
+    assert len(read_split_csv(path)) == 35

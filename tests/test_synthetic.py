@@ -14,17 +14,21 @@ from PIL import Image
 from datasets.selection import read_scene_names, read_split_csv
 from datasets.synthetic import (
     BUILDINGS_FILE,
+    OBJECT_CLASSES,
+    Camera,
     PLACES_FILE,
     SCENE_TYPES,
     SPLIT_FILE,
     assign_scene_types,
+    encode_view,
     make_building,
     make_cameras,
     render_dataset,
     render_view,
     scene_places_indices,
 )
-from datasets.taskonomy import DEPTH_UNITS_PER_METRE, DOMAIN_SPECS, DOMAINS, NUM_SEMANTIC_CLASSES, TaskonomyDataset, domain_dir, read_manifest
+from datasets.taskonomy import (DEPTH_UNITS_PER_METRE, DOMAIN_SPECS, DOMAINS, NUM_SEMANTIC_CLASSES, SEGMENT_IGNORE_INDEX,
+                                SEMANTIC_CLASS_NAMES, TaskonomyDataset, domain_dir, read_manifest)
 from steps import render
 from tests.fixtures import render_tiny_dataset, tiny_data_root, tiny_manifest, tiny_render_config  # noqa: F401
 from utils.errors import TaskHetError
@@ -63,8 +67,9 @@ def test_round_trip_matches_renderer_ground_truth(tiny_data_root, tiny_manifest)
         assert np.all(np.abs(lengths[hit] - 1.0) < 0.02)
         np.testing.assert_allclose(normal[:, hit], truth.normal[hit].T, atol=1.0 / 255 + 1e-6)
         semantic = sample["segment_semantic"].numpy()
-        assert semantic.min() >= 0 and semantic.max() < NUM_SEMANTIC_CLASSES
-        np.testing.assert_array_equal(semantic, truth.semantic)
+        assert semantic[hit].min() >= 0 and semantic[hit].max() < NUM_SEMANTIC_CLASSES
+        np.testing.assert_array_equal(semantic[hit], truth.semantic[hit])  # room = 0 (background), objects 1..16
+        assert np.all(semantic[~hit] == SEGMENT_IGNORE_INDEX)
         np.testing.assert_array_equal(sample["mask"][0].numpy(), hit)
         np.testing.assert_array_equal(sample["mask_valid"][0].numpy(), hit)
         assert np.all(sample["reshading"][0].numpy()[~hit] == 0)
@@ -182,3 +187,54 @@ def test_cli_renders_requested_sizes(tmp_path, capsys):
     assert len(list((out / "rgb/taskonomy").iterdir())) == 2
     with Image.open(out / "normal/taskonomy/synth001/point_0_view_1_domain_normal.png") as image:
         assert image.size == (16, 16)
+
+
+def test_renderer_writes_real_segmentation_ids(tiny_data_root):
+    # The renderer writes what real Taskonomy stores: raw = class + 1, raw 0 where no surface was hit.
+    assert [object_class.name for object_class in OBJECT_CLASSES] == list(SEMANTIC_CLASS_NAMES[1:])
+    assert [object_class.class_id for object_class in OBJECT_CLASSES] == list(range(1, NUM_SEMANTIC_CLASSES))
+    config = tiny_render_config()
+    raw_values = set()
+    for sample_id, truth in rendered_views(config).items():
+        building, rest = sample_id.split("_", 1)
+        name = f"{rest}_domain_segmentsemantic.png"
+        with Image.open(domain_dir(tiny_data_root, "segment_semantic", building) / name) as image:
+            raw = np.array(image)
+        np.testing.assert_array_equal(raw[truth.hit], truth.semantic[truth.hit].astype(np.int64) + 1)
+        assert np.all(raw[~truth.hit] == 0)
+        raw_values |= set(np.unique(raw).tolist())
+    assert {0, 1} <= raw_values and max(raw_values) <= NUM_SEMANTIC_CLASSES  # unlabelled windows and background walls
+
+
+def test_normals_follow_real_taskonomy_orientation(tiny_data_root):
+    # Measured on omnidata's own sample files (shared/TASKONOMY_FORMAT.md): floors G≈48, ceilings G≈255,
+    # visible surfaces B<128, i.e. x right, y down, z away from the camera. The renderer must agree.
+    config = tiny_render_config()
+    floor = ceiling = facing = 0
+    for sample_id, truth in rendered_views(config).items():
+        building, rest = sample_id.split("_", 1)
+        with Image.open(domain_dir(tiny_data_root, "normal", building) / f"{rest}_domain_normal.png") as image:
+            pixels = np.array(image).astype(int)
+        on_floor, on_ceiling = truth.surface == 4, truth.surface == 5  # room faces are 2*axis + side
+        assert np.all(pixels[on_floor][:, 1] < 128) and np.all(pixels[on_ceiling][:, 1] > 128)
+        # A surface facing the camera has its normal against the optical axis: z away from the camera is negative.
+        facing_camera = truth.hit & (truth.normal[..., 2] < -0.05)
+        assert np.all(pixels[facing_camera][:, 2] < 128)
+        floor, ceiling, facing = floor + on_floor.sum(), ceiling + on_ceiling.sum(), facing + facing_camera.sum()
+    assert floor > 0 and ceiling > 0 and facing > 0
+
+
+def test_level_camera_sees_floor_below_128_ceiling_above_and_walls_facing_it():
+    config = tiny_render_config(n_buildings=1)
+    building = make_building(config, 0, 0, scene_places_indices()[0])
+    size = np.array(building.size)
+    # Level, at the room's centre, looking along +x at the far wall: no object can hide the room's faces.
+    camera = Camera(0, 0, (0.3, size[1] / 2, size[2] / 2), (1.0, 0.0, 0.0), (0.0, -1.0, 0.0), (0.0, 0.0, 1.0), np.radians(90.0))
+    render = render_view(replace(building, objects=()), camera, 32)
+    normal = encode_view(render, np.zeros(365, np.float32))["normal"].astype(int)
+    on_floor, on_ceiling, far_wall = render.surface == 4, render.surface == 5, render.surface == 1
+    assert on_floor.sum() > 0 and on_ceiling.sum() > 0 and far_wall.sum() > 0
+    assert np.all(normal[on_floor][:, 1] < 128) and np.all(normal[on_ceiling][:, 1] > 128)
+    # Seen head-on, the far wall's normal points straight back at the camera: (128, 128, 0).
+    np.testing.assert_array_equal(normal[far_wall], np.broadcast_to([128, 128, 0], normal[far_wall].shape))
+    assert np.all(normal[render.hit][:, 2] <= 128)

@@ -19,10 +19,14 @@ from datasets.cache import DecodedSampleCache
 from datasets.taskonomy import (
     DOMAINS,
     MANIFEST_COLUMNS,
+    NUM_SEMANTIC_CLASSES,
+    SEGMENT_IGNORE_INDEX,
+    SEMANTIC_CLASS_NAMES,
     TaskonomyDataset,
     check_data_root,
     decode_depth,
     decode_normal,
+    decode_segment_semantic,
     discover_samples,
     domain_dir,
     index_building,
@@ -103,6 +107,22 @@ def test_decoders_units_and_invalid_codes(tmp_path):
     normal, valid = decode_normal(tmp_path / "normal.png")
     np.testing.assert_array_equal(valid, [[False, True]])
     np.testing.assert_allclose(normal[:, 0, 1], [128 / 255 * 2 - 1, 128 / 255 * 2 - 1, 1.0], atol=1e-6)
+
+
+def test_segment_semantic_decodes_the_real_taskonomy_convention(tmp_path):
+    # Real files: raw 0 = unlabelled, raw 1..17 = the 17 classes (background first); Taskonomy's loader uses raw - 1.
+    raw = np.array([list(range(0, 10)), list(range(10, 18)) + [18, 255]], dtype=np.uint8)
+    path = tmp_path / "point_0_view_0_domain_segmentsemantic.png"
+    Image.fromarray(raw).save(path)
+    classes, valid = decode_segment_semantic(path)
+    assert valid is None and classes.dtype == np.int64
+    expected = np.where((raw >= 1) & (raw <= 17), raw.astype(np.int64) - 1, SEGMENT_IGNORE_INDEX)
+    np.testing.assert_array_equal(classes, expected)
+    assert classes[0, 1] == 0 and SEMANTIC_CLASS_NAMES[0] == "background"  # raw 1 is background, class 0
+    assert classes[1, 7] == 16 and SEMANTIC_CLASS_NAMES[16] == "vase"  # raw 17 is the 17th class, not dropped
+    assert classes[0, 0] == classes[1, 8] == classes[1, 9] == SEGMENT_IGNORE_INDEX  # raw 0 and raw > 17
+    assert len(SEMANTIC_CLASS_NAMES) == NUM_SEMANTIC_CLASSES == 17
+    assert SEGMENT_IGNORE_INDEX not in range(NUM_SEMANTIC_CLASSES)
 
 
 def test_spelling_variants_are_matched_on_point_and_view(tmp_path):

@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from datasets.taskonomy import SEGMENT_IGNORE_INDEX
 from losses import valid_pixels
 
 # Angular errors are binned at 0.01 degree: the median over a split of millions
@@ -126,9 +127,10 @@ class NormalMetrics:
 class SegmentationMetrics:
     """mIoU and pixel accuracy from a confusion matrix of argmax predictions.
 
-    Class 0 (unlabelled) and masked pixels are ignored. A class that is absent
-    from both the targets and the predictions of the whole split has no IoU
-    and is left out of the mean, rather than counted as 0 or 1.
+    Every class id 0..C-1 is a class (Taskonomy's class 0 is background);
+    unlabelled pixels (``SEGMENT_IGNORE_INDEX``) and masked pixels are ignored. A
+    class that is absent from both the targets and the predictions of the whole
+    split has no IoU and is left out of the mean, rather than counted as 0 or 1.
     """
 
     def __init__(self, num_classes: int, domain: str = "segment_semantic") -> None:
@@ -140,22 +142,21 @@ class SegmentationMetrics:
         """Add a batch: ``prediction`` is logits ``[B, C, H, W]``, ``batch[domain]`` class ids ``[B, H, W]``."""
         predicted = prediction.detach().argmax(dim=1)
         target = batch[self.domain].to(predicted.device)
-        valid = valid_pixels(batch, prediction[:, :1])[:, 0] & (target != 0)
+        valid = valid_pixels(batch, prediction[:, :1])[:, 0] & (target != SEGMENT_IGNORE_INDEX)
         pairs = target[valid] * self.num_classes + predicted[valid]
         counts = torch.bincount(pairs.cpu(), minlength=self.num_classes**2)
         self.confusion += counts.reshape(self.num_classes, self.num_classes).double()
 
     def compute(self) -> dict[str, float]:
-        """``miou`` over labelled classes present in targets or predictions, ``pixel_acc`` over labelled pixels."""
-        # rows: true class, columns: predicted class; row 0 is empty (ignored),
-        # column 0 counts labelled pixels predicted as "unlabelled" (always wrong).
-        true_positive = self.confusion.diagonal()[1:]
-        union = self.confusion.sum(1)[1:] + self.confusion.sum(0)[1:] - true_positive
+        """``miou`` over the classes present in targets or predictions, ``pixel_acc`` over labelled pixels."""
+        # rows: true class, columns: predicted class.
+        true_positive = self.confusion.diagonal()
+        union = self.confusion.sum(1) + self.confusion.sum(0) - true_positive
         present = union > 0
         total = float(self.confusion.sum())
         return {
             "miou": float((true_positive[present] / union[present]).mean()) if present.any() else math.nan,
-            "pixel_acc": float(self.confusion.diagonal().sum()) / total if total else math.nan,
+            "pixel_acc": float(true_positive.sum()) / total if total else math.nan,
         }
 
 
