@@ -13,10 +13,11 @@ from pathlib import Path
 
 from pipeline.experiment import load_experiment
 from utils.cli import run_main
+from utils import cli
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("experiment", type=Path, help="YAML experiment file")
     parser.add_argument("--results", type=Path, default=Path("results"), help="parent folder of the experiment's outputs")
     return parser.parse_args(argv)

@@ -136,7 +136,8 @@ class Mapping:
 
     def __call__(self, value: Any, key: str) -> dict:
         if not isinstance(value, dict) or not value:
-            raise _fail(key, "a non-empty mapping, e.g. {fedavg: {}, fedprox: {mu: 0.01}}", value)
+            raise TaskHetError(f"{key} must map algorithm names to their settings, e.g. "
+                               f"{{fedavg: {{}}, fedprox: {{mu: 0.01}}}}, got {value!r}")
         return value
 
 

@@ -9,7 +9,10 @@ from pathlib import Path
 
 from datasets.selection import DEFAULT_TASK_DOMAINS, SPLIT_BY, SelectionConfig, log_selection, select_datapoints, write_selection
 from datasets.synthetic import PLACES_FILE, SPLIT_FILE
-from utils.run_dir import setup_logging, write_config
+from utils.run_dir import claim_folder, setup_logging, unfinished, write_config
+from utils import cli
+
+STEP = "step 1"
 
 DESCRIPTION = f"""Step 1: extract the datapoints used by the experiments.
 Inputs: a data root in the Taskonomy/omnidata layout (--data_path: real Taskonomy from download_taskonomy.py,
@@ -31,7 +34,7 @@ def buildings_argument(text: str) -> int | tuple[str, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The step-1 command line (extract_datapoints_for_experiments.py --help)."""
-    parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data_path", type=Path, default=Path("data/synthetic"), help="data root (default: data/synthetic)")
     parser.add_argument("--client_file_name", default=SPLIT_FILE, help=f"split CSV, relative to --data_path (default: {SPLIT_FILE})")
     parser.add_argument(
@@ -66,6 +69,7 @@ def main(argv: list[str] | None = None) -> Path:
         The path of the manifest.csv written.
     """
     args = build_parser().parse_args(argv)
+    claim_folder(args.out, STEP)
     config = SelectionConfig(
         data_path=args.data_path,
         client_file_name=args.client_file_name,
@@ -78,8 +82,9 @@ def main(argv: list[str] | None = None) -> Path:
         seed=args.seed,
     )
     selection = select_datapoints(config, progress=args.progress)
-    paths = write_selection(selection, args.out)
-    write_config(args.out, vars(args))
+    with unfinished(args.out, STEP):  # steps 2-4 refuse a manifest whose folder says it did not finish
+        paths = write_selection(selection, args.out)
+        write_config(args.out, vars(args), step=STEP)
     logger = setup_logging(args.out)
     log_selection(selection, logger)
     logger.info(f"wrote {paths['manifest']}, {paths['class_counts'].name}, {paths['plot'].name}")

@@ -37,13 +37,13 @@ PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 MAX_LISTED = 10
 
 
-def require_file(path: Path, what: str) -> Path:
-    """``path`` as a Path if it is an existing regular file; a TaskHetError naming ``what`` otherwise."""
+def require_file(path: Path, what: str, hint: str = "") -> Path:
+    """``path`` as a Path if it is an existing regular file; a TaskHetError naming ``what`` (and ``hint``) otherwise."""
     path = Path(path)
     if path.is_dir():
         raise TaskHetError(f"{what} {path} is a folder, not a file")
     if not path.is_file():
-        raise TaskHetError(f"{what} {path} does not exist")
+        raise TaskHetError(f"{what} {path} does not exist" + (f" ({hint})" if hint else ""))
     return path
 
 
@@ -55,7 +55,8 @@ def require_finished(path: Path, what: str) -> None:
                            "finish or rerun that step first")
 
 
-def load_checkpoint(path: Path, what: str = "checkpoint", keys: Sequence[str] = (), finished: bool = False) -> Any:
+def load_checkpoint(path: Path, what: str = "checkpoint", keys: Sequence[str] = (), finished: bool = False,
+                    hint: str = "") -> Any:
     """``torch.load(path, weights_only=True)`` on the CPU, with every failure named.
 
     Args:
@@ -63,13 +64,14 @@ def load_checkpoint(path: Path, what: str = "checkpoint", keys: Sequence[str] = 
         what: what the file is, for the message (``"--checkpoint (a step-2 best.pt)"``).
         keys: entries the loaded dict must have (then it must be a dict).
         finished: refuse a file from a folder marked ``INCOMPLETE``.
+        hint: what to do when the file is missing.
 
     Raises:
         TaskHetError: missing, empty, not a torch checkpoint, or lacking ``keys``.
     """
     import torch
 
-    path = require_file(path, what)
+    path = require_file(path, what, hint)
     if finished:
         require_finished(path, what)
     if path.stat().st_size == 0:
@@ -87,7 +89,8 @@ def load_checkpoint(path: Path, what: str = "checkpoint", keys: Sequence[str] = 
     return loaded
 
 
-def read_csv(path: Path, what: str, columns: Sequence[str] = (), finished: bool = False, **options: Any) -> pd.DataFrame:
+def read_csv(path: Path, what: str, columns: Sequence[str] = (), finished: bool = False, hint: str = "",
+             **options: Any) -> pd.DataFrame:
     """``pandas.read_csv`` with an empty, unreadable or column-less file named.
 
     Args:
@@ -95,9 +98,10 @@ def read_csv(path: Path, what: str, columns: Sequence[str] = (), finished: bool 
         what: what the file is, for the message.
         columns: columns the file must have.
         finished: refuse a file from a folder marked ``INCOMPLETE``.
+        hint: what to do when the file is missing (``"run step 1 first"``).
         options: passed to ``pandas.read_csv`` (``dtype=str, keep_default_na=False`` are typical).
     """
-    path = require_file(path, what)
+    path = require_file(path, what, hint)
     if finished:
         require_finished(path, what)
     try:
