@@ -12,8 +12,8 @@ import argparse
 from pathlib import Path
 
 from pipeline.experiment import load_experiment
-from utils.cli import run_main
 from utils import cli
+from utils.cli import run_main
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from partitioning.groupings import GROUPINGS, canonical_grouping
-from pipeline.schema import TYPES, check_types
+from pipeline.schema import check_types
 from utils.errors import TaskHetError
 from utils.loaders import load_yaml
 

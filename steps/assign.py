@@ -19,13 +19,13 @@ from datasets.family import load_manifest
 from partitioning.assignments import assignments_table, resolve_groups, source_record, write_assignments
 from partitioning.partition import client_test_mask, get_partitioner, list_schemes, scheme_parameters
 from partitioning.partition_stats import client_stats, plot_heatmap
+from utils import cli
 from utils.cli import positive_float, positive_int
 from utils.errors import TaskHetError
 from utils.run_dir import claim_folder, setup_logging, unfinished, write_config
 
 STEP = "step 3b"
 from utils.seeding import numpy_rng
-from utils import cli
 
 
 def build_parser() -> argparse.ArgumentParser:

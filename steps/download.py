@@ -21,9 +21,9 @@ from omnidata_tools.dataset.starter_dataset.component_datasets import taskonomy 
 from datasets.selection import DEFAULT_TASK_DOMAINS
 from datasets.synthetic import write_places_file
 from datasets.taskonomy import DOMAINS, get_domain
+from utils import cli
 from utils.cli import positive_float
 from utils.errors import TaskHetError
-from utils import cli
 
 DATA_SERVER = ("datasets.epfl.ch", 443)
 SUBSETS = ("debug", "tiny", "medium", "full", "fullplus")

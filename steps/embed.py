@@ -24,6 +24,7 @@ from models import load_task_model
 from partitioning.clustering import MINIBATCH_THRESHOLD, cluster_embeddings, embed_samples, write_diagnostics
 from pipeline.stages import stage_key
 from training.loop import make_loader
+from utils import cli
 from utils.cli import positive_int
 from utils.device import pick_device, prepare_model
 from utils.errors import TaskHetError
@@ -31,7 +32,6 @@ from utils.loaders import load_json, load_npy, require_file, require_finished
 from utils.run_dir import atomic_write_text, claim_folder, setup_logging, unfinished, write_config
 
 STEP = "step 3"
-from utils import cli
 
 
 def build_parser() -> argparse.ArgumentParser:

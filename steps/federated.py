@@ -17,9 +17,9 @@ from network.algorithms.base import get_settings_class
 from network.run import ENGINES, RunConfig, prepare
 from partitioning.groupings import GROUPINGS, canonical_grouping
 from network.settings import add_settings_arguments, describe
+from utils import cli
 from utils.cli import positive_float, positive_int
 from utils.errors import TaskHetError
-from utils import cli
 
 DESCRIPTION = """Step 4 of TaskHet: federated training of one task's model (--list_methods shows the algorithms).
 Inputs: the step-1 manifest (--manifest), the data under --data_path and a step-3b assignments.csv (--assignments;

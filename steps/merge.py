@@ -17,9 +17,9 @@ import numpy as np
 from network.aggregation import Weights
 from network.diagnostics import plot_cosine
 from sparse.merge import choose_lambda, cosine_matrix, jaccard_matrix, merge, support, task_vector
+from utils import cli
 from utils.errors import TaskHetError
 from utils.run_dir import MetricsCSV, atomic_torch_save, load_checkpoint, setup_logging, write_config
-from utils import cli
 
 COLUMNS = ("split", "model", "other", "metric", "value")
 DESCRIPTION = """Task arithmetic (TaLoS, issue 15): task vectors τ_k = θ_k − θ_0 of fine-tuned checkpoints,

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import asdict
 from pathlib import Path
 
-from dataclasses import asdict
-
 from datasets.synthetic import BUILDINGS_FILE, META_FILE, PLACES_FILE, SPLIT_FILE, RenderConfig, render_dataset
+from utils import cli
+from utils.cli import positive_int
 from utils.errors import TaskHetError
 from utils.loaders import load_json
-from utils.cli import positive_int
-from utils import cli
 
 DESCRIPTION = f"""Step 0 (data): render synthetic buildings in the Taskonomy/omnidata layout.
 Inputs: none (a seed and sizes). Outputs under --out: <domain>/taskonomy/<building>/point_<p>_view_<v>_domain_<d>.<ext>

@@ -6,14 +6,13 @@ exactly the flags of that family's step 1, so a flag of another family is an err
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from datasets.family import get_family
 from steps import select_digits, select_scenes
-from utils.errors import TaskHetError
 from utils import cli
+from utils.errors import TaskHetError
 
 # Each family's step-1 module (build_parser, main); tests check it covers every registered family.
 STEP1_MODULES = {"taskonomy": select_scenes, "digits": select_digits}

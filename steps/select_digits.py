@@ -8,9 +8,9 @@ import argparse
 from pathlib import Path
 
 from datasets.digits import class_counts, select_digits
+from utils import cli
 from utils.cli import positive_int
 from utils.run_dir import atomic_write_text, claim_folder, setup_logging, unfinished, write_config
-from utils import cli
 
 STEP = "step 1"
 

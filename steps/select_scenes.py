@@ -9,8 +9,8 @@ from pathlib import Path
 
 from datasets.selection import DEFAULT_TASK_DOMAINS, SPLIT_BY, SelectionConfig, log_selection, select_datapoints, write_selection
 from datasets.synthetic import PLACES_FILE, SPLIT_FILE
-from utils.run_dir import claim_folder, setup_logging, unfinished, write_config
 from utils import cli
+from utils.run_dir import claim_folder, setup_logging, unfinished, write_config
 
 STEP = "step 1"
 

@@ -14,12 +14,12 @@ from datasets.family import load_manifest
 from models import build_task_model, get_task, list_encoders
 from models.encoders import NAMED_WEIGHTS, default_weights
 from training.loop import check_resumable, fit, make_loader
+from utils import cli
 from utils.cli import positive_float, positive_int
 from utils.device import prepare_model
 from utils.errors import TaskHetError
 from utils.run_dir import claim_folder, setup_logging, unfinished, write_config
 from utils.seeding import derive_seed, set_deterministic
-from utils import cli
 
 DESCRIPTION = """Step 2 of TaskHet: train one centralized model per task.
 Inputs: the step-1 manifest (--manifest, default results/datapoints/manifest.csv; it names its data family)

@@ -17,12 +17,11 @@ Folders of steps that did not finish hold an ``INCOMPLETE`` marker (utils/run_di
 from __future__ import annotations
 
 import json
-import math
 import pickle
 import re
 import zipfile
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
@@ -263,12 +262,6 @@ def _raise_rows(table: pd.DataFrame, column: str, bad: pd.Series, source: str, r
     listed = ", ".join(f"row {line} ({cell!r})" for line, cell in list(zip(lines, cells))[:MAX_LISTED])
     more = f" ... ({int(bad.sum())} rows in all)" if bad.sum() > MAX_LISTED else ""
     raise TaskHetError(f"{source}: column {column!r} must be {expected}: {listed}{more}")
-
-
-def unknown_ids(ids: Iterable[Any], known: Iterable[Any]) -> list[int]:
-    """Positions of ``ids`` not in ``known``."""
-    known = set(known)
-    return [index for index, value in enumerate(ids) if value not in known]
 
 
 def _first_line(error: BaseException) -> str:
