@@ -12,11 +12,12 @@ import argparse
 from pathlib import Path
 
 from pipeline.experiment import load_experiment
+from utils import cli
 from utils.cli import positive_int, run_main
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("experiment", type=Path, help="YAML experiment file")
     parser.add_argument("--results", type=Path, default=Path("results"), help="parent folder of the experiment's outputs")
     parser.add_argument("--threads", type=positive_int, default=None,

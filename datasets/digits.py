@@ -22,6 +22,7 @@ from torch.utils.data import Dataset
 
 from datasets.family import DATASETS, FAMILY_COLUMN, SPLITS, DataFamily, with_family_column
 from utils.errors import TaskHetError
+from utils.loaders import read_csv
 from utils.seeding import derive_seed
 
 if TYPE_CHECKING:
@@ -113,10 +114,8 @@ def validate_manifest(manifest: pd.DataFrame, source: str = "manifest") -> pd.Da
 
 def read_manifest(path: Path) -> pd.DataFrame:
     """Read and validate a digits ``manifest.csv``."""
-    try:
-        manifest = pd.read_csv(path, dtype={FAMILY_COLUMN: str, "sample_id": str, "split": str}, keep_default_na=False)
-    except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as error:
-        raise TaskHetError(f"manifest {path}: not a readable CSV ({error})") from error
+    manifest = read_csv(path, "manifest", finished=True, dtype={FAMILY_COLUMN: str, "sample_id": str, "split": str},
+                        keep_default_na=False)
     return validate_manifest(manifest, str(path))
 
 

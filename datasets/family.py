@@ -22,6 +22,7 @@ import pandas as pd
 from torch.utils.data import Dataset
 
 from utils.errors import TaskHetError
+from utils.loaders import read_csv
 from utils.registry import Registry
 
 if TYPE_CHECKING:
@@ -120,13 +121,8 @@ def family_of(manifest: pd.DataFrame, source: str = "manifest") -> DataFamily:
 
 def load_manifest(path: Path) -> tuple[DataFamily, pd.DataFrame]:
     """Read a step-1 manifest of any family: ``(its family, its validated rows)``."""
-    path = Path(path)
-    if not path.is_file():
-        raise TaskHetError(f"manifest {path} does not exist (run step 1, extract_datapoints_for_experiments.py)")
-    try:
-        head = pd.read_csv(path, nrows=1, dtype=str, keep_default_na=False)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as error:
-        raise TaskHetError(f"manifest {path}: not a readable CSV ({error})") from error
+    head = read_csv(path, "manifest", finished=True, hint="run step 1, extract_datapoints_for_experiments.py", nrows=1,
+                    dtype=str, keep_default_na=False)
     family = family_of(head, str(path))
     return family, family.read_manifest(path)
 

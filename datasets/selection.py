@@ -30,6 +30,7 @@ from datasets.taskonomy import (
     read_scene_names,
 )
 from utils.errors import TaskHetError
+from utils.loaders import plain_name, read_csv
 from utils.plots import save_figure
 from utils.run_dir import atomic_write_text
 from utils.seeding import numpy_rng
@@ -116,19 +117,12 @@ def read_split_csv(path: Path) -> list[str]:
 
     The official CSVs end their lines with a bare CR; pandas reads CR, LF and CRLF alike.
     """
-    if not path.is_file():
-        raise TaskHetError(f"split CSV {path} does not exist (--client_file_name)")
-    try:
-        table = pd.read_csv(path, dtype={"id": str}, keep_default_na=False)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as error:
-        raise TaskHetError(f"split CSV {path}: not a readable CSV ({error})") from error
-    missing = [column for column in SPLIT_CSV_COLUMNS if column not in table.columns]
-    if missing:
-        raise TaskHetError(f"split CSV {path}: missing column(s) {', '.join(missing)}; expected {','.join(SPLIT_CSV_COLUMNS)}")
+    table = read_csv(path, "split CSV", SPLIT_CSV_COLUMNS, hint="--client_file_name", dtype={"id": str}, keep_default_na=False)
     ids = [building.strip() for building in table["id"]]
     for row, building in enumerate(ids):
         if not building:
             raise TaskHetError(f"split CSV {path}: row {row + 2} has an empty id")
+        plain_name(building, f"split CSV {path}: row {row + 2}, column 'id',")  # a building names a folder
     duplicated = pd.Series(ids).duplicated()
     if duplicated.any():
         row = int(np.flatnonzero(duplicated)[0])

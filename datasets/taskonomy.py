@@ -25,11 +25,11 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
 from datasets.cache import DecodedSampleCache, cache_key
 from datasets.family import DATASETS, FAMILY_COLUMN, DataFamily, with_family_column
+from utils import loaders
 from utils.errors import TaskHetError
 
 if TYPE_CHECKING:
@@ -93,20 +93,14 @@ class DomainSpec:
 
 def _read_png(path: Path, modes: Sequence[str]) -> np.ndarray:
     """Decode a PNG whose PIL mode is one of ``modes`` into an ``[H, W]`` or ``[H, W, C]`` array."""
-    try:
-        with Image.open(path) as image:
-            image.load()
-            mode = image.mode
-            if mode not in modes:
-                raise TaskHetError(f"{path}: PNG mode {mode!r}, expected one of {', '.join(modes)}")
-            if mode == "P":
-                # Palette images store the class id as the palette index.
-                return np.array(image.getdata(), dtype=np.uint8).reshape(image.height, image.width)
-            return np.array(image)
-    except TaskHetError:
-        raise
-    except (OSError, ValueError, SyntaxError, UnidentifiedImageError) as error:
-        raise TaskHetError(f"{path}: not a readable PNG ({error})") from error
+    image = loaders.load_image(path, "PNG")
+    mode = image.mode
+    if mode not in modes:
+        raise TaskHetError(f"{path}: PNG mode {mode!r}, expected one of {', '.join(modes)}")
+    if mode == "P":
+        # Palette images store the class id as the palette index.
+        return np.array(image.getdata(), dtype=np.uint8).reshape(image.height, image.width)
+    return np.array(image)
 
 
 def _first_channel(array: np.ndarray) -> np.ndarray:
@@ -173,12 +167,7 @@ def decode_mask_valid(path: Path) -> Decoded:
 
 def decode_class_scene(path: Path) -> Decoded:
     """.npy of 365 Places365 scores -> float32 [365]."""
-    try:
-        scores = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as error:
-        raise TaskHetError(f"{path}: not a readable .npy file ({error})") from error
-    if scores.shape != (NUM_SCENE_SCORES,):
-        raise TaskHetError(f"{path}: expected {NUM_SCENE_SCORES} Places365 scores, got shape {scores.shape}")
+    scores = loaders.load_npy(path, "class_scene scores", shape=(NUM_SCENE_SCORES,))  # NaN never labels class 0
     return scores.astype(np.float32), None
 
 
@@ -315,12 +304,9 @@ def validate_manifest(manifest: pd.DataFrame, source: str = "manifest") -> pd.Da
         row = int(np.flatnonzero(bad_split)[0])
         raise TaskHetError(f"{source}: row {row + 2} has split {manifest.at[row, 'split']!r}, expected one of {SPLITS}")
     for column in ("point", "view", "scene_class"):
-        values = pd.to_numeric(manifest[column], errors="coerce")
-        bad = values.isna() | (values < 0) | (values != values.round())
-        if bad.any():
-            row = int(np.flatnonzero(bad)[0])
-            raise TaskHetError(f"{source}: row {row + 2} has {column} {manifest.at[row, column]!r}, expected an integer >= 0")
-        manifest[column] = values.astype(np.int64)
+        manifest[column] = loaders.int_column(manifest, column, source, low=0)  # inf or 1e30 never wrap around
+    for row, building in enumerate(manifest["building"]):  # a building names a folder: no path may hide in it
+        loaders.plain_name(building, f"{source}: row {row + 2}, column 'building',")
     return manifest
 
 
@@ -348,14 +334,9 @@ def read_scene_names(path: Path) -> list[str]:
 
 def read_manifest(path: Path) -> pd.DataFrame:
     """Read and validate a step-1 ``manifest.csv`` (columns: :data:`MANIFEST_COLUMNS`)."""
-    path = Path(path)
-    if not path.is_file():
-        raise TaskHetError(f"manifest {path} does not exist (run step 1, extract_datapoints_for_experiments.py)")
     text_columns = {column: str for column in (FAMILY_COLUMN, "sample_id", "building", "rgb_path", "scene_name", "split")}
-    try:
-        manifest = pd.read_csv(path, dtype=text_columns, keep_default_na=False)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as error:
-        raise TaskHetError(f"manifest {path}: not a readable CSV ({error})") from error
+    manifest = loaders.read_csv(path, "manifest", finished=True, hint="run step 1, extract_datapoints_for_experiments.py",
+                                dtype=text_columns, keep_default_na=False)
     return validate_manifest(manifest, str(path))
 
 
@@ -434,7 +415,9 @@ class TaskonomyDataset(Dataset):
 
     def _index_files(self) -> dict[str, list[Path | None]]:
         """Per domain, each manifest row's file; mask_valid is used wherever it is on disk."""
-        paths: dict[str, list[Path | None]] = {"rgb": [self.root / path for path in self.manifest["rgb_path"]]}
+        paths: dict[str, list[Path | None]] = {"rgb": [
+            loaders.inside_root(self.root, path, f"sample {sample}: manifest rgb_path")
+            for sample, path in zip(self.sample_ids, self.manifest["rgb_path"])]}
         for sample, path in zip(self.sample_ids, paths["rgb"]):
             if not path.is_file():
                 raise TaskHetError(f"sample {sample}: rgb file {path} does not exist (manifest rgb_path is relative to {self.root})")

@@ -60,14 +60,19 @@ def build_task_model(task: str, encoder: str = "resnet50", weights: str = "none"
         return TaskModel(spec, build_encoder(encoder, weights), out_channels, embedding_grid, embedding_layer, config)
 
 
-def load_task_model(checkpoint_path: Path) -> TaskModel:
-    """Rebuild a model from a step-2 checkpoint (``{"model": state_dict, "model_config": config, ...}``)."""
-    checkpoint = load_checkpoint(checkpoint_path)
-    if not isinstance(checkpoint, dict) or "model" not in checkpoint or "model_config" not in checkpoint:
-        raise TaskHetError(f"{checkpoint_path}: not a step-2 checkpoint (needs 'model' and 'model_config')")
-    config = dict(checkpoint["model_config"])
-    # the checkpoint holds every weight; the pretrained source need not be present
-    model = build_task_model(**{**config, "weights": "none"})
-    model.config = config
-    model.load_state_dict(checkpoint["model"])
+def load_task_model(checkpoint_path: Path, what: str = "checkpoint") -> TaskModel:
+    """Rebuild a model from a finished step's checkpoint (``{"model": state_dict, "model_config": config, ...}``).
+
+    A checkpoint from a run folder marked ``INCOMPLETE`` (a step 2 that failed or is still running) is refused.
+    """
+    checkpoint = load_checkpoint(checkpoint_path, what, keys=("model", "model_config"), finished=True)
+    try:
+        config = dict(checkpoint["model_config"])
+        # the checkpoint holds every weight; the pretrained source need not be present
+        model = build_task_model(**{**config, "weights": "none"})
+        model.config = config
+        model.load_state_dict(checkpoint["model"])
+    except (TypeError, ValueError, RuntimeError, KeyError) as error:
+        raise TaskHetError(f"{what} {checkpoint_path} does not hold a task model this code can rebuild "
+                           f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from None
     return model

@@ -271,10 +271,7 @@ class SequentialEngine:
         """Restore the checkpoint (resume) or evaluate round 0; returns the last finished round."""
         remove_stale_temporaries(self.out_dir)  # half-written files of a killed earlier run of this folder
         if self.config.resume and self.checkpoint_path.exists():
-            checkpoint = load_checkpoint(self.checkpoint_path)
-            if checkpoint["run"] != self._fingerprint():
-                raise TaskHetError(f"{self.checkpoint_path} belongs to a different run ({checkpoint['run']}); "
-                                   "use --no-resume or another --out")
+            checkpoint = load_resumable(self.checkpoint_path, self._fingerprint())
             self.server = ServerState(**checkpoint["server"]).to(self.device)
             self.store.restore(checkpoint["client_states"])
             torch.set_rng_state(checkpoint["rng"]["torch"])
@@ -306,8 +303,26 @@ class SequentialEngine:
         }, self.checkpoint_path)
 
     def _fingerprint(self) -> dict[str, Any]:
-        return {"algorithm": self.algorithm.name, "settings": dataclasses.asdict(self.algorithm.settings),
-                "seed": self.config.seed, "clients": list(self.clients), "signature": dict(self.config.signature or {})}
+        return run_fingerprint(self.algorithm, self.config, list(self.clients))
+
+
+def run_fingerprint(algorithm: Algorithm, config: EngineConfig, client_ids: list[str]) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed: algorithm, settings, seed, client ids and the run's signature."""
+    return {"algorithm": algorithm.name, "settings": dataclasses.asdict(algorithm.settings), "seed": config.seed,
+            "clients": list(client_ids), "signature": dict(config.signature or {})}
+
+
+def load_resumable(path: Path, fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint at ``path`` if it is a whole step-4 checkpoint of the run ``fingerprint`` describes.
+
+    Callers check before writing anything into the folder, so a refused resume leaves it as it was.
+    """
+    checkpoint = load_checkpoint(path, "--resume: step-4 checkpoint",
+                                 keys=("run", "round", "server", "client_states", "rng", "best_loss"))
+    if checkpoint["run"] != fingerprint:
+        raise TaskHetError(f"{path} belongs to a different run ({checkpoint['run']}); use --no-resume or another --out")
+    return checkpoint
+
 
 def make_lr_schedule(spec: str, init_lr: float, n_rounds: int) -> Callable[[int], float]:
     """The local learning rate of round r (1-based), the same for every client.

@@ -18,11 +18,7 @@ from torch import Tensor, nn
 
 from network.algorithms.base import LossFn
 from utils.device import autocast, to_device
-from utils.errors import TaskHetError
-
-
-class NonFiniteLossError(TaskHetError):
-    """The local loss became NaN or infinite; the run must stop (the engine keeps its last checkpoint)."""
+from utils.errors import NonFiniteLossError, TaskHetError
 
 
 @dataclass(frozen=True)

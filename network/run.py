@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -24,12 +25,13 @@ from network.algorithms import build_algorithm
 from network.algorithms.base import Algorithm
 from network.engine_sequential import EngineConfig, make_lr_schedule
 from partitioning.assignments import load_assignments
-from partitioning.groupings import EMBEDDING_BASED, GROUPINGS, LABEL_BASED
+from partitioning.groupings import EMBEDDING_BASED, LABEL_BASED
 from training.loop import evaluate
 from utils.device import pick_device, prepare_model
 from utils.errors import TaskHetError
 from utils.seeding import set_deterministic
 
+STEP = "step 4"
 ENGINES = ("sequential", "flower")  # round loops over the same algorithm objects
 # Fields that do not change what a run computes: a resumed run may differ in them.
 NOT_IN_SIGNATURE = ("out", "resume", "use_accelerator", "num_workers", "cache_dir", "deterministic", "n_rounds",
@@ -95,7 +97,15 @@ class RunConfig:
     @classmethod
     def from_json(cls, text: str) -> "RunConfig":
         """The inverse of :meth:`to_json` (paths restored from the field types)."""
-        values = json.loads(text)
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise TaskHetError(f"the run config is not valid JSON (line {error.lineno}: {error.msg})") from None
+        names = {item.name for item in dataclasses.fields(cls)}
+        if not isinstance(values, dict) or "task" not in values or set(values) - names:
+            unknown = sorted(set(values) - names) if isinstance(values, dict) else []
+            raise TaskHetError("the run config must be a RunConfig as JSON with a 'task'"
+                               + (f"; unknown field(s): {', '.join(unknown)}" if unknown else ""))
         paths = {item.name for item in dataclasses.fields(cls) if "Path" in str(item.type)}
         return cls(**{key: Path(value) if key in paths and value is not None else value for key, value in values.items()})
 
@@ -188,7 +198,7 @@ def default_assignments(config: RunConfig) -> Path:
 def initial_model(config: RunConfig, num_classes: int | None) -> torch.nn.Module:
     if config.init_from == "scratch":
         return build_task_model(config.task, config.encoder, config.weights, num_classes=num_classes, seed=config.rand_seed)
-    model = load_task_model(config.centralized_checkpoint)
+    model = load_task_model(config.centralized_checkpoint, "--centralized_checkpoint (a step-2 best.pt)")
     if model.config["task"] != config.task:
         raise TaskHetError(f"--centralized_checkpoint {config.centralized_checkpoint} is a {model.config['task']} model, "
                            f"not {config.task}")
@@ -199,25 +209,43 @@ def run(setup: FedSetup) -> dict:
     """Build the clients and run the chosen engine; returns the run folder and the best global test loss."""
     from network.client_data import global_test_loader, make_clients
     from network.engine_sequential import SequentialEngine
-    from utils.run_dir import setup_logging, write_config
+    from utils.run_dir import unfinished
 
     config = setup.config
-    config.out.mkdir(parents=True, exist_ok=True)
-    logger = setup_logging(config.out, "test_fed")
-    write_config(config.out, dataclasses.asdict(config))
     clients = make_clients(config, setup.manifest, setup.table, setup.task)
+    logger = open_run_folder(setup)
     test_loader = global_test_loader(config, setup.manifest, setup.task)
     logger.info("%s on %s: %d clients (%d train samples), %d test samples, device %s", config.method, config.task,
                 len(clients), sum(client.num_samples for client in clients), len(test_loader.dataset), setup.device)
     inputs = (setup.model, setup.algorithm, clients, setup.loss_fn, setup.evaluate_fn, test_loader,
               setup.engine_config, setup.device)
-    if config.engine == "flower":
-        from network.flower.simulation import FlowerOptions, run_flower  # only here: the sequential path never imports flwr
+    with unfinished(config.out, STEP):  # the report and later steps refuse a run that did not finish
+        if config.engine == "flower":
+            from network.flower.simulation import FlowerOptions, run_flower  # only here: the sequential path never imports flwr
 
-        engine = run_flower(*inputs, model_config=setup.model_config, logger=logger, options=FlowerOptions(
-            mode=config.flower_mode, num_cpus=config.flower_num_cpus, num_gpus=config.flower_num_gpus,
-            min_available_clients=config.min_available_clients))
-    else:
-        engine = SequentialEngine(*inputs, model_config=setup.model_config, logger=logger)
-        engine.run()
+            engine = run_flower(*inputs, model_config=setup.model_config, logger=logger, options=FlowerOptions(
+                mode=config.flower_mode, num_cpus=config.flower_num_cpus, num_gpus=config.flower_num_gpus,
+                min_available_clients=config.min_available_clients))
+        else:
+            engine = SequentialEngine(*inputs, model_config=setup.model_config, logger=logger)
+            engine.run()
     return {"out": config.out, "best_test_loss": engine.best_loss}
+
+
+def open_run_folder(setup: FedSetup) -> logging.Logger:
+    """Check that the run folder is step 4's (or empty) and that a resume matches it, then write config.json.
+
+    Every check comes first: a refused run leaves the folder exactly as it was.
+    """
+    from network.engine_sequential import CHECKPOINT_FILE, load_resumable, run_fingerprint
+    from utils.run_dir import claim_folder, setup_logging, write_config
+
+    config = setup.config
+    claim_folder(config.out, STEP)
+    checkpoint = Path(config.out) / CHECKPOINT_FILE
+    if config.resume and checkpoint.exists():
+        client_ids = [str(client_id) for client_id in sorted(setup.table["client_id"].unique())]
+        load_resumable(checkpoint, run_fingerprint(setup.algorithm, setup.engine_config, client_ids))
+    config.out.mkdir(parents=True, exist_ok=True)
+    write_config(config.out, dataclasses.asdict(config), step=STEP)
+    return setup_logging(config.out, "test_fed")

@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import pandas as pd
 
 from pipeline.stages import file_sha256
 from utils.errors import TaskHetError
+from utils.loaders import int_column, load_json, read_csv
 from utils.run_dir import atomic_write_text
 
 COLUMNS = ("sample_id", "client_id", "group", "subset")
 SUBSETS = ("train", "test")
+# The largest client id + 1 a file may name: ids beyond it are typos or overflows, never a federation.
+MAX_CLIENT_ID = 2**31
 # An error message lists at most this many rows per kind of problem (and the total count).
 MAX_LISTED = 50
 
@@ -63,20 +66,19 @@ def read_assignments(csv_path: Path) -> pd.DataFrame:
         TaskHetError: a missing file or column, or rows with a bad cell (all named).
     """
     csv_path = Path(csv_path)
-    if not csv_path.is_file():
-        raise TaskHetError(f"{csv_path} does not exist (make it with make_client_assignments.py)")
-    table = pd.read_csv(csv_path, dtype=str, keep_default_na=False)
-    missing = [c for c in COLUMNS if c not in table.columns]
-    if missing:
-        raise TaskHetError(f"{csv_path}: missing columns {missing}; expected {', '.join(COLUMNS)}")
+    table = read_csv(csv_path, "assignments file", COLUMNS, finished=True, hint="make it with make_client_assignments.py",
+                     dtype=str, keep_default_na=False)
+    if table.empty:
+        raise TaskHetError(f"assignments file {csv_path} has a header but no rows")
     table = table[list(COLUMNS)].copy()
     table["row"] = np.arange(len(table)) + 2
     problems = []
     blank_id = table["sample_id"].str.strip() == ""
     problems.append(_describe(table, blank_id, "empty sample_id"))
     client = pd.to_numeric(table["client_id"], errors="coerce")
-    bad_client = client.isna() | (client < 0) | (client != client.round())
-    problems.append(_describe(table, bad_client, "client_id is not an integer >= 0"))
+    # 2**31: far beyond any real federation, and far from float64's and int64's limits (1e30 must not wrap)
+    bad_client = ~np.isfinite(client) | (client < 0) | (client != client.round()) | (client >= MAX_CLIENT_ID)
+    problems.append(_describe(table, bad_client, f"client_id is not an integer in [0, {MAX_CLIENT_ID})"))
     problems.append(_describe(table, ~table["subset"].isin(SUBSETS), f"subset not in {SUBSETS}"))
     _raise_if_any(csv_path, problems)
     table["client_id"] = client.astype(np.int64)
@@ -88,10 +90,15 @@ def read_meta(csv_path: Path) -> dict[str, Any]:
     path = sidecar_path(csv_path)
     if not path.is_file():
         return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise TaskHetError(f"{path}: not valid JSON: {error}") from error
+    meta = load_json(path, "assignments sidecar")
+    if not isinstance(meta, dict):
+        raise TaskHetError(f"assignments sidecar {path} must hold a JSON object, got {type(meta).__name__}")
+    n_clients = meta.get("n_clients")
+    if n_clients is not None and (isinstance(n_clients, bool) or not isinstance(n_clients, int)
+                                  or not 1 <= n_clients <= MAX_CLIENT_ID):
+        raise TaskHetError(f"assignments sidecar {path}: n_clients must be an integer in [1, {MAX_CLIENT_ID}], "
+                           f"got {n_clients!r}")
+    return meta
 
 
 def validate_assignments(table: pd.DataFrame, manifest: pd.DataFrame, n_clients: int | None, source: str) -> None:
@@ -154,11 +161,12 @@ def _raise_if_any(source: Path, problems: list[str]) -> None:
         raise TaskHetError(f"{source}: " + "; ".join(problems))
 
 
-def resolve_groups(manifest: pd.DataFrame, groups: str) -> tuple[pd.Series, Path | None]:
+def resolve_groups(manifest: pd.DataFrame, groups: str, extra_ids: Iterable[str] = ()) -> tuple[pd.Series, Path | None]:
     """The group of every manifest row, from a manifest column or a clusters CSV.
 
     Args:
-        manifest: the step-1 manifest.
+        manifest: the step-1 manifest rows to group.
+        extra_ids: other sample ids a clusters file may list (step 3b passes the manifest's test rows).
         groups: a manifest column name (the family's label column, e.g. ``scene_class``: label-based) or the path of a
             ``clusters.csv`` with ``sample_id, cluster`` (embedding-based).
 
@@ -172,11 +180,16 @@ def resolve_groups(manifest: pd.DataFrame, groups: str) -> tuple[pd.Series, Path
     if groups in manifest.columns:
         return _numeric_if_integer(manifest[groups]), None
     path = Path(groups)
-    if not path.is_file():
+    if not path.is_file() and not path.is_dir():
         raise TaskHetError(f"--groups {groups!r} is neither a manifest column ({', '.join(manifest.columns)}) nor an existing clusters CSV")
-    clusters = pd.read_csv(path, dtype=str, keep_default_na=False)
-    if not {"sample_id", "cluster"} <= set(clusters.columns):
-        raise TaskHetError(f"{path}: expected columns sample_id, cluster; found {', '.join(clusters.columns)}")
+    clusters = read_csv(path, "--groups clusters file", ("sample_id", "cluster"), finished=True, dtype=str,
+                        keep_default_na=False)
+    known = clusters["sample_id"].isin(manifest["sample_id"]) | clusters["sample_id"].isin(extra_ids)
+    if not known.all():
+        row = int(np.flatnonzero(~known.to_numpy())[0])
+        raise TaskHetError(f"{path}: row {row + 2} has sample_id {clusters['sample_id'].iloc[row]!r}, which is not in "
+                           f"the manifest ({int((~known).sum())} unknown rows); was it made from this manifest?")
+    int_column(clusters, "cluster", str(path), low=0, high=MAX_CLIENT_ID)
     duplicated = clusters["sample_id"].duplicated()
     if duplicated.any():
         raise TaskHetError(f"{path}: sample id {clusters.loc[duplicated, 'sample_id'].iloc[0]!r} appears twice (row {int(np.flatnonzero(duplicated)[0]) + 2})")

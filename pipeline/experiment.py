@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from partitioning.groupings import GROUPINGS, IID_REFERENCE, canonical_grouping
+from pipeline.schema import check_types
 from utils.errors import TaskHetError
+from utils.loaders import load_yaml
 
 # data.source -> the data family that reads it (synthetic buildings are written in the Taskonomy layout).
 DATA_SOURCES = {"synthetic": "taskonomy", "taskonomy": "taskonomy", "digits": "digits"}
@@ -94,17 +94,17 @@ class Combination:
 
 
 def load_experiment(path: Path) -> dict[str, Any]:
-    """Read, merge with defaults and validate an experiment file (errors name the key)."""
+    """Read, type-check, merge with defaults and validate an experiment file (errors name the key).
+
+    Every key is checked against :data:`TYPES` (type, range, list-ness) before any name is looked
+    up, and all of it before step 0 runs; an empty file is an error, not a default run.
+    """
     path = Path(path)
-    if not path.is_file():
-        raise TaskHetError(f"experiment file {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as error:
-        raise TaskHetError(f"{path}: not valid YAML: {error}") from error
+    raw = load_yaml(path, "experiment file")
     if not isinstance(raw, dict):
-        raise TaskHetError(f"{path}: expected a mapping of keys at the top level")
+        raise TaskHetError(f"{path}: expected a mapping of keys at the top level, got {type(raw).__name__}")
     config = _merge(copy.deepcopy(SCHEMA), raw, prefix="", source=path)
+    check_types(config, path)
     # Old names (class_based) are replaced before anything reads them: folders and the report use one name.
     config["partition"]["groupings"] = [canonical_grouping(name) for name in config["partition"]["groupings"]]
     validate_names(config, path)
@@ -131,7 +131,8 @@ def validate_names(config: dict[str, Any], source: Path) -> None:
     from models import list_encoders
     from models.tasks import list_tasks
     from network.algorithms import list_algorithms
-    from partitioning.partition import list_schemes
+    from network.engine_sequential import make_lr_schedule
+    from partitioning.partition import list_schemes, parse_size_skew
 
     def check(key: str, values: list[str], known: list[str]) -> None:
         for value in values:
@@ -150,15 +151,17 @@ def validate_names(config: dict[str, Any], source: Path) -> None:
     check("federated.algorithms", list(algorithms), list_algorithms())
     validate_algorithm_settings(algorithms, source)
     check("partition.scheme", [config["partition"]["scheme"]], list_schemes())
+    flag_checks = (("federated.lr_schedule", "--lr_schedule", lambda: make_lr_schedule(config["federated"]["lr_schedule"], 1.0, 1)),
+                   ("partition.size_skew", "--size_skew", lambda: parse_size_skew(config["partition"]["size_skew"])))
+    for key, flag, parse in flag_checks:  # the step's own parser, its message re-addressed to the YAML key
+        try:
+            parse()
+        except TaskHetError as error:
+            raise TaskHetError(f"{source}: {str(error).replace(flag, key)}") from None
     check("partition.groupings", list(config["partition"]["groupings"]), list(GROUPINGS))
     if sorted(set(config["partition"]["groupings"])) != sorted(GROUPINGS):
         raise TaskHetError(f"{source}: partition.groupings must list both {' and '.join(GROUPINGS)}: the report "
                            f"compares them; got {config['partition']['groupings']}")
-    for alpha in config["partition"]["alphas"]:
-        if not float(alpha) > 0:
-            raise TaskHetError(f"{source}: partition.alphas must be > 0, got {alpha}")
-    if not config["seeds"]:
-        raise TaskHetError(f"{source}: seeds must list at least one seed")
 
 
 def validate_split_csv(data: dict[str, Any], source: Path) -> None:

@@ -20,7 +20,6 @@ Layout under ``results/<experiment name>/``::
 
 from __future__ import annotations
 
-import json
 import shlex
 import sys
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from tqdm.auto import tqdm
 
 from models.tasks import get_task
 from network.client import GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT
-from network.engine_sequential import GLOBAL_CLIENT
+from network.engine_sequential import GLOBAL_CLIENT, METRICS_COLUMNS
 from partitioning.groupings import EMBEDDING_BASED, GROUPINGS, IID_REFERENCE
 from pipeline.experiment import DATA_SOURCES, Combination, combinations, split_csv_path
 from pipeline.report import write_report
@@ -46,6 +45,7 @@ from steps import render
 from steps import select as step1
 from steps import train_centralized as step2
 from utils.errors import TaskHetError
+from utils.loaders import load_json, read_csv
 
 
 @dataclass
@@ -226,7 +226,7 @@ class Pipeline:
             keys = {"task": combination.task, "grouping": combination.grouping, "alpha": combination.alpha,
                     "algorithm": combination.algorithm, "seed": combination.seed}
             metric = get_task(combination.task).primary_metric
-            metrics = pd.read_csv(run_dir / "metrics.csv")
+            metrics = read_csv(run_dir / "metrics.csv", "step-4 metrics", METRICS_COLUMNS, finished=True)
             history = global_test_history(metrics)
             last = history[history["round"] == history["round"].max()].set_index("metric").value
             finals.append({**keys, "loss": last["loss"], "metric": metric, "metric_value": last[metric],
@@ -236,9 +236,10 @@ class Pipeline:
             if combination.seed == self.config["seeds"][0] and combination.grouping in GROUPINGS:
                 heatmaps[(combination.task, combination.grouping, combination.alpha)] = assignments / "client_group_heatmap.png"
         centralized = {task: best_validation_loss(model_dir / "metrics.csv") for task, model_dir in model_dirs.items()}
-        agreement = {task: json.loads((cluster_dir / "agreement.json").read_text()) for task, cluster_dir in cluster_dirs.items()}
+        agreement = {task: load_json(cluster_dir / "agreement.json", "step-3 agreement", finished=True)
+                     for task, cluster_dir in cluster_dirs.items()}
         meter_rows = [{"task": task, "grouping": grouping, "alpha": alpha, "seed": seed,
-                       **json.loads((stage_dir / METER_FILE).read_text())}
+                       **load_json(stage_dir / METER_FILE, "step-3c meter", finished=True)}
                       for (task, grouping, alpha, seed), stage_dir in meters.items()]
         return write_report(self.out_dir, pd.DataFrame(finals), pd.DataFrame(curves), centralized, agreement,
                             heatmaps, self.command, pd.DataFrame(meter_rows))
@@ -278,7 +279,7 @@ def final_personal_loss(metrics: pd.DataFrame) -> float:
 
 def best_validation_loss(metrics_csv: Path) -> float:
     """The centralized model's lowest test-split loss over its epochs (the checkpoint kept as best.pt)."""
-    metrics = pd.read_csv(metrics_csv)
+    metrics = read_csv(metrics_csv, "step-2 metrics", ("split", "metric", "value"), finished=True)
     return float(metrics[(metrics.split == "test") & (metrics.metric == "loss")].value.min())
 
 

@@ -19,15 +19,18 @@ from datasets.family import load_manifest
 from partitioning.assignments import assignments_table, resolve_groups, source_record, write_assignments
 from partitioning.partition import client_test_mask, get_partitioner, list_schemes, scheme_parameters
 from partitioning.partition_stats import client_stats, plot_heatmap
+from utils import cli
 from utils.cli import positive_float, positive_int
 from utils.errors import TaskHetError
-from utils.run_dir import setup_logging, write_config
+from utils.run_dir import claim_folder, setup_logging, unfinished, write_config
+
+STEP = "step 3b"
 from utils.seeding import numpy_rng
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The step-3b command line (make_client_assignments.py --help)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--manifest", type=Path, required=True, help="step-1 manifest.csv; only its train split is partitioned")
     parser.add_argument("--groups", default=None, help="a manifest column or a step-3 clusters.csv (default: the data family's label column)")
     parser.add_argument("--scheme", default="dirichlet_mixture", choices=list_schemes())
@@ -35,8 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--n_clients", type=positive_int, default=10)
     parser.add_argument("--size_skew", default=None, help="quantity skew: lognormal:SIGMA or powerlaw:A (default: equal sizes)")
     parser.add_argument("--groups_per_client", type=positive_int, default=None, help="shards: groups per client (scheme default 2)")
-    parser.add_argument("--client_test_fraction", type=float, default=0.2, help="share of each client's samples held out as client-test")
-    parser.add_argument("--min_client_size", type=int, default=1, help="fewest samples a client may hold")
+    parser.add_argument("--client_test_fraction", type=cli.nonnegative_float, default=0.2, help="share of each client's samples held out as client-test")
+    parser.add_argument("--min_client_size", type=cli.nonnegative_int, default=1, help="fewest samples a client may hold")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     return parser
@@ -52,16 +55,24 @@ def main(argv: list[str] | None = None) -> Path:
         The path of the assignments.csv written.
     """
     args = build_parser().parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_config(args.out, vars(args))
-    logger = setup_logging(args.out, "make_client_assignments")
+    claim_folder(args.out, STEP)
     family, manifest = load_manifest(args.manifest)
     train = manifest[manifest["split"] == "train"].reset_index(drop=True)
     if train.empty:
         raise TaskHetError(f"{args.manifest}: has no train rows to partition")
     args.groups = args.groups or family.label_column
-    groups, groups_file = resolve_groups(train, args.groups)
+    test_ids = manifest.loc[manifest["split"] == "test", "sample_id"]
+    groups, groups_file = resolve_groups(train, args.groups, extra_ids=test_ids)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_config(args.out, vars(args), step=STEP)
+    logger = setup_logging(args.out, "make_client_assignments")
+    with unfinished(args.out, STEP):  # step 4 refuses an assignments.csv of a run that did not finish
+        return write_partition(args, family, train, groups, groups_file, logger)
 
+
+def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, groups: pd.Series, groups_file: Path | None,
+              logger) -> Path:
+    """Split ``train`` over clients and write every output of the step; returns assignments.csv."""
     given = {"alpha": args.alpha, "size_skew": args.size_skew, "groups_per_client": args.groups_per_client,
              "min_client_size": args.min_client_size, "seed": args.seed}
     accepted = scheme_parameters(args.scheme)

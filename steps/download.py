@@ -20,6 +20,7 @@ from omnidata_tools.dataset.starter_dataset.component_datasets import taskonomy 
 
 from datasets.synthetic import write_places_file
 from datasets.taskonomy import DOMAINS, get_domain
+from utils import cli
 from utils.cli import positive_float
 from utils.errors import TaskHetError
 
@@ -70,7 +71,7 @@ def downloader_command(args: argparse.Namespace) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--domains", nargs="+", default=list(DEFAULT_DOMAINS), help="domains to download (default: every domain the loader decodes)")
     parser.add_argument("--subset", choices=SUBSETS, default="tiny", help="Taskonomy subset (default: tiny)")
     parser.add_argument("--dest", type=Path, default=Path("data/taskonomy"), help="data root to write (default: data/taskonomy)")

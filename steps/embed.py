@@ -24,22 +24,26 @@ from models import load_task_model
 from partitioning.clustering import MINIBATCH_THRESHOLD, cluster_embeddings, embed_samples, write_diagnostics
 from pipeline.stages import stage_key
 from training.loop import make_loader
+from utils import cli
 from utils.cli import positive_int
 from utils.device import pick_device, prepare_model
 from utils.errors import TaskHetError
-from utils.run_dir import atomic_write_text, setup_logging, write_config
+from utils.loaders import load_json, load_npy, require_file, require_finished
+from utils.run_dir import atomic_write_text, claim_folder, setup_logging, unfinished, write_config
+
+STEP = "step 3"
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The step-3 command line (extract_embeddings.py --help)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--checkpoint", type=Path, required=True, help="step-2 best.pt")
     parser.add_argument("--manifest", type=Path, required=True, help="step-1 manifest.csv (train and test rows are embedded)")
     parser.add_argument("--data_path", type=Path, required=True, help="data root of the manifest's files (ignored by families that ship their data)")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument("--image_size", type=positive_int, default=None, help="input side; default: the step-2 run's (its config.json)")
     parser.add_argument("--batch_size", type=positive_int, default=64)
-    parser.add_argument("--num_workers", type=int, default=0)
+    parser.add_argument("--num_workers", type=cli.nonnegative_int, default=0)
     parser.add_argument("--cache_dir", type=Path, default=None, help="decoded-sample cache folder")
     parser.add_argument("--pca_dim", type=positive_int, default=None, help="PCA components before KMeans (default: none)")
     parser.add_argument("--n_clusters", type=positive_int, default=10)
@@ -54,9 +58,12 @@ def training_image_size(checkpoint: Path) -> int:
     """The image size of the step-2 run that wrote ``checkpoint`` (its folder's config.json)."""
     config_path = checkpoint.parent / "config.json"
     try:
-        return int(json.loads(config_path.read_text())["args"]["image_size"])
-    except (OSError, KeyError, TypeError, ValueError, json.JSONDecodeError):
-        raise TaskHetError(f"cannot read image_size from {config_path}; pass --image_size") from None
+        size = load_json(config_path, "the step-2 run's config")["args"]["image_size"]
+    except (TaskHetError, KeyError, TypeError) as error:
+        raise TaskHetError(f"cannot read image_size from {config_path} ({error}); pass --image_size") from None
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise TaskHetError(f"{config_path}: args.image_size must be an integer >= 1, got {size!r}; pass --image_size")
+    return size
 
 
 def embed(args: argparse.Namespace, family: DataFamily, manifest: pd.DataFrame, logger) -> np.ndarray:
@@ -65,9 +72,9 @@ def embed(args: argparse.Namespace, family: DataFamily, manifest: pd.DataFrame, 
     key_path, embeddings_path = args.out / "embeddings_key.txt", args.out / "embeddings.npy"
     if key_path.is_file() and key_path.read_text() == key and embeddings_path.is_file():
         logger.info("reusing %s (same checkpoint, manifest and image size)", embeddings_path)
-        return np.load(embeddings_path)
+        return load_npy(embeddings_path, "reused embeddings", shape=(len(manifest), -1))
     device = pick_device(args.use_accelerator)
-    model = prepare_model(load_task_model(args.checkpoint), device)
+    model = prepare_model(load_task_model(args.checkpoint, "--checkpoint (a step-2 best.pt)"), device)
     dataset = family.dataset(args.data_path, manifest, None, args.image_size, args.cache_dir)
     loader = make_loader(dataset, args.batch_size, shuffle=False, seed=args.seed, num_workers=args.num_workers)
     embeddings, sample_ids = embed_samples(model, loader, device, family.input_key)
@@ -90,13 +97,20 @@ def main(argv: list[str] | None = None) -> Path:
         The path of the clusters.csv written.
     """
     args = build_parser().parse_args(argv)
-    if not args.checkpoint.is_file():
-        raise TaskHetError(f"--checkpoint {args.checkpoint} does not exist (run step 2, train_centralized_task_model.py)")
+    claim_folder(args.out, STEP)
+    require_file(args.checkpoint, "--checkpoint", "a step-2 best.pt: run step 2, train_centralized_task_model.py")
+    require_finished(args.checkpoint, "--checkpoint")
     args.image_size = args.image_size or training_image_size(args.checkpoint)
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_config(args.out, vars(args))
-    logger = setup_logging(args.out, "extract_embeddings")
     family, manifest = load_manifest(args.manifest)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_config(args.out, vars(args), step=STEP)
+    logger = setup_logging(args.out, "extract_embeddings")
+    with unfinished(args.out, STEP):
+        return cluster(args, family, manifest, logger)
+
+
+def cluster(args: argparse.Namespace, family: DataFamily, manifest: pd.DataFrame, logger) -> Path:
+    """Embed (or reuse the embeddings), cluster and write every output of the step; returns clusters.csv."""
     embeddings = embed(args, family, manifest, logger)
 
     clustering = cluster_embeddings(embeddings, args.n_clusters, args.seed, args.pca_dim, args.n_init, args.minibatch_threshold)

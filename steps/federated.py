@@ -8,7 +8,6 @@ setting of another algorithm (``--mu`` for fedavg) is an error that lists the ri
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from network.algorithms.base import get_settings_class
 from network.run import ENGINES, RunConfig, prepare
 from partitioning.groupings import GROUPINGS, canonical_grouping
 from network.settings import add_settings_arguments, describe
+from utils import cli
 from utils.cli import positive_float, positive_int
 from utils.errors import TaskHetError
 
@@ -32,7 +32,7 @@ Each algorithm's own settings follow --method X: `test_fed.py --method X --help`
 def build_parser(method: str | None = None) -> argparse.ArgumentParser:
     """The run's flags, plus the settings of ``method`` when given."""
     defaults = RunConfig(task="")
-    parser = argparse.ArgumentParser(prog="test_fed.py", description=DESCRIPTION,
+    parser = cli.ArgumentParser(prog="test_fed.py", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--list_methods", action="store_true", help="print every algorithm with its settings and exit")
@@ -42,7 +42,7 @@ def build_parser(method: str | None = None) -> argparse.ArgumentParser:
     add("--flower_mode", choices=("simulation",), default="simulation",
         help="--engine flower: Flower's simulation runtime on this machine (a real deployment: docs/FLOWER.md)")
     add("--flower_num_cpus", type=positive_float, default=1.0, help="--engine flower: CPU cores per client (default: 1)")
-    add("--flower_num_gpus", type=float, default=0.0, help="--engine flower: share of a GPU per client, e.g. 0.25 (default: 0)")
+    add("--flower_num_gpus", type=cli.nonnegative_float, default=0.0, help="--engine flower: share of a GPU per client, e.g. 0.25 (default: 0)")
     add("--min_available_clients", type=positive_int, default=None,
         help="--engine flower: results a round needs; failed clients beyond that are logged by id (default: all sampled)")
     add("--manifest", type=Path, default=defaults.manifest, help="step-1 manifest.csv")
@@ -65,10 +65,10 @@ def build_parser(method: str | None = None) -> argparse.ArgumentParser:
     add("--batch_size", type=positive_int, default=defaults.batch_size, help="local batch size (default: 16)")
     add("--init_lr", type=positive_float, default=defaults.init_lr, help="local learning rate of round 1 (default: 0.01)")
     add("--lr_schedule", default="constant", help="constant | cosine | exponential:RATE | step:EVERY:GAMMA (per round)")
-    add("--momentum", type=float, default=0.0, help="local SGD momentum (default: 0)")
-    add("--weight_decay", type=float, default=0.0, help="local SGD weight decay (default: 0)")
+    add("--momentum", type=cli.nonnegative_float, default=0.0, help="local SGD momentum (default: 0)")
+    add("--weight_decay", type=cli.nonnegative_float, default=0.0, help="local SGD weight decay (default: 0)")
     add("--client_fraction", type=positive_float, default=1.0, help="share of clients per round (default: 1)")
-    add("--finetune_steps", type=int, default=0,
+    add("--finetune_steps", type=cli.nonnegative_int, default=0,
         help="also evaluate each client's model after this many local SGD steps on its train rows (default: 0, off)")
     add("--diagnostics", action=argparse.BooleanOptionalAction, default=False,
         help="per round: client drift ‖y_k − x‖, mean/max update norm (metrics.csv) and the update-cosine matrix "
@@ -77,9 +77,9 @@ def build_parser(method: str | None = None) -> argparse.ArgumentParser:
     add("--rand_seed", "--seed", type=int, default=defaults.rand_seed, help="root seed of init, sampling and training (default: 42)")
     add("--deterministic", action=argparse.BooleanOptionalAction, default=False, help="deterministic kernels")
     add("--use_accelerator", action=argparse.BooleanOptionalAction, default=True, help="CUDA/MPS when present")
-    add("--num_workers", type=int, default=0, help="DataLoader worker processes (default: 0)")
+    add("--num_workers", type=cli.nonnegative_int, default=0, help="DataLoader worker processes (default: 0)")
     add("--cache_dir", type=Path, default=None, help="decoded-sample cache folder (default: none)")
-    add("--client_state_memory_mb", type=float, default=2048, help="client state kept in memory, MB; more spills to disk")
+    add("--client_state_memory_mb", type=cli.nonnegative_float, default=2048, help="client state kept in memory, MB; more spills to disk")
     add("--progress", action=argparse.BooleanOptionalAction, default=True, help="tqdm bar over rounds")
     add("--resume", action=argparse.BooleanOptionalAction, default=True, help="continue from <out>/checkpoint.pt")
     add("--out", type=Path, default=None, help="run folder (default: results/test_federated/<task>/<type>/<method>/...)")
@@ -91,7 +91,7 @@ def build_parser(method: str | None = None) -> argparse.ArgumentParser:
 def parse_run_config(argv: list[str] | None) -> RunConfig | None:
     """The run config of a command line (None after --list_methods)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    first = argparse.ArgumentParser(add_help=False)
+    first = cli.ArgumentParser(add_help=False)
     first.add_argument("--method", default="fedavg")
     first.add_argument("--list_methods", action="store_true")
     known, _ = first.parse_known_args(argv)

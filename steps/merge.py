@@ -17,6 +17,7 @@ import numpy as np
 from network.aggregation import Weights
 from network.diagnostics import plot_cosine
 from sparse.merge import choose_lambda, cosine_matrix, jaccard_matrix, merge, support, task_vector
+from utils import cli
 from utils.errors import TaskHetError
 from utils.run_dir import MetricsCSV, atomic_torch_save, load_checkpoint, setup_logging, write_config
 
@@ -29,9 +30,7 @@ config.json, run.log, metrics.csv (split, model, other, metric, value), cosine.p
 
 def load_model_weights(path: Path) -> Weights:
     """A state dict from ``path``: a plain state dict, or the ``model`` entry of a best.pt / checkpoint."""
-    if not Path(path).is_file():
-        raise TaskHetError(f"no checkpoint at {path}")
-    loaded = load_checkpoint(path)
+    loaded = load_checkpoint(path, "checkpoint to merge", finished=True)
     weights = loaded.get("model", loaded) if isinstance(loaded, dict) else None
     if not isinstance(weights, dict) or not weights or not all(hasattr(value, "shape") for value in weights.values()):
         raise TaskHetError(f"{path} holds no state dict (expected tensors, or a best.pt with a 'model' entry)")
@@ -82,7 +81,7 @@ def run_merge(base: Weights, finetuned: Mapping[str, Weights], out_dir: Path, la
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", type=Path, required=True, help="θ_0: a state dict or a best.pt")
     parser.add_argument("--finetuned", nargs="+", required=True, metavar="NAME=PATH", help="fine-tuned checkpoints")
     parser.add_argument("--lam", type=float, default=1.0, help="λ of the merge θ_0 + λ Σ τ_k (default: 1.0)")

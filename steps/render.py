@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import asdict
 from pathlib import Path
 
-from datasets.synthetic import BUILDINGS_FILE, PLACES_FILE, SPLIT_FILE, RenderConfig, render_dataset
+from datasets.synthetic import BUILDINGS_FILE, META_FILE, PLACES_FILE, SPLIT_FILE, RenderConfig, render_dataset
+from utils import cli
 from utils.cli import positive_int
+from utils.errors import TaskHetError
+from utils.loaders import load_json
 
 DESCRIPTION = f"""Step 0 (data): render synthetic buildings in the Taskonomy/omnidata layout.
 Inputs: none (a seed and sizes). Outputs under --out: <domain>/taskonomy/<building>/point_<p>_view_<v>_domain_<d>.<ext>
@@ -20,7 +24,7 @@ arguments keeps the existing render."""
 
 def build_parser() -> argparse.ArgumentParser:
     """The step-0 command line (render_synthetic_buildings.py --help)."""
-    parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("data/synthetic"), help="data root to write (default: data/synthetic)")
     parser.add_argument("--n_buildings", type=positive_int, default=24, help="buildings (rooms) to render (default: 24)")
     parser.add_argument("--n_views", type=positive_int, default=50, help="views per building (default: 50)")
@@ -29,7 +33,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="root seed; the same seed gives byte-identical files (default: 0)")
     parser.add_argument("--workers", type=positive_int, default=2, help="processes rendering buildings in parallel (default: 2)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar")
+    parser.add_argument("--replace", action=argparse.BooleanOptionalAction, default=False,
+                        help="replace a finished render with other settings in --out (default: refuse)")
     return parser
+
+
+def check_out(out: Path, config: RenderConfig, replace: bool) -> None:
+    """Refuse a file as --out, and a finished render with other settings unless ``replace``: never delete it silently."""
+    if out.exists() and not out.is_dir():
+        raise TaskHetError(f"--out {out} is a file, not a folder")
+    meta_path = out / META_FILE
+    if not meta_path.is_file():
+        return  # empty or missing: render; a non-empty folder without the record is refused by render_dataset
+    meta = load_json(meta_path, "render record")
+    recorded = meta.get("config") if isinstance(meta, dict) else None
+    if isinstance(recorded, dict) and meta.get("complete") and recorded != asdict(config) and not replace:
+        changed = ", ".join(f"{key} {recorded.get(key)!r} -> {value!r}" for key, value in asdict(config).items()
+                            if recorded.get(key) != value)
+        raise TaskHetError(f"--out {out} holds a finished render with other settings ({changed}); choose another "
+                           "--out, or pass --replace to delete it and render anew")
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -43,6 +65,8 @@ def main(argv: list[str] | None = None) -> Path:
     """
     args = build_parser().parse_args(argv)
     config = RenderConfig(args.n_buildings, args.n_views, args.views_per_point, args.image_size, args.seed)
+    config.validate()
+    check_out(args.out, config, args.replace)
     start = time.perf_counter()
     out = render_dataset(args.out, config, workers=args.workers, progress=args.progress)
     seconds = time.perf_counter() - start

@@ -6,12 +6,12 @@ exactly the flags of that family's step 1, so a flag of another family is an err
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from datasets.family import get_family
 from steps import select_digits, select_scenes
+from utils import cli
 from utils.errors import TaskHetError
 
 # Each family's step-1 module (build_parser, main); tests check it covers every registered family.
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> Path:
         The path of the manifest.csv written (its ``family`` column names the family).
     """
     argv = sys.argv[1:] if argv is None else list(argv)
-    first = argparse.ArgumentParser(add_help=False)
+    first = cli.ArgumentParser(add_help=False)
     first.add_argument("--family", default="taskonomy")
     known, rest = first.parse_known_args(argv)
     try:

@@ -8,8 +8,11 @@ import argparse
 from pathlib import Path
 
 from datasets.digits import class_counts, select_digits
+from utils import cli
 from utils.cli import positive_int
-from utils.run_dir import atomic_write_text, setup_logging, write_config
+from utils.run_dir import atomic_write_text, claim_folder, setup_logging, unfinished, write_config
+
+STEP = "step 1"
 
 DESCRIPTION = """Step 1 (--family digits): extract the datapoints used by the experiments.
 Inputs: none (scikit-learn's 1,797 bundled 8x8 handwritten digits). Keeps --n_samples of them (stratified by
@@ -20,7 +23,7 @@ run.log. Next: step 2, train_centralized_task_model.py --task digit_class."""
 
 def build_parser() -> argparse.ArgumentParser:
     """The digits step-1 command line (extract_datapoints_for_experiments.py --family digits --help)."""
-    parser = argparse.ArgumentParser(prog="extract_datapoints_for_experiments.py --family digits", description=DESCRIPTION,
+    parser = cli.ArgumentParser(prog="extract_datapoints_for_experiments.py --family digits", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--test_fraction", type=float, default=0.2,
                         help="share of the samples in the test split; exactly ceil(fraction * samples) (default: 0.2)")
@@ -37,12 +40,13 @@ def main(argv: list[str] | None = None) -> Path:
         The path of the manifest.csv written.
     """
     args = build_parser().parse_args(argv)
+    claim_folder(args.out, STEP)
     manifest = select_digits(args.test_fraction, args.seed, args.n_samples)
-    args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "manifest.csv"
-    atomic_write_text(path, manifest.to_csv(index=False))
-    atomic_write_text(args.out / "class_counts.csv", class_counts(manifest).to_csv(index=False))
-    write_config(args.out, vars(args))
+    with unfinished(args.out, STEP):
+        atomic_write_text(path, manifest.to_csv(index=False))
+        atomic_write_text(args.out / "class_counts.csv", class_counts(manifest).to_csv(index=False))
+        write_config(args.out, vars(args), step=STEP)
     logger = setup_logging(args.out)
     num_test = int((manifest["split"] == "test").sum())
     logger.info("step 1 (digits): %d samples, 10 digits; %d train / %d test (stratified by digit, seed %d); wrote %s",

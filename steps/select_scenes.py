@@ -11,10 +11,13 @@ from datasets.selection import SPLIT_BY, SelectionConfig, log_selection, select_
 from datasets.synthetic import PLACES_FILE, SPLIT_FILE
 from datasets.taskonomy import DOMAINS
 from datasets.taskonomy import TASKS as TASKONOMY_TASKS
+from utils import cli
 from utils.errors import TaskHetError
-from utils.run_dir import setup_logging, write_config
+from utils.run_dir import claim_folder, setup_logging, unfinished, write_config
 
-DESCRIPTION = f"""Step 1: extract the datapoints used by the experiments.
+STEP = "step 1"
+
+DESCRIPTION = """Step 1: extract the datapoints used by the experiments.
 Inputs: a data root in the Taskonomy/omnidata layout (--data_path: real Taskonomy from download_taskonomy.py,
 or synthetic buildings from render_synthetic_buildings.py), its split CSV (--client_file_name, columns
 id,train,val,test) and the Places365 class-name list (--scene_class_file_name).
@@ -54,7 +57,7 @@ def required_domains(names: list[str]) -> tuple[str, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The step-1 command line (extract_datapoints_for_experiments.py --help)."""
-    parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data_path", type=Path, default=Path("data/synthetic"), help="data root (default: data/synthetic)")
     parser.add_argument("--client_file_name", default=SPLIT_FILE, help=f"split CSV, relative to --data_path (default: {SPLIT_FILE})")
     parser.add_argument(
@@ -90,6 +93,7 @@ def main(argv: list[str] | None = None) -> Path:
         The path of the manifest.csv written.
     """
     args = build_parser().parse_args(argv)
+    claim_folder(args.out, STEP)
     config = SelectionConfig(
         data_path=args.data_path,
         client_file_name=args.client_file_name,
@@ -102,8 +106,9 @@ def main(argv: list[str] | None = None) -> Path:
         seed=args.seed,
     )
     selection = select_datapoints(config, progress=args.progress)
-    paths = write_selection(selection, args.out)
-    write_config(args.out, vars(args))
+    with unfinished(args.out, STEP):  # steps 2-4 refuse a manifest whose folder says it did not finish
+        paths = write_selection(selection, args.out)
+        write_config(args.out, vars(args), step=STEP)
     logger = setup_logging(args.out)
     log_selection(selection, logger)
     logger.info(f"wrote {paths['manifest']}, {paths['class_counts'].name}, {paths['plot'].name}")

@@ -13,11 +13,12 @@ from accelerate import Accelerator
 from datasets.family import load_manifest
 from models import build_task_model, get_task, list_encoders
 from models.encoders import NAMED_WEIGHTS, default_weights
-from training.loop import fit, make_loader
+from training.loop import check_resumable, fit, make_loader
+from utils import cli
 from utils.cli import positive_float, positive_int
 from utils.device import prepare_model
 from utils.errors import TaskHetError
-from utils.run_dir import setup_logging, write_config
+from utils.run_dir import claim_folder, setup_logging, unfinished, write_config
 from utils.seeding import derive_seed, set_deterministic
 
 DESCRIPTION = """Step 2 of TaskHet: train one centralized model per task.
@@ -27,13 +28,14 @@ Trains on the manifest's train split and validates on its test split.
 Outputs in --out: config.json, run.log, metrics.csv (epoch, split, metric, value), best.pt (lowest
 validation loss; step 3 reads it), last.pt (every epoch; --resume continues from it) and curves.png."""
 
+STEP = "step 2"
 # Arguments that do not change what a run computes: a resumed run may differ in them.
 NOT_IN_SIGNATURE = ("out", "resume", "use_accelerator", "num_workers", "cache_dir", "deterministic")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The step-2 command line (train_centralized_task_model.py --help)."""
-    parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--task", required=True, help="task to train (depth_euclidean, normal, segment_semantic, class_scene, digit_class, ...)")
     add("--encoder", default="resnet50", help=f"{' | '.join(list_encoders())} (default: resnet50)")
@@ -46,17 +48,17 @@ def build_parser() -> argparse.ArgumentParser:
     add("--init_lr", type=positive_float, default=1e-3, help="initial learning rate (default: 1e-3)")
     add("--optimizer", choices=("sgd", "adamw"), default=None, help="default: sgd, or adamw with --use_adam")
     add("--use_adam", action=argparse.BooleanOptionalAction, default=False, help="the original flag: same as --optimizer adamw")
-    add("--momentum", type=float, default=0.9, help="SGD momentum (default: 0.9)")
-    add("--weight_decay", type=float, default=1e-4, help="weight decay (default: 1e-4)")
+    add("--momentum", type=cli.nonnegative_float, default=0.9, help="SGD momentum (default: 0.9)")
+    add("--weight_decay", type=cli.nonnegative_float, default=1e-4, help="weight decay (default: 1e-4)")
     add("--scheduler", choices=("cosine", "exponential", "none"), default="exponential",
         help="per-epoch learning-rate schedule (default: exponential, by --lr_decay_rate)")
     add("--lr_decay_rate", type=positive_float, default=0.95, help="exponential schedule's factor per epoch (default: 0.95)")
-    add("--early_stopping_patience", type=int, default=0, help="stop after this many epochs without a lower val loss (0 = off)")
-    add("--embedding_grid", type=int, default=0, help="embedding = global average + this grid's cell averages (default: 0)")
+    add("--early_stopping_patience", type=cli.nonnegative_int, default=0, help="stop after this many epochs without a lower val loss (0 = off)")
+    add("--embedding_grid", type=cli.nonnegative_int, default=0, help="embedding = global average + this grid's cell averages (default: 0)")
     add("--seed", type=int, default=0, help="root seed of init and loader order (default: 0)")
     add("--deterministic", action=argparse.BooleanOptionalAction, default=False, help="deterministic kernels (bit-identical reruns)")
     add("--use_accelerator", action=argparse.BooleanOptionalAction, default=True, help="use CUDA/MPS when present (default: yes)")
-    add("--num_workers", type=int, default=0, help="DataLoader worker processes (default: 0)")
+    add("--num_workers", type=cli.nonnegative_int, default=0, help="DataLoader worker processes (default: 0)")
     add("--cache_dir", type=Path, default=None, help="decoded-sample cache folder (default: none)")
     add("--resume", "--resume_training", action=argparse.BooleanOptionalAction, default=True,
         help="continue from <out>/last.pt if present (default: yes); --no-resume starts over")
@@ -103,6 +105,9 @@ def main(argv: list[str] | None = None) -> dict:
         The summary of :func:`training.loop.fit` for the run.
     """
     args = resolve(build_parser().parse_args(argv))
+    claim_folder(args.out, STEP)
+    signature = {key: str(value) for key, value in vars(args).items() if key not in NOT_IN_SIGNATURE}
+    check_resumable(args.out, signature, args.resume)  # before config.json: a refused resume changes nothing
     task = get_task(args.task)
     set_deterministic(args.deterministic)
     family, manifest = load_manifest(args.manifest)
@@ -118,8 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
                              embedding_grid=args.embedding_grid, seed=args.seed)
 
     args.out.mkdir(parents=True, exist_ok=True)
+    write_config(args.out, vars(args), step=STEP)
     logger = setup_logging(args.out, "train_centralized")
-    write_config(args.out, vars(args))
     device = Accelerator(cpu=not args.use_accelerator).device
     logger.info("task %s, encoder %s (weights %s), %d train / %d test samples, device %s", args.task, args.encoder,
                 args.weights, len(datasets["train"]), len(datasets["test"]), device)
@@ -128,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     loader_seed = derive_seed(args.seed, "centralized", args.task)
     train_loader = make_loader(datasets["train"], args.batch_size, True, loader_seed, args.num_workers)
     val_loader = make_loader(datasets["test"], args.batch_size, False, loader_seed, args.num_workers)
-    signature = {key: str(value) for key, value in vars(args).items() if key not in NOT_IN_SIGNATURE}
-    return fit(model, task, train_loader, val_loader, optimizer, scheduler, device, input_key=family.input_key, n_epochs=args.n_epochs,
-               out_dir=args.out, run_signature=signature, early_stopping_patience=args.early_stopping_patience or None,
-               resume=args.resume, logger=logger)
+    with unfinished(args.out, STEP):  # step 3 refuses best.pt of a run that did not finish
+        return fit(model, task, train_loader, val_loader, optimizer, scheduler, device, input_key=family.input_key,
+                   n_epochs=args.n_epochs, out_dir=args.out, run_signature=signature,
+                   early_stopping_patience=args.early_stopping_patience or None, resume=args.resume, logger=logger)

@@ -133,7 +133,7 @@ def test_missing_file_and_column(tmp_path):
     with pytest.raises(TaskHetError, match="does not exist"):
         read_assignments(tmp_path / "none.csv")
     (tmp_path / "bad.csv").write_text("sample_id,client\na,0\n")
-    with pytest.raises(TaskHetError, match="missing columns"):
+    with pytest.raises(TaskHetError, match="missing column"):
         read_assignments(tmp_path / "bad.csv")
 
 

@@ -51,7 +51,7 @@ def test_step1_command_writes_a_digits_manifest(tmp_path):
     family, manifest = load_manifest(path)
     assert family.name == "digits" and len(manifest) == 50 and int((manifest["split"] == "test").sum()) == 15
     assert (tmp_path / "class_counts.csv").is_file() and (tmp_path / "config.json").is_file()
-    with pytest.raises(SystemExit):  # a Taskonomy flag is not a digits flag
+    with pytest.raises(TaskHetError, match="unrecognized arguments: --top_k_classes"):  # a Taskonomy flag is not a digits flag
         select.main(["--family", "digits", "--top_k_classes", "3", "--out", str(tmp_path)])
     with pytest.raises(TaskHetError, match="--family: unknown data family 'digitz'"):
         select.main(["--family", "digitz"])

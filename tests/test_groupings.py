@@ -22,7 +22,7 @@ def test_test_fed_type_accepts_class_based_as_label_based():
     parser = build_parser()
     assert parser.parse_args(["--task", "normal", "--type", "class_based"]).type == LABEL_BASED
     assert parser.parse_args(["--task", "normal", "--type", "label_based"]).type == LABEL_BASED
-    with pytest.raises(SystemExit):
+    with pytest.raises(TaskHetError, match="--type: invalid choice: 'clas_based'"):  # one error: line via run_main
         parser.parse_args(["--task", "normal", "--type", "clas_based"])
 
 

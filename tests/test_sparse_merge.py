@@ -78,5 +78,5 @@ def test_run_merge_writes_the_run_folder_and_the_command_reads_best_pt_files(tmp
     assert all(torch.equal(value, tuned[0][key]) for key, value in merged.items())
     with pytest.raises(TaskHetError, match="needs validation data"):
         run_merge(base, {"0": tuned[0]}, tmp_path / "x", [0.0, 1.0])
-    with pytest.raises(TaskHetError, match="no checkpoint at"):
+    with pytest.raises(TaskHetError, match="checkpoint to merge b does not exist"):
         main(["--base", str(tmp_path / "nope.pt"), "--finetuned", "a=b", "--out", str(tmp_path / "y")])

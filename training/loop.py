@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from models.tasks import TaskSpec, get_task
 from utils.device import autocast, to_device
-from utils.errors import TaskHetError
+from utils.errors import NonFiniteLossError, TaskHetError
 from utils.plots import plot_curves
 from utils.run_dir import MetricsCSV, atomic_torch_save, load_checkpoint, remove_stale_temporaries
 from utils.seeding import torch_generator
@@ -128,6 +128,18 @@ def _check_signature(path: Path, saved: dict, current: dict) -> None:
         )
 
 
+def check_resumable(out_dir: Path, run_signature: dict, resume: bool) -> None:
+    """Refuse, before anything is written, to resume ``out_dir/last.pt`` of a run with other arguments."""
+    last_path = Path(out_dir) / "last.pt"
+    if resume and last_path.is_file():
+        _check_signature(last_path, _load_last(last_path)["run_signature"], run_signature)
+
+
+def _load_last(path: Path) -> dict:
+    return load_checkpoint(path, "--resume: step-2 checkpoint",
+                           keys=("model", "optimizer", "scheduler", "state", "rng", "run_signature"))
+
+
 def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, val_loader: DataLoader,
         optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None,
         device: torch.device, *, input_key: str, n_epochs: int, out_dir: Path, run_signature: dict,
@@ -162,7 +174,7 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, val_lo
     remove_stale_temporaries(out_dir)  # half-written files of a killed earlier run of this folder
     state = {"epoch": 0, "best_epoch": 0, "best_val_loss": math.inf, "epochs_without_improvement": 0, "stopped_early": False}
     if resume and last_path.is_file():
-        checkpoint = load_checkpoint(last_path)
+        checkpoint = _load_last(last_path)
         _check_signature(last_path, checkpoint["run_signature"], run_signature)
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
@@ -187,7 +199,11 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, val_lo
         model.train()
         loss_sum, batches = 0.0, 0
         for batch in tqdm(train_loader, desc=f"epoch {epoch}/{n_epochs}", leave=False, dynamic_ncols=True):
-            loss_sum += train_one_batch(model, batch, spec, optimizer, device, input_key=input_key)
+            loss = train_one_batch(model, batch, spec, optimizer, device, input_key=input_key)
+            if not math.isfinite(loss):  # as step 4 stops: the weights are garbage from here on
+                raise NonFiniteLossError(f"epoch {epoch}, batch {batches + 1}: the training loss is {loss}; the run "
+                                         f"stopped, {out_dir} stays marked incomplete (lower --init_lr?)")
+            loss_sum += loss
             batches += 1
         learning_rate = optimizer.param_groups[0]["lr"]
         if scheduler is not None:

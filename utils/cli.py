@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Callable
 
@@ -26,6 +27,17 @@ def run_main(main: Callable[[list[str] | None], object], argv: list[str] | None 
         fail(f"{error.filename}: {error.strerror or type(error).__name__}")
 
 
+def nonnegative_int(text: str) -> int:
+    """argparse type: an int >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def fail(message: str) -> None:
     """Print ``error: message`` on its own line (after closing progress bars) and exit with code 2."""
     from tqdm import tqdm
@@ -37,9 +49,36 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are a :class:`TaskHetError`: one ``error:`` line through
+    :func:`run_main` (naming the flag), not a usage block, and catchable by a caller such as the pipeline."""
+
+    def error(self, message: str) -> None:
+        raise TaskHetError(f"{message} (see {self.prog} --help)")
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a finite float (nan and inf are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """argparse type: a finite float >= 0."""
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def positive_float(text: str) -> float:
-    """argparse type: a float > 0."""
-    value = float(text)
+    """argparse type: a finite float > 0."""
+    value = finite_float(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
@@ -47,7 +86,10 @@ def positive_float(text: str) -> float:
 
 def positive_int(text: str) -> int:
     """argparse type: an int >= 1."""
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
     return value

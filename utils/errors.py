@@ -7,3 +7,7 @@ message as one line, so a user sees what is wrong and where, not a traceback.
 
 class TaskHetError(Exception):
     """Bad input: the message names the file, row or flag and what was expected."""
+
+
+class NonFiniteLossError(TaskHetError):
+    """A training loss became NaN or infinite; the run must stop (it keeps its last good checkpoint)."""

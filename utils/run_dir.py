@@ -16,6 +16,9 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from utils import loaders
+from utils.errors import TaskHetError
+
 LIBRARIES = ("torch", "torchvision", "numpy", "scikit-learn", "pandas", "accelerate", "timm", "flwr")
 
 
@@ -41,9 +44,13 @@ def library_versions() -> dict[str, str]:
     return versions
 
 
-def write_config(out_dir: Path, config: dict[str, Any]) -> dict[str, Any]:
-    """Write ``config.json``: every argument plus git revision and library versions."""
-    record = {"args": config, "git_revision": git_revision(), "versions": library_versions(), "command": sys.argv}
+def write_config(out_dir: Path, config: dict[str, Any], step: str | None = None) -> dict[str, Any]:
+    """Write ``config.json``: every argument plus git revision and library versions.
+
+    ``step`` names the step that owns the folder (:func:`claim_folder` reads it).
+    """
+    record = {"args": config, "git_revision": git_revision(), "versions": library_versions(), "command": sys.argv,
+              "step": step}
     atomic_write_text(Path(out_dir) / "config.json", json.dumps(record, indent=2, default=str, sort_keys=True))
     return record
 
@@ -91,9 +98,54 @@ def _atomic_target(path: Path) -> Iterator[str]:
             os.remove(temp_name)
 
 
-def load_checkpoint(path: Path) -> Any:
-    """torch.load with ``weights_only=True`` (checkpoints hold tensors, numbers, strings, dicts)."""
-    return torch.load(Path(path), map_location="cpu", weights_only=True)
+def load_checkpoint(path: Path, what: str = "checkpoint", keys: tuple[str, ...] = (), finished: bool = False) -> Any:
+    """torch.load with ``weights_only=True``; a missing, empty or foreign file is a named TaskHetError.
+
+    The one checkpoint loader is :func:`utils.loaders.load_checkpoint`; this name stays for its callers.
+    """
+    return loaders.load_checkpoint(path, what, keys, finished)
+
+
+# ----- which step a folder belongs to, and whether its run finished -----
+def claim_folder(out_dir: Path, step: str, flag: str = "--out") -> None:
+    """Refuse to write into ``out_dir`` unless it is missing, empty, or a folder of the same ``step``.
+
+    A step's folder is recognised by the ``step`` its ``config.json`` records (:func:`write_config`).
+    Nothing is written here: a refused run leaves the folder as it was.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise TaskHetError(f"{flag} {out_dir} is a file, not a folder")
+    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return
+    owner = folder_step(out_dir)
+    if owner != step:
+        found = f"a folder of {owner}" if owner else "not empty and not a folder of any step (no config.json naming one)"
+        raise TaskHetError(f"{flag} {out_dir} is {found}; {step} writes only into its own or an empty folder: "
+                           "choose another " + flag)
+
+
+def folder_step(folder: Path) -> str | None:
+    """The step recorded in ``folder/config.json``, or None."""
+    path = Path(folder) / "config.json"
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record.get("step") if isinstance(record, dict) else None
+
+
+@contextlib.contextmanager
+def unfinished(out_dir: Path, step: str) -> Iterator[None]:
+    """Mark ``out_dir`` ``INCOMPLETE`` while the block runs; the marker goes only when the block succeeds.
+
+    Later steps refuse the outputs of a folder that still has the marker (``finished=True`` of the
+    loaders in utils/loaders.py), so a run that failed half-way never looks finished.
+    """
+    marker = Path(out_dir) / loaders.INCOMPLETE
+    atomic_write_text(marker, f"{step} started and has not finished; its outputs must not be used.\n")
+    yield
+    marker.unlink(missing_ok=True)
 
 
 def setup_logging(out_dir: Path, name: str = "taskhet") -> logging.Logger:

@@ -23,7 +23,6 @@ Node config (``flower-supernode --node-config``), each optional except ``partiti
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -35,7 +34,8 @@ from flwr.serverapp import Grid
 from network.flower.node import NodeHost, make_client_app
 from network.flower.protocol import NODE_PATHS, NODE_WAIT, PARTITION_IDS, REPLY_TIMEOUT, RUN_CONFIG, STATE_DIR
 from network.flower.server import FlowerEngine, make_server_app
-from network.run import RunConfig, prepare
+from network.run import RunConfig, open_run_folder, prepare
+from utils.cli import run_main
 from utils.errors import TaskHetError
 
 DEFAULT_STATE_DIR = Path("~/.taskhet/node_states")
@@ -61,13 +61,10 @@ def client_ids(table) -> list[str]:
 def build_engine(grid: Grid, context: Context) -> FlowerEngine:
     """The server side: the engine over every client of the assignments, writing the run folder."""
     from network.client_data import global_test_loader
-    from utils.run_dir import setup_logging, write_config
 
     setup = prepare(run_config(context))
     config, flower = setup.config, context.run_config
-    config.out.mkdir(parents=True, exist_ok=True)
-    logger = setup_logging(config.out, "test_fed")
-    write_config(config.out, dataclasses.asdict(config))
+    logger = open_run_folder(setup)
     test_loader = global_test_loader(config, setup.manifest, setup.task)
     return FlowerEngine(grid, setup.model, setup.algorithm, client_ids(setup.table), setup.evaluate_fn,
                         test_loader, setup.engine_config, setup.device, setup.model_config, logger,
@@ -111,5 +108,10 @@ def run_config_toml(argv: list[str]) -> str:
 server_app = make_server_app(build_engine)
 client_app = make_client_app(build_node)
 
-if __name__ == "__main__":  # python -m network.flower.app <test_fed.py flags> > run.toml
-    print(run_config_toml(sys.argv[1:]))
+def main(argv: list[str] | None = None) -> None:
+    """Print the run-config line for ``test_fed.py`` flags (``python -m network.flower.app <flags> > run.toml``)."""
+    print(run_config_toml(sys.argv[1:] if argv is None else list(argv)))
+
+
+if __name__ == "__main__":
+    run_main(main)

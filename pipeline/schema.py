@@ -1,0 +1,203 @@
+"""The type of every experiment-file key: checked before step 0, errors name the YAML key.
+
+:data:`TYPES` maps each dotted key of ``pipeline.experiment.SCHEMA`` to a check (a type, a
+range, a list of items, or None allowed); a test keeps the two in step. A check returns the
+value to use (a float given as the string ``"1e-3"``, as YAML 1.1 reads it, becomes 1e-3) or
+raises a :class:`TaskHetError` naming the file and the key. Names the registries know (tasks,
+encoders, algorithms, schemes) are checked afterwards by ``pipeline.experiment.validate_names``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from utils.errors import TaskHetError
+from utils.loaders import PLAIN_NAME
+
+Check = Callable[[Any, str], Any]
+
+
+def _fail(key: str, expected: str, value: Any) -> TaskHetError:
+    return TaskHetError(f"{key} must be {expected}, got {value!r} ({type(value).__name__})")
+
+
+@dataclass(frozen=True)
+class Int:
+    """An integer (not a bool, not a float) in ``[low, high]``."""
+
+    low: int | None = None
+    high: int | None = None
+
+    def __call__(self, value: Any, key: str) -> int:
+        expected = "an integer" + (f" >= {self.low}" if self.low is not None else "") + (
+            f" <= {self.high}" if self.high is not None else "")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _fail(key, expected, value)
+        if (self.low is not None and value < self.low) or (self.high is not None and value > self.high):
+            raise _fail(key, expected, value)
+        return value
+
+
+@dataclass(frozen=True)
+class Float:
+    """A finite number in the interval given (``low_open``/``high_open``: the bound itself excluded)."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __call__(self, value: Any, key: str) -> float | int:
+        lower = "" if self.low is None else f"{'>' if self.low_open else '>='} {self.low:g}"
+        upper = "" if self.high is None else f"{'<' if self.high_open else '<='} {self.high:g}"
+        expected = "a finite number" + (f" {lower}" if lower else "") + (" and" if lower and upper else "") + (
+            f" {upper}" if upper else "")
+        number = value
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                number = float(value)
+            except ValueError:
+                raise _fail(key, expected, value) from None
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
+            raise _fail(key, expected, value)
+        if self.low is not None and (number < self.low or (self.low_open and number == self.low)):
+            raise _fail(key, expected, value)
+        if self.high is not None and (number > self.high or (self.high_open and number == self.high)):
+            raise _fail(key, expected, value)
+        return number
+
+
+@dataclass(frozen=True)
+class Bool:
+    """true or false (YAML's unquoted yes/no are booleans too; a quoted 'no' is a string and refused)."""
+
+    def __call__(self, value: Any, key: str) -> bool:
+        if not isinstance(value, bool):
+            raise _fail(key, "true or false", value)
+        return value
+
+
+@dataclass(frozen=True)
+class Str:
+    """A non-empty string, one of ``choices`` when given, a plain name when ``plain``."""
+
+    choices: tuple[str, ...] = ()
+    plain: bool = False
+
+    def __call__(self, value: Any, key: str) -> str:
+        if self.choices:
+            expected = "one of " + ", ".join(self.choices)
+        elif self.plain:
+            expected = "a plain name (letters, digits, '.', '_', '-'; no '/' or '..')"
+        else:
+            expected = "a non-empty string"
+        if not isinstance(value, str) or not value.strip():
+            raise _fail(key, expected, value)
+        if (self.choices and value not in self.choices) or (self.plain and not PLAIN_NAME.fullmatch(value)):
+            raise _fail(key, expected, value)
+        return value
+
+
+@dataclass(frozen=True)
+class ListOf:
+    """A YAML list (``[a, b]``, never a bare scalar) of at least ``min_len`` items, each checked."""
+
+    item: Check
+    min_len: int = 1
+    unique: bool = True
+
+    def __call__(self, value: Any, key: str) -> list:
+        if not isinstance(value, list):
+            raise _fail(key, f"a list (e.g. [{value!r}])" if isinstance(value, (str, int, float)) else "a list", value)
+        if len(value) < self.min_len:
+            raise TaskHetError(f"{key} must list at least {self.min_len} item(s), got {value!r}")
+        checked = [self.item(item, f"{key}[{index}]") for index, item in enumerate(value)]
+        if self.unique and len(set(map(repr, checked))) != len(checked):
+            raise TaskHetError(f"{key} lists an item twice: {value!r}")
+        return checked
+
+
+@dataclass(frozen=True)
+class Optional:
+    """None (YAML ``null`` or the key left out) or a value ``check`` accepts."""
+
+    check: Check
+
+    def __call__(self, value: Any, key: str) -> Any:
+        return None if value is None else self.check(value, key)
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """A mapping whose values are checked elsewhere (``federated.algorithms``: each algorithm's Settings)."""
+
+    def __call__(self, value: Any, key: str) -> dict:
+        if not isinstance(value, dict) or not value:
+            raise TaskHetError(f"{key} must map algorithm names to their settings, e.g. "
+                               f"{{fedavg: {{}}, fedprox: {{mu: 0.01}}}}, got {value!r}")
+        return value
+
+
+POSITIVE, FRACTION = Float(0, low_open=True), Float(0, 1, low_open=True, high_open=True)
+
+TYPES: dict[str, Check] = {
+    "name": Str(plain=True),
+    "data.source": Str(),
+    "data.root": Str(),
+    "data.synthetic.n_buildings": Int(1),
+    "data.synthetic.n_views": Int(1),
+    "data.synthetic.image_size": Int(8),
+    "data.synthetic.seed": Int(0),
+    "data.buildings": Optional(ListOf(Str(plain=True))),
+    "data.top_k_classes": Int(1),
+    "data.test_fraction": FRACTION,
+    "data.split_by": Str(("building", "sample")),
+    "data.n_samples": Optional(Int(1)),
+    "tasks": ListOf(Str()),
+    "model.encoder": Str(),
+    "model.weights": Str(),
+    "model.image_size": Int(1),
+    "model.embedding_grid": Int(0),
+    "centralized.n_epochs": Int(1),
+    "centralized.batch_size": Int(1),
+    "centralized.init_lr": POSITIVE,
+    "centralized.optimizer": Str(("sgd", "adamw")),
+    "centralized.scheduler": Str(("cosine", "exponential", "none")),
+    "centralized.weight_decay": Float(0),
+    "centralized.early_stopping_patience": Int(0),
+    "embeddings.n_clusters": Int(1),
+    "embeddings.pca_dim": Optional(Int(1)),
+    "partition.groupings": ListOf(Str()),
+    "partition.scheme": Str(),
+    "partition.alphas": ListOf(POSITIVE),
+    "partition.n_clients": Int(1),
+    "partition.client_test_fraction": Float(0, 1, high_open=True),
+    "partition.size_skew": Optional(Str()),
+    "federated.algorithms": Mapping(),
+    "federated.n_rounds": Int(1),
+    "federated.local_steps": Int(1),
+    "federated.batch_size": Int(1),
+    "federated.init_lr": POSITIVE,
+    "federated.lr_schedule": Str(),
+    "federated.client_fraction": Float(0, 1, low_open=True),
+    "federated.eval_every": Int(1),
+    "federated.init_from": Str(("scratch", "centralized")),
+    "seeds": ListOf(Int(0)),
+    "use_accelerator": Bool(),
+}
+
+
+def check_types(config: dict[str, Any], source: Path) -> None:
+    """Check every key of a merged config against :data:`TYPES`, in place (values may be normalised)."""
+    for dotted, check in TYPES.items():
+        *sections, leaf = dotted.split(".")
+        parent = config
+        for section in sections:
+            parent = parent[section]
+        try:
+            parent[leaf] = check(parent[leaf], dotted)
+        except TaskHetError as error:
+            raise TaskHetError(f"{source}: {error}") from None

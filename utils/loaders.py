@@ -1,0 +1,269 @@
+"""One loader per kind of file a step reads, and the checks every value read from a file passes.
+
+Every file a step reads goes through one of these loaders: a missing, empty, truncated or
+foreign file is a :class:`TaskHetError` that names the file and what was expected, never a
+raw ``EOFError`` or ``EmptyDataError``. ``what`` is the caller's description of the file
+(``"--checkpoint (a step-2 best.pt)"``), so the message says which input is wrong.
+
+Values read from files are checked by the helpers below: numbers must be finite, ids integral
+and in range (:func:`int_column`, :func:`finite_column`), and paths must stay inside their root
+(:func:`inside_root`; names are plain names, :func:`plain_name`). Each error names the file, the
+row (header = line 1) and the column.
+
+Folders of steps that did not finish hold an ``INCOMPLETE`` marker (utils/run_dir.py):
+``finished=True`` makes a loader refuse a file from such a folder.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import zipfile
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pandas as pd
+
+from utils.errors import TaskHetError
+
+# Written into a run folder before its step starts, removed after its last output (utils/run_dir.py).
+INCOMPLETE = "INCOMPLETE"
+# A plain name: no separators, no "..", nothing a shell or a path join could read as a place.
+PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# An error message lists at most this many bad rows.
+MAX_LISTED = 10
+
+
+def require_file(path: Path, what: str, hint: str = "") -> Path:
+    """``path`` as a Path if it is an existing regular file; a TaskHetError naming ``what`` (and ``hint``) otherwise."""
+    path = Path(path)
+    if path.is_dir():
+        raise TaskHetError(f"{what} {path} is a folder, not a file")
+    if not path.is_file():
+        raise TaskHetError(f"{what} {path} does not exist" + (f" ({hint})" if hint else ""))
+    return path
+
+
+def require_finished(path: Path, what: str) -> None:
+    """Refuse ``path`` when its folder belongs to a run that did not finish (it holds ``INCOMPLETE``)."""
+    marker = Path(path).parent / INCOMPLETE
+    if marker.is_file():
+        raise TaskHetError(f"{what} {path} comes from a run that did not finish ({marker} exists); "
+                           "finish or rerun that step first")
+
+
+def load_checkpoint(path: Path, what: str = "checkpoint", keys: Sequence[str] = (), finished: bool = False,
+                    hint: str = "") -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU, with every failure named.
+
+    Args:
+        path: the file.
+        what: what the file is, for the message (``"--checkpoint (a step-2 best.pt)"``).
+        keys: entries the loaded dict must have (then it must be a dict).
+        finished: refuse a file from a folder marked ``INCOMPLETE``.
+        hint: what to do when the file is missing.
+
+    Raises:
+        TaskHetError: missing, empty, not a torch checkpoint, or lacking ``keys``.
+    """
+    import torch
+
+    path = require_file(path, what, hint)
+    if finished:
+        require_finished(path, what)
+    if path.stat().st_size == 0:
+        raise TaskHetError(f"{what} {path} is empty (0 bytes): expected a torch checkpoint")
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except (EOFError, IndexError, KeyError, ValueError, RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile,
+            UnicodeDecodeError, AttributeError, TypeError) as error:
+        raise TaskHetError(f"{what} {path} is not a readable torch checkpoint "
+                           f"({type(error).__name__}: {_first_line(error)})") from None
+    if keys:
+        missing = [key for key in keys if not isinstance(loaded, dict) or key not in loaded]
+        if missing:
+            raise TaskHetError(f"{what} {path} lacks {', '.join(map(repr, missing))}: not the checkpoint expected")
+    return loaded
+
+
+def read_csv(path: Path, what: str, columns: Sequence[str] = (), finished: bool = False, hint: str = "",
+             **options: Any) -> pd.DataFrame:
+    """``pandas.read_csv`` with an empty, unreadable or column-less file named.
+
+    Args:
+        path: the file.
+        what: what the file is, for the message.
+        columns: columns the file must have.
+        finished: refuse a file from a folder marked ``INCOMPLETE``.
+        hint: what to do when the file is missing (``"run step 1 first"``).
+        options: passed to ``pandas.read_csv`` (``dtype=str, keep_default_na=False`` are typical).
+    """
+    path = require_file(path, what, hint)
+    if finished:
+        require_finished(path, what)
+    try:
+        table = pd.read_csv(path, **options)
+    except pd.errors.EmptyDataError:
+        raise TaskHetError(f"{what} {path} is empty: expected a CSV with a header"
+                           + (f" ({', '.join(columns)})" if columns else "")) from None
+    except (pd.errors.ParserError, UnicodeDecodeError, ValueError) as error:
+        raise TaskHetError(f"{what} {path} is not a readable CSV ({_first_line(error)})") from None
+    missing = [column for column in columns if column not in table.columns]
+    if missing:
+        raise TaskHetError(f"{what} {path}: missing column(s) {', '.join(missing)}; expected {', '.join(columns)}")
+    return table
+
+
+def load_npy(path: Path, what: str, shape: tuple[int, ...] | None = None, finite: bool = True,
+             finished: bool = False) -> np.ndarray:
+    """``numpy.load`` (no pickles) with the shape and finiteness checked.
+
+    Args:
+        shape: the expected shape; ``-1`` in a dimension accepts any size.
+        finite: refuse NaN and infinite values (floating arrays).
+    """
+    path = require_file(path, what)
+    if finished:
+        require_finished(path, what)
+    try:
+        array = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as error:
+        raise TaskHetError(f"{what} {path} is not a readable .npy array ({_first_line(error)})") from None
+    if not isinstance(array, np.ndarray):
+        raise TaskHetError(f"{what} {path} is an .npz archive, expected one .npy array")
+    if shape is not None and (array.ndim != len(shape)
+                              or any(want not in (-1, got) for want, got in zip(shape, array.shape))):
+        wanted = "x".join("N" if size == -1 else str(size) for size in shape)
+        raise TaskHetError(f"{what} {path} has shape {tuple(array.shape)}, expected {wanted}")
+    if finite and np.issubdtype(array.dtype, np.number) and not np.isfinite(array).all():
+        index = tuple(int(i) for i in np.argwhere(~np.isfinite(array))[0])
+        raise TaskHetError(f"{what} {path} holds a non-finite value ({array[index]}) at index {index}")
+    return array
+
+
+def load_json(path: Path, what: str, finished: bool = False) -> Any:
+    """A JSON file's value; an empty or invalid file is named with the line of the problem."""
+    path = require_file(path, what)
+    if finished:
+        require_finished(path, what)
+    try:
+        return json.loads(path.read_text())
+    except UnicodeDecodeError:
+        raise TaskHetError(f"{what} {path} is not a text file: expected JSON") from None
+    except json.JSONDecodeError as error:
+        raise TaskHetError(f"{what} {path} is not valid JSON (line {error.lineno}: {error.msg})") from None
+
+
+def load_yaml(path: Path, what: str) -> Any:
+    """A YAML file's value (``yaml.safe_load``: no Python objects); an empty file is an error."""
+    import yaml
+
+    path = require_file(path, what)
+    try:
+        text = path.read_text()
+        value = yaml.safe_load(text)
+    except UnicodeDecodeError:
+        raise TaskHetError(f"{what} {path} is not a text file: expected YAML") from None
+    except yaml.YAMLError as error:
+        raise TaskHetError(f"{what} {path} is not valid YAML ({' '.join(str(error).split())})") from None
+    if value is None:
+        raise TaskHetError(f"{what} {path} is empty: expected a mapping of keys")
+    return value
+
+
+def load_image(path: Path, what: str = "image"):
+    """A fully decoded ``PIL.Image`` (loaded, file closed); unreadable or truncated files are named."""
+    from PIL import Image, UnidentifiedImageError
+
+    path = require_file(path, what)
+    try:
+        with Image.open(path) as image:
+            image.load()
+            return image.copy()
+    except (OSError, ValueError, SyntaxError, UnidentifiedImageError, Image.DecompressionBombError) as error:
+        raise TaskHetError(f"{what} {path} is not a readable image ({_first_line(error)})") from None
+
+
+# ----- values read from files -----
+def plain_name(text: Any, what: str) -> str:
+    """``text`` if it is a plain name (letters, digits, ``._-``; not starting with a dot): no path can hide in it."""
+    if not isinstance(text, str) or not PLAIN_NAME.fullmatch(text):
+        raise TaskHetError(f"{what} must be a plain name (letters, digits, '.', '_', '-'; not starting with '.' "
+                           f"or '-'), got {text!r}")
+    return text
+
+
+def inside_root(root: Path, relative: str | Path, what: str) -> Path:
+    """``root / relative``, refused unless ``relative`` is a relative path that stays inside ``root``.
+
+    The check is on the path as written (no ``..``, not absolute, no drive): a file named in a
+    manifest can only point inside the data root. Symbolic links inside the root are the
+    owner's choice and are followed (README: "What TaskHet guarantees").
+    """
+    text = str(relative)
+    candidate = Path(text)
+    if not text or candidate.is_absolute() or candidate.drive or ".." in candidate.parts or text.startswith("~"):
+        raise TaskHetError(f"{what} {text!r} must be a path relative to {root} without '..'")
+    return Path(root) / candidate
+
+
+def finite_column(table: pd.DataFrame, column: str, source: str, low: float | None = None,
+                  high: float | None = None, rows: pd.Series | None = None) -> pd.Series:
+    """``table[column]`` as float64, every cell finite and in ``[low, high]``; bad rows named.
+
+    ``rows`` gives the file's line numbers (default: index + 2, the header being line 1).
+    """
+    values = pd.to_numeric(table[column], errors="coerce").astype(np.float64)
+    bad = ~np.isfinite(values)
+    if low is not None:
+        bad |= values < low
+    if high is not None:
+        bad |= values > high
+    _raise_rows(table, column, bad, source, rows, _range_text("a finite number", low, high))
+    return values
+
+
+def int_column(table: pd.DataFrame, column: str, source: str, low: int | None = None,
+               high: int | None = None, rows: pd.Series | None = None) -> pd.Series:
+    """``table[column]`` as int64: every cell a finite integer in ``[low, high]`` (an id); bad rows named.
+
+    Cells like ``1e30``, ``inf`` or ``2.5`` are refused before any cast, so nothing overflows.
+    """
+    values = pd.to_numeric(table[column], errors="coerce").astype(np.float64)
+    bounded = np.isfinite(values) & (values.abs() < 2**53)
+    bad = ~bounded | (values != values.round())
+    if low is not None:
+        bad |= values < low
+    if high is not None:
+        bad |= values > high
+    _raise_rows(table, column, bad, source, rows, _range_text("an integer", low, high))
+    return values.astype(np.int64)
+
+
+def _range_text(kind: str, low: float | None, high: float | None) -> str:
+    if low is not None and high is not None:
+        return f"{kind} in [{low}, {high}]"
+    if low is not None:
+        return f"{kind} >= {low}"
+    if high is not None:
+        return f"{kind} <= {high}"
+    return kind
+
+
+def _raise_rows(table: pd.DataFrame, column: str, bad: pd.Series, source: str, rows: pd.Series | None,
+                expected: str) -> None:
+    bad = np.asarray(bad, dtype=bool)
+    if not bad.any():
+        return
+    lines = (np.asarray(rows) if rows is not None else np.arange(len(table)) + 2)[bad]
+    cells = table[column].to_numpy()[bad]
+    listed = ", ".join(f"row {line} ({cell!r})" for line, cell in list(zip(lines, cells))[:MAX_LISTED])
+    more = f" ... ({int(bad.sum())} rows in all)" if bad.sum() > MAX_LISTED else ""
+    raise TaskHetError(f"{source}: column {column!r} must be {expected}: {listed}{more}")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
