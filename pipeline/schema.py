@@ -156,6 +156,7 @@ TYPES: dict[str, Check] = {
     "data.test_fraction": FRACTION,
     "data.split_by": Str(("building", "sample")),
     "data.n_samples": Optional(Int(1)),
+    "data.split_csv": Optional(Str()),
     "tasks": ListOf(Str()),
     "model.encoder": Str(),
     "model.weights": Str(),
@@ -176,6 +177,7 @@ TYPES: dict[str, Check] = {
     "partition.n_clients": Int(1),
     "partition.client_test_fraction": Float(0, 1, high_open=True),
     "partition.size_skew": Optional(Str()),
+    "partition.iid_reference": Bool(),
     "federated.algorithms": Mapping(),
     "federated.n_rounds": Int(1),
     "federated.local_steps": Int(1),
@@ -187,6 +189,7 @@ TYPES: dict[str, Check] = {
     "federated.init_from": Str(("scratch", "centralized")),
     "seeds": ListOf(Int(0)),
     "use_accelerator": Bool(),
+    "heterogeneity_meter": Bool(),
 }
 
 
