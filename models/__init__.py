@@ -22,7 +22,8 @@ __all__ = ["TaskModel", "build_task_model", "load_task_model", "list_encoders", 
 
 
 def build_task_model(task: str, encoder: str = "resnet50", weights: str = "none", num_classes: int | None = None,
-                     embedding_grid: int = 0, embedding_layer: str = "penultimate", seed: int | None = None) -> TaskModel:
+                     embedding_grid: int = 0, embedding_layer: str = "penultimate", seed: int | None = None,
+                     freeze_encoder: bool = False) -> TaskModel:
     """Build the model of a task.
 
     Args:
@@ -34,6 +35,7 @@ def build_task_model(task: str, encoder: str = "resnet50", weights: str = "none"
         embedding_layer: "penultimate" or "bottleneck" (see :mod:`models.task_model`).
         seed: when given, the random initialisation is drawn from a generator derived
             from it (the global RNG's state is restored afterwards).
+        freeze_encoder: keep the encoder fixed (no gradient, eval mode): only the decoder and head train.
 
     Returns:
         The model, on the CPU, in training mode.
@@ -52,12 +54,14 @@ def build_task_model(task: str, encoder: str = "resnet50", weights: str = "none"
     config = {"task": task, "encoder": encoder, "weights": weights, "num_classes": num_classes,
               "embedding_grid": embedding_grid, "embedding_layer": embedding_layer}
     if seed is None:
-        return TaskModel(spec, build_encoder(encoder, weights), out_channels, embedding_grid, embedding_layer, config)
-    # torch initialises modules from its global RNG; fork it so a seeded build
-    # neither depends on nor disturbs the global state.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(derive_seed(seed, "init", task, encoder))
-        return TaskModel(spec, build_encoder(encoder, weights), out_channels, embedding_grid, embedding_layer, config)
+        model = TaskModel(spec, build_encoder(encoder, weights), out_channels, embedding_grid, embedding_layer, config)
+    else:
+        # torch initialises modules from its global RNG; fork it so a seeded build
+        # neither depends on nor disturbs the global state.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(seed, "init", task, encoder))
+            model = TaskModel(spec, build_encoder(encoder, weights), out_channels, embedding_grid, embedding_layer, config)
+    return model.freeze_encoder_() if freeze_encoder else model
 
 
 def load_task_model(checkpoint_path: Path, what: str = "checkpoint") -> TaskModel:

@@ -93,6 +93,23 @@ class TaskModel(nn.Module):
         embedding = chosen if chosen.dim() == 2 else pool_embedding(chosen, self.embedding_grid)
         return prediction, embedding
 
+    def train(self, mode: bool = True) -> "TaskModel":
+        """Train mode for everything except a frozen encoder, which stays in eval mode (its BatchNorm statistics fixed)."""
+        super().train(mode)
+        if self.config.get("freeze_encoder"):
+            self.encoder.eval()
+        return self
+
+    def freeze_encoder_(self) -> "TaskModel":
+        """Freeze the encoder: no gradient and eval mode, so training changes only the decoder and head.
+
+        A pretrained encoder kept fixed: every optimizer (step 2's and each client's SGD) only sees
+        parameters that require grad, and its BatchNorm statistics stay those of the pretrained weights.
+        """
+        self.config["freeze_encoder"] = True
+        self.encoder.requires_grad_(False)
+        return self.train(self.training)
+
     def head_keys(self) -> list[str]:
         """State-dict keys of the task-specific output layer (personal in FedRep/FedPer)."""
         return [key for key in self.state_dict() if key.split(".", 1)[0] == HEAD_MODULE]

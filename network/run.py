@@ -60,6 +60,7 @@ class RunConfig:
     n_clusters: int = 10
     encoder: str = "resnet50"
     weights: str = "none"
+    freeze_encoder: bool = False
     init_from: str = "scratch"
     centralized_checkpoint: Path | None = None
     image_size: int = 224
@@ -197,12 +198,13 @@ def default_assignments(config: RunConfig) -> Path:
 
 def initial_model(config: RunConfig, num_classes: int | None) -> torch.nn.Module:
     if config.init_from == "scratch":
-        return build_task_model(config.task, config.encoder, config.weights, num_classes=num_classes, seed=config.rand_seed)
+        return build_task_model(config.task, config.encoder, config.weights, num_classes=num_classes, seed=config.rand_seed,
+                                freeze_encoder=config.freeze_encoder)
     model = load_task_model(config.centralized_checkpoint, "--centralized_checkpoint (a step-2 best.pt)")
     if model.config["task"] != config.task:
         raise TaskHetError(f"--centralized_checkpoint {config.centralized_checkpoint} is a {model.config['task']} model, "
                            f"not {config.task}")
-    return model
+    return model.freeze_encoder_() if config.freeze_encoder else model
 
 
 def run(setup: FedSetup) -> dict:

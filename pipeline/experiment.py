@@ -38,7 +38,7 @@ SCHEMA: dict[str, Any] = {
         "n_samples": None,  # digits only: samples kept, stratified by digit (None: all 1,797)
     },
     "tasks": ["depth_euclidean", "normal", "segment_semantic", "class_scene"],
-    "model": {"encoder": "resnet50", "weights": "none", "image_size": 64, "embedding_grid": 0},
+    "model": {"encoder": "resnet50", "weights": "none", "image_size": 64, "embedding_grid": 0, "freeze_encoder": False},
     "centralized": {
         "n_epochs": 10,
         "batch_size": 32,

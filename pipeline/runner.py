@@ -156,6 +156,7 @@ class Pipeline:
             "alpha": None if combination.grouping == IID_REFERENCE else combination.alpha,
             "data_path": str(root), "manifest": str(manifest),
             "assignments": str(assignments / "assignments.csv"), "encoder": self.config["model"]["encoder"],
+            "freeze_encoder": self.config["model"]["freeze_encoder"],
             "image_size": self.config["model"]["image_size"], "use_accelerator": self.config["use_accelerator"],
             **federated, **hyper,
         }

@@ -56,6 +56,9 @@ def build_parser(method: str | None = None) -> argparse.ArgumentParser:
     add("--n_clusters", type=positive_int, default=10, help="KMeans clusters of an embedding-based partition (default path)")
     add("--encoder", default=defaults.encoder, help="encoder of a model built from scratch (default: resnet50)")
     add("--weights", default="none", help="encoder weights from scratch: none | imagenet | clip | PATH (default: none)")
+    add("--freeze_encoder", action=argparse.BooleanOptionalAction, default=False,
+        help="keep the encoder fixed: clients train only the decoder and head (a centralized init keeps its own choice "
+             "unless this is set)")
     add("--init_from", choices=("scratch", "centralized"), default="scratch", help="initial global model (default: scratch)")
     add("--centralized_checkpoint", type=Path, default=None, help="step-2 best.pt for --init_from centralized")
     add("--image_size", type=positive_int, default=defaults.image_size, help="image side length (default: 224)")

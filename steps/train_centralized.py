@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--task", required=True, help="task to train (depth_euclidean, normal, segment_semantic, class_scene, digit_class, ...)")
     add("--encoder", default="resnet50", help=f"{' | '.join(list_encoders())} (default: resnet50)")
+    add("--freeze_encoder", action=argparse.BooleanOptionalAction, default=False,
+        help="keep the (pretrained) encoder fixed: only the decoder and head train (default: off)")
     add("--weights", default=None, help="none | imagenet | clip | PATH (default: the encoder's pretrained weights; none for small_cnn)")
     add("--data_path", type=Path, default=Path("data/synthetic"), help="data root (default: data/synthetic)")
     add("--manifest", type=Path, default=Path("results/datapoints/manifest.csv"), help="step-1 manifest.csv (default: step 1's)")
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for split, rows in splits.items()}
     num_classes = family.num_classes(manifest) if task.kind == "classification" else None
     model = build_task_model(args.task, args.encoder, args.weights, num_classes=num_classes,
-                             embedding_grid=args.embedding_grid, seed=args.seed)
+                             embedding_grid=args.embedding_grid, seed=args.seed, freeze_encoder=args.freeze_encoder)
 
     args.out.mkdir(parents=True, exist_ok=True)
     write_config(args.out, vars(args), step=STEP)
