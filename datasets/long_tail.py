@@ -1,0 +1,67 @@
+"""Long-tailed subsets (CIFAR-10-LT, CIFAR-100-LT) and the head / middle / tail class groups.
+
+The exponential profile of Cao et al. 2019 ("LDAM") that CIFAR-LT uses: class c of C keeps
+n_c = ⌊n_max · IF^{c/(C−1)}⌋ images, with imbalance factor IF = n_min / n_max (e.g. 0.01),
+so class 0 keeps n_max and class C−1 keeps ⌊n_max · IF⌋. Which images a class keeps is a
+seeded draw. Two conventions name the head, middle and tail classes:
+
+* by shots (Liu et al. 2019, "OLTR"): many (> 100 images), medium (20–100), few (< 20);
+* by cumulative mass (FedLoGe, Xiao et al. 2024): classes sorted by count, the head holds
+  the first 75% of the images, the middle the next 20% (to 95%), the tail the last 5%.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from utils.errors import TaskHetError
+from utils.seeding import numpy_rng
+
+HEAD, MIDDLE, TAIL = "head", "middle", "tail"
+
+
+def long_tail_counts(n_max: int, num_classes: int, imbalance_factor: float) -> np.ndarray:
+    """n_c = ⌊n_max · IF^{c/(C−1)}⌋ for c = 0..C−1."""
+    if not 0 < imbalance_factor <= 1:
+        raise TaskHetError(f"--imbalance_factor must be in (0, 1], got {imbalance_factor}")
+    if num_classes < 2 or n_max < 1:
+        raise TaskHetError(f"a long-tailed profile needs >= 2 classes and n_max >= 1, got {num_classes}, {n_max}")
+    exponents = np.arange(num_classes) / (num_classes - 1)
+    # math.floor on Python floats: the profile must match the published counts exactly (10,847 for CIFAR-100).
+    return np.array([math.floor(n_max * imbalance_factor ** exponent) for exponent in exponents], dtype=np.int64)
+
+
+def long_tail_indices(labels: np.ndarray, imbalance_factor: float, seed: int) -> np.ndarray:
+    """Sorted indices of a long-tailed subset of ``labels`` (classes 0..C−1, n_max = the smallest class's size)."""
+    labels = np.asarray(labels)
+    classes = np.bincount(labels)
+    counts = long_tail_counts(int(classes.min()), classes.size, imbalance_factor)
+    rng = numpy_rng(seed, "long_tail")
+    kept = [rng.choice(np.flatnonzero(labels == label), size=count, replace=False)
+            for label, count in enumerate(counts)]
+    return np.sort(np.concatenate(kept))
+
+
+def groups_by_shots(counts: np.ndarray, many: int = 100, few: int = 20) -> dict[str, list[int]]:
+    """Classes with > ``many`` images (head), ``few``..``many`` (middle) and < ``few`` (tail)."""
+    counts = np.asarray(counts)
+    return {HEAD: np.flatnonzero(counts > many).tolist(),
+            MIDDLE: np.flatnonzero((counts >= few) & (counts <= many)).tolist(),
+            TAIL: np.flatnonzero(counts < few).tolist()}
+
+
+def groups_by_mass(counts: np.ndarray, head_mass: float = 0.75, middle_mass: float = 0.95) -> dict[str, list[int]]:
+    """Classes by cumulative share of the images, most frequent first: head up to ``head_mass``, middle up to ``middle_mass``.
+
+    A class belongs to the group in which its cumulative share *starts* (so the class that crosses 75%
+    is still head); ties in count keep class order (a stable sort).
+    """
+    counts = np.asarray(counts)
+    order = np.argsort(-counts, kind="stable")
+    start = np.concatenate([[0.0], np.cumsum(counts[order])[:-1]]) / counts.sum()
+    groups = {HEAD: [], MIDDLE: [], TAIL: []}
+    for label, share in zip(order.tolist(), start):
+        groups[HEAD if share < head_mass else MIDDLE if share < middle_mass else TAIL].append(label)
+    return groups
