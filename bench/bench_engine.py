@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from network.algorithms import build_algorithm  # noqa: E402
 from network.client import ClientData  # noqa: E402
-from network.engine_sequential import EngineConfig, SequentialEngine, make_lr_schedule  # noqa: E402
+from network.engine_sequential import EngineConfig, SequentialEngine  # noqa: E402
+from network.lr_schedule import make_lr_schedule  # noqa: E402
 from utils.device import pick_device, prepare_model, to_device  # noqa: E402
 
 

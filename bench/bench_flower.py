@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from network.algorithms import build_algorithm  # noqa: E402
 from network.client import ClientData  # noqa: E402
-from network.engine_sequential import EngineConfig, SequentialEngine, make_lr_schedule  # noqa: E402
+from network.engine_sequential import EngineConfig, SequentialEngine  # noqa: E402
+from network.lr_schedule import make_lr_schedule  # noqa: E402
 from network.flower.simulation import FlowerOptions, run_flower  # noqa: E402
 
 

@@ -23,7 +23,6 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -63,7 +62,7 @@ class EngineConfig:
     Attributes:
         out_dir: the run folder.
         n_rounds: rounds to train (round 0 is the initial model, evaluated only).
-        lr_schedule: local learning rate as a function of the round (see make_lr_schedule).
+        lr_schedule: local learning rate as a function of the round (see network.lr_schedule.make_lr_schedule).
         seed: root seed of sampling and of every client's training.
         local_steps / local_epochs: the local budget (exactly one is set).
         client_fraction: share of clients per round.
@@ -322,43 +321,6 @@ def load_resumable(path: Path, fingerprint: dict[str, Any]) -> dict[str, Any]:
     if checkpoint["run"] != fingerprint:
         raise TaskHetError(f"{path} belongs to a different run ({checkpoint['run']}); use --no-resume or another --out")
     return checkpoint
-
-
-def make_lr_schedule(spec: str, init_lr: float, n_rounds: int) -> Callable[[int], float]:
-    """The local learning rate of round r (1-based), the same for every client.
-
-    ``constant``; ``cosine`` (init_lr at round 1, towards 0 at round n_rounds + 1);
-    ``exponential:RATE`` (init_lr·RATE^(r−1), the original code's per-round decay);
-    ``step:EVERY:GAMMA`` (init_lr·GAMMA^⌊(r−1)/EVERY⌋).
-    """
-    name, *params = spec.split(":")
-    try:
-        values = [float(param) for param in params]
-        schedules = {("constant", 0): partial(_constant, init_lr), ("cosine", 0): partial(_cosine, init_lr, n_rounds)}
-        if name == "exponential" and len(values) == 1 and values[0] > 0:
-            return partial(_exponential, init_lr, values[0])
-        if name == "step" and len(values) == 2 and values[0] >= 1 and values[1] > 0:
-            return partial(_step, init_lr, int(values[0]), values[1])
-        return schedules[(name, len(values))]
-    except (ValueError, KeyError):
-        raise TaskHetError(f"--lr_schedule {spec!r} is not one of: constant, cosine, exponential:RATE, "
-                           "step:EVERY:GAMMA") from None
-
-
-def _constant(init_lr: float, round_index: int) -> float:
-    return init_lr
-
-
-def _cosine(init_lr: float, n_rounds: int, round_index: int) -> float:
-    return init_lr * 0.5 * (1 + math.cos(math.pi * (round_index - 1) / max(n_rounds, 1)))
-
-
-def _exponential(init_lr: float, rate: float, round_index: int) -> float:
-    return init_lr * rate ** (round_index - 1)
-
-
-def _step(init_lr: float, every: int, gamma: float, round_index: int) -> float:
-    return init_lr * gamma ** ((round_index - 1) // every)
 
 
 def _row(round_index: int, split: str, client: str, metric: str, value: float) -> dict[str, Any]:

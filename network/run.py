@@ -23,7 +23,8 @@ from datasets.family import load_manifest
 from models import build_task_model, get_task, load_task_model
 from network.algorithms import build_algorithm
 from network.algorithms.base import Algorithm
-from network.engine_sequential import EngineConfig, make_lr_schedule
+from network.engine_sequential import EngineConfig
+from network.lr_schedule import make_lr_schedule
 from partitioning.assignments import load_assignments
 from partitioning.groupings import EMBEDDING_BASED, LABEL_BASED
 from training.loop import evaluate

@@ -131,7 +131,7 @@ def validate_names(config: dict[str, Any], source: Path) -> None:
     from models import list_encoders
     from models.tasks import list_tasks
     from network.algorithms import list_algorithms
-    from network.engine_sequential import make_lr_schedule
+    from network.lr_schedule import make_lr_schedule
     from partitioning.partition import list_schemes, parse_size_skew
 
     def check(key: str, values: list[str], known: list[str]) -> None:

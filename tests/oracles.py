@@ -14,7 +14,8 @@ from torch import nn
 from network.algorithms import build_algorithm
 from network.algorithms.base import ClientConfig
 from network.client import ClientData
-from network.engine_sequential import EngineConfig, SequentialEngine, make_lr_schedule
+from network.engine_sequential import EngineConfig, SequentialEngine
+from network.lr_schedule import make_lr_schedule
 
 CPU = torch.device("cpu")
 DIM = 5

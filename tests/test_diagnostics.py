@@ -7,7 +7,8 @@ import pandas as pd
 import torch
 
 from network.algorithms import build_algorithm
-from network.engine_sequential import EngineConfig, SequentialEngine, make_lr_schedule
+from network.engine_sequential import EngineConfig, SequentialEngine
+from network.lr_schedule import make_lr_schedule
 from tests.oracles import CPU, DIM, gradient, least_squares_clients, least_squares_loss, linear_model, mean_loss, oracle_clients
 
 

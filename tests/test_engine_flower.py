@@ -37,7 +37,8 @@ from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from network.algorithms import build_algorithm, list_algorithms  # noqa: E402
 from network.client import CLIENT_TEST_SPLIT, FINETUNED_TEST_SPLIT, PERSONAL_TEST_SPLIT, ClientData, ClientFailure  # noqa: E402
-from network.engine_sequential import EngineConfig, SequentialEngine, make_lr_schedule  # noqa: E402
+from network.engine_sequential import EngineConfig, SequentialEngine  # noqa: E402
+from network.lr_schedule import make_lr_schedule  # noqa: E402
 from network.flower import protocol  # noqa: E402
 from network.flower.node import NodeHost, NodeStateStore, make_client_app  # noqa: E402
 from network.flower.server import FlowerEngine  # noqa: E402
