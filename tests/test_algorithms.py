@@ -21,7 +21,7 @@ from network.local_train import NonFiniteLossError, local_train
 from network.settings import describe
 from steps.federated import build_parser
 from tests.test_engine import NUM_CLIENTS, make_clients, make_engine
-from tests.tiny_models import TinyNet, loss_fn
+from tests.tiny_models import TinyNet
 from utils.errors import TaskHetError
 
 CPU = torch.device("cpu")
