@@ -209,7 +209,9 @@ def validate_manifest(manifest: pd.DataFrame, source: str = "manifest") -> pd.Da
     for column, good in checks.items():
         if not good.all():
             row = int(np.flatnonzero(~good.to_numpy())[0])
-            raise TaskHetError(f"{source}: row {row + 2} has {column} {manifest.at[row, column]!r}, expected {expected[column]}")
+            value = manifest.at[row, column]
+            shown = repr(value) if isinstance(value, str) else value  # 1, not np.int64(1)
+            raise TaskHetError(f"{source}: row {row + 2} has {column} {shown}, expected {expected[column]}")
     return manifest.astype({"image_index": np.int64, "label": np.int64, VAL_COLUMN: np.int64})
 
 
