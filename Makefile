@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 DATA ?= data/synthetic
 
-.PHONY: setup demo test bench mutation download clean
+.PHONY: setup demo test bench mutation download download-cifar clean
 
 HOOK_STAMP := $(VENV)/.torchvision_hook
 
@@ -53,6 +53,12 @@ AGREE ?= no
 download: setup
 	$(PY) download_taskonomy.py --subset $(SUBSET) --dest data/taskonomy --name "$(NAME)" --email "$(EMAIL)" \
 		$(if $(filter yes,$(AGREE)),--agree_all,--no-agree_all)
+
+# CIFAR via torchvision's downloader (needs internet): step 1 with --download, DATASET=cifar10|cifar100.
+DATASET ?= cifar10
+download-cifar: setup
+	$(PY) extract_datapoints_for_experiments.py --family cifar --dataset $(DATASET) --data_path data/cifar --download \
+		--out results/datapoints_$(DATASET)
 
 clean:
 	rm -rf results/* data/synthetic

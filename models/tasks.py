@@ -34,7 +34,8 @@ class TaskSpec:
 
     Attributes:
         name: task name (registry key).
-        domain: key of the target in a batch dict ("scene_class" for class_scene, "digit_class" for digit_class).
+        domain: key of the target in a batch dict ("scene_class" for class_scene, "digit_class" for digit_class,
+            "cifar_class" for cifar_class).
         kind: "dense" (per-pixel prediction ``[B, C, H, W]``) or "classification" (logits ``[B, K]``).
         out_channels: output channels; None for classification tasks, whose K comes from the data family.
         activation: output activation (see :data:`models.heads.ACTIVATIONS`).
@@ -86,7 +87,7 @@ def _register_tasks() -> None:
             TaskSpec(name, name, "dense", channels, activation, loss_fn, metrics_factory, [name], primary)
         )
     # Classification tasks take K from their data family (datasets.family.DataFamily.num_classes).
-    for name, domain in (("class_scene", "scene_class"), ("digit_class", "digit_class")):
+    for name, domain in (("class_scene", "scene_class"), ("digit_class", "digit_class"), ("cifar_class", "cifar_class")):
         TASKS.register(name)(
             TaskSpec(name, domain, "classification", None, "identity", losses.classification_loss,
                      functools.partial(metrics.ClassificationMetrics, domain), [], "top1")

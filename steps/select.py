@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 
 from datasets.family import get_family
-from steps import select_digits, select_scenes
+from steps import select_cifar, select_digits, select_scenes
 from utils import cli
 from utils.errors import TaskHetError
 
 # Each family's step-1 module (build_parser, main); tests check it covers every registered family.
-STEP1_MODULES = {"taskonomy": select_scenes, "digits": select_digits}
+STEP1_MODULES = {"taskonomy": select_scenes, "digits": select_digits, "cifar": select_cifar}
 
 
 def main(argv: list[str] | None = None) -> Path:

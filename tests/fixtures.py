@@ -1,4 +1,4 @@
-"""Tiny data built on the fly for tests: synthetic buildings and their step-1 manifest.
+"""Tiny data built on the fly for tests: synthetic buildings and their step-1 manifest, CIFAR pickles.
 
 Other test files import the helpers (``from tests.fixtures import render_tiny_dataset``)
 or the session fixtures ``tiny_data_root`` / ``tiny_manifest`` (import them by name
@@ -7,8 +7,12 @@ into the test module), which render once per test session.
 
 from __future__ import annotations
 
+import pickle
+import struct
 from pathlib import Path
+from typing import Sequence
 
+import numpy as np
 import pytest
 
 from datasets.selection import SelectionConfig, select_datapoints, write_selection
@@ -48,3 +52,59 @@ def tiny_data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_manifest(tiny_data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The step-1 manifest of :func:`tiny_data_root` (treat as read-only)."""
     return make_tiny_manifest(tiny_data_root, tmp_path_factory.mktemp("tiny_step1"))
+
+
+class _Py2Pickler(pickle._Pickler):
+    """Pickles bytes as Python 2 ``str`` (the BINSTRING opcodes), as the CIFAR files were written.
+
+    The real files load as dicts with b"data" keys under ``encoding="bytes"`` and "data" keys under
+    torchvision's ``encoding="latin1"``; Python 3's own bytes pickling would load as bytes under both.
+    """
+
+    dispatch = dict(pickle._Pickler.dispatch)
+
+    def save_py2_str(self, obj: bytes) -> None:
+        header = pickle.SHORT_BINSTRING + bytes([len(obj)]) if len(obj) < 256 else pickle.BINSTRING + struct.pack("<i", len(obj))
+        self.write(header + obj)
+        self.memoize(obj)
+
+    dispatch[bytes] = save_py2_str
+
+
+def write_tiny_cifar(root: Path, dataset: str, train_per_class: Sequence[int], test_per_class: int = 2, seed: int = 0) -> Path:
+    """Write torchvision's on-disk CIFAR pickles (exact keys and dtypes, random pixels) under ``root``; returns ``root``.
+
+    Class c gets ``train_per_class[c]`` training and ``test_per_class`` test images; cifar10 needs 10
+    classes, cifar100 100 (fine labels). Labels are shuffled so files do not list classes in order.
+    """
+    rng = np.random.default_rng(seed)
+    num_classes = len(train_per_class)
+
+    def batch(counts: Sequence[int]) -> tuple[np.ndarray, list[int]]:
+        labels = rng.permutation(np.repeat(np.arange(num_classes), counts)).tolist()
+        return rng.integers(0, 256, size=(len(labels), 3072), dtype=np.uint8), labels
+
+    def dump(path: Path, content: dict) -> None:
+        with open(path, "wb") as file:
+            _Py2Pickler(file, protocol=2).dump(content)
+
+    names = [f"class_{label}".encode() for label in range(num_classes)]
+    if dataset == "cifar10":
+        folder = Path(root) / "cifar-10-batches-py"
+        folder.mkdir(parents=True, exist_ok=True)
+        data, labels = batch(train_per_class)
+        for part, chunk in enumerate(np.array_split(np.arange(len(labels)), 5), start=1):
+            dump(folder / f"data_batch_{part}", {b"batch_label": b"training batch", b"labels": [labels[i] for i in chunk],
+                                                 b"data": data[chunk], b"filenames": [b"x.png"] * len(chunk)})
+        data, labels = batch([test_per_class] * num_classes)
+        dump(folder / "test_batch", {b"batch_label": b"testing batch", b"labels": labels, b"data": data})
+        dump(folder / "batches.meta", {b"label_names": names, b"num_cases_per_batch": 10000, b"num_vis": 3072})
+    else:
+        folder = Path(root) / "cifar-100-python"
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, counts in (("train", train_per_class), ("test", [test_per_class] * num_classes)):
+            data, labels = batch(counts)
+            dump(folder / name, {b"filenames": [b"x.png"] * len(labels), b"batch_label": name.encode(),
+                                 b"fine_labels": labels, b"coarse_labels": [label // 5 for label in labels], b"data": data})
+        dump(folder / "meta", {b"fine_label_names": names, b"coarse_label_names": [f"super_{i}".encode() for i in range(20)]})
+    return Path(root)

@@ -8,22 +8,37 @@ import pandas as pd
 import pytest
 import torch
 
+from datasets.cifar import select_cifar
 from datasets.digits import select_digits
 from datasets.family import FAMILY_COLUMN, get_family, list_families, load_manifest
 from models.tasks import get_task, list_tasks
 from steps.select import STEP1_MODULES
-from tests.fixtures import tiny_data_root, tiny_manifest  # noqa: F401  (session fixtures)
+from tests.fixtures import tiny_data_root, tiny_manifest, write_tiny_cifar  # noqa: F401  (session fixtures)
 from utils.errors import TaskHetError
 
 IMAGE_SIZE = 16
 
 
 @pytest.fixture(scope="session")
-def manifests(tiny_manifest, tmp_path_factory) -> dict[str, Path]:  # noqa: F811
+def manifests(tiny_manifest, cifar_root, tmp_path_factory) -> dict[str, Path]:  # noqa: F811
     """A small step-1 manifest of every family."""
     digits = tmp_path_factory.mktemp("digits_step1") / "manifest.csv"
     select_digits(0.25, seed=0, n_samples=40).to_csv(digits, index=False)
-    return {"taskonomy": tiny_manifest, "digits": digits}
+    cifar = tmp_path_factory.mktemp("cifar_step1") / "manifest.csv"
+    select_cifar(cifar_root, "cifar10", 1.0, 0.1, seed=0, verify_checksums=False).to_csv(cifar, index=False)
+    return {"taskonomy": tiny_manifest, "digits": digits, "cifar": cifar}
+
+
+@pytest.fixture(scope="session")
+def cifar_root(tmp_path_factory) -> Path:
+    """Tiny CIFAR-10 files in torchvision's format (4 training and 2 test images per class)."""
+    return write_tiny_cifar(tmp_path_factory.mktemp("cifar"), "cifar10", [4] * 10)
+
+
+@pytest.fixture(scope="session")
+def roots(tiny_data_root, cifar_root) -> dict[str, Path]:  # noqa: F811
+    """The data root of every family (digits ignores it)."""
+    return {"taskonomy": tiny_data_root, "digits": tiny_data_root, "cifar": cifar_root}
 
 
 def test_every_family_has_a_test_manifest_and_a_step1(manifests):
@@ -47,11 +62,11 @@ def test_family_reads_its_manifest(name, manifests):
 
 
 @pytest.mark.parametrize("name, task_name", [(name, task) for name in list_families() for task in get_family(name).tasks])
-def test_family_dataset_items_hold_the_input_and_the_target(name, task_name, manifests, tiny_data_root):  # noqa: F811
+def test_family_dataset_items_hold_the_input_and_the_target(name, task_name, manifests, roots):
     family, manifest = load_manifest(manifests[name])
     task = get_task(task_name)
     rows = manifest.iloc[[2, 0, 1]]
-    dataset = family.dataset(tiny_data_root, rows, task, IMAGE_SIZE)
+    dataset = family.dataset(roots[name], rows, task, IMAGE_SIZE)
     assert len(dataset) == 3
     for item, row in zip(dataset, rows.itertuples(index=False)):
         image = item[family.input_key]
@@ -69,9 +84,9 @@ def test_family_dataset_items_hold_the_input_and_the_target(name, task_name, man
 
 
 @pytest.mark.parametrize("name", list_families())
-def test_family_dataset_without_a_task_is_the_input(name, manifests, tiny_data_root):  # noqa: F811
+def test_family_dataset_without_a_task_is_the_input(name, manifests, roots):
     family, manifest = load_manifest(manifests[name])
-    item = family.dataset(tiny_data_root, manifest, None, IMAGE_SIZE)[0]
+    item = family.dataset(roots[name], manifest, None, IMAGE_SIZE)[0]
     assert item[family.input_key].shape == (3, IMAGE_SIZE, IMAGE_SIZE) and isinstance(item["sample_id"], str)
 
 
@@ -94,8 +109,8 @@ def test_mixed_family_column_names_the_row(name, manifests, tmp_path):
 
 def test_unknown_family_and_legacy_manifest(manifests, tmp_path):
     manifest = pd.read_csv(manifests["taskonomy"], dtype=str, keep_default_na=False)
-    manifest.assign(family="cifar").to_csv(tmp_path / "unknown.csv", index=False)
-    with pytest.raises(TaskHetError, match="unknown.csv: row 2 has family 'cifar'; known data families: digits, taskonomy"):
+    manifest.assign(family="imagenet").to_csv(tmp_path / "unknown.csv", index=False)
+    with pytest.raises(TaskHetError, match="unknown.csv: row 2 has family 'imagenet'; known data families: cifar, digits, taskonomy"):
         load_manifest(tmp_path / "unknown.csv")
     # Manifests written before families existed are Taskonomy's.
     manifest.drop(columns=[FAMILY_COLUMN]).to_csv(tmp_path / "legacy.csv", index=False)
