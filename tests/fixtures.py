@@ -71,18 +71,24 @@ class _Py2Pickler(pickle._Pickler):
     dispatch[bytes] = save_py2_str
 
 
-def write_tiny_cifar(root: Path, dataset: str, train_per_class: Sequence[int], test_per_class: int = 2, seed: int = 0) -> Path:
+def write_tiny_cifar(root: Path, dataset: str, train_per_class: Sequence[int], test_per_class: int = 2, seed: int = 0,
+                     learnable: bool = False) -> Path:
     """Write torchvision's on-disk CIFAR pickles (exact keys and dtypes, random pixels) under ``root``; returns ``root``.
 
     Class c gets ``train_per_class[c]`` training and ``test_per_class`` test images; cifar10 needs 10
     classes, cifar100 100 (fine labels). Labels are shuffled so files do not list classes in order.
+    ``learnable``: each class's images share a brightness (plus noise), so a model can learn the labels.
     """
     rng = np.random.default_rng(seed)
     num_classes = len(train_per_class)
 
     def batch(counts: Sequence[int]) -> tuple[np.ndarray, list[int]]:
         labels = rng.permutation(np.repeat(np.arange(num_classes), counts)).tolist()
-        return rng.integers(0, 256, size=(len(labels), 3072), dtype=np.uint8), labels
+        pixels = rng.integers(0, 256, size=(len(labels), 3072))
+        if learnable:
+            brightness = (np.array(labels) * 200 // max(num_classes - 1, 1) + 20)[:, None]
+            pixels = np.clip(brightness + (pixels - 128) // 8, 0, 255)
+        return pixels.astype(np.uint8), labels
 
     def dump(path: Path, content: dict) -> None:
         with open(path, "wb") as file:

@@ -7,10 +7,12 @@ import pytest
 import torch
 
 import training.loop
+from datasets.cifar import select_cifar
 from datasets.digits import select_digits
 from datasets.family import get_family, list_families
 from models import load_task_model
 from steps import train_centralized as step2
+from tests.fixtures import write_tiny_cifar
 from tests.fixtures import make_tiny_manifest, render_tiny_dataset, tiny_data_root, tiny_manifest  # noqa: F401
 from utils.cli import run_main
 from utils.errors import TaskHetError
@@ -48,11 +50,20 @@ def digits96(views96, tmp_path_factory):
     return views96[0], manifest
 
 
+@pytest.fixture(scope="module")
+def cifar96(tmp_path_factory):
+    """Tiny CIFAR-10 files whose classes differ in brightness (96 train / 20 test images), and their manifest."""
+    root = write_tiny_cifar(tmp_path_factory.mktemp("cifar96"), "cifar10", [10] * 10, test_per_class=2, learnable=True)
+    manifest = tmp_path_factory.mktemp("cifar96_step1") / "manifest.csv"
+    select_cifar(root, "cifar10", 1.0, 0.1, seed=0, verify_checksums=False).to_csv(manifest, index=False)
+    return root, manifest
+
+
 @pytest.mark.parametrize("family, task", [(name, task) for name in list_families() for task in get_family(name).tasks])
-def test_short_run_lowers_validation_loss(family, task, views96, digits96, tmp_path):
+def test_short_run_lowers_validation_loss(family, task, views96, digits96, cifar96, tmp_path):
     out = tmp_path / task
     epochs = EPOCHS.get(task, 2)
-    data = {"taskonomy": views96, "digits": digits96}[family]
+    data = {"taskonomy": views96, "digits": digits96, "cifar": cifar96}[family]
     summary = step2.main(argv(*data, out, task, "--n_epochs", str(epochs)))
     losses = val_losses(out)
     assert list(losses.index) == list(range(epochs + 1))
