@@ -8,10 +8,9 @@ import argparse
 from pathlib import Path
 
 from datasets.cifar import DATASET_CLASSES, VAL_COLUMN, class_counts, download, select_cifar
+from steps.manifest_output import claim_step1_folder, write_step1_outputs
 from utils import cli
-from utils.run_dir import atomic_write_text, claim_folder, setup_logging, unfinished, write_config
-
-STEP = "step 1"
+from utils.run_dir import setup_logging
 
 DESCRIPTION = """Step 1 (--family cifar): extract the datapoints used by the experiments.
 Inputs: torchvision's CIFAR files under --data_path (cifar-10-batches-py/ or cifar-100-python/; --download fetches
@@ -47,16 +46,12 @@ def main(argv: list[str] | None = None) -> Path:
         The path of the manifest.csv written.
     """
     args = build_parser().parse_args(argv)
-    claim_folder(args.out, STEP)
+    claim_step1_folder(args.out)
     if args.download:
         download(args.data_path, args.dataset)
     manifest = select_cifar(args.data_path, args.dataset, args.imbalance_factor, args.val_fraction, args.seed,
                             args.verify_checksums)
-    path = args.out / "manifest.csv"
-    with unfinished(args.out, STEP):
-        atomic_write_text(path, manifest.to_csv(index=False))
-        atomic_write_text(args.out / "class_counts.csv", class_counts(manifest).to_csv(index=False))
-        write_config(args.out, vars(args), step=STEP)
+    path = write_step1_outputs(args, manifest, class_counts(manifest))
     logger = setup_logging(args.out)
     train = manifest["split"] == "train"
     num_val = int(manifest[VAL_COLUMN].sum())

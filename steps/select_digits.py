@@ -8,11 +8,10 @@ import argparse
 from pathlib import Path
 
 from datasets.digits import class_counts, select_digits
+from steps.manifest_output import claim_step1_folder, write_step1_outputs
 from utils import cli
 from utils.cli import positive_int
-from utils.run_dir import atomic_write_text, claim_folder, setup_logging, unfinished, write_config
-
-STEP = "step 1"
+from utils.run_dir import setup_logging
 
 DESCRIPTION = """Step 1 (--family digits): extract the datapoints used by the experiments.
 Inputs: none (scikit-learn's 1,797 bundled 8x8 handwritten digits). Keeps --n_samples of them (stratified by
@@ -40,13 +39,9 @@ def main(argv: list[str] | None = None) -> Path:
         The path of the manifest.csv written.
     """
     args = build_parser().parse_args(argv)
-    claim_folder(args.out, STEP)
+    claim_step1_folder(args.out)
     manifest = select_digits(args.test_fraction, args.seed, args.n_samples)
-    path = args.out / "manifest.csv"
-    with unfinished(args.out, STEP):
-        atomic_write_text(path, manifest.to_csv(index=False))
-        atomic_write_text(args.out / "class_counts.csv", class_counts(manifest).to_csv(index=False))
-        write_config(args.out, vars(args), step=STEP)
+    path = write_step1_outputs(args, manifest, class_counts(manifest))
     logger = setup_logging(args.out)
     num_test = int((manifest["split"] == "test").sum())
     logger.info("step 1 (digits): %d samples, 10 digits; %d train / %d test (stratified by digit, seed %d); wrote %s",
