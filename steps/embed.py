@@ -37,21 +37,33 @@ STEP = "step 3"
 def build_parser() -> argparse.ArgumentParser:
     """The step-3 command line (extract_embeddings.py --help)."""
     parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--checkpoint", type=Path, required=True, help="step-2 best.pt")
-    parser.add_argument("--manifest", type=Path, required=True, help="step-1 manifest.csv (train and test rows are embedded)")
-    parser.add_argument("--data_path", type=Path, required=True, help="data root of the manifest's files (ignored by families that ship their data)")
-    parser.add_argument("--out", type=Path, required=True, help="output folder")
-    parser.add_argument("--image_size", type=positive_int, default=None, help="input side; default: the step-2 run's (its config.json)")
-    parser.add_argument("--batch_size", type=positive_int, default=64)
+    add_model_input_arguments(parser, "step-1 manifest.csv (train and test rows are embedded)")
     parser.add_argument("--num_workers", type=cli.nonnegative_int, default=0)
-    parser.add_argument("--cache_dir", type=Path, default=None, help="decoded-sample cache folder")
     parser.add_argument("--pca_dim", type=positive_int, default=None, help="PCA components before KMeans (default: none)")
     parser.add_argument("--n_clusters", type=positive_int, default=10)
     parser.add_argument("--n_init", type=positive_int, default=10, help="KMeans restarts")
     parser.add_argument("--minibatch_threshold", type=positive_int, default=MINIBATCH_THRESHOLD, help="MiniBatchKMeans above this many samples")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--use_accelerator", action=argparse.BooleanOptionalAction, default=True, help="use CUDA/MPS when present")
     return parser
+
+
+def add_model_input_arguments(parser: argparse.ArgumentParser, manifest_help: str) -> None:
+    """The flags of a step that runs a trained step-2 model over manifest samples (steps 3 and 3c)."""
+    parser.add_argument("--checkpoint", type=Path, required=True, help="step-2 best.pt")
+    parser.add_argument("--manifest", type=Path, required=True, help=manifest_help)
+    parser.add_argument("--data_path", type=Path, required=True,
+                        help="data root of the manifest's files (ignored by families that ship their data)")
+    parser.add_argument("--out", type=Path, required=True, help="output folder")
+    parser.add_argument("--image_size", type=positive_int, default=None, help="input side; default: the step-2 run's (its config.json)")
+    parser.add_argument("--batch_size", type=positive_int, default=64)
+    parser.add_argument("--cache_dir", type=Path, default=None, help="decoded-sample cache folder")
+    parser.add_argument("--use_accelerator", action=argparse.BooleanOptionalAction, default=True, help="use CUDA/MPS when present")
+
+
+def trained_model_checkpoint(checkpoint: Path) -> None:
+    """Refuse a missing step-2 checkpoint, or one from a step 2 that did not finish."""
+    require_file(checkpoint, "--checkpoint", "a step-2 best.pt: run step 2, train_centralized_task_model.py")
+    require_finished(checkpoint, "--checkpoint")
 
 
 def training_image_size(checkpoint: Path) -> int:
@@ -98,8 +110,7 @@ def main(argv: list[str] | None = None) -> Path:
     """
     args = build_parser().parse_args(argv)
     claim_folder(args.out, STEP)
-    require_file(args.checkpoint, "--checkpoint", "a step-2 best.pt: run step 2, train_centralized_task_model.py")
-    require_finished(args.checkpoint, "--checkpoint")
+    trained_model_checkpoint(args.checkpoint)
     args.image_size = args.image_size or training_image_size(args.checkpoint)
     family, manifest = load_manifest(args.manifest)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -15,47 +15,54 @@ import utils.tv_compat  # noqa: F401  (before anything imports torchvision)
 
 import argparse
 import json
+import logging
 from pathlib import Path
 
-from datasets.family import load_manifest
+import pandas as pd
+from torch import nn
+
+from datasets.family import DataFamily, load_manifest
 from models import get_task, load_task_model
+from models.tasks import TaskSpec
 from network.heterogeneity import dissimilarity, full_gradient
 from partitioning.assignments import load_assignments
-from steps.embed import training_image_size
+from steps.embed import add_model_input_arguments, trained_model_checkpoint, training_image_size
 from training.loop import make_loader
-from utils.cli import positive_int
+from utils import cli
 from utils.device import pick_device, prepare_model
-from utils.run_dir import MetricsCSV, atomic_write_text, setup_logging, write_config
+from utils.run_dir import MetricsCSV, atomic_write_text, claim_folder, setup_logging, unfinished, write_config
 
 METER_FILE = "meter.json"
+STEP = "step 3c"
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The step-3c command line (measure_heterogeneity.py --help)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--checkpoint", type=Path, required=True, help="step-2 best.pt (the model the gradients are taken at)")
-    parser.add_argument("--manifest", type=Path, required=True, help="step-1 manifest.csv")
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_model_input_arguments(parser, "step-1 manifest.csv")
     parser.add_argument("--assignments", type=Path, required=True, help="step-3b assignments.csv")
-    parser.add_argument("--data_path", type=Path, required=True, help="data root of the manifest's files")
-    parser.add_argument("--out", type=Path, required=True, help="output folder")
-    parser.add_argument("--image_size", type=positive_int, default=None, help="input side; default: the step-2 run's")
-    parser.add_argument("--batch_size", type=positive_int, default=64, help="batch size of the gradient passes")
-    parser.add_argument("--cache_dir", type=Path, default=None, help="decoded-sample cache folder")
-    parser.add_argument("--use_accelerator", action=argparse.BooleanOptionalAction, default=True, help="use CUDA/MPS when present")
     return parser
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Measure one partition; returns what meter.json holds."""
     args = build_parser().parse_args(argv)
+    claim_folder(args.out, STEP)
+    trained_model_checkpoint(args.checkpoint)
     family, manifest = load_manifest(args.manifest)
     table, _ = load_assignments(args.assignments, manifest)
     model = load_task_model(args.checkpoint)
     task = get_task(model.config["task"])
     image_size = args.image_size or training_image_size(args.checkpoint)
-    args.out.mkdir(parents=True, exist_ok=True)
+    write_config(args.out, vars(args), step=STEP)
     logger = setup_logging(args.out, "meter")
-    write_config(args.out, vars(args))
+    with unfinished(args.out, STEP):
+        return measure(args, family, manifest, table, model, task, image_size, logger)
+
+
+def measure(args: argparse.Namespace, family: DataFamily, manifest: pd.DataFrame, table: pd.DataFrame, model: nn.Module,
+            task: TaskSpec, image_size: int, logger: logging.Logger) -> dict:
+    """Every client's full-batch gradient at ``model``, then G² and B²; writes metrics.csv and meter.json."""
     device = pick_device(args.use_accelerator)
     model = prepare_model(model, device)
     rows_by_id = manifest.set_index("sample_id")

@@ -53,3 +53,25 @@ def test_all_gradients_zero_and_a_zero_mean():
     assert math.isinf(dissimilarity([torch.tensor([1.0]), torch.tensor([-1.0])], [1, 1]).b2)
     with pytest.raises(ValueError, match="one gradient per client"):
         dissimilarity([torch.zeros(2)], [1, 2])
+
+
+def test_step_3c_refuses_a_missing_checkpoint_and_another_steps_folder(tmp_path, capsys):
+    from steps import meter
+    from utils.cli import run_main
+
+    flags = ["--manifest", str(tmp_path / "manifest.csv"), "--assignments", str(tmp_path / "a.csv"),
+             "--data_path", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(meter.main, ["--checkpoint", str(tmp_path / "best.pt"), "--out", str(tmp_path / "meter"), *flags])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "--checkpoint" in err[0]
+    assert not (tmp_path / "meter" / "meter.json").exists()
+    other = tmp_path / "step2"
+    other.mkdir()
+    (other / "config.json").write_text('{"step": "step 2", "args": {}}')
+    with pytest.raises(SystemExit):
+        run_main(meter.main, ["--checkpoint", str(tmp_path / "best.pt"), "--out", str(other), *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "step 2" in err[0]
+    assert not (other / "meter.json").exists()

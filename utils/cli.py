@@ -29,13 +29,7 @@ def run_main(main: Callable[[list[str] | None], object], argv: list[str] | None 
 
 def nonnegative_int(text: str) -> int:
     """argparse type: an int >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+    return _int_at_least(text, 0)
 
 
 def fail(message: str) -> None:
@@ -86,10 +80,14 @@ def positive_float(text: str) -> float:
 
 def positive_int(text: str) -> int:
     """argparse type: an int >= 1."""
+    return _int_at_least(text, 1)
+
+
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
     return value
