@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from models.encoders import ENCODERS, Encoder, WeightSource, fetch_weights, read_weights_file
+from models.encoders import ENCODERS, Encoder
+from models.weights import WeightSource, fetch_weights, read_weights_file
 from utils.errors import TaskHetError
 
 LOGGER = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-import models.encoders as encoders
+import models.weights as weights_module
 from models import build_task_model, list_encoders, list_tasks, load_task_model
 from models.encoders import build_encoder, match_state_dict
 from models.tasks import get_task
@@ -160,7 +160,7 @@ def test_named_weights_come_from_the_torch_hub_cache_and_must_match_the_publishe
     import hashlib
 
     digest = hashlib.sha256(cached.read_bytes()).hexdigest()
-    monkeypatch.setattr(encoders.WeightSource, "published_sha256", lambda source: digest[:8])
+    monkeypatch.setattr(weights_module.WeightSource, "published_sha256", lambda source: digest[:8])
     loaded = build_encoder("resnet18", "imagenet").state_dict()
     assert all(torch.equal(loaded[key], reference[key]) for key in reference)
 
@@ -169,7 +169,7 @@ def test_offline_without_cache_says_what_to_put_where(tmp_path, monkeypatch):
     def offline(source):
         raise OSError("Name or service not known")
 
-    monkeypatch.setattr(encoders, "source_download", offline)
+    monkeypatch.setattr(weights_module, "source_download", offline)
     expected = os.path.join(str(tmp_path / "torch"), "hub", "checkpoints", "resnet50-11ad3fa6.pth")
     with pytest.raises(TaskHetError, match="no cached file and the download failed") as error:
         build_task_model("normal", "resnet50", "imagenet")

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from models.encoders import WeightSource, build_encoder, read_weights_file
+from models.encoders import build_encoder
+from models.weights import WeightSource, read_weights_file
 from utils.errors import TaskHetError
 
 
