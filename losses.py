@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from datasets.taskonomy import SEGMENT_IGNORE_INDEX
+from datasets.taskonomy_domains import SEGMENT_IGNORE_INDEX
 
 
 def valid_pixels(batch: dict, like: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from datasets.selection import SelectionConfig, select_datapoints  # noqa: E402
 from datasets.synthetic import RenderConfig, render_dataset  # noqa: E402
-from datasets.taskonomy import DOMAINS, TaskonomyDataset  # noqa: E402
+from datasets.taskonomy import TaskonomyDataset  # noqa: E402
+from datasets.taskonomy_domains import DOMAINS  # noqa: E402
 from utils.cli import positive_int, run_main  # noqa: E402
 
 

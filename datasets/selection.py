@@ -19,16 +19,8 @@ from matplotlib.figure import Figure
 from tqdm import tqdm
 
 from datasets.synthetic import PLACES_FILE, SPLIT_FILE
-from datasets.taskonomy import (
-    DOMAIN_SPECS,
-    FAMILY,
-    MANIFEST_COLUMNS,
-    check_data_root,
-    discover_samples,
-    domain_dir,
-    get_domain,
-    read_scene_names,
-)
+from datasets.taskonomy import FAMILY, MANIFEST_COLUMNS, check_data_root, discover_samples, domain_dir, read_scene_names
+from datasets.taskonomy_domains import DOMAIN_SPECS, get_domain
 from utils.errors import TaskHetError
 from utils.loaders import plain_name, read_csv
 from utils.plots import save_figure

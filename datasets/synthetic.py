@@ -35,8 +35,9 @@ from PIL import Image
 from scipy import ndimage
 from tqdm import tqdm
 
-from datasets.taskonomy import (DEPTH_INVALID, DEPTH_UNITS_PER_METRE, DOMAINS, NORMAL_INVALID, NUM_SCENE_SCORES, domain_dir,
-                                get_domain, read_scene_names)
+from datasets.taskonomy import domain_dir, read_scene_names
+from datasets.taskonomy_domains import (DEPTH_INVALID, DEPTH_UNITS_PER_METRE, DOMAINS, NORMAL_INVALID,
+                                        NUM_SCENE_SCORES, get_domain)
 from utils.errors import TaskHetError
 from utils.run_dir import atomic_write_text
 from utils.seeding import numpy_rng

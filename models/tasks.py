@@ -15,7 +15,7 @@ from typing import Callable, Protocol
 import torch
 
 import losses
-from datasets.taskonomy import NUM_SEMANTIC_CLASSES
+from datasets.taskonomy_domains import NUM_SEMANTIC_CLASSES
 from training import metrics
 from utils.registry import Registry
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from omnidata_tools.dataset.starter_dataset.component_datasets import taskonomy as omnidata_taskonomy
 
 from datasets.synthetic import write_places_file
-from datasets.taskonomy import DOMAINS, get_domain
+from datasets.taskonomy_domains import DOMAINS, get_domain
 from utils import cli
 from utils.cli import positive_float
 from utils.errors import TaskHetError

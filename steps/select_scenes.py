@@ -9,8 +9,8 @@ from pathlib import Path
 
 from datasets.selection import SPLIT_BY, SelectionConfig, log_selection, select_datapoints, write_selection
 from datasets.synthetic import PLACES_FILE, SPLIT_FILE
-from datasets.taskonomy import DOMAINS
-from datasets.taskonomy import TASKS as TASKONOMY_TASKS
+from datasets.taskonomy_domains import DOMAINS
+from datasets.taskonomy_domains import TASKS as TASKONOMY_TASKS
 from utils import cli
 from utils.errors import TaskHetError
 from utils.run_dir import claim_folder, setup_logging, unfinished, write_config

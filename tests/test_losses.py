@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from datasets.taskonomy import SEGMENT_IGNORE_INDEX
+from datasets.taskonomy_domains import SEGMENT_IGNORE_INDEX
 from models.tasks import get_task, list_tasks
 
 SIZE = 8

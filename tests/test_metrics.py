@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from datasets.taskonomy import SEGMENT_IGNORE_INDEX
+from datasets.taskonomy_domains import SEGMENT_IGNORE_INDEX
 from models.tasks import get_task, list_tasks
 from training.metrics import ClassificationMetrics, DepthMetrics, L1Metric, NormalMetrics, SegmentationMetrics
 

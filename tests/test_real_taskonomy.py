@@ -17,7 +17,8 @@ import yaml
 from PIL import Image
 
 import run_pipeline
-from datasets.taskonomy import SEGMENT_IGNORE_INDEX, TaskonomyDataset, read_manifest
+from datasets.taskonomy import TaskonomyDataset, read_manifest
+from datasets.taskonomy_domains import SEGMENT_IGNORE_INDEX
 from pipeline.experiment import load_experiment
 from utils.errors import TaskHetError
 

@@ -13,7 +13,8 @@ import pytest
 
 from datasets.selection import SelectionConfig, read_scene_names, read_split_csv, select_datapoints, summary_line, write_selection
 from datasets.synthetic import PLACES_FILE, SPLIT_FILE
-from datasets.taskonomy import DOMAINS, MANIFEST_COLUMNS, domain_dir, read_manifest
+from datasets.taskonomy import MANIFEST_COLUMNS, domain_dir, read_manifest
+from datasets.taskonomy_domains import DOMAINS
 from steps import select_scenes as step1
 from tests.fixtures import render_tiny_dataset, tiny_data_root  # noqa: F401
 from utils.cli import run_main

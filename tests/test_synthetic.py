@@ -27,8 +27,9 @@ from datasets.synthetic import (
     render_view,
     scene_places_indices,
 )
-from datasets.taskonomy import (DEPTH_UNITS_PER_METRE, DOMAIN_SPECS, DOMAINS, NUM_SEMANTIC_CLASSES, SEGMENT_IGNORE_INDEX,
-                                SEMANTIC_CLASS_NAMES, TaskonomyDataset, domain_dir, read_manifest)
+from datasets.taskonomy import TaskonomyDataset, domain_dir, read_manifest
+from datasets.taskonomy_domains import (DEPTH_UNITS_PER_METRE, DOMAIN_SPECS, DOMAINS, NUM_SEMANTIC_CLASSES,
+                                        SEGMENT_IGNORE_INDEX, SEMANTIC_CLASS_NAMES)
 from steps import render
 from tests.fixtures import render_tiny_dataset, tiny_data_root, tiny_manifest, tiny_render_config  # noqa: F401
 from utils.errors import TaskHetError

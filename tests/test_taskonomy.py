@@ -16,22 +16,10 @@ from torch.utils.data import DataLoader
 
 from steps import download as download_taskonomy
 from datasets.cache import DecodedSampleCache
-from datasets.taskonomy import (
-    DOMAINS,
-    MANIFEST_COLUMNS,
-    NUM_SEMANTIC_CLASSES,
-    SEGMENT_IGNORE_INDEX,
-    SEMANTIC_CLASS_NAMES,
-    TaskonomyDataset,
-    check_data_root,
-    decode_depth,
-    decode_normal,
-    decode_segment_semantic,
-    discover_samples,
-    domain_dir,
-    index_building,
-    read_manifest,
-)
+from datasets.taskonomy import (MANIFEST_COLUMNS, TaskonomyDataset, check_data_root, discover_samples, domain_dir,
+                                index_building, read_manifest)
+from datasets.taskonomy_domains import (DOMAINS, NUM_SEMANTIC_CLASSES, SEGMENT_IGNORE_INDEX, SEMANTIC_CLASS_NAMES,
+                                        decode_depth, decode_normal, decode_segment_semantic)
 from tests.fixtures import tiny_data_root, tiny_manifest  # noqa: F401
 from utils.errors import TaskHetError
 

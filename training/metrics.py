@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from datasets.taskonomy import SEGMENT_IGNORE_INDEX
+from datasets.taskonomy_domains import SEGMENT_IGNORE_INDEX
 from losses import valid_pixels
 
 # Angular errors are binned at 0.01 degree: the median over a split of millions
