@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from scipy.spatial.distance import jensenshannon  # noqa: E402
 
-from partitioning.partition import UNUSED  # noqa: E402
+from partitioning.allocation import UNUSED  # noqa: E402
 from utils.plots import save_figure  # noqa: E402
 
 

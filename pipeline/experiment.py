@@ -132,7 +132,8 @@ def validate_names(config: dict[str, Any], source: Path) -> None:
     from models.tasks import list_tasks
     from network.algorithms import list_algorithms
     from network.lr_schedule import make_lr_schedule
-    from partitioning.partition import list_schemes, parse_size_skew
+    from partitioning.allocation import parse_size_skew
+    from partitioning.partition import list_schemes
 
     def check(key: str, values: list[str], known: list[str]) -> None:
         for value in values:

@@ -8,16 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from partitioning.partition import (
-    UNUSED,
-    client_sizes,
-    client_test_mask,
-    dirichlet,
-    get_partitioner,
-    largest_remainder,
-    list_schemes,
-    scheme_parameters,
-)
+from partitioning.allocation import UNUSED, client_sizes, dirichlet, largest_remainder
+from partitioning.partition import client_test_mask, get_partitioner, list_schemes, scheme_parameters
 from partitioning.partition_stats import client_stats, group_counts, plot_heatmap
 from utils.errors import TaskHetError
 

@@ -12,7 +12,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from partitioning.partition import client_sizes, client_test_mask, get_partitioner, list_schemes, scheme_parameters
+from partitioning.allocation import client_sizes
+from partitioning.partition import client_test_mask, get_partitioner, list_schemes, scheme_parameters
 from utils.errors import TaskHetError
 from utils.seeding import numpy_rng
 

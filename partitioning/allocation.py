@@ -1,0 +1,124 @@
+"""The arithmetic under every partition scheme: client sizes, size skews, Dirichlet draws, exact allocation.
+
+Pure functions of their arguments and a caller's generator (no state): how many samples each
+client gets (``client_sizes``, with an optional quantity skew from :data:`SIZE_SKEWS`), how a
+total is split into integers in proportion to weights without losing a sample
+(``largest_remainder``), Dirichlet rows, and turning a client × group count table into a
+sample-to-client assignment (``assign_counts``). ``partitioning/partition.py`` builds the
+schemes on top.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from utils.errors import TaskHetError
+from utils.registry import Registry
+
+UNUSED = -1  # the client of a sample no client holds
+SIZE_SKEWS: Registry[Callable[[np.random.Generator, float, int], np.ndarray]] = Registry("size skew")
+
+
+@SIZE_SKEWS.register("lognormal")
+def lognormal_weights(rng: np.random.Generator, sigma: float, n_clients: int) -> np.ndarray:
+    """Client size weights ~ LogNormal(0, σ) (σ = 0: equal sizes)."""
+    return rng.lognormal(0.0, sigma, n_clients)
+
+
+@SIZE_SKEWS.register("powerlaw")
+def powerlaw_weights(rng: np.random.Generator, exponent: float, n_clients: int) -> np.ndarray:
+    """Client size weights ~ Pareto with tail exponent a (density ∝ w^-(a+1), w >= 1); small a: heavier skew."""
+    return 1.0 + rng.pareto(exponent, n_clients)
+
+
+def parse_size_skew(text: str | None) -> tuple[str, float] | None:
+    """Parse ``--size_skew``: ``lognormal:σ`` (σ >= 0) or ``powerlaw:a`` (a > 0); None for equal sizes."""
+    if text is None:
+        return None
+    kind, _, value = str(text).partition(":")
+    if kind not in SIZE_SKEWS:
+        raise TaskHetError(f"--size_skew {text!r}: unknown kind {kind!r}; use lognormal:SIGMA or powerlaw:A")
+    try:
+        parameter = float(value)
+    except ValueError:
+        raise TaskHetError(f"--size_skew {text!r}: expected {kind}:NUMBER") from None
+    if not np.isfinite(parameter) or parameter < 0 or (kind == "powerlaw" and parameter == 0):
+        raise TaskHetError(f"--size_skew {text!r}: the {kind} parameter must be {'> 0' if kind == 'powerlaw' else '>= 0'}")
+    return kind, parameter
+
+
+def largest_remainder(totals: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Split each ``totals[g]`` into integers ∝ ``weights[g, :]`` that sum exactly to it.
+
+    Args:
+        totals: int [G].
+        weights: float [G, n], non-negative, each row with a positive sum.
+
+    Returns:
+        int64 [G, n]; an entry with zero weight gets zero.
+    """
+    raw = weights / weights.sum(axis=1, keepdims=True) * totals[:, None]
+    counts = np.floor(raw).astype(np.int64)
+    shortfall = totals - counts.sum(axis=1)
+    # Ties (equal weights) go to the lower index: stable sort keeps the draw reproducible.
+    order = np.argsort(-(raw - counts), axis=1, kind="stable")
+    ranks = np.empty_like(order)
+    np.put_along_axis(ranks, order, np.arange(raw.shape[1])[None, :].repeat(raw.shape[0], axis=0), axis=1)
+    return counts + (ranks < shortfall[:, None])
+
+
+def size_weights(size_skew: str | None, n_clients: int, rng: np.random.Generator) -> np.ndarray:
+    """Relative client sizes: all ones, or drawn from the ``--size_skew`` distribution."""
+    skew = parse_size_skew(size_skew)
+    return np.ones(n_clients) if skew is None else SIZE_SKEWS.get(skew[0])(rng, skew[1], n_clients)
+
+
+def client_sizes(n_samples: int, n_clients: int, size_skew: str | None, min_client_size: int, rng: np.random.Generator) -> np.ndarray:
+    """Target client sizes that sum to ``n_samples``: equal, or from ``size_skew`` weights.
+
+    Every client first gets ``min_client_size``; the rest is split ∝ the weights, so the
+    minimum always holds (it compresses the skew of the smallest clients slightly).
+    """
+    weights = size_weights(size_skew, n_clients, rng)
+    spare = n_samples - n_clients * min_client_size
+    return min_client_size + largest_remainder(np.array([spare]), weights[None, :])[0]
+
+
+def dirichlet(rng: np.random.Generator, alpha: np.ndarray, n_rows: int) -> np.ndarray:
+    """``n_rows`` draws of Dir(alpha), robust to tiny concentrations.
+
+    When every gamma variate of a row underflows to 0 (alpha ~ 1e-5), the row is the
+    Dirichlet's small-alpha limit: all mass on one coordinate, picked ∝ alpha.
+    """
+    with np.errstate(invalid="ignore", divide="ignore"):
+        draws = rng.dirichlet(alpha, size=n_rows)
+    broken = ~np.isfinite(draws).all(axis=1) | ~(draws.sum(axis=1) > 0)
+    if broken.any():
+        picks = rng.choice(alpha.size, size=int(broken.sum()), p=alpha / alpha.sum())
+        draws[broken] = np.eye(alpha.size)[picks]
+    return draws
+
+
+def assign_counts(group_codes: np.ndarray, counts: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Give each client ``counts[k, g]`` random samples of group g; the rest stay unused.
+
+    Args:
+        group_codes: int64 [n_samples] in 0..G-1.
+        counts: int64 [n_clients, G]; column sums must not exceed the group sizes.
+
+    Returns:
+        client_of: int64 [n_samples].
+    """
+    n_clients, n_groups = counts.shape
+    group_sizes = np.bincount(group_codes, minlength=n_groups)
+    # Samples sorted by group, in random order inside each group.
+    permutation = rng.permutation(group_codes.size)
+    order = permutation[np.argsort(group_codes[permutation], kind="stable")]
+    leftover = group_sizes - counts.sum(axis=0)
+    blocks = np.hstack([counts.T, leftover[:, None]])  # [G, n_clients + 1]: each group's run lengths
+    owners = np.tile(np.append(np.arange(n_clients), UNUSED), n_groups)
+    client_of = np.empty(group_codes.size, dtype=np.int64)
+    client_of[order] = np.repeat(owners, blocks.ravel())
+    return client_of
