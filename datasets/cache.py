@@ -3,8 +3,10 @@
 Decoding a Taskonomy sample means opening a dozen PNGs, converting and resizing
 them; every epoch would repeat that. The cache keeps each decoded array of a
 sample in one ``.npy`` memory map per array name (``[N, ...]``), keyed by the
-manifest's content, the data root, the decoded domains and the resolution, so a
-changed manifest or resolution never reads stale data. The first pass decodes
+set of samples (sorted by sample id: runs over the same samples in another
+order share one cache; :func:`cache_rows` maps dataset rows to cache rows), the
+data root, the decoded domains and the resolution, so changed samples or another
+resolution never read stale data. The first pass decodes
 and writes a row; later reads (other epochs, other DataLoader workers, later
 runs) copy the row from the map, which the OS keeps in its page cache.
 
@@ -27,31 +29,41 @@ import numpy as np
 import pandas as pd
 
 # Bump when decoders change what a cached row holds, so old caches are not reused.
-CACHE_FORMAT_VERSION = 2  # 2: segment_semantic as class = raw - 1, unlabelled = 255
+CACHE_FORMAT_VERSION = 3  # 2: segment_semantic as class = raw - 1, unlabelled = 255; 3: rows sorted by sample id
 FILLED = "_filled"
 
 
 def cache_key(root: Path, manifest: pd.DataFrame, domains: Sequence[str], image_size: int) -> str:
-    """A hex digest of everything a cached row depends on (row order included)."""
+    """A hex digest of everything a cached row depends on; rows are in sample-id order, whatever the manifest's order."""
     digest = hashlib.sha256()
     header = {"version": CACHE_FORMAT_VERSION, "root": str(Path(root).resolve()), "domains": list(domains), "image_size": int(image_size)}
     digest.update(json.dumps(header, sort_keys=True).encode())
-    digest.update(manifest[["sample_id", "rgb_path"]].to_csv(index=False).encode())
+    digest.update(manifest[["sample_id", "rgb_path"]].sort_values("sample_id").to_csv(index=False).encode())
     return digest.hexdigest()
+
+
+def cache_rows(sample_ids: Sequence[str]) -> np.ndarray:
+    """``rows[i]``: the cache row of dataset row ``i`` (the rank of its sample id; ids are unique)."""
+    order = np.argsort(np.asarray(sample_ids, dtype=str), kind="stable")
+    rows = np.empty(len(order), dtype=np.int64)
+    rows[order] = np.arange(len(order))
+    return rows
 
 
 class DecodedSampleCache:
     """Memory-mapped storage for decoded samples, one row per manifest row.
 
     Args:
-        cache_dir: parent folder; the cache lives in ``cache_dir/decoded_<key prefix>/``.
-        key: from :func:`cache_key`.
+        cache_dir: parent folder; the cache lives in ``cache_dir/<prefix>_<key prefix>/``.
+        key: from :func:`cache_key` (or another content hash).
         num_samples: rows.
         layout: array name -> (per-sample shape, dtype).
+        prefix: names what the rows hold (``decoded`` samples, ``encoded`` feature maps).
     """
 
-    def __init__(self, cache_dir: Path, key: str, num_samples: int, layout: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> None:
-        self.directory = Path(cache_dir) / f"decoded_{key[:32]}"
+    def __init__(self, cache_dir: Path, key: str, num_samples: int, layout: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+                 prefix: str = "decoded") -> None:
+        self.directory = Path(cache_dir) / f"{prefix}_{key[:32]}"
         self.num_samples = int(num_samples)
         self.layout = {name: (tuple(shape), np.dtype(dtype)) for name, (shape, dtype) in layout.items()}
         self._maps: dict[str, np.memmap] | None = None
@@ -61,7 +73,7 @@ class DecodedSampleCache:
     def _create(self, key: str) -> None:
         """Allocate the (sparse) maps in a temp folder, then rename: readers never see half a cache."""
         self.directory.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=self.directory.parent, prefix=".decoded_tmp_"))
+        staging = Path(tempfile.mkdtemp(dir=self.directory.parent, prefix=f".{self.directory.name}_tmp_"))
         try:
             for name, (shape, dtype) in self.layout.items():
                 np.lib.format.open_memmap(staging / f"{name}.npy", mode="w+", dtype=dtype, shape=(self.num_samples, *shape)).flush()
@@ -93,6 +105,10 @@ class DecodedSampleCache:
     def num_filled(self) -> int:
         """How many rows are decoded already."""
         return int(self._open()[FILLED].sum())
+
+    def filled(self, index: int) -> bool:
+        """Whether a row was written."""
+        return bool(self._open()[FILLED][index])
 
     def get(self, index: int) -> dict[str, np.ndarray] | None:
         """Copies of a row's arrays, or None if the row was never filled."""

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from datasets.cache import DecodedSampleCache, cache_key
+from datasets.cache import DecodedSampleCache, cache_key, cache_rows
 from datasets.family import DATASETS, FAMILY_COLUMN, DataFamily, with_family_column
 from datasets.taskonomy_domains import DOMAIN_SPECS, NUM_SCENE_SCORES, TASKS, get_domain
 from utils import loaders
@@ -249,6 +249,7 @@ class TaskonomyDataset(Dataset):
             # The decoded set (which includes an optional mask_valid) changes the mask, so it is part of the key.
             key = cache_key(self.root, self.manifest, tuple(self.paths), self.image_size)
             self.cache = DecodedSampleCache(Path(cache_dir), key, len(self.manifest), self.layout)
+            self.cache_rows = cache_rows(self.sample_ids)
 
     def _index_files(self) -> dict[str, list[Path | None]]:
         """Per domain, each manifest row's file; mask_valid is used wherever it is on disk."""
@@ -300,11 +301,11 @@ class TaskonomyDataset(Dataset):
         return arrays
 
     def __getitem__(self, index: int) -> dict:
-        arrays = None if self.cache is None else self.cache.get(index)
+        arrays = None if self.cache is None else self.cache.get(int(self.cache_rows[index]))
         if arrays is None:
             arrays = self.decode(index)
             if self.cache is not None:
-                self.cache.put(index, arrays)
+                self.cache.put(int(self.cache_rows[index]), arrays)
         sample: dict = {}
         for name, array in arrays.items():
             tensor = torch.from_numpy(np.array(array))

@@ -82,10 +82,21 @@ class TaskModel(nn.Module):
             self.head = nn.Linear(self.decoder.out_channels, out_channels)
         self.activation = make_activation(task.activation)
 
-    def forward(self, rgb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        features = self.encoder((rgb - self.mean) / self.std)
+    def normalise(self, rgb: torch.Tensor) -> torch.Tensor:
+        """Images in [0, 1] -> the encoder's input (its mean and std)."""
+        return (rgb - self.mean) / self.std
+
+    def forward(self, inputs: torch.Tensor | list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``inputs``: images ``[B, 3, H, W]`` in [0, 1], or the encoder's maps of them, finest first
+        (a frozen encoder's cached features, ``datasets/encoded.py``); a dense output then has the
+        finest map's size times its stride."""
+        if torch.is_tensor(inputs):
+            features, output_size = self.encoder(self.normalise(inputs)), inputs.shape[-2:]
+        else:
+            features = list(inputs)
+            output_size = tuple(side * self.encoder.strides[0] for side in features[0].shape[-2:])
         if self.task.kind == "dense":
-            penultimate, bottleneck = self.decoder(features, rgb.shape[-2:])
+            penultimate, bottleneck = self.decoder(features, output_size)
         else:
             penultimate, bottleneck = self.decoder(features)
         prediction = self.activation(self.head(penultimate))

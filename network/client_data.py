@@ -2,7 +2,8 @@
 
 Shared by step 4 (all clients) and a Flower SuperNode (``network/flower/app.py``: only
 the clients whose data that machine holds). ``args`` is the run's ``network.run.RunConfig`` (data_path,
-image_size, cache_dir, batch_size, num_workers).
+image_size, cache_dir, cache_features, batch_size, num_workers). With ``cache_features`` the datasets
+hold the frozen encoder's maps of the images instead of the images (``datasets/encoded.py``).
 """
 
 from __future__ import annotations
@@ -13,25 +14,34 @@ from functools import partial
 import pandas as pd
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from datasets.encoded import EncodedDataset
 from datasets.family import family_of
 from network.client import ClientData
 from training.loop import make_loader
 
 
-def task_dataset(args: argparse.Namespace, manifest: pd.DataFrame, task, sample_ids) -> Dataset:
-    """The samples ``sample_ids`` (in that order) as the manifest's data family builds them for ``task``."""
+def task_dataset(args: argparse.Namespace, manifest: pd.DataFrame, task, sample_ids, feature_model=None) -> Dataset:
+    """The samples ``sample_ids`` (in that order) as the manifest's data family builds them for ``task``;
+    with ``feature_model`` (a TaskModel with a frozen encoder), its encoder's cached maps replace the images."""
     rows = manifest.set_index("sample_id").loc[list(sample_ids)].reset_index()
-    return family_of(manifest).dataset(args.data_path, rows, task, args.image_size, args.cache_dir)
+    family = family_of(manifest)
+    dataset = family.dataset(args.data_path, rows, task, args.image_size, args.cache_dir)
+    if feature_model is None:
+        return dataset
+    return EncodedDataset(dataset, rows["sample_id"].astype(str).tolist(), feature_model.encoder, feature_model.normalise,
+                          family.input_key, args.image_size, f"{family.name}:{args.data_path}", args.cache_dir,
+                          next(feature_model.parameters()).device)
 
 
-def make_clients(args: argparse.Namespace, manifest: pd.DataFrame, table: pd.DataFrame, task) -> list[ClientData]:
+def make_clients(args: argparse.Namespace, manifest: pd.DataFrame, table: pd.DataFrame, task,
+                 feature_model=None) -> list[ClientData]:
     """The clients of ``table`` (all of the assignments, or a Flower node's share): train rows train, test rows evaluate.
 
     Only the files of these clients are opened, in the same sample order and with the same loader seeds
     whichever rows of the assignments ``table`` holds.
     """
     table = table.reset_index(drop=True)
-    assigned, clients = task_dataset(args, manifest, task, table["sample_id"]), []
+    assigned, clients = task_dataset(args, manifest, task, table["sample_id"], feature_model), []
     for client_id, rows in table.groupby("client_id", sort=True):
         train, test = (rows.index[rows["subset"] == subset].tolist() for subset in ("train", "test"))
         train_loader = partial(make_loader, Subset(assigned, train), args.batch_size, True, num_workers=args.num_workers)
@@ -40,6 +50,7 @@ def make_clients(args: argparse.Namespace, manifest: pd.DataFrame, table: pd.Dat
     return clients
 
 
-def global_test_loader(args: argparse.Namespace, manifest: pd.DataFrame, task) -> DataLoader:
+def global_test_loader(args: argparse.Namespace, manifest: pd.DataFrame, task, feature_model=None) -> DataLoader:
     test_ids = manifest.loc[manifest["split"] == "test", "sample_id"]
-    return make_loader(task_dataset(args, manifest, task, test_ids), args.batch_size, False, 0, args.num_workers)
+    return make_loader(task_dataset(args, manifest, task, test_ids, feature_model), args.batch_size, False, 0,
+                       args.num_workers)

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import pandas as pd
 import torch
 
+from datasets.encoded import ENCODED_KEY
 from datasets.family import load_manifest
 from models import build_task_model, get_task, load_task_model
 from network.algorithms import build_algorithm
@@ -62,6 +63,7 @@ class RunConfig:
     encoder: str = "resnet50"
     weights: str = "none"
     freeze_encoder: bool = False
+    cache_features: bool = False
     init_from: str = "scratch"
     centralized_checkpoint: Path | None = None
     image_size: int = 224
@@ -130,6 +132,7 @@ class FedSetup:
     device: torch.device
     loss_fn: Callable
     evaluate_fn: Callable
+    feature_model: torch.nn.Module | None = None  # the task model whose frozen encoder's maps feed training (--cache_features)
 
 
 def prepare(config: RunConfig) -> FedSetup:
@@ -142,7 +145,7 @@ def prepare(config: RunConfig) -> FedSetup:
     config = resolve(config, meta)
     set_deterministic(config.deterministic)
     num_classes = family.num_classes(manifest) if task.kind == "classification" else None
-    input_key = family.input_key
+    input_key = ENCODED_KEY if config.cache_features else family.input_key
     device = pick_device(config.use_accelerator)
     task_model = initial_model(config, num_classes)
     train_counts = table[table["subset"] == "train"].groupby("client_id").size()
@@ -163,7 +166,8 @@ def prepare(config: RunConfig) -> FedSetup:
         loss_fn=lambda net, batch, reduction="mean": task.loss(net(batch[input_key])[0].float(), batch, reduction),
         # The model's own device, not the server's: Flower nodes may train on another device.
         evaluate_fn=lambda net, loader: evaluate(net, loader, task, next(net.parameters()).device, input_key=input_key,
-                                                 progress=False))
+                                                 progress=False),
+        feature_model=task_model if config.cache_features else None)
 
 
 def resolve(config: RunConfig, meta: dict) -> RunConfig:
@@ -215,9 +219,9 @@ def run(setup: FedSetup) -> dict:
     from utils.run_dir import unfinished
 
     config = setup.config
-    clients = make_clients(config, setup.manifest, setup.table, setup.task)
+    clients = make_clients(config, setup.manifest, setup.table, setup.task, setup.feature_model)
     logger = open_run_folder(setup)
-    test_loader = global_test_loader(config, setup.manifest, setup.task)
+    test_loader = global_test_loader(config, setup.manifest, setup.task, setup.feature_model)
     logger.info("%s on %s: %d clients (%d train samples), %d test samples, device %s", config.method, config.task,
                 len(clients), sum(client.num_samples for client in clients), len(test_loader.dataset), setup.device)
     inputs = (setup.model, setup.algorithm, clients, setup.loss_fn, setup.evaluate_fn, test_loader,

@@ -59,6 +59,9 @@ def build_parser(method: str | None = None) -> argparse.ArgumentParser:
     add("--freeze_encoder", action=argparse.BooleanOptionalAction, default=False,
         help="keep the encoder fixed: clients train only the decoder and head (a centralized init keeps its own choice "
              "unless this is set)")
+    add("--cache_features", action=argparse.BooleanOptionalAction, default=False,
+        help="with a frozen encoder: compute its feature maps once per sample (in --cache_dir, shared by later runs) "
+             "and train the decoder and head on them (default: no)")
     add("--init_from", choices=("scratch", "centralized"), default="scratch", help="initial global model (default: scratch)")
     add("--centralized_checkpoint", type=Path, default=None, help="step-2 best.pt for --init_from centralized")
     add("--image_size", type=positive_int, default=defaults.image_size, help="image side length (default: 224)")

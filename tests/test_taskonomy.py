@@ -207,6 +207,24 @@ def test_cache_gives_identical_samples_and_skips_decoding(tiny_data_root, tiny_m
     assert len(directories) == 4 and reopened.cache.directory == cached.cache.directory
 
 
+def test_cache_is_shared_by_every_order_of_the_same_samples(tiny_data_root, tiny_manifest, tmp_path, monkeypatch):
+    # Each partition lists the same samples in its own order; one cache must serve them all.
+    manifest = read_manifest(tiny_manifest)
+    plain = TaskonomyDataset(tiny_data_root, manifest, ALL_DOMAINS, 16)
+    filled = TaskonomyDataset(tiny_data_root, manifest, ALL_DOMAINS, 16, cache_dir=tmp_path / "cache")
+    for index in range(len(filled)):
+        filled[index]
+    shuffled_rows = manifest.iloc[np.random.default_rng(0).permutation(len(manifest))].reset_index(drop=True)
+    shuffled = TaskonomyDataset(tiny_data_root, shuffled_rows, ALL_DOMAINS, 16, cache_dir=tmp_path / "cache")
+    assert shuffled.cache.directory == filled.cache.directory
+    monkeypatch.setattr(shuffled, "decode", lambda index: (_ for _ in ()).throw(AssertionError("must not decode")))
+    position = {sample_id: index for index, sample_id in enumerate(plain.sample_ids)}
+    for index in range(len(shuffled)):
+        item = shuffled[index]
+        expected = plain[position[item["sample_id"]]]
+        assert torch.equal(item["normal"], expected["normal"]) and torch.equal(item["rgb"], expected["rgb"])
+
+
 def test_cache_is_shared_by_dataloader_workers(tiny_data_root, tiny_manifest, tmp_path):
     manifest = read_manifest(tiny_manifest)
     dataset = TaskonomyDataset(tiny_data_root, manifest, ["depth_euclidean", "segment_semantic"], 16, cache_dir=tmp_path / "cache")

@@ -108,7 +108,7 @@ def evaluate(model: nn.Module, loader: DataLoader, task: TaskSpec | str, device:
         with autocast(device):
             prediction, _ = model(batch[input_key])
         prediction = prediction.float()
-        size = batch[input_key].shape[0]
+        size = prediction.shape[0]
         loss_sum += float(spec.loss(prediction, batch)) * size
         count += size
         metrics.update(prediction, batch)

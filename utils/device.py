@@ -32,5 +32,11 @@ def prepare_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Modu
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
-    """Move every tensor of a batch dict to the device (other values unchanged)."""
-    return {key: value.to(device, non_blocking=True) if torch.is_tensor(value) else value for key, value in batch.items()}
+    """Move every tensor of a batch dict, and of its lists (cached feature maps), to the device; other values unchanged."""
+    def move(value):
+        if torch.is_tensor(value):
+            return value.to(device, non_blocking=True)
+        if isinstance(value, list) and value and all(torch.is_tensor(item) for item in value):
+            return [item.to(device, non_blocking=True) for item in value]
+        return value
+    return {key: move(value) for key, value in batch.items()}

@@ -65,7 +65,7 @@ def build_engine(grid: Grid, context: Context) -> FlowerEngine:
     setup = prepare(run_config(context))
     config, flower = setup.config, context.run_config
     logger = open_run_folder(setup)
-    test_loader = global_test_loader(config, setup.manifest, setup.task)
+    test_loader = global_test_loader(config, setup.manifest, setup.task, setup.feature_model)
     return FlowerEngine(grid, setup.model, setup.algorithm, client_ids(setup.table), setup.evaluate_fn,
                         test_loader, setup.engine_config, setup.device, setup.model_config, logger,
                         config.min_available_clients, float(flower.get(REPLY_TIMEOUT, 0)) or None,
@@ -86,7 +86,7 @@ def build_node(context: Context) -> NodeHost:
         raise TaskHetError(f"{PARTITION_IDS} lists client(s) {', '.join(unknown)}, not in {setup.config.assignments}")
     # Only this node's clients: no other client's files and none of the global test split are opened.
     mine = setup.table[setup.table["client_id"].astype(str).isin(wanted)]
-    clients = make_clients(setup.config, setup.manifest, mine, setup.task)
+    clients = make_clients(setup.config, setup.manifest, mine, setup.task, setup.feature_model)
     state_dir = Path(str(context.node_config.get(STATE_DIR, DEFAULT_STATE_DIR))).expanduser()
     return NodeHost(setup.model, setup.algorithm, {client.client_id: client for client in clients},
                     setup.loss_fn, setup.evaluate_fn, setup.device, state_dir)
