@@ -109,8 +109,8 @@ class ViTS16Dino(Encoder):
     - last, the CLS token after the final LayerNorm (DINO's image feature, what its linear
       evaluation reads) as a ``[B, 384, 1, 1]`` map, listed at stride 32.
 
-    A classification task's ``PreLogits`` averages the last map, so its pre-logit input is
-    exactly the 384-d CLS token. A dense task's decoder starts from the CLS map (its
+    A classification task's ``PreLogits`` averages the last map and, with ``prelogit_hidden = None``,
+    passes it on as it is: the 384-d CLS token feeds the linear head and is the task's embedding. A dense task's decoder starts from the CLS map (its
     coarsest stride), broadcasts it onto the patch grid where the four patch maps join
     (DPT-style), then upsamples to the input size.
 
@@ -120,6 +120,7 @@ class ViTS16Dino(Encoder):
 
     default_weights = "dino"
     module_prefix = "vit."
+    prelogit_hidden = None  # the CLS token feeds the classifier's Linear directly
 
     def __init__(self) -> None:
         super().__init__()
