@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from models import efficientnet, encoders, heads, tasks  # noqa: F401  (explicit imports register every entry)
+from models import efficientnet, encoders, heads, tasks, vit_dino  # noqa: F401  (explicit imports register every entry)
 from models.encoders import build_encoder, list_encoders
 from models.task_model import TaskModel
 from models.tasks import get_task, list_tasks

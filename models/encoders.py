@@ -59,6 +59,8 @@ class Encoder(nn.Module):
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
     decoder_width: int = 128
+    # Width of the Linear + ReLU between the last map and a classifier's Linear; None: the classifier is linear.
+    prelogit_hidden: int | None = 512
     default_weights: str = "none"
     # Keys of published checkpoints that this encoder drops (classifier, final norm).
     ignored_keys: tuple[str, ...] = ()

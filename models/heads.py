@@ -121,14 +121,19 @@ class DenseDecoder(nn.Module):
 
 
 class PreLogits(nn.Module):
-    """Global average pool of the coarsest encoder map, then Linear + ReLU: the features a classifier reads."""
+    """Global average pool of the coarsest encoder map, then Linear + ReLU: the features a classifier reads.
 
-    def __init__(self, in_channels: int, hidden: int = 512) -> None:
+    ``hidden=None`` skips the Linear + ReLU, so the classifier is linear in the pooled map
+    (a ViT's CLS token feeding a linear head, as in DINO's linear evaluation).
+    """
+
+    def __init__(self, in_channels: int, hidden: int | None = 512) -> None:
         super().__init__()
-        self.fc = nn.Linear(in_channels, hidden)
-        self.out_channels = hidden
+        self.fc = nn.Linear(in_channels, hidden) if hidden else None
+        self.out_channels = hidden or in_channels
 
     def forward(self, features: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (pre-logit features ``[B, hidden]``, the coarsest encoder map)."""
+        """Returns (pre-logit features ``[B, out_channels]``, the coarsest encoder map)."""
         coarsest = features[-1]
-        return F.relu(self.fc(coarsest.mean(dim=(2, 3)))), coarsest
+        pooled = coarsest.mean(dim=(2, 3))
+        return (F.relu(self.fc(pooled)) if self.fc is not None else pooled), coarsest

@@ -78,7 +78,7 @@ class TaskModel(nn.Module):
             self.decoder = DenseDecoder(encoder.channels, encoder.strides, encoder.decoder_width)
             self.head = nn.Conv2d(self.decoder.out_channels, out_channels, 1)
         else:
-            self.decoder = PreLogits(encoder.channels[-1])
+            self.decoder = PreLogits(encoder.channels[-1], encoder.prelogit_hidden)
             self.head = nn.Linear(self.decoder.out_channels, out_channels)
         self.activation = make_activation(task.activation)
 
