@@ -58,12 +58,18 @@ class ModelLayout:
         head_keys: the task-specific output layer (``model.head_keys()``; empty if the model has none).
         batchnorm_keys: every entry of a BatchNorm module (affine parameters, running statistics,
             counter), selected by module type, whatever the module is called.
+        fixed_keys: every entry of a module whose parameters are all frozen (``requires_grad``
+            False when the algorithm is built: a frozen pretrained encoder, its BatchNorm
+            statistics included, which TaskModel keeps in eval mode). Every party holds them from
+            the start and they never change, so no client uploads them, no control variate or
+            server moment covers them, and the server models keep their initial values.
     """
 
     state_keys: tuple[str, ...]
     param_keys: frozenset[str]
     head_keys: frozenset[str]
     batchnorm_keys: frozenset[str]
+    fixed_keys: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, model: nn.Module) -> "ModelLayout":
@@ -72,8 +78,19 @@ class ModelLayout:
                      for module_name, module in model.named_modules()
                      if isinstance(module, nn.modules.batchnorm._NormBase)
                      for key in module.state_dict()}
+        fixed = {f"{module_name}.{key}" if module_name else key
+                 for module_name, module in model.named_modules()
+                 if any(True for _ in module.parameters(recurse=False))
+                 and not any(param.requires_grad for param in module.parameters(recurse=False))
+                 for key in module.state_dict(keep_vars=True) if "." not in key}
         return cls(state_keys=tuple(model.state_dict()), param_keys=frozenset(name for name, _ in model.named_parameters()),
-                   head_keys=frozenset(head() if callable(head) else ()), batchnorm_keys=frozenset(batchnorm))
+                   head_keys=frozenset(head() if callable(head) else ()), batchnorm_keys=frozenset(batchnorm),
+                   fixed_keys=frozenset(fixed))
+
+    @property
+    def varying_keys(self) -> tuple[str, ...]:
+        """Every entry but the fixed ones, in the model's order: what training can change."""
+        return tuple(key for key in self.state_keys if key not in self.fixed_keys)
 
     @property
     def body_keys(self) -> tuple[str, ...]:

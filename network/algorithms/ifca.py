@@ -66,7 +66,8 @@ class IFCA(Algorithm):
 
     def init_server(self, weights: Weights) -> ServerState:
         models = {cluster_name(0): weights}
-        params = self.federation.layout.param_keys
+        layout = self.federation.layout
+        params = layout.param_keys - layout.fixed_keys  # a frozen encoder is the same in every cluster model
         for index in range(1, self.settings.n_cluster_models):
             generator = torch_generator(self.federation.seed, "ifca-init", index)
             models[cluster_name(index)] = {key: _perturbed(value, self.settings.init_noise if key in params else 0.0,
@@ -86,7 +87,8 @@ class IFCA(Algorithm):
         metrics = run_phases(model, [Phase()], loader, cfg)
         metrics[CLUSTER] = float(chosen)
         identity = {"id": torch.tensor(chosen)}
-        upload = {DELTA: {key: value.detach() - start[key] for key, value in model.state_dict().items()},
+        state = model.state_dict()
+        upload = {DELTA: {key: state[key].detach() - start[key] for key in self.federation.layout.varying_keys},
                   CLUSTER: identity}
         return ClientResult(upload, dict(identity), metrics, cfg.num_samples)
 

@@ -96,7 +96,8 @@ class Scaffold(Algorithm):
         require(result.steps > 0, "scaffold needs at least one local step (K >= 1) per client")
         if self.settings.option == "II":
             c_new = torch._foreach_div(gradient_sum, result.steps)
-        upload = {DELTA: subtract(model.state_dict(), weights, weights.keys()),
+        fixed = self.federation.layout.fixed_keys
+        upload = {DELTA: subtract(model.state_dict(), weights, [key for key in weights if key not in fixed]),
                   CONTROL_DELTA: {name: new - old for name, new, old in zip(names, c_new, c_old)}}
         return ClientResult(upload, dict(zip(names, c_new)), {TRAIN_LOSS: result.mean_loss, LOCAL_STEPS: result.steps},
                             cfg.num_samples)

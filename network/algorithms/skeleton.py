@@ -127,10 +127,10 @@ class ModelAveraging(Algorithm):
     def _shared(self) -> tuple[str, ...]:
         # Derived once from the fixed layout: it is read for every client of every round.
         private = self.private_keys()
-        return tuple(key for key in self.federation.layout.state_keys if key not in private)
+        return tuple(key for key in self.federation.layout.varying_keys if key not in private)
 
     def shared_keys(self) -> tuple[str, ...]:
-        """The entries every client uploads Δ of (all but the private ones), in the model's order."""
+        """The entries every client uploads Δ of (all but the private and the fixed ones), in the model's order."""
         return self._shared
 
     def init_server(self, weights: Weights) -> ServerState:
