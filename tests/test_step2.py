@@ -10,7 +10,7 @@ import training.loop
 from datasets.cifar import select_cifar
 from datasets.digits import select_digits
 from datasets.family import get_family, list_families
-from models import load_task_model
+from models import get_task, load_task_model
 from steps import train_centralized as step2
 from tests.fixtures import write_tiny_cifar
 from tests.fixtures import make_tiny_manifest, render_tiny_dataset, tiny_data_root, tiny_manifest  # noqa: F401
@@ -37,9 +37,9 @@ def views96(tmp_path_factory):
     return root, make_tiny_manifest(root, tmp_path_factory.mktemp("views96_step1"))
 
 
-def val_losses(run_dir) -> pd.Series:
+def val_losses(run_dir, split="test") -> pd.Series:
     metrics = pd.read_csv(run_dir / "metrics.csv")
-    return metrics[(metrics.split == "test") & (metrics.metric == "loss")].set_index("epoch").value
+    return metrics[(metrics.split == split) & (metrics.metric == "loss")].set_index("epoch").value
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +52,10 @@ def digits96(views96, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cifar96(tmp_path_factory):
-    """Tiny CIFAR-10 files whose classes differ in brightness (96 train / 20 test images), and their manifest."""
-    root = write_tiny_cifar(tmp_path_factory.mktemp("cifar96"), "cifar10", [10] * 10, test_per_class=2, learnable=True)
+    """Tiny CIFAR-10 files whose classes differ in brightness (270 train + 30 val / 20 test images), and their manifest.
+
+    30 a class: 9 training images a class left too few for small_cnn to lower the loss in 2 epochs."""
+    root = write_tiny_cifar(tmp_path_factory.mktemp("cifar96"), "cifar10", [30] * 10, test_per_class=2, learnable=True)
     manifest = tmp_path_factory.mktemp("cifar96_step1") / "manifest.csv"
     select_cifar(root, "cifar10", 1.0, 0.1, seed=0, verify_checksums=False).to_csv(manifest, index=False)
     return root, manifest
@@ -65,12 +67,17 @@ def test_short_run_lowers_validation_loss(family, task, views96, digits96, cifar
     epochs = EPOCHS.get(task, 2)
     data = {"taskonomy": views96, "digits": digits96, "cifar": cifar96}[family]
     summary = step2.main(argv(*data, out, task, "--n_epochs", str(epochs)))
-    losses = val_losses(out)
-    assert list(losses.index) == list(range(epochs + 1))
-    assert losses[epochs] < losses[0], f"{task}: validation loss {losses[0]:.4f} -> {losses[epochs]:.4f}"
-    for name in ("config.json", "run.log", "metrics.csv", "best.pt", "last.pt", "curves.png"):
+    # cifar and digits manifests have a validation part: it selects; taskonomy selects on test as before
+    selected_on = "test" if family == "taskonomy" else "val"
+    losses = val_losses(out, selected_on)
+    assert summary["selected_on"] == selected_on
+    assert list(losses.index) == list(range(epochs + 1)) and list(val_losses(out, "test").index) == list(range(epochs + 1))
+    assert losses[epochs] < losses[0], f"{task}: {selected_on} loss {losses[0]:.4f} -> {losses[epochs]:.4f}"
+    metric = get_task(task).primary_metric
+    for name in ("config.json", "run.log", "metrics.csv", "best.pt", "last.pt", "curves.png", "loss.png", f"{metric}.png"):
         assert (out / name).is_file(), name
     assert summary["best_val_loss"] == pytest.approx(losses.min())
+    assert load_checkpoint(out / "best.pt")["epoch"] == losses.idxmin() == summary["best_epoch"]
     model = load_task_model(out / "best.pt")
     assert model.config["task"] == task
     prediction, embedding = model.eval()(torch.rand(2, 3, 32, 32))
