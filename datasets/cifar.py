@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 import utils.tv_compat  # noqa: F401  (before torchvision)
 from torchvision.datasets import CIFAR10, CIFAR100
 
-from datasets.family import DATASETS, FAMILY_COLUMN, SPLITS, DataFamily, with_family_column
+from datasets.family import DATASETS, FAMILY_COLUMN, SPLITS, VAL_COLUMN, DataFamily, stratified_validation, with_family_column
 from datasets.long_tail import long_tail_indices
 from utils.errors import TaskHetError
 from utils.loaders import read_csv
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 FAMILY = "cifar"
 TASK = "cifar_class"
 INPUT_KEY = "image"
-VAL_COLUMN = "val"
 MANIFEST_COLUMNS = (FAMILY_COLUMN, "sample_id", "dataset", "image_index", "label", "split", VAL_COLUMN)
 FETCH_COMMAND = "make download-cifar DATASET={dataset}"
 
@@ -121,20 +120,8 @@ def load_split(root: Path, dataset: str, train: bool, verify_checksums: bool = T
 
 
 def validation_rows(labels: np.ndarray, val_fraction: float, seed: int) -> np.ndarray:
-    """A bool mask over ``labels``: the stratified, seeded validation part.
-
-    Class c with n_c images gives ``min(round_half_up(val_fraction * n_c), n_c - 1)`` of them, so
-    every class keeps at least one training image (a tail class of 5 at 10% gives 1, of 4 gives 0).
-    """
-    if not 0.0 <= val_fraction < 1.0:
-        raise TaskHetError(f"--val_fraction must be in [0, 1), got {val_fraction}")
-    rng = numpy_rng(seed, FAMILY, "validation")
-    mask = np.zeros(len(labels), dtype=bool)
-    for label in np.unique(labels):
-        members = np.flatnonzero(labels == label)
-        count = min(int(np.floor(val_fraction * members.size + 0.5)), members.size - 1)
-        mask[rng.choice(members, size=count, replace=False)] = True
-    return mask
+    """A bool mask over ``labels``: the stratified, seeded validation part (:func:`datasets.family.stratified_validation`)."""
+    return stratified_validation(labels, val_fraction, numpy_rng(seed, FAMILY, "validation"))
 
 
 def select_cifar(data_path: Path, dataset: str, imbalance_factor: float, val_fraction: float, seed: int,

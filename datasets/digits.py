@@ -4,7 +4,9 @@ A second, tiny family that proves the data seam: the whole pipeline (label- vs
 embedding-based partitions over a trained model's embeddings) runs on it in
 minutes on a CPU. The step-1 manifest has columns :data:`MANIFEST_COLUMNS`:
 ``image_index`` is the row of ``sklearn.datasets.load_digits()``, ``label`` the
-digit 0..9, ``split`` train/test (stratified by label, seeded).
+digit 0..9, ``split`` train/test (stratified by label, seeded), ``val`` 1 for the
+validation part of the training set (stratified, seeded; 0 elsewhere), as in the
+cifar family: the test split only gives final numbers.
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch.utils.data import Dataset
 
-from datasets.family import DATASETS, FAMILY_COLUMN, SPLITS, DataFamily, with_family_column
+from datasets.family import DATASETS, FAMILY_COLUMN, SPLITS, VAL_COLUMN, DataFamily, stratified_validation, with_family_column
 from utils.errors import TaskHetError
 from utils.loaders import read_csv
-from utils.seeding import derive_seed
+from utils.seeding import derive_seed, numpy_rng
 
 if TYPE_CHECKING:
     from models.tasks import TaskSpec
@@ -33,7 +35,7 @@ TASK = "digit_class"
 INPUT_KEY = "image"
 NUM_CLASSES = 10
 MAX_PIXEL = 16.0  # load_digits' grey levels are 0..16
-MANIFEST_COLUMNS = (FAMILY_COLUMN, "sample_id", "image_index", "label", "split")
+MANIFEST_COLUMNS = (FAMILY_COLUMN, "sample_id", "image_index", "label", "split", VAL_COLUMN)
 
 
 def load_arrays() -> tuple[np.ndarray, np.ndarray]:
@@ -42,14 +44,17 @@ def load_arrays() -> tuple[np.ndarray, np.ndarray]:
     return bunch.images, bunch.target.astype(np.int64)
 
 
-def select_digits(test_fraction: float, seed: int, n_samples: int | None = None) -> pd.DataFrame:
-    """Step 1 for digits: a seeded, label-stratified sample of the images, split into train/test.
+def select_digits(test_fraction: float, seed: int, n_samples: int | None = None, val_fraction: float = 0.1) -> pd.DataFrame:
+    """Step 1 for digits: a seeded, label-stratified sample of the images, split into train/test, with a validation part.
 
     Args:
         test_fraction: share of the kept samples in the test split, in (0, 1); the test
             split holds exactly ``ceil(test_fraction * kept)`` samples (scikit-learn's rule).
         seed: root seed of the subsample and the split.
         n_samples: keep this many images (stratified by label); None keeps all 1,797.
+        val_fraction: share of each digit's training images marked ``val`` = 1, in [0, 1)
+            (:func:`datasets.family.stratified_validation`); drawn after the train/test split,
+            which it leaves unchanged.
 
     Returns:
         The manifest: :data:`MANIFEST_COLUMNS`, rows sorted by ``image_index``.
@@ -72,8 +77,11 @@ def select_digits(test_fraction: float, seed: int, n_samples: int | None = None)
                            f"{NUM_CLASSES} digits ({error})") from None
     kept = np.sort(kept)
     split = np.where(np.isin(kept, test), "test", "train")
+    val = np.zeros(len(kept), dtype=np.int64)
+    train = split == "train"
+    val[train] = stratified_validation(labels[kept][train], val_fraction, numpy_rng(seed, FAMILY, "validation"))
     return pd.DataFrame({FAMILY_COLUMN: FAMILY, "sample_id": [f"digit_{index:04d}" for index in kept], "image_index": kept,
-                         "label": labels[kept], "split": split}, columns=list(MANIFEST_COLUMNS))
+                         "label": labels[kept], "split": split, VAL_COLUMN: val}, columns=list(MANIFEST_COLUMNS))
 
 
 def _sklearn_seed(seed: int, purpose: str) -> int:
@@ -82,9 +90,11 @@ def _sklearn_seed(seed: int, purpose: str) -> int:
 
 
 def class_counts(manifest: pd.DataFrame) -> pd.DataFrame:
-    """``label, num_train, num_test`` per digit."""
-    table = pd.crosstab(manifest["label"], manifest["split"]).reindex(columns=list(SPLITS), fill_value=0)
-    return pd.DataFrame({"label": table.index, "num_train": table["train"].to_numpy(), "num_test": table["test"].to_numpy()})
+    """``label, num_train, num_val, num_test`` per digit (num_train excludes the validation rows)."""
+    part = np.where(manifest[VAL_COLUMN] == 1, "val", manifest["split"])
+    table = pd.crosstab(manifest["label"], part).reindex(columns=["train", "val", "test"], fill_value=0)
+    return pd.DataFrame({"label": table.index, "num_train": table["train"].to_numpy(), "num_val": table["val"].to_numpy(),
+                         "num_test": table["test"].to_numpy()})
 
 
 def validate_manifest(manifest: pd.DataFrame, source: str = "manifest") -> pd.DataFrame:
@@ -93,6 +103,8 @@ def validate_manifest(manifest: pd.DataFrame, source: str = "manifest") -> pd.Da
     Raises:
         TaskHetError: naming ``source`` and the first bad column or row.
     """
+    if VAL_COLUMN not in manifest.columns:  # written before digits had a validation part: it has none
+        manifest = manifest.assign(**{VAL_COLUMN: 0})
     missing = [column for column in MANIFEST_COLUMNS if column not in manifest.columns]
     if missing:
         raise TaskHetError(f"{source}: missing column(s) {', '.join(missing)}; expected {', '.join(MANIFEST_COLUMNS)}")
@@ -103,13 +115,18 @@ def validate_manifest(manifest: pd.DataFrame, source: str = "manifest") -> pd.Da
     for column, upper in (("image_index", len(load_arrays()[1])), ("label", NUM_CLASSES)):
         values = pd.to_numeric(manifest[column], errors="coerce")
         checks[column] = values.notna() & (values >= 0) & (values < upper) & (values == values.round())
+    val = pd.to_numeric(manifest[VAL_COLUMN], errors="coerce")
+    checks[VAL_COLUMN] = val.isin((0, 1)) & ((val == 0) | (manifest["split"] == "train"))
     expected = {"sample_id": "a sample_id not seen before", "split": f"one of {SPLITS}",
-                "image_index": "an integer in 0..1796", "label": f"an integer in 0..{NUM_CLASSES - 1}"}
+                "image_index": "an integer in 0..1796", "label": f"an integer in 0..{NUM_CLASSES - 1}",
+                VAL_COLUMN: "0 or 1 (1 only on train rows)"}
     for column, good in checks.items():
         if not good.all():
             row = int(np.flatnonzero(~good.to_numpy())[0])
-            raise TaskHetError(f"{source}: row {row + 2} has {column} {manifest.at[row, column]!r}, expected {expected[column]}")
-    return manifest.astype({"image_index": np.int64, "label": np.int64})
+            value = manifest.at[row, column]
+            shown = repr(value) if isinstance(value, str) else value  # 1, not np.int64(1)
+            raise TaskHetError(f"{source}: row {row + 2} has {column} {shown}, expected {expected[column]}")
+    return manifest.astype({"image_index": np.int64, "label": np.int64, VAL_COLUMN: np.int64})
 
 
 def read_manifest(path: Path) -> pd.DataFrame:

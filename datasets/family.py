@@ -33,6 +33,9 @@ FAMILY_COLUMN = "family"
 # Manifests written before families existed were all Taskonomy: they have no family column.
 LEGACY_FAMILY = "taskonomy"
 SPLITS = ("train", "test")
+# Optional manifest column: 1 marks a training row set aside for validation (model selection), 0 otherwise.
+# The split stays train/test for every family; a family without the column has no validation part.
+VAL_COLUMN = "val"
 
 
 class DataFamily(ABC):
@@ -138,3 +141,24 @@ def with_family_column(manifest: pd.DataFrame, family: str, source: str) -> pd.D
         raise TaskHetError(f"{source}: row {row + 2} has family {manifest[FAMILY_COLUMN].iloc[row]!r}, "
                            f"but the file is a {family!r} manifest (one family per manifest)")
     return manifest
+
+
+def stratified_validation(labels: np.ndarray, val_fraction: float, rng: np.random.Generator) -> np.ndarray:
+    """A bool mask over ``labels``: the stratified validation part of a training set, drawn with ``rng``.
+
+    Class c with n_c images gives ``min(round_half_up(val_fraction * n_c), n_c - 1)`` of them, so every
+    class keeps at least one training image (a tail class of 5 at 10% gives 1, of 4 gives 0). Written
+    here rather than with scikit-learn's ``train_test_split``, which refuses a validation part smaller
+    than the number of classes (tiny or long-tailed sets).
+
+    Raises:
+        TaskHetError: ``val_fraction`` outside [0, 1), naming ``--val_fraction``.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise TaskHetError(f"--val_fraction must be in [0, 1), got {val_fraction}")
+    mask = np.zeros(len(labels), dtype=bool)
+    for label in np.unique(labels):
+        members = np.flatnonzero(labels == label)
+        count = min(int(np.floor(val_fraction * members.size + 0.5)), members.size - 1)
+        mask[rng.choice(members, size=count, replace=False)] = True
+    return mask

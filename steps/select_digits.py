@@ -15,8 +15,9 @@ from utils.run_dir import setup_logging
 
 DESCRIPTION = """Step 1 (--family digits): extract the datapoints used by the experiments.
 Inputs: none (scikit-learn's 1,797 bundled 8x8 handwritten digits). Keeps --n_samples of them (stratified by
-digit, default all) and splits them train/test, stratified by digit and seeded.
-Outputs in --out: manifest.csv (family, sample_id, image_index, label, split), class_counts.csv, config.json,
+digit, default all) and splits them train/test, stratified by digit and seeded; sets a stratified, seeded
+--val_fraction of the training rows aside for validation (column val = 1; step 2 selects its best epoch on them).
+Outputs in --out: manifest.csv (family, sample_id, image_index, label, split, val), class_counts.csv, config.json,
 run.log. Next: step 2, train_centralized_task_model.py --task digit_class."""
 
 
@@ -27,7 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--test_fraction", type=float, default=0.2,
                         help="share of the samples in the test split; exactly ceil(fraction * samples) (default: 0.2)")
     parser.add_argument("--n_samples", type=positive_int, default=None, help="samples to keep, stratified by digit (default: all 1,797)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the subsample and the split (default: 0)")
+    parser.add_argument("--val_fraction", type=float, default=0.1,
+                        help="share of each digit's training images set aside for validation, in [0, 1) (default: 0.1)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the subsample, the split and the validation part (default: 0)")
     parser.add_argument("--out", type=Path, default=Path("results/datapoints"), help="output folder (default: results/datapoints)")
     return parser
 
@@ -40,10 +43,11 @@ def main(argv: list[str] | None = None) -> Path:
     """
     args = build_parser().parse_args(argv)
     claim_step1_folder(args.out)
-    manifest = select_digits(args.test_fraction, args.seed, args.n_samples)
+    manifest = select_digits(args.test_fraction, args.seed, args.n_samples, args.val_fraction)
     path = write_step1_outputs(args, manifest, class_counts(manifest))
     logger = setup_logging(args.out)
     num_test = int((manifest["split"] == "test").sum())
-    logger.info("step 1 (digits): %d samples, 10 digits; %d train / %d test (stratified by digit, seed %d); wrote %s",
-                len(manifest), len(manifest) - num_test, num_test, args.seed, path)
+    num_val = int(manifest["val"].sum())
+    logger.info("step 1 (digits): %d samples, 10 digits; %d train (%d of them validation) / %d test (stratified by digit, "
+                "seed %d); wrote %s", len(manifest), len(manifest) - num_test, num_val, num_test, args.seed, path)
     return path

@@ -14,6 +14,8 @@ from datasets.family import load_manifest
 from models import build_task_model, get_task, list_encoders
 from models.encoders import NAMED_WEIGHTS, default_weights
 from training.loop import check_resumable, fit, make_loader
+from training.schedules import OPTIMIZERS, ScheduleConfig, list_schedulers, make_optimizer, make_scheduler
+from training.selection import centralized_splits, selection_split
 from utils import cli
 from utils.cli import positive_float, positive_int
 from utils.device import prepare_model
@@ -24,18 +26,32 @@ from utils.seeding import derive_seed, set_deterministic
 DESCRIPTION = """Step 2 of TaskHet: train one centralized model per task.
 Inputs: the step-1 manifest (--manifest, default results/datapoints/manifest.csv; it names its data family)
 and the data under --data_path (families whose data ships with a package ignore it).
-Trains on the manifest's train split and validates on its test split.
-Outputs in --out: config.json, run.log, metrics.csv (epoch, split, metric, value), best.pt (lowest
-validation loss; step 3 reads it), last.pt (every epoch; --resume continues from it) and curves.png."""
+With a validation part (cifar and digits manifests: val = 1 on some train rows) it trains on the other
+train rows, keeps best.pt and stops early by the validation loss, and evaluates the test split every
+epoch only for the curves and final numbers. Without one (taskonomy, synthetic) it trains on the train
+split and selects on the test split.
+Outputs in --out: config.json, run.log, metrics.csv (epoch, split, metric, value; splits train, val, test),
+best.pt (lowest loss on the selection split; step 3 reads it), last.pt (every epoch; --resume continues
+from it), curves.png, loss.png and <metric>.png (e.g. top1.png: the task's metric on every split)."""
 
 STEP = "step 2"
 # Arguments that do not change what a run computes: a resumed run may differ in them.
 NOT_IN_SIGNATURE = ("out", "resume", "use_accelerator", "num_workers", "cache_dir", "deterministic")
+# The flags a hyperparameter search (steps/search_centralized.py) replaces by lists.
+SEARCHED = ("init_lr", "weight_decay", "scheduler")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The step-2 command line (train_centralized_task_model.py --help)."""
     parser = cli.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_training_arguments(parser)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="run folder (default: results/train_centralized/<task>/<encoder>-<weights>-seed<seed>)")
+    return parser
+
+
+def add_training_arguments(parser: argparse.ArgumentParser, searched: bool = True) -> None:
+    """Step 2's flags but --out; ``searched=False`` leaves out :data:`SEARCHED` (the search adds them as lists)."""
     add = parser.add_argument
     add("--task", required=True, help="task to train (depth_euclidean, normal, segment_semantic, class_scene, digit_class, ...)")
     add("--encoder", default="resnet50", help=f"{' | '.join(list_encoders())} (default: resnet50)")
@@ -47,14 +63,20 @@ def build_parser() -> argparse.ArgumentParser:
     add("--image_size", type=positive_int, default=224, help="side length the images are resized to (default: 224)")
     add("--n_epochs", type=positive_int, default=20, help="epochs (default: 20)")
     add("--batch_size", type=positive_int, default=32, help="batch size (default: 32)")
-    add("--init_lr", type=positive_float, default=1e-3, help="initial learning rate (default: 1e-3)")
-    add("--optimizer", choices=("sgd", "adamw"), default=None, help="default: sgd, or adamw with --use_adam")
+    if searched:
+        add("--init_lr", type=positive_float, default=1e-3, help="initial learning rate (default: 1e-3)")
+    add("--optimizer", choices=OPTIMIZERS, default=None, help="default: sgd, or adamw with --use_adam")
     add("--use_adam", action=argparse.BooleanOptionalAction, default=False, help="the original flag: same as --optimizer adamw")
     add("--momentum", type=cli.nonnegative_float, default=0.9, help="SGD momentum (default: 0.9)")
-    add("--weight_decay", type=cli.nonnegative_float, default=1e-4, help="weight decay (default: 1e-4)")
-    add("--scheduler", choices=("cosine", "exponential", "none"), default="exponential",
-        help="per-epoch learning-rate schedule (default: exponential, by --lr_decay_rate)")
+    if searched:
+        add("--weight_decay", type=cli.nonnegative_float, default=1e-4, help="weight decay (default: 1e-4)")
+        add("--scheduler", choices=list_schedulers(), default="exponential",
+            help="per-epoch learning-rate schedule, after the warmup (default: exponential, by --lr_decay_rate)")
+    add("--warmup_epochs", type=cli.nonnegative_int, default=0,
+        help="epochs of linear warmup: epoch e <= W trains at init_lr * e / (W + 1) (default: 0)")
     add("--lr_decay_rate", type=positive_float, default=0.95, help="exponential schedule's factor per epoch (default: 0.95)")
+    add("--step_size", type=positive_int, default=10, help="step schedule: epochs between decays (default: 10)")
+    add("--gamma", type=positive_float, default=0.1, help="step schedule: factor per decay (default: 0.1)")
     add("--early_stopping_patience", type=cli.nonnegative_int, default=0, help="stop after this many epochs without a lower val loss (0 = off)")
     add("--embedding_grid", type=cli.nonnegative_int, default=0, help="embedding = global average + this grid's cell averages (default: 0)")
     add("--seed", type=int, default=0, help="root seed of init and loader order (default: 0)")
@@ -64,8 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
     add("--cache_dir", type=Path, default=None, help="decoded-sample cache folder (default: none)")
     add("--resume", "--resume_training", action=argparse.BooleanOptionalAction, default=True,
         help="continue from <out>/last.pt if present (default: yes); --no-resume starts over")
-    add("--out", type=Path, default=None, help="run folder (default: results/train_centralized/<task>/<encoder>-<weights>-seed<seed>)")
-    return parser
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -84,17 +104,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def make_optimizer(args: argparse.Namespace, model: torch.nn.Module):
-    """The optimizer and per-epoch scheduler the arguments ask for."""
-    if args.optimizer == "adamw":
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.init_lr, weight_decay=args.weight_decay)
-    else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.init_lr, momentum=args.momentum, weight_decay=args.weight_decay)
-    if args.scheduler == "cosine":
-        return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.n_epochs)
-    if args.scheduler == "exponential":
-        return optimizer, torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=args.lr_decay_rate)
-    return optimizer, None
+def optimizer_and_scheduler(args: argparse.Namespace, model: torch.nn.Module):
+    """The optimizer and per-epoch scheduler (None: constant) the arguments ask for."""
+    optimizer = make_optimizer(args.optimizer, model.parameters(), args.init_lr, args.weight_decay, args.momentum)
+    schedule = ScheduleConfig(n_epochs=args.n_epochs, warmup_epochs=args.warmup_epochs, step_size=args.step_size,
+                              gamma=args.gamma, decay_rate=args.lr_decay_rate)
+    return optimizer, make_scheduler(optimizer, args.scheduler, schedule)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -106,7 +121,17 @@ def main(argv: list[str] | None = None) -> dict:
     Returns:
         The summary of :func:`training.loop.fit` for the run.
     """
-    args = resolve(build_parser().parse_args(argv))
+    return train(resolve(build_parser().parse_args(argv)))
+
+
+def train(args: argparse.Namespace) -> dict:
+    """Train one centralized task model for resolved arguments (:func:`resolve`); what :func:`main` and the search run.
+
+    Returns:
+        The summary of :func:`training.loop.fit` (``best_epoch``, ``best_val_loss``, ``selected_on``, ...).
+    """
+    if args.warmup_epochs >= args.n_epochs:
+        raise TaskHetError(f"--warmup_epochs {args.warmup_epochs} must be below --n_epochs {args.n_epochs}")
     claim_folder(args.out, STEP)
     signature = {key: str(value) for key, value in vars(args).items() if key not in NOT_IN_SIGNATURE}
     check_resumable(args.out, signature, args.resume)  # before config.json: a refused resume changes nothing
@@ -114,10 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     set_deterministic(args.deterministic)
     family, manifest = load_manifest(args.manifest)
     family.check_task(args.task, f"--task (manifest {args.manifest})")
-    splits = {split: manifest[manifest["split"] == split] for split in ("train", "test")}
-    for split, rows in splits.items():
-        if rows.empty:
-            raise TaskHetError(f"manifest {args.manifest}: no rows with split {split!r}")
+    splits = centralized_splits(manifest, f"manifest {args.manifest}")
     datasets = {split: family.dataset(args.data_path, rows, task, args.image_size, args.cache_dir)
                 for split, rows in splits.items()}
     num_classes = family.num_classes(manifest) if task.kind == "classification" else None
@@ -128,14 +150,15 @@ def main(argv: list[str] | None = None) -> dict:
     write_config(args.out, vars(args), step=STEP)
     logger = setup_logging(args.out, "train_centralized")
     device = Accelerator(cpu=not args.use_accelerator).device
-    logger.info("task %s, encoder %s (weights %s), %d train / %d test samples, device %s", args.task, args.encoder,
-                args.weights, len(datasets["train"]), len(datasets["test"]), device)
+    select = selection_split(splits)
+    logger.info("task %s, encoder %s (weights %s), %s samples, best epoch chosen on %s, device %s", args.task, args.encoder,
+                args.weights, " / ".join(f"{len(data)} {split}" for split, data in datasets.items()), select, device)
     model = prepare_model(model, device)
-    optimizer, scheduler = make_optimizer(args, model)
+    optimizer, scheduler = optimizer_and_scheduler(args, model)
     loader_seed = derive_seed(args.seed, "centralized", args.task)
-    train_loader = make_loader(datasets["train"], args.batch_size, True, loader_seed, args.num_workers)
-    val_loader = make_loader(datasets["test"], args.batch_size, False, loader_seed, args.num_workers)
+    train_loader = make_loader(datasets.pop("train"), args.batch_size, True, loader_seed, args.num_workers)
+    eval_loaders = {split: make_loader(data, args.batch_size, False, loader_seed, args.num_workers) for split, data in datasets.items()}
     with unfinished(args.out, STEP):  # step 3 refuses best.pt of a run that did not finish
-        return fit(model, task, train_loader, val_loader, optimizer, scheduler, device, input_key=family.input_key,
-                   n_epochs=args.n_epochs, out_dir=args.out, run_signature=signature,
+        return fit(model, task, train_loader, eval_loaders, optimizer, scheduler, device, input_key=family.input_key,
+                   n_epochs=args.n_epochs, out_dir=args.out, run_signature=signature, select_split=select,
                    early_stopping_patience=args.early_stopping_patience or None, resume=args.resume, logger=logger)

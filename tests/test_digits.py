@@ -39,6 +39,33 @@ def test_split_is_seeded():
     assert not select_digits(0.2, seed=1).equals(select_digits(0.2, seed=2))
 
 
+def test_validation_part_is_stratified_seeded_and_leaves_the_split_alone():
+    manifest = select_digits(0.2, seed=5, n_samples=300)
+    train = manifest[manifest["split"] == "train"]
+    # round half up of 10% of each digit's train rows (23..25 rows: 2, 28: 3); never on test rows
+    per_digit = train.groupby("label")["val"].agg(["size", "sum"])
+    assert (per_digit["sum"] == (0.1 * per_digit["size"] + 0.5).astype(int)).all() and per_digit["sum"].min() >= 2
+    assert (manifest.loc[manifest["split"] == "test", "val"] == 0).all()
+    pd.testing.assert_frame_equal(manifest.drop(columns="val"), select_digits(0.2, seed=5, n_samples=300, val_fraction=0.5).drop(columns="val"))
+    pd.testing.assert_series_equal(manifest["val"], select_digits(0.2, seed=5, n_samples=300)["val"])
+    assert select_digits(0.2, seed=5, n_samples=300, val_fraction=0.0)["val"].sum() == 0
+    with pytest.raises(TaskHetError, match="--val_fraction must be in"):
+        select_digits(0.2, seed=5, val_fraction=1.0)
+
+
+def test_a_manifest_without_the_val_column_reads_as_no_validation_part(tmp_path):
+    path = tmp_path / "manifest.csv"
+    select_digits(0.2, seed=0, n_samples=50).drop(columns="val").to_csv(path, index=False)
+    _, manifest = load_manifest(path)
+    assert (manifest["val"] == 0).all()
+    bad = select_digits(0.2, seed=0, n_samples=50)
+    bad.loc[bad["split"] == "test", "val"] = 1
+    bad.to_csv(path, index=False)
+    first_test = int((bad["split"] == "test").to_numpy().argmax()) + 2
+    with pytest.raises(TaskHetError, match=f"row {first_test} has val 1, expected 0 or 1 \\(1 only on train rows\\)"):
+        load_manifest(path)
+
+
 @pytest.mark.parametrize("kwargs, flag", [({"test_fraction": 1.0}, "--test_fraction"), ({"test_fraction": 0.01, "n_samples": 40}, "--test_fraction"),
                                           ({"test_fraction": 0.2, "n_samples": 5}, "--n_samples"), ({"test_fraction": 0.2, "n_samples": 5000}, "--n_samples")])
 def test_bad_step1_arguments_name_the_flag(kwargs, flag):

@@ -22,6 +22,7 @@ THIN_SCRIPTS = {
     "download_taskonomy.py": "Step 0 (data): download real Taskonomy",
     "measure_heterogeneity.py": "Step 3c:",
     "merge_task_vectors.py": "Task arithmetic (TaLoS, issue 15)",
+    "search_centralized_hparams.py": "Search the centralized baseline",
 }
 
 

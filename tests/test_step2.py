@@ -10,9 +10,11 @@ import training.loop
 from datasets.cifar import select_cifar
 from datasets.digits import select_digits
 from datasets.family import get_family, list_families
-from models import load_task_model
+from models import get_task, load_task_model
 from steps import train_centralized as step2
 from tests.fixtures import write_tiny_cifar
+from training.schedules import ScheduleConfig, learning_rates, list_schedulers
+from training.selection import selected_test_metrics
 from tests.fixtures import make_tiny_manifest, render_tiny_dataset, tiny_data_root, tiny_manifest  # noqa: F401
 from utils.cli import run_main
 from utils.errors import TaskHetError
@@ -37,9 +39,9 @@ def views96(tmp_path_factory):
     return root, make_tiny_manifest(root, tmp_path_factory.mktemp("views96_step1"))
 
 
-def val_losses(run_dir) -> pd.Series:
+def val_losses(run_dir, split="test") -> pd.Series:
     metrics = pd.read_csv(run_dir / "metrics.csv")
-    return metrics[(metrics.split == "test") & (metrics.metric == "loss")].set_index("epoch").value
+    return metrics[(metrics.split == split) & (metrics.metric == "loss")].set_index("epoch").value
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +54,10 @@ def digits96(views96, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cifar96(tmp_path_factory):
-    """Tiny CIFAR-10 files whose classes differ in brightness (96 train / 20 test images), and their manifest."""
-    root = write_tiny_cifar(tmp_path_factory.mktemp("cifar96"), "cifar10", [10] * 10, test_per_class=2, learnable=True)
+    """Tiny CIFAR-10 files whose classes differ in brightness (270 train + 30 val / 20 test images), and their manifest.
+
+    30 a class: 9 training images a class left too few for small_cnn to lower the loss in 2 epochs."""
+    root = write_tiny_cifar(tmp_path_factory.mktemp("cifar96"), "cifar10", [30] * 10, test_per_class=2, learnable=True)
     manifest = tmp_path_factory.mktemp("cifar96_step1") / "manifest.csv"
     select_cifar(root, "cifar10", 1.0, 0.1, seed=0, verify_checksums=False).to_csv(manifest, index=False)
     return root, manifest
@@ -65,12 +69,17 @@ def test_short_run_lowers_validation_loss(family, task, views96, digits96, cifar
     epochs = EPOCHS.get(task, 2)
     data = {"taskonomy": views96, "digits": digits96, "cifar": cifar96}[family]
     summary = step2.main(argv(*data, out, task, "--n_epochs", str(epochs)))
-    losses = val_losses(out)
-    assert list(losses.index) == list(range(epochs + 1))
-    assert losses[epochs] < losses[0], f"{task}: validation loss {losses[0]:.4f} -> {losses[epochs]:.4f}"
-    for name in ("config.json", "run.log", "metrics.csv", "best.pt", "last.pt", "curves.png"):
+    # cifar and digits manifests have a validation part: it selects; taskonomy selects on test as before
+    selected_on = "test" if family == "taskonomy" else "val"
+    losses = val_losses(out, selected_on)
+    assert summary["selected_on"] == selected_on
+    assert list(losses.index) == list(range(epochs + 1)) and list(val_losses(out, "test").index) == list(range(epochs + 1))
+    assert losses[epochs] < losses[0], f"{task}: {selected_on} loss {losses[0]:.4f} -> {losses[epochs]:.4f}"
+    metric = get_task(task).primary_metric
+    for name in ("config.json", "run.log", "metrics.csv", "best.pt", "last.pt", "curves.png", "loss.png", f"{metric}.png"):
         assert (out / name).is_file(), name
     assert summary["best_val_loss"] == pytest.approx(losses.min())
+    assert load_checkpoint(out / "best.pt")["epoch"] == losses.idxmin() == summary["best_epoch"]
     model = load_task_model(out / "best.pt")
     assert model.config["task"] == task
     prediction, embedding = model.eval()(torch.rand(2, 3, 32, 32))
@@ -170,3 +179,88 @@ def test_plot_curves_reads_any_long_format_csv(tmp_path):
     assert not (tmp_path / "none.png").exists()
     with pytest.raises(TaskHetError, match="missing column.*epoch"):
         plot_curves(csv, tmp_path / "bad.png", x="epoch")
+
+
+# Hand-computed rates per epoch (initial rate 1, 6 epochs, step_size 2, gamma 0.5, decay rate 0.5):
+# warmup W=2 gives e / (W + 1) = 1/3, 2/3, then the schedule starts from 1 at epoch 3;
+# cosine over T = 6 - W epochs: (1 + cos(pi * k / T)) / 2.
+HAND_RATES = {
+    ("none", 0): [1, 1, 1, 1, 1, 1],
+    ("none", 2): [1 / 3, 2 / 3, 1, 1, 1, 1],
+    ("cosine", 0): [1, (1 + 3 ** 0.5 / 2) / 2, 0.75, 0.5, 0.25, (1 - 3 ** 0.5 / 2) / 2],
+    ("cosine", 2): [1 / 3, 2 / 3, 1, (1 + 2 ** -0.5) / 2, 0.5, (1 - 2 ** -0.5) / 2],
+    ("step", 0): [1, 1, 0.5, 0.5, 0.25, 0.25],
+    ("step", 2): [1 / 3, 2 / 3, 1, 1, 0.5, 0.5],
+    ("exponential", 0): [1, 0.5, 0.25, 0.125, 0.0625, 0.03125],
+    ("exponential", 2): [1 / 3, 2 / 3, 1, 0.5, 0.25, 0.125],
+}
+
+
+@pytest.mark.parametrize("scheduler, warmup", sorted(HAND_RATES))
+def test_schedule_rates_match_hand_computed_values(scheduler, warmup):
+    config = ScheduleConfig(n_epochs=6, warmup_epochs=warmup, step_size=2, gamma=0.5, decay_rate=0.5)
+    assert learning_rates(scheduler, config) == pytest.approx(HAND_RATES[scheduler, warmup], rel=1e-12)
+    assert sorted(list_schedulers()) == sorted({name for name, _ in HAND_RATES})
+
+
+def test_step2_trains_each_epoch_at_the_scheduled_rate(digits96, tmp_path):
+    out = tmp_path / "run"
+    step2.main(argv(*digits96, out, "digit_class", "--n_epochs", "4", "--init_lr", "0.01", "--optimizer", "sgd",
+                    "--scheduler", "step", "--step_size", "1", "--gamma", "0.5", "--warmup_epochs", "1"))
+    metrics = pd.read_csv(out / "metrics.csv")
+    rates = metrics[(metrics.split == "train") & (metrics.metric == "lr")].set_index("epoch").value
+    # warmup epoch 1: 0.01 * 1/2; then 0.01 halved every epoch
+    assert rates.to_dict() == pytest.approx({1: 0.005, 2: 0.01, 3: 0.005, 4: 0.0025})
+
+
+# Scripted losses per split and epoch 0..4: validation is lowest at epoch 1, test keeps falling to epoch 4.
+SCRIPTED = {"val": [2.0, 1.0, 1.5, 1.8, 1.9], "test": [2.0, 1.9, 1.5, 1.2, 1.1]}
+
+
+def scripted_evaluation(monkeypatch):
+    """Replace fit's evaluation by SCRIPTED (training itself still runs), so val and test disagree on the best epoch."""
+    calls = {"epoch": 0}
+
+    def evaluate_all(model, loaders, spec, device, input_key):
+        epoch = calls["epoch"]
+        calls["epoch"] += 1
+        return {split: {"loss": SCRIPTED[split][epoch], "top1": 0.5} for split in loaders}
+
+    monkeypatch.setattr(training.loop, "_evaluate_all", evaluate_all)
+
+
+def test_validation_not_test_picks_best_pt_and_stops_early(digits96, tmp_path, monkeypatch):
+    scripted_evaluation(monkeypatch)
+    out = tmp_path / "run"
+    summary = step2.main(argv(*digits96, out, "digit_class", "--n_epochs", "4", "--early_stopping_patience", "2"))
+    assert summary["selected_on"] == "val" and summary["best_epoch"] == 1 and summary["best_val_loss"] == 1.0
+    assert load_checkpoint(out / "best.pt")["epoch"] == 1
+    # patience 2: epochs 2 and 3 do not beat epoch 1's val loss, so epoch 4 never runs though test still falls
+    assert summary["epochs_done"] == 3 and summary["stopped_early"]
+    assert selected_test_metrics(out / "metrics.csv") == {"epoch": 1, "loss": 1.9, "top1": 0.5}
+
+
+def test_without_a_validation_part_test_selects_as_before(digits96, tmp_path, monkeypatch):
+    scripted_evaluation(monkeypatch)
+    manifest = tmp_path / "manifest.csv"
+    pd.read_csv(digits96[1]).drop(columns="val").to_csv(manifest, index=False)
+    out = tmp_path / "run"
+    summary = step2.main(argv(digits96[0], manifest, out, "digit_class", "--n_epochs", "4"))
+    assert summary["selected_on"] == "test" and summary["best_epoch"] == 4
+    assert set(pd.read_csv(out / "metrics.csv").split) == {"train", "test"}
+    # the pipeline's report number: the lowest test loss, as it always was
+    assert selected_test_metrics(out / "metrics.csv")["loss"] == 1.1
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--scheduler", "cosinus"), "--scheduler: invalid choice: 'cosinus'"),
+    (("--warmup_epochs", "2", "--n_epochs", "2"), "--warmup_epochs 2 must be below --n_epochs 2"),
+    (("--step_size", "0"), "--step_size"),
+    (("--gamma", "-1"), "--gamma"),
+])
+def test_bad_schedule_flag_is_one_error_line(digits96, tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(step2.main, argv(*digits96, tmp_path / "out", "digit_class", *flags))
+    error = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and error.startswith("error: ") and message in error and "\n" not in error
+    assert not (tmp_path / "out").exists()

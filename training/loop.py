@@ -5,9 +5,11 @@ with ``network.local_train.local_train``, which takes FedProx's extra loss and
 SCAFFOLD's gradient hook).
 
 ``fit`` is step 2's epoch loop with its run folder: ``metrics.csv`` (long
-format ``epoch, split, metric, value``; epoch 0 is the untrained model),
-``best.pt`` (lowest validation loss, the untrained epoch 0 included),
-``last.pt`` (every epoch, atomically) and ``curves.png``. ``last.pt`` holds the
+format ``epoch, split, metric, value``; epoch 0 is the untrained model; one
+set of rows per evaluated split, ``val`` and ``test`` or ``test`` alone),
+``best.pt`` (lowest loss on the selection split, the untrained epoch 0
+included), ``last.pt`` (every epoch, atomically), ``curves.png`` (every
+metric) and ``loss.png`` / ``<primary metric>.png`` (one metric, every split). ``last.pt`` holds the
 model, optimizer, scheduler, epoch, early-stopping counters and the training
 loader's RNG state, so a resumed run ends bit-identical to an uninterrupted one
 (same device, deterministic mode). There is no other randomness to restore: no
@@ -34,7 +36,7 @@ from utils.run_dir import MetricsCSV, atomic_torch_save, load_checkpoint, remove
 from utils.seeding import torch_generator
 
 METRICS_COLUMNS = ("epoch", "split", "metric", "value")
-TRAIN_SPLIT, VAL_SPLIT = "train", "test"
+TRAIN_SPLIT, VAL_SPLIT, TEST_SPLIT = "train", "val", "test"
 
 
 def _spec(task: TaskSpec | str) -> TaskSpec:
@@ -140,18 +142,19 @@ def _load_last(path: Path) -> dict:
                            keys=("model", "optimizer", "scheduler", "state", "rng", "run_signature"))
 
 
-def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, val_loader: DataLoader,
+def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_loaders: dict[str, DataLoader],
         optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None,
         device: torch.device, *, input_key: str, n_epochs: int, out_dir: Path, run_signature: dict,
-        early_stopping_patience: int | None = None, resume: bool = True,
+        select_split: str = TEST_SPLIT, early_stopping_patience: int | None = None, resume: bool = True,
         logger: logging.Logger | None = None) -> dict:
-    """Train ``n_epochs`` epochs (or until early stopping), validating and checkpointing after each.
+    """Train ``n_epochs`` epochs (or until early stopping), evaluating every split and checkpointing after each.
 
     Args:
         model: a :class:`models.TaskModel` on ``device`` (its ``config`` goes into checkpoints).
         task: the task (spec or name).
         train_loader: training batches; built by :func:`make_loader` (its generator is checkpointed).
-        val_loader: validation batches.
+        eval_loaders: split name -> its batches, evaluated after every epoch (and before the first);
+            ``{"val": ..., "test": ...}`` or ``{"test": ...}`` for data without a validation part.
         optimizer: over the model's parameters.
         scheduler: stepped once per epoch, or None for a constant learning rate.
         device: the model's device.
@@ -160,13 +163,17 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, val_lo
         out_dir: the run folder.
         run_signature: the arguments that define the run; resuming a checkpoint written
             with other values is refused.
-        early_stopping_patience: stop after this many epochs without a lower validation loss.
+        select_split: the key of ``eval_loaders`` whose loss picks best.pt and stops early.
+        early_stopping_patience: stop after this many epochs without a lower ``select_split`` loss.
         resume: continue from ``out_dir/last.pt`` when it exists; otherwise start over.
         logger: where the per-epoch summary goes.
 
     Returns:
-        ``{"best_epoch", "best_val_loss", "epochs_done", "stopped_early"}``.
+        ``{"best_epoch", "best_val_loss" (the ``select_split`` loss of best.pt), "selected_on" (``select_split``),
+        "epochs_done", "stopped_early"}``.
     """
+    if select_split not in eval_loaders:
+        raise TaskHetError(f"the selection split {select_split!r} is not among the evaluated splits {sorted(eval_loaders)}")
     spec = _spec(task)
     logger = logger or logging.getLogger(__name__)
     out_dir = Path(out_dir)
@@ -189,10 +196,10 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, val_lo
     else:
         csv_path.unlink(missing_ok=True)
         metrics_csv = MetricsCSV(csv_path, METRICS_COLUMNS)
-        initial = evaluate(model, val_loader, spec, device, input_key=input_key)
-        metrics_csv.write({"epoch": 0, "split": VAL_SPLIT, "metric": key, "value": value} for key, value in initial.items())
-        _track_best(model, spec, 0, initial, state, best_path)
-        logger.info("epoch 0 (untrained): val %s", _format_metrics(initial))
+        initial = _evaluate_all(model, eval_loaders, spec, device, input_key)
+        metrics_csv.write(_rows(0, initial))
+        _track_best(model, spec, 0, initial[select_split], state, best_path)
+        logger.info("epoch 0 (untrained): %s", _format_splits(initial))
 
     while state["epoch"] < n_epochs and not state["stopped_early"]:
         epoch = state["epoch"] + 1
@@ -208,14 +215,14 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, val_lo
         learning_rate = optimizer.param_groups[0]["lr"]
         if scheduler is not None:
             scheduler.step()
-        val = evaluate(model, val_loader, spec, device, input_key=input_key)
+        evaluated = _evaluate_all(model, eval_loaders, spec, device, input_key)
         rows = [{"epoch": epoch, "split": TRAIN_SPLIT, "metric": "loss", "value": loss_sum / max(batches, 1)},
                 {"epoch": epoch, "split": TRAIN_SPLIT, "metric": "lr", "value": learning_rate}]
-        rows += [{"epoch": epoch, "split": VAL_SPLIT, "metric": key, "value": value} for key, value in val.items()]
+        rows += _rows(epoch, evaluated)
         # metrics before last.pt: a resume truncates rows past its checkpoint, never misses any
         metrics_csv.write(rows)
         state["epoch"] = epoch
-        _track_best(model, spec, epoch, val, state, best_path)
+        _track_best(model, spec, epoch, evaluated[select_split], state, best_path)
         patience_over = early_stopping_patience is not None and state["epochs_without_improvement"] >= early_stopping_patience
         state["stopped_early"] = patience_over and epoch < n_epochs
         atomic_torch_save({
@@ -223,14 +230,33 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, val_lo
             "scheduler": None if scheduler is None else scheduler.state_dict(), "state": dict(state),
             "rng": {"train_loader": train_loader.generator.get_state()}, "run_signature": run_signature, "task": spec.name,
         }, last_path)
-        logger.info("epoch %d/%d: train loss %.5f, lr %.3g; val %s", epoch, n_epochs, loss_sum / max(batches, 1),
-                    learning_rate, _format_metrics(val))
+        logger.info("epoch %d/%d: train loss %.5f, lr %.3g; %s", epoch, n_epochs, loss_sum / max(batches, 1),
+                    learning_rate, _format_splits(evaluated))
         if state["stopped_early"]:
-            logger.info("early stopping: no lower validation loss in %d epochs", early_stopping_patience)
-    plot_curves(csv_path, out_dir / "curves.png", x="epoch", hue="split", title=f"{spec.name}: {out_dir.name}")
-    logger.info("best epoch %d, val loss %.5f", state["best_epoch"], state["best_val_loss"])
-    return {"best_epoch": state["best_epoch"], "best_val_loss": state["best_val_loss"],
+            logger.info("early stopping: no lower %s loss in %d epochs", select_split, early_stopping_patience)
+    _plot(csv_path, out_dir, spec)
+    logger.info("best epoch %d (by %s loss), %s loss %.5f", state["best_epoch"], select_split, select_split,
+                state["best_val_loss"])
+    return {"best_epoch": state["best_epoch"], "best_val_loss": state["best_val_loss"], "selected_on": select_split,
             "epochs_done": state["epoch"], "stopped_early": state["stopped_early"]}
+
+
+def _evaluate_all(model: nn.Module, loaders: dict[str, DataLoader], spec: TaskSpec, device: torch.device,
+                  input_key: str) -> dict[str, dict[str, float]]:
+    return {split: evaluate(model, loader, spec, device, input_key=input_key) for split, loader in loaders.items()}
+
+
+def _rows(epoch: int, evaluated: dict[str, dict[str, float]]) -> list[dict]:
+    return [{"epoch": epoch, "split": split, "metric": key, "value": value}
+            for split, values in evaluated.items() for key, value in values.items()]
+
+
+def _plot(csv_path: Path, out_dir: Path, spec: TaskSpec) -> None:
+    """curves.png with every metric, and one PNG per headline metric (loss, the task's primary metric) with every split."""
+    title = f"{spec.name}: {out_dir.name}"
+    plot_curves(csv_path, out_dir / "curves.png", x="epoch", hue="split", title=title)
+    for metric in dict.fromkeys(("loss", spec.primary_metric)):
+        plot_curves(csv_path, out_dir / f"{metric}.png", x="epoch", hue="split", where={"metric": metric}, title=title)
 
 
 def _track_best(model: nn.Module, spec: TaskSpec, epoch: int, val: dict[str, float], state: dict, best_path: Path) -> None:
@@ -241,6 +267,10 @@ def _track_best(model: nn.Module, spec: TaskSpec, epoch: int, val: dict[str, flo
                            "val_metrics": val, "task": spec.name}, best_path)
     else:
         state["epochs_without_improvement"] += 1
+
+
+def _format_splits(evaluated: dict[str, dict[str, float]]) -> str:
+    return "; ".join(f"{split} {_format_metrics(values)}" for split, values in evaluated.items())
 
 
 def _format_metrics(values: dict[str, float]) -> str:
