@@ -47,6 +47,11 @@ SCHEMA: dict[str, Any] = {
         "scheduler": "cosine",
         "weight_decay": 1e-4,
         "early_stopping_patience": 0,
+        "warmup_epochs": 0,  # linear warmup epochs (step 2's --warmup_epochs)
+        "step_size": 10,  # scheduler step: epochs between decays
+        "gamma": 0.1,  # scheduler step: decay factor
+        "momentum": 0.9,  # SGD momentum
+        "lr_decay_rate": 0.95,  # scheduler exponential: factor per epoch
     },
     "embeddings": {"n_clusters": 10, "pca_dim": None},
     "partition": {

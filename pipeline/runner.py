@@ -44,6 +44,7 @@ from steps.meter import METER_FILE
 from steps import render
 from steps import select as step1
 from steps import train_centralized as step2
+from training.selection import selected_test_metrics
 from utils.errors import TaskHetError
 from utils.loaders import load_json, read_csv
 
@@ -279,9 +280,8 @@ def final_personal_loss(metrics: pd.DataFrame) -> float:
 
 
 def best_validation_loss(metrics_csv: Path) -> float:
-    """The centralized model's lowest test-split loss over its epochs (the checkpoint kept as best.pt)."""
-    metrics = read_csv(metrics_csv, "step-2 metrics", ("split", "metric", "value"), finished=True)
-    return float(metrics[(metrics.split == "test") & (metrics.metric == "loss")].value.min())
+    """The centralized model's test loss at the epoch best.pt holds (selected on val where the data has one, else on test)."""
+    return float(selected_test_metrics(metrics_csv)["loss"])
 
 
 def command_line(argv: list[str]) -> str:
