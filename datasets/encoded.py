@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+import pandas as pd
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
@@ -76,17 +77,25 @@ class EncodedDataset(Dataset):
         data_key: names where the images come from (family, data root): part of the cache key.
         cache_dir: folder of the shared memory-mapped cache, or None to keep the maps in memory.
         device: where the encoder runs for the one pass.
+        universe: every sample id the store covers (e.g. the whole manifest, so that every subset of it,
+            a client's or a split's, shares one store); default ``sample_ids``.
     """
 
     def __init__(self, base: Dataset, sample_ids: Sequence[str], encoder: nn.Module, normalise, input_key: str,
-                 image_size: int, data_key: str, cache_dir: Path | None, device: torch.device) -> None:
+                 image_size: int, data_key: str, cache_dir: Path | None, device: torch.device,
+                 universe: Sequence[str] | None = None) -> None:
         check_frozen(encoder, "EncodedDataset")
         self.base, self.input_key = base, input_key
-        self.rows = cache_rows(sample_ids)  # base row i is store row rows[i] (sample-id order)
+        universe = list(sample_ids if universe is None else universe)
+        ranks = pd.Series(cache_rows(universe), index=universe)  # store rows in sample-id order
+        missing = sorted(set(sample_ids) - set(ranks.index))
+        if missing:
+            raise TaskHetError(f"EncodedDataset: sample {missing[0]} is not among the samples its store covers")
+        self.rows = ranks.loc[list(sample_ids)].to_numpy(dtype=np.int64)  # base row i is store row rows[i]
         layout = self._layout(encoder, normalise, device)
-        key = feature_key(encoder_fingerprint(encoder), sample_ids, image_size, data_key)
-        self.store = (DecodedSampleCache(Path(cache_dir), key, len(sample_ids), layout, prefix="encoded")
-                      if cache_dir is not None else InMemoryStore(len(sample_ids), layout))
+        key = feature_key(encoder_fingerprint(encoder), universe, image_size, data_key)
+        self.store = (DecodedSampleCache(Path(cache_dir), key, len(universe), layout, prefix="encoded")
+                      if cache_dir is not None else InMemoryStore(len(universe), layout))
         self._fill(encoder, normalise, device)
 
     def _layout(self, encoder: nn.Module, normalise, device: torch.device) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -123,6 +132,20 @@ class EncodedDataset(Dataset):
         arrays = self.store.get(int(self.rows[index]))
         item[ENCODED_KEY] = [torch.from_numpy(arrays[name]) for name in sorted(arrays, key=lambda name: int(name[3:]))]
         return item
+
+
+def encoded_dataset(dataset: Dataset, rows: pd.DataFrame, family, model: nn.Module, data_path: Path, image_size: int,
+                    cache_dir: Path | None, manifest: pd.DataFrame) -> EncodedDataset:
+    """``dataset`` (the family's, over ``rows`` of ``manifest`` in order) with ``model``'s frozen encoder's maps as
+    input; the store covers the whole manifest, so every split, client and partition of it shares one."""
+    return EncodedDataset(dataset, rows["sample_id"].astype(str).tolist(), model.encoder, model.normalise, family.input_key,
+                          image_size, f"{family.name}:{Path(data_path).resolve()}", cache_dir, next(model.parameters()).device,
+                          universe=manifest["sample_id"].astype(str).tolist())
+
+
+def model_input_key(family, cache_features: bool) -> str:
+    """The batch key a model reads: the encoder's cached maps, or the family's image."""
+    return ENCODED_KEY if cache_features else family.input_key
 
 
 class InMemoryStore:

@@ -14,7 +14,7 @@ from functools import partial
 import pandas as pd
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from datasets.encoded import EncodedDataset
+from datasets.encoded import encoded_dataset
 from datasets.family import family_of
 from network.client import ClientData
 from training.loop import make_loader
@@ -28,9 +28,7 @@ def task_dataset(args: argparse.Namespace, manifest: pd.DataFrame, task, sample_
     dataset = family.dataset(args.data_path, rows, task, args.image_size, args.cache_dir)
     if feature_model is None:
         return dataset
-    return EncodedDataset(dataset, rows["sample_id"].astype(str).tolist(), feature_model.encoder, feature_model.normalise,
-                          family.input_key, args.image_size, f"{family.name}:{args.data_path}", args.cache_dir,
-                          next(feature_model.parameters()).device)
+    return encoded_dataset(dataset, rows, family, feature_model, args.data_path, args.image_size, args.cache_dir, manifest)
 
 
 def make_clients(args: argparse.Namespace, manifest: pd.DataFrame, table: pd.DataFrame, task,

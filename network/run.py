@@ -19,7 +19,7 @@ from typing import Any, Callable
 import pandas as pd
 import torch
 
-from datasets.encoded import ENCODED_KEY
+from datasets.encoded import model_input_key
 from datasets.family import load_manifest
 from models import build_task_model, get_task, load_task_model
 from network.algorithms import build_algorithm
@@ -145,7 +145,7 @@ def prepare(config: RunConfig) -> FedSetup:
     config = resolve(config, meta)
     set_deterministic(config.deterministic)
     num_classes = family.num_classes(manifest) if task.kind == "classification" else None
-    input_key = ENCODED_KEY if config.cache_features else family.input_key
+    input_key = model_input_key(family, config.cache_features)
     device = pick_device(config.use_accelerator)
     task_model = initial_model(config, num_classes)
     train_counts = table[table["subset"] == "train"].groupby("client_id").size()

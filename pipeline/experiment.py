@@ -38,7 +38,9 @@ SCHEMA: dict[str, Any] = {
         "n_samples": None,  # digits only: samples kept, stratified by digit (None: all 1,797)
     },
     "tasks": ["depth_euclidean", "normal", "segment_semantic", "class_scene"],
-    "model": {"encoder": "resnet50", "weights": "none", "image_size": 64, "embedding_grid": 0, "freeze_encoder": False},
+    # cache_features: with freeze_encoder, the encoder's maps are computed once per sample (steps 2, 3c, 4)
+    "model": {"encoder": "resnet50", "weights": "none", "image_size": 64, "embedding_grid": 0, "freeze_encoder": False,
+              "cache_features": False},
     "centralized": {
         "n_epochs": 10,
         "batch_size": 32,
@@ -168,6 +170,9 @@ def validate_names(config: dict[str, Any], source: Path) -> None:
     if sorted(set(config["partition"]["groupings"])) != sorted(GROUPINGS):
         raise TaskHetError(f"{source}: partition.groupings must list both {' and '.join(GROUPINGS)}: the report "
                            f"compares them; got {config['partition']['groupings']}")
+    if config["model"]["cache_features"] and not config["model"]["freeze_encoder"]:
+        raise TaskHetError(f"{source}: model.cache_features needs model.freeze_encoder: true (a trained encoder's maps "
+                           "change every step)")
 
 
 def validate_split_csv(data: dict[str, Any], source: Path) -> None:

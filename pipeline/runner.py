@@ -141,7 +141,7 @@ class Pipeline:
         """Step 3c: G² and B² of one partition's clients at the task's centralized model."""
         params = {"checkpoint": str(model_dir / "best.pt"), "manifest": str(manifest),
                   "assignments": str(assignments / "assignments.csv"), "data_path": str(root),
-                  "use_accelerator": self.config["use_accelerator"]}
+                  "use_accelerator": self.config["use_accelerator"], "cache_features": self.config["model"]["cache_features"]}
         inputs = [manifest, assignments / "assignments.csv", model_dir / "best.pt"]
         stage_dir = (self.out_dir / "heterogeneity" / task
                      / f"{grouping}-a{alpha:g}-s{seed}-{stage_key(params, inputs, self.out_dir)}")
@@ -157,7 +157,7 @@ class Pipeline:
             "alpha": None if combination.grouping == IID_REFERENCE else combination.alpha,
             "data_path": str(root), "manifest": str(manifest),
             "assignments": str(assignments / "assignments.csv"), "encoder": self.config["model"]["encoder"],
-            "freeze_encoder": self.config["model"]["freeze_encoder"],
+            "freeze_encoder": self.config["model"]["freeze_encoder"], "cache_features": self.config["model"]["cache_features"],
             "image_size": self.config["model"]["image_size"], "use_accelerator": self.config["use_accelerator"],
             **federated, **hyper,
         }

@@ -163,6 +163,7 @@ TYPES: dict[str, Check] = {
     "model.image_size": Int(1),
     "model.embedding_grid": Int(0),
     "model.freeze_encoder": Bool(),
+    "model.cache_features": Bool(),
     "centralized.n_epochs": Int(1),
     "centralized.batch_size": Int(1),
     "centralized.init_lr": POSITIVE,

@@ -21,6 +21,7 @@ from pathlib import Path
 import pandas as pd
 from torch import nn
 
+from datasets.encoded import check_frozen, encoded_dataset, model_input_key
 from datasets.family import DataFamily, load_manifest
 from models import get_task, load_task_model
 from models.tasks import TaskSpec
@@ -41,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_model_input_arguments(parser, "step-1 manifest.csv")
     parser.add_argument("--assignments", type=Path, required=True, help="step-3b assignments.csv")
+    parser.add_argument("--cache_features", action=argparse.BooleanOptionalAction, default=False,
+                        help="the checkpoint's frozen encoder's maps, computed once per sample (in --cache_dir)")
     return parser
 
 
@@ -52,6 +55,8 @@ def main(argv: list[str] | None = None) -> dict:
     family, manifest = load_manifest(args.manifest)
     table, _ = load_assignments(args.assignments, manifest)
     model = load_task_model(args.checkpoint)
+    if args.cache_features:
+        check_frozen(model.encoder, f"--cache_features (checkpoint {args.checkpoint})")
     task = get_task(model.config["task"])
     image_size = args.image_size or training_image_size(args.checkpoint)
     write_config(args.out, vars(args), step=STEP)
@@ -66,7 +71,7 @@ def measure(args: argparse.Namespace, family: DataFamily, manifest: pd.DataFrame
     device = pick_device(args.use_accelerator)
     model = prepare_model(model, device)
     rows_by_id = manifest.set_index("sample_id")
-    input_key = family.input_key
+    input_key = model_input_key(family, args.cache_features)
 
     def loss_fn(net, batch, reduction="mean"):
         return task.loss(net(batch[input_key])[0].float(), batch, reduction)
@@ -76,6 +81,8 @@ def measure(args: argparse.Namespace, family: DataFamily, manifest: pd.DataFrame
     for client_id, client_rows in train.groupby("client_id", sort=True):
         rows = rows_by_id.loc[list(client_rows["sample_id"])].reset_index()
         dataset = family.dataset(args.data_path, rows, task, image_size, args.cache_dir)
+        if args.cache_features:  # a frozen encoder's maps from the experiment's shared store (datasets/encoded.py)
+            dataset = encoded_dataset(dataset, rows, family, model, args.data_path, image_size, args.cache_dir, manifest)
         gradient = full_gradient(model, make_loader(dataset, args.batch_size, False, 0), loss_fn, device)
         gradients.append(gradient)
         sizes.append(len(rows))

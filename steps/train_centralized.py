@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
+from datasets.encoded import encoded_dataset, model_input_key
 from datasets.family import load_manifest
 from models import build_task_model, get_task, list_encoders
 from models.encoders import NAMED_WEIGHTS, default_weights
@@ -57,6 +58,8 @@ def add_training_arguments(parser: argparse.ArgumentParser, searched: bool = Tru
     add("--encoder", default="resnet50", help=f"{' | '.join(list_encoders())} (default: resnet50)")
     add("--freeze_encoder", action=argparse.BooleanOptionalAction, default=False,
         help="keep the (pretrained) encoder fixed: only the decoder and head train (default: off)")
+    add("--cache_features", action=argparse.BooleanOptionalAction, default=False,
+        help="with --freeze_encoder: compute the encoder's maps once per sample (in --cache_dir) and train on them")
     add("--weights", default=None, help="none | imagenet | clip | PATH (default: the encoder's pretrained weights; none for small_cnn)")
     add("--data_path", type=Path, default=Path("data/synthetic"), help="data root (default: data/synthetic)")
     add("--manifest", type=Path, default=Path("results/datapoints/manifest.csv"), help="step-1 manifest.csv (default: step 1's)")
@@ -132,6 +135,8 @@ def train(args: argparse.Namespace) -> dict:
     """
     if args.warmup_epochs >= args.n_epochs:
         raise TaskHetError(f"--warmup_epochs {args.warmup_epochs} must be below --n_epochs {args.n_epochs}")
+    if args.cache_features and not args.freeze_encoder:
+        raise TaskHetError("--cache_features needs --freeze_encoder (a trained encoder's maps change every step)")
     claim_folder(args.out, STEP)
     signature = {key: str(value) for key, value in vars(args).items() if key not in NOT_IN_SIGNATURE}
     check_resumable(args.out, signature, args.resume)  # before config.json: a refused resume changes nothing
@@ -154,11 +159,15 @@ def train(args: argparse.Namespace) -> dict:
     logger.info("task %s, encoder %s (weights %s), %s samples, best epoch chosen on %s, device %s", args.task, args.encoder,
                 args.weights, " / ".join(f"{len(data)} {split}" for split, data in datasets.items()), select, device)
     model = prepare_model(model, device)
+    if args.cache_features:  # a frozen encoder's maps, computed once (datasets/encoded.py)
+        datasets = {split: encoded_dataset(data, splits[split], family, model, args.data_path, args.image_size,
+                                           args.cache_dir, manifest) for split, data in datasets.items()}
     optimizer, scheduler = optimizer_and_scheduler(args, model)
     loader_seed = derive_seed(args.seed, "centralized", args.task)
     train_loader = make_loader(datasets.pop("train"), args.batch_size, True, loader_seed, args.num_workers)
     eval_loaders = {split: make_loader(data, args.batch_size, False, loader_seed, args.num_workers) for split, data in datasets.items()}
     with unfinished(args.out, STEP):  # step 3 refuses best.pt of a run that did not finish
-        return fit(model, task, train_loader, eval_loaders, optimizer, scheduler, device, input_key=family.input_key,
+        return fit(model, task, train_loader, eval_loaders, optimizer, scheduler, device,
+                   input_key=model_input_key(family, args.cache_features),
                    n_epochs=args.n_epochs, out_dir=args.out, run_signature=signature, select_split=select,
                    early_stopping_patience=args.early_stopping_patience or None, resume=args.resume, logger=logger)

@@ -107,6 +107,7 @@ def test_killed_during_step4_resumes_to_the_same_report(tmp_path):
         (lambda c: c.update(tasks=["depth_metric"]), "depth_metric"),
         (lambda c: c["federated"].update(algorithms={"fedsgdx": {}}), "fedsgdx"),
         (lambda c: c["partition"].update(scheme="dirichlet_mix"), "dirichlet_mix"),
+        (lambda c: c.setdefault("model", {}).update(cache_features=True), "model.cache_features needs model.freeze_encoder"),
     ],
 )
 def test_bad_experiment_rejected_before_any_work(tmp_path, edit, named):
