@@ -23,7 +23,7 @@ __all__ = ["TaskModel", "build_task_model", "load_task_model", "list_encoders", 
 
 def build_task_model(task: str, encoder: str = "resnet50", weights: str = "none", num_classes: int | None = None,
                      embedding_grid: int = 0, embedding_layer: str = "penultimate", seed: int | None = None,
-                     freeze_encoder: bool = False) -> TaskModel:
+                     freeze_encoder: bool = False, decoder_width: int | None = None) -> TaskModel:
     """Build the model of a task.
 
     Args:
@@ -36,6 +36,8 @@ def build_task_model(task: str, encoder: str = "resnet50", weights: str = "none"
         seed: when given, the random initialisation is drawn from a generator derived
             from it (the global RNG's state is restored afterwards).
         freeze_encoder: keep the encoder fixed (no gradient, eval mode): only the decoder and head train.
+        decoder_width: channels of a dense task's decoder at strides >= 4 (half at 2 and 1); None: the encoder's
+            default. Its cost grows with the square of the width (a frozen encoder leaves the decoder most of the work).
 
     Returns:
         The model, on the CPU, in training mode.
@@ -51,8 +53,10 @@ def build_task_model(task: str, encoder: str = "resnet50", weights: str = "none"
         out_channels = num_classes
     else:
         out_channels = spec.out_channels
+    if decoder_width is not None and decoder_width < 2:
+        raise TaskHetError(f"decoder_width must be >= 2, got {decoder_width}")
     config = {"task": task, "encoder": encoder, "weights": weights, "num_classes": num_classes,
-              "embedding_grid": embedding_grid, "embedding_layer": embedding_layer}
+              "embedding_grid": embedding_grid, "embedding_layer": embedding_layer, "decoder_width": decoder_width}
     if seed is None:
         model = TaskModel(spec, build_encoder(encoder, weights), out_channels, embedding_grid, embedding_layer, config)
     else:

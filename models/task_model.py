@@ -56,7 +56,8 @@ class TaskModel(nn.Module):
         out_channels: head outputs (the task's, or K for class_scene).
         embedding_grid: grid side of the pooled embedding (0 = global average only).
         embedding_layer: "penultimate" or "bottleneck" (see the module docstring).
-        config: the arguments that rebuild this model (kept in checkpoints).
+        config: the arguments that rebuild this model (kept in checkpoints); its ``decoder_width``, when
+            set, replaces the encoder's default width of the dense decoder.
     """
 
     def __init__(self, task: TaskSpec, encoder: Encoder, out_channels: int, embedding_grid: int,
@@ -75,7 +76,7 @@ class TaskModel(nn.Module):
         self.register_buffer("mean", torch.tensor(encoder.mean).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(encoder.std).view(1, 3, 1, 1), persistent=False)
         if task.kind == "dense":
-            self.decoder = DenseDecoder(encoder.channels, encoder.strides, encoder.decoder_width)
+            self.decoder = DenseDecoder(encoder.channels, encoder.strides, config.get("decoder_width") or encoder.decoder_width)
             self.head = nn.Conv2d(self.decoder.out_channels, out_channels, 1)
         else:
             self.decoder = PreLogits(encoder.channels[-1], encoder.prelogit_hidden)

@@ -64,6 +64,7 @@ class RunConfig:
     weights: str = "none"
     freeze_encoder: bool = False
     cache_features: bool = False
+    decoder_width: int | None = None
     init_from: str = "scratch"
     centralized_checkpoint: Path | None = None
     image_size: int = 224
@@ -204,7 +205,7 @@ def default_assignments(config: RunConfig) -> Path:
 def initial_model(config: RunConfig, num_classes: int | None) -> torch.nn.Module:
     if config.init_from == "scratch":
         return build_task_model(config.task, config.encoder, config.weights, num_classes=num_classes, seed=config.rand_seed,
-                                freeze_encoder=config.freeze_encoder)
+                                freeze_encoder=config.freeze_encoder, decoder_width=config.decoder_width)
     model = load_task_model(config.centralized_checkpoint, "--centralized_checkpoint (a step-2 best.pt)")
     if model.config["task"] != config.task:
         raise TaskHetError(f"--centralized_checkpoint {config.centralized_checkpoint} is a {model.config['task']} model, "

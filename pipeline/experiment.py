@@ -39,8 +39,9 @@ SCHEMA: dict[str, Any] = {
     },
     "tasks": ["depth_euclidean", "normal", "segment_semantic", "class_scene"],
     # cache_features: with freeze_encoder, the encoder's maps are computed once per sample (steps 2, 3c, 4)
+    # decoder_width: channels of the dense decoder (None: the encoder's default)
     "model": {"encoder": "resnet50", "weights": "none", "image_size": 64, "embedding_grid": 0, "freeze_encoder": False,
-              "cache_features": False},
+              "cache_features": False, "decoder_width": None},
     "centralized": {
         "n_epochs": 10,
         "batch_size": 32,

@@ -157,6 +157,8 @@ class Pipeline:
             "alpha": None if combination.grouping == IID_REFERENCE else combination.alpha,
             "data_path": str(root), "manifest": str(manifest),
             "assignments": str(assignments / "assignments.csv"), "encoder": self.config["model"]["encoder"],
+            # the same pretrained weights and decoder as step 2's model, for runs that start from scratch
+            "weights": self.config["model"]["weights"], "decoder_width": self.config["model"]["decoder_width"],
             "freeze_encoder": self.config["model"]["freeze_encoder"], "cache_features": self.config["model"]["cache_features"],
             "image_size": self.config["model"]["image_size"], "use_accelerator": self.config["use_accelerator"],
             **federated, **hyper,

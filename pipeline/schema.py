@@ -164,6 +164,7 @@ TYPES: dict[str, Check] = {
     "model.embedding_grid": Int(0),
     "model.freeze_encoder": Bool(),
     "model.cache_features": Bool(),
+    "model.decoder_width": Optional(Int(2)),
     "centralized.n_epochs": Int(1),
     "centralized.batch_size": Int(1),
     "centralized.init_lr": POSITIVE,

@@ -59,6 +59,8 @@ def build_parser(method: str | None = None) -> argparse.ArgumentParser:
     add("--freeze_encoder", action=argparse.BooleanOptionalAction, default=False,
         help="keep the encoder fixed: clients train only the decoder and head (a centralized init keeps its own choice "
              "unless this is set)")
+    add("--decoder_width", type=positive_int, default=None,
+        help="channels of a dense task's decoder from scratch (default: the encoder's)")
     add("--cache_features", action=argparse.BooleanOptionalAction, default=False,
         help="with a frozen encoder: compute its feature maps once per sample (in --cache_dir, shared by later runs) "
              "and train the decoder and head on them (default: no)")

@@ -58,6 +58,8 @@ def add_training_arguments(parser: argparse.ArgumentParser, searched: bool = Tru
     add("--encoder", default="resnet50", help=f"{' | '.join(list_encoders())} (default: resnet50)")
     add("--freeze_encoder", action=argparse.BooleanOptionalAction, default=False,
         help="keep the (pretrained) encoder fixed: only the decoder and head train (default: off)")
+    add("--decoder_width", type=positive_int, default=None,
+        help="channels of a dense task's decoder (default: the encoder's; its cost grows with the square)")
     add("--cache_features", action=argparse.BooleanOptionalAction, default=False,
         help="with --freeze_encoder: compute the encoder's maps once per sample (in --cache_dir) and train on them")
     add("--weights", default=None, help="none | imagenet | clip | PATH (default: the encoder's pretrained weights; none for small_cnn)")
@@ -149,7 +151,8 @@ def train(args: argparse.Namespace) -> dict:
                 for split, rows in splits.items()}
     num_classes = family.num_classes(manifest) if task.kind == "classification" else None
     model = build_task_model(args.task, args.encoder, args.weights, num_classes=num_classes,
-                             embedding_grid=args.embedding_grid, seed=args.seed, freeze_encoder=args.freeze_encoder)
+                             embedding_grid=args.embedding_grid, seed=args.seed, freeze_encoder=args.freeze_encoder,
+                             decoder_width=args.decoder_width)
 
     args.out.mkdir(parents=True, exist_ok=True)
     write_config(args.out, vars(args), step=STEP)

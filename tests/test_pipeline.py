@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 import run_pipeline
+from models import build_task_model, load_task_model
 from pipeline.experiment import load_experiment
 from pipeline.report import REPORT_COLUMNS
 from utils.errors import TaskHetError
@@ -51,9 +52,19 @@ def test_tiny_experiment_end_to_end(tmp_path):
     config = tiny_experiment(tmp_path)
     config["federated"]["algorithms"]["fedrep"] = {}
     config["partition"]["iid_reference"] = True
+    # A frozen encoder whose maps are cached: steps 2, 3c and 4 share one feature store.
+    config["model"].update(freeze_encoder=True, cache_features=True, decoder_width=8)
     experiment = write_experiment(tmp_path, config)
     run_pipeline.main([str(experiment), "--results", str(tmp_path / "results")])
     out = tmp_path / "results" / "tiny"
+    assert len(list((out / "cache").glob("encoded_*"))) == 1
+    for run_config in out.glob("federated/**/config.json"):
+        args = json.loads(run_config.read_text())["args"]
+        assert (args["weights"], args["decoder_width"], args["cache_features"]) == ("none", 8, True), run_config
+    federated = load_task_model(next(out.glob("federated/**/best.pt")))
+    narrow, default = (build_task_model("depth_euclidean", "small_cnn", decoder_width=width) for width in (8, None))
+    assert federated.config["decoder_width"] == 8 and federated.decoder.out_channels == narrow.decoder.out_channels
+    assert sum(p.numel() for p in narrow.decoder.parameters()) < sum(p.numel() for p in default.decoder.parameters())
     for name in ("report.md", "report.csv", "report_personal.csv", "report_iid.csv", "report_heterogeneity.csv",
                  "loss_vs_alpha.png", "round_curves.png", "partition_heatmaps.png", "cluster_label_agreement.png",
                  "heterogeneity_meter.png"):
