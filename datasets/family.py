@@ -33,6 +33,8 @@ FAMILY_COLUMN = "family"
 # Manifests written before families existed were all Taskonomy: they have no family column.
 LEGACY_FAMILY = "taskonomy"
 SPLITS = ("train", "test")
+# Optional manifest column: 1 marks a train row set aside for validation (model selection), 0 or absent elsewhere.
+VAL_COLUMN = "val"
 
 
 class DataFamily(ABC):
@@ -125,6 +127,16 @@ def load_manifest(path: Path) -> tuple[DataFamily, pd.DataFrame]:
                     dtype=str, keep_default_na=False)
     family = family_of(head, str(path))
     return family, family.read_manifest(path)
+
+
+def validation_mask(manifest: pd.DataFrame) -> np.ndarray:
+    """bool [rows]: the train rows set aside for validation (``val = 1``); all False without a ``val`` column.
+
+    Partitions (step 3b) leave them out and step 4 evaluates the global model on them (split ``val``).
+    """
+    if VAL_COLUMN not in manifest.columns:
+        return np.zeros(len(manifest), dtype=bool)
+    return ((manifest["split"] == "train") & (pd.to_numeric(manifest[VAL_COLUMN], errors="coerce") == 1)).to_numpy()
 
 
 def with_family_column(manifest: pd.DataFrame, family: str, source: str) -> pd.DataFrame:
