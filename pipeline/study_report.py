@@ -160,8 +160,9 @@ def summary_lines(runs: pd.DataFrame, central: pd.DataFrame, column: str, what: 
     centralized = summarize(central["final" if column == "final" else "best_val"].tolist())
     if not math.isnan(centralized[0]):
         best = runs.groupby(["partition", "local_steps", "algorithm"])[column].mean()
+        partition, local_steps, algorithm = best.idxmax()
         lines.append(f"- {what}: centralized {_cell(*centralized)}; the best federated cell "
-                     f"({', '.join(map(str, best.idxmax()))}) reaches {best.max():.3f}.")
+                     f"({partition}, J={local_steps}, {algorithm}) reaches {best.max():.3f}.")
     return lines
 
 
@@ -214,12 +215,16 @@ def report_lines(config: dict[str, Any], table: pd.DataFrame, runs: pd.DataFrame
 
 
 def plot_accuracy_vs_nc(table: pd.DataFrame, out_png: Path, metric: str) -> None:
-    """Two panels (final, best by validation): accuracy against Nc, one line per J and variant, iid and centralized as lines."""
+    """Accuracy against Nc, one line per J and variant, iid and centralized as horizontal lines; a second panel
+    for best by validation when there are validation numbers."""
     from utils.plots import plt, save_figure
 
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    panels = [("final", "final")] + ([("best_val", "best by validation")] if table.best_val_mean.notna().any() else [])
+    figure, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), sharey=True, squeeze=False)
+    axes = axes[0]
     sharded = table[table.nc.notna()]
-    for axis, (column, title) in zip(axes, (("final", "final"), ("best_val", "best by validation"))):
+    ticks = sorted(sharded["nc"].astype(int).unique())
+    for axis, (column, title) in zip(axes, panels):
         for (local_steps, algorithm), rows in sharded.groupby(["local_steps", "algorithm"]):
             rows = rows.sort_values("nc")
             error = np.nan_to_num(np.vstack([rows[f"{column}_mean"] - rows[f"{column}_low"],
@@ -233,6 +238,8 @@ def plot_accuracy_vs_nc(table: pd.DataFrame, out_png: Path, metric: str) -> None
                 name = row.partition if row.partition == CENTRALIZED else f"{row.partition} J={row.local_steps:g}"
                 axis.axhline(value, linestyle="--" if row.partition == CENTRALIZED else ":", color="grey", label=name)
         axis.set_xscale("log")
+        axis.set_xticks(ticks, [str(tick) for tick in ticks])
+        axis.minorticks_off()
         axis.set_xlabel("Nc (classes per client)")
         axis.set_title(title)
     axes[0].set_ylabel(f"test {metric}")
@@ -245,15 +252,21 @@ def plot_curves(curves: pd.DataFrame, out_png: Path, metric: str) -> None:
     from utils.plots import plt, save_figure
 
     steps = sorted(curves["local_steps"].unique())
+    lines = list(dict.fromkeys(zip(curves["partition"], curves["algorithm"])))
+    colors = dict(zip(lines, plt.rcParams["axes.prop_cycle"].by_key()["color"] * len(lines)))  # one colour per line, every panel
     figure, axes = plt.subplots(1, len(steps), figsize=(4.5 * len(steps), 3.6), sharey=True, squeeze=False)
     for axis, local_steps in zip(axes[0], steps):
         rows = curves[curves.local_steps == local_steps]
-        for (partition, algorithm), group in rows.groupby(["partition", "algorithm"]):
+        for (partition, algorithm), group in rows.groupby(["partition", "algorithm"], sort=False):
             mean = group.groupby("local_work")["value"].mean()
             label = partition + ("" if curves.algorithm.nunique() == 1 else f" · {algorithm}")
-            axis.plot(mean.index, mean.to_numpy(), marker=".", label=label)
+            axis.plot(mean.index, mean.to_numpy(), marker=".", label=label, color=colors[(partition, algorithm)])
         axis.set_title(f"J={local_steps:g}")
         axis.set_xlabel("rounds × J")
     axes[0][0].set_ylabel(f"test {metric}")
-    axes[0][0].legend(fontsize=7)
+    handles: dict[str, Any] = {}
+    for axis in axes[0]:  # every line once, whichever panel has it (iid only at some J)
+        for handle, label in zip(*axis.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    axes[0][0].legend(list(handles.values()), list(handles), fontsize=7)
     save_figure(figure, out_png, dpi=120)
