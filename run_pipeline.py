@@ -1,9 +1,12 @@
 """The main job: steps 1–4 for every combination of one experiment file, then the gap report.
 
 Input: a YAML experiment file (experiments/demo.yaml, experiments/paper.yaml; keys
-and defaults in pipeline/experiment.py). Output: results/<name>/ with every step's
-folder, report.md, report.csv and plots. Rerunning skips finished steps and
-resumes an interrupted federated run from its checkpoint.
+and defaults in pipeline/experiment.py), or a study file with a ``study:`` key
+(experiments/digits_fedavg.yaml, experiments/cifar100_fedavg.yaml; keys in
+pipeline/study.py): centralized → federated grid → study report. Output:
+results/<name>/ with every step's folder, report.md, report.csv and plots.
+Rerunning skips finished steps and resumes an interrupted federated run from its
+checkpoint.
 """
 
 from __future__ import annotations
@@ -38,6 +41,12 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
 
     out_dir = args.results / config["name"]
+    if "study" in config:  # a study file (pipeline/study.py): centralized → federated grid → study report
+        from pipeline.study import Study
+
+        table = Study(config, out_dir, command_line([str(args.experiment)])).run()
+        print(f"report: {out_dir / 'report.md'} ({len(table)} rows: partition × J × algorithm, and centralized)")
+        return
     table = Pipeline(config, out_dir, command_line([str(args.experiment)])).run()
     print(f"report: {out_dir / 'report.md'} ({len(table)} task × algorithm × α rows)")
 

@@ -130,6 +130,16 @@ def load_manifest(path: Path) -> tuple[DataFamily, pd.DataFrame]:
     return family, family.read_manifest(path)
 
 
+def validation_mask(manifest: pd.DataFrame) -> np.ndarray:
+    """bool [rows]: the train rows set aside for validation (``val = 1``); all False without a ``val`` column.
+
+    Partitions (step 3b) leave them out and step 4 evaluates the global model on them (split ``val``).
+    """
+    if VAL_COLUMN not in manifest.columns:
+        return np.zeros(len(manifest), dtype=bool)
+    return ((manifest["split"] == "train") & (pd.to_numeric(manifest[VAL_COLUMN], errors="coerce") == 1)).to_numpy()
+
+
 def with_family_column(manifest: pd.DataFrame, family: str, source: str) -> pd.DataFrame:
     """``manifest`` with a ``family`` column first (added for legacy files); every row must name ``family``."""
     if FAMILY_COLUMN not in manifest.columns:

@@ -1,4 +1,5 @@
-"""Client data of a federated run: each client's train/test loaders over the assignment rows, and the global test loader.
+"""Client data of a federated run: each client's train/test loaders over the assignment rows, the global test loader
+and, when the manifest has validation rows, the global validation loader.
 
 Shared by step 4 (all clients) and a Flower SuperNode (``network/flower/app.py``: only
 the clients whose data that machine holds). ``args`` is the run's ``network.run.RunConfig`` (data_path,
@@ -15,7 +16,7 @@ import pandas as pd
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from datasets.encoded import encoded_dataset
-from datasets.family import family_of
+from datasets.family import family_of, validation_mask
 from network.client import ClientData
 from training.loop import make_loader
 
@@ -51,4 +52,13 @@ def make_clients(args: argparse.Namespace, manifest: pd.DataFrame, table: pd.Dat
 def global_test_loader(args: argparse.Namespace, manifest: pd.DataFrame, task, feature_model=None) -> DataLoader:
     test_ids = manifest.loc[manifest["split"] == "test", "sample_id"]
     return make_loader(task_dataset(args, manifest, task, test_ids, feature_model), args.batch_size, False, 0,
+                       args.num_workers)
+
+
+def global_val_loader(args: argparse.Namespace, manifest: pd.DataFrame, task, feature_model=None) -> DataLoader | None:
+    """The manifest's validation rows (train rows with ``val = 1``, e.g. cifar's), or None when it has none."""
+    val_ids = manifest.loc[validation_mask(manifest), "sample_id"]
+    if val_ids.empty:
+        return None
+    return make_loader(task_dataset(args, manifest, task, val_ids, feature_model), args.batch_size, False, 0,
                        args.num_workers)

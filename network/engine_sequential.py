@@ -47,6 +47,8 @@ from utils.run_dir import MetricsCSV, atomic_torch_save, load_checkpoint, remove
 # Names in metrics.csv, shared with every engine and with the report.
 TRAIN_SPLIT = "train"  # the clients' local training metrics
 GLOBAL_CLIENT = "global"  # the global model's rows of the global test split
+# The global model on the manifest's validation rows (when it has them): model selection, never final numbers.
+GLOBAL_VAL_SPLIT = "val"
 MODEL_CLIENT_PREFIX = "model:"  # rows of each server model, when an algorithm has several
 SKIPPED_CLIENT = "skipped"  # personal split: clients without a personal model (metric "clients")
 SUMMARY_CLIENTS = ("mean", "std", "worst_decile")
@@ -108,12 +110,14 @@ class SequentialEngine:
         config: round-loop settings.
         device: where the model trains.
         model_config: the arguments that rebuild the task model (kept in checkpoints).
+        val_loader: the manifest's validation rows, or None: the global model is evaluated on them
+            too (split ``val``), so a report can pick a round by validation and quote its test numbers.
     """
 
     def __init__(self, model: nn.Module, algorithm: Algorithm, clients: list[ClientData], loss_fn: LossFn,
                  evaluate_fn: EvaluateFn, test_loader: Iterable[dict], config: EngineConfig,
                  device: torch.device, model_config: dict[str, Any] | None = None,
-                 logger: logging.Logger | None = None) -> None:
+                 logger: logging.Logger | None = None, val_loader: Iterable[dict] | None = None) -> None:
         if (config.local_steps is None) == (config.local_epochs is None):
             raise TaskHetError("set exactly one of --local_steps and --local_epochs")
         ids = [str(client.client_id) for client in clients]
@@ -121,7 +125,7 @@ class SequentialEngine:
             raise TaskHetError(f"the engine needs at least one client and unique client ids, got {len(ids)} ids")
         self.model, self.algorithm, self.loss_fn, self.evaluate_fn = model, algorithm, loss_fn, evaluate_fn
         self.clients = {client_id: client for client_id, client in zip(ids, clients)}
-        self.test_loader, self.config, self.device = test_loader, config, device
+        self.test_loader, self.val_loader, self.config, self.device = test_loader, val_loader, config, device
         self.model_config, self.logger = model_config, logger or logging.getLogger(__name__)
         self.out_dir = Path(config.out_dir)
         self.checkpoint_path = self.out_dir / CHECKPOINT_FILE
@@ -195,7 +199,8 @@ class SequentialEngine:
         return round_index % self.config.eval_every == 0 or round_index == self.config.n_rounds
 
     def evaluate(self, round_index: int) -> tuple[list[dict[str, Any]], float]:
-        """Server models on the global test split, then every client's splits (network.client.evaluate_client).
+        """Server models on the global test split, the global model on the validation rows (if any), then every
+        client's splits (network.client.evaluate_client).
 
         Returns:
             The metric rows and the global model's test loss.
@@ -208,6 +213,9 @@ class SequentialEngine:
             owners = ([GLOBAL_CLIENT] if index == 0 else []) + ([MODEL_CLIENT_PREFIX + name] if len(models) > 1 else [])
             rows += [_row(round_index, GLOBAL_TEST_SPLIT, owner, metric, value)
                      for owner in owners for metric, value in test.items()]
+            if index == 0 and self.val_loader is not None:
+                rows += [_row(round_index, GLOBAL_VAL_SPLIT, GLOBAL_CLIENT, metric, value)
+                         for metric, value in evaluate_model(self.model, self.evaluate_fn, self.val_loader).items()]
             global_loss = float(test["loss"]) if index == 0 else global_loss
         per_split = self.client_evaluations(round_index)
         for split in CLIENT_SPLITS:

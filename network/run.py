@@ -215,7 +215,7 @@ def initial_model(config: RunConfig, num_classes: int | None) -> torch.nn.Module
 
 def run(setup: FedSetup) -> dict:
     """Build the clients and run the chosen engine; returns the run folder and the best global test loss."""
-    from network.client_data import global_test_loader, make_clients
+    from network.client_data import global_test_loader, global_val_loader, make_clients
     from network.engine_sequential import SequentialEngine
     from utils.run_dir import unfinished
 
@@ -223,6 +223,7 @@ def run(setup: FedSetup) -> dict:
     clients = make_clients(config, setup.manifest, setup.table, setup.task, setup.feature_model)
     logger = open_run_folder(setup)
     test_loader = global_test_loader(config, setup.manifest, setup.task, setup.feature_model)
+    val_loader = global_val_loader(config, setup.manifest, setup.task, setup.feature_model)
     logger.info("%s on %s: %d clients (%d train samples), %d test samples, device %s", config.method, config.task,
                 len(clients), sum(client.num_samples for client in clients), len(test_loader.dataset), setup.device)
     inputs = (setup.model, setup.algorithm, clients, setup.loss_fn, setup.evaluate_fn, test_loader,
@@ -235,7 +236,7 @@ def run(setup: FedSetup) -> dict:
                 mode=config.flower_mode, num_cpus=config.flower_num_cpus, num_gpus=config.flower_num_gpus,
                 min_available_clients=config.min_available_clients))
         else:
-            engine = SequentialEngine(*inputs, model_config=setup.model_config, logger=logger)
+            engine = SequentialEngine(*inputs, model_config=setup.model_config, logger=logger, val_loader=val_loader)
             engine.run()
     return {"out": config.out, "best_test_loss": engine.best_loss}
 

@@ -122,3 +122,45 @@ def assign_counts(group_codes: np.ndarray, counts: np.ndarray, rng: np.random.Ge
     client_of = np.empty(group_codes.size, dtype=np.int64)
     client_of[order] = np.repeat(owners, blocks.ravel())
     return client_of
+
+
+def transport(supply: np.ndarray, demand: np.ndarray, cells: np.ndarray, lower: np.ndarray, upper: np.ndarray,
+              exact: bool = True) -> np.ndarray | None:
+    """Integer counts on client × group cells with bounds, exact client totals and bounded group totals, or None.
+
+    A transportation problem solved as a maximum flow (scipy's ``maximum_flow``: integer
+    capacities give an integer flow, and a flow is the standard exact test of whether such
+    bounded integer tables exist, which no greedy rounding is):
+    source → group g (capacity ``supply[g]``) → client k over each cell (k, g) (between
+    ``lower`` and ``upper``) → sink (exactly ``demand[k]``). Lower bounds are subtracted first.
+
+    Args:
+        supply: int [G], the most samples of each group that may be used.
+        demand: int [K], the exact total of each client.
+        cells: int [E, 2], the (client, group) pairs that may hold samples (no pair twice).
+        lower, upper: int [E], bounds of each cell's count (0 <= lower <= upper).
+        exact: client totals must equal ``demand``; False: at most ``demand``, as much in all as possible
+            (the lower bounds are still met).
+
+    Returns:
+        int64 [E], the count of each cell, or None when no table meets every bound.
+    """
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import maximum_flow
+
+    n_clients, n_groups = demand.size, supply.size
+    clients, groups = cells[:, 0], cells[:, 1]
+    spare_supply = supply - np.bincount(groups, lower, n_groups).astype(np.int64)
+    spare_demand = demand - np.bincount(clients, lower, n_clients).astype(np.int64)
+    if (spare_supply < 0).any() or (spare_demand < 0).any() or (upper < lower).any():
+        return None
+    sink = n_groups + n_clients + 1
+    rows = np.concatenate([np.zeros(n_groups, np.int64), 1 + groups, 1 + n_groups + np.arange(n_clients)])
+    cols = np.concatenate([1 + np.arange(n_groups), 1 + n_groups + clients, np.full(n_clients, sink)])
+    capacity = np.concatenate([spare_supply, upper - lower, spare_demand]).astype(np.int32)
+    graph = csr_matrix((capacity, (rows, cols)), shape=(sink + 1, sink + 1))
+    result = maximum_flow(graph, 0, sink)
+    if exact and result.flow_value != spare_demand.sum():
+        return None
+    flow = np.asarray(result.flow.tocsr()[1 + groups, 1 + n_groups + clients]).ravel()
+    return lower + flow.astype(np.int64)

@@ -20,15 +20,18 @@ from utils.errors import TaskHetError
 from utils.loaders import load_yaml
 
 # data.source -> the data family that reads it (synthetic buildings are written in the Taskonomy layout).
-DATA_SOURCES = {"synthetic": "taskonomy", "taskonomy": "taskonomy", "digits": "digits"}
+DATA_SOURCES = {"synthetic": "taskonomy", "taskonomy": "taskonomy", "digits": "digits", "cifar10": "cifar", "cifar100": "cifar"}
+# Keys of the data section that only some sources read (a key set for another source is an error).
+SOURCE_KEYS = {"imbalance_factor": ("cifar10", "cifar100"), "val_fraction": ("cifar10", "cifar100"),
+               "verify_checksums": ("cifar10", "cifar100")}
 
 # Every key an experiment file may set, with its default. Nested dicts are sections;
 # a value of None means "no default: the file must set it" only where noted in README.
 SCHEMA: dict[str, Any] = {
     "name": "experiment",
     "data": {
-        "source": "synthetic",  # synthetic | taskonomy | digits (see DATA_SOURCES)
-        "root": "data/synthetic",  # ignored by digits (scikit-learn ships the images)
+        "source": "synthetic",  # synthetic | taskonomy | digits | cifar10 | cifar100 (see DATA_SOURCES)
+        "root": "data/synthetic",  # ignored by digits (scikit-learn ships the images); cifar: torchvision's folders' parent
         "synthetic": {"n_buildings": 24, "n_views": 50, "image_size": 64, "seed": 0},
         "split_csv": None,  # taskonomy only, required: the split CSV (id,train,val,test), relative to root unless absolute
         "buildings": None,  # taskonomy only: list of buildings to include (None: all on disk)
@@ -36,6 +39,9 @@ SCHEMA: dict[str, Any] = {
         "test_fraction": 0.2,
         "split_by": "building",  # taskonomy/synthetic only
         "n_samples": None,  # digits only: samples kept, stratified by digit (None: all 1,797)
+        "imbalance_factor": None,  # cifar only: n_min / n_max of the long-tailed training set (None: 1.0, balanced)
+        "val_fraction": None,  # cifar only: stratified share of the training set kept for validation (None: 0.1)
+        "verify_checksums": None,  # cifar only: torchvision's md5 check (None: on; off only for hand-made files)
     },
     "tasks": ["depth_euclidean", "normal", "segment_semantic", "class_scene"],
     # cache_features: with freeze_encoder, the encoder's maps are computed once per sample (steps 2, 3c, 4)
@@ -104,11 +110,17 @@ class Combination:
 def load_experiment(path: Path) -> dict[str, Any]:
     """Read, type-check, merge with defaults and validate an experiment file (errors name the key).
 
+    A file with a top-level ``study`` key is a study (pipeline/study.py: its own keys and grid).
+
     Every key is checked against :data:`TYPES` (type, range, list-ness) before any name is looked
     up, and all of it before step 0 runs; an empty file is an error, not a default run.
     """
     path = Path(path)
     raw = load_yaml(path, "experiment file")
+    if isinstance(raw, dict) and "study" in raw:  # a study file has its own keys (pipeline/study.py)
+        from pipeline.study import load_study
+
+        return load_study(path)
     if not isinstance(raw, dict):
         raise TaskHetError(f"{path}: expected a mapping of keys at the top level, got {type(raw).__name__}")
     config = _merge(copy.deepcopy(SCHEMA), raw, prefix="", source=path)
@@ -150,6 +162,7 @@ def validate_names(config: dict[str, Any], source: Path) -> None:
 
     check("data.source", [config["data"]["source"]], list(DATA_SOURCES))
     validate_split_csv(config["data"], source)
+    validate_source_keys(config["data"], source)
     check("tasks", list(config["tasks"]), list_tasks())
     validate_family_tasks(config, source)
     check("model.encoder", [config["model"]["encoder"]], list_encoders())
@@ -186,6 +199,14 @@ def validate_split_csv(data: dict[str, Any], source: Path) -> None:
                                "relative to data.root unless absolute")
     elif split_csv is not None:
         raise TaskHetError(f"{source}: data.split_csv is only for data.source taskonomy (data.source is {data['source']!r})")
+
+
+def validate_source_keys(data: dict[str, Any], source: Path) -> None:
+    """A data key that only other sources read is an error, not silently ignored."""
+    for key, sources in SOURCE_KEYS.items():
+        if data[key] is not None and data["source"] not in sources:
+            raise TaskHetError(f"{source}: data.{key} is only for data.source {' or '.join(sources)} "
+                               f"(data.source is {data['source']!r})")
 
 
 def split_csv_path(data: dict[str, Any]) -> Path:

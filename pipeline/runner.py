@@ -88,7 +88,11 @@ class Pipeline:
         data = self.config["data"]
         family = DATA_SOURCES[data["source"]]
         params = {"family": family, "test_fraction": data["test_fraction"], "seed": self.config["seeds"][0]}
-        if family == "digits":
+        if family == "cifar":  # CIFAR's test set is fixed: no test_fraction; the validation part comes from train
+            params = {"family": family, "dataset": data["source"], "data_path": str(root), "seed": params["seed"],
+                      **{key: data[key] for key in ("imbalance_factor", "val_fraction", "verify_checksums")
+                         if data[key] is not None}}
+        elif family == "digits":
             params["n_samples"] = data["n_samples"]
         else:
             params.update(data_path=str(root), tasks=self.config["tasks"], top_k_classes=data["top_k_classes"],
@@ -104,9 +108,11 @@ class Pipeline:
         self.step("step 1: select samples", stage_dir, params, step1, ["--out", str(stage_dir), *flags(params)])
         return stage_dir / "manifest.csv"
 
-    def centralized(self, task: str, root: Path, manifest: Path) -> Path:
+    def centralized(self, task: str, root: Path, manifest: Path, seed: int | None = None) -> Path:
+        """Step 2 for ``task`` with ``seed`` (default: the experiment's first seed)."""
         params = {
-            "task": task, "data_path": str(root), "manifest": str(manifest), "seed": self.config["seeds"][0],
+            "task": task, "data_path": str(root), "manifest": str(manifest),
+            "seed": self.config["seeds"][0] if seed is None else seed,
             "use_accelerator": self.config["use_accelerator"], **self.config["model"], **self.config["centralized"],
         }
         stage_dir = self.out_dir / "centralized" / f"{task}-{stage_key(params, [manifest], self.out_dir)}"

@@ -157,6 +157,9 @@ TYPES: dict[str, Check] = {
     "data.split_by": Str(("building", "sample")),
     "data.n_samples": Optional(Int(1)),
     "data.split_csv": Optional(Str()),
+    "data.imbalance_factor": Optional(Float(0, 1, low_open=True)),
+    "data.val_fraction": Optional(Float(0, 1, high_open=True)),
+    "data.verify_checksums": Optional(Bool()),
     "tasks": ListOf(Str()),
     "model.encoder": Str(),
     "model.weights": Str(),
@@ -201,9 +204,9 @@ TYPES: dict[str, Check] = {
 }
 
 
-def check_types(config: dict[str, Any], source: Path) -> None:
-    """Check every key of a merged config against :data:`TYPES`, in place (values may be normalised)."""
-    for dotted, check in TYPES.items():
+def check_types(config: dict[str, Any], source: Path, types: dict[str, Check] | None = None) -> None:
+    """Check every key of a merged config against ``types`` (default :data:`TYPES`), in place (values may be normalised)."""
+    for dotted, check in (TYPES if types is None else types).items():
         *sections, leaf = dotted.split(".")
         parent = config
         for section in sections:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from datasets.family import load_manifest
+from datasets.family import load_manifest, validation_mask
 from partitioning.assignments import assignments_table, resolve_groups, source_record, write_assignments
 from partitioning.partition import client_test_mask, get_partitioner, list_schemes, scheme_parameters
 from partitioning.partition_stats import client_stats, plot_heatmap
@@ -31,7 +31,8 @@ from utils.seeding import numpy_rng
 def build_parser() -> argparse.ArgumentParser:
     """The step-3b command line (make_client_assignments.py --help)."""
     parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--manifest", type=Path, required=True, help="step-1 manifest.csv; only its train split is partitioned")
+    parser.add_argument("--manifest", type=Path, required=True,
+                        help="step-1 manifest.csv; only its train split is partitioned, without its validation rows (val = 1)")
     parser.add_argument("--groups", default=None, help="a manifest column or a step-3 clusters.csv (default: the data family's label column)")
     parser.add_argument("--scheme", default="dirichlet_mixture", choices=list_schemes())
     parser.add_argument("--alpha", type=positive_float, default=None, help="Dirichlet concentration (Dirichlet schemes; scheme default 1.0)")
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> Path:
     args = build_parser().parse_args(argv)
     claim_folder(args.out, STEP)
     family, manifest = load_manifest(args.manifest)
-    train = manifest[manifest["split"] == "train"].reset_index(drop=True)
+    # Validation rows (cifar's val = 1) select models: no client trains on them.
+    train = manifest[(manifest["split"] == "train") & ~validation_mask(manifest)].reset_index(drop=True)
     if train.empty:
         raise TaskHetError(f"{args.manifest}: has no train rows to partition")
     args.groups = args.groups or family.label_column
