@@ -166,7 +166,7 @@ def resolve_groups(manifest: pd.DataFrame, groups: str, extra_ids: Iterable[str]
 
     Args:
         manifest: the step-1 manifest rows to group.
-        extra_ids: other sample ids a clusters file may list (step 3b passes the manifest's test rows).
+        extra_ids: other sample ids a clusters file may list (step 3b passes the test and validation rows).
         groups: a manifest column name (the family's label column, e.g. ``scene_class``: label-based) or the path of a
             ``clusters.csv`` with ``sample_id, cluster`` (embedding-based).
 

@@ -63,8 +63,9 @@ def main(argv: list[str] | None = None) -> Path:
     if train.empty:
         raise TaskHetError(f"{args.manifest}: has no train rows to partition")
     args.groups = args.groups or family.label_column
-    test_ids = manifest.loc[manifest["split"] == "test", "sample_id"]
-    groups, groups_file = resolve_groups(train, args.groups, extra_ids=test_ids)
+    # A clusters file covers every sample step 3 embedded: the test and validation rows too.
+    other_ids = manifest.loc[(manifest["split"] == "test") | validation_mask(manifest), "sample_id"]
+    groups, groups_file = resolve_groups(train, args.groups, extra_ids=other_ids)
     args.out.mkdir(parents=True, exist_ok=True)
     write_config(args.out, vars(args), step=STEP)
     logger = setup_logging(args.out, "make_client_assignments")
