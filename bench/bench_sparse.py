@@ -98,12 +98,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=32, help="calibration examples per Fisher pass")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per timed pass")
     parser.add_argument("--passes", type=int, default=5, help="alternating passes per side")
+    parser.add_argument("--only", choices=("fisher", "step"), default=None, help="run one of the two benchmarks")
     args = parser.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{sum(p.numel() for p in make_model().parameters()) / 1e6:.2f} M parameters")
-    bench_fisher(args.batch, args.passes)
-    for foreach in (None, True):
-        bench_step(args.steps, args.passes, foreach)
+    if args.only != "step":
+        bench_fisher(args.batch, args.passes)
+    if args.only != "fisher":
+        for foreach in (None, True):
+            bench_step(args.steps, args.passes, foreach)
 
 
 if __name__ == "__main__":

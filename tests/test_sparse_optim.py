@@ -38,10 +38,11 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int = 100) 
 
 
 @pytest.mark.parametrize("options", OPTIONS)
-def test_masked_entries_keep_their_bits_for_100_steps(options):
+@pytest.mark.parametrize("implementation", [dict(), dict(foreach=True)])
+def test_masked_entries_keep_their_bits_for_100_steps(options, implementation):
     model, masks = model_and_masks()
     before = [param.detach().clone() for param in model.parameters()]
-    optimizer = SparseSGDM(model.parameters(), masks, lr=0.05, **options)
+    optimizer = SparseSGDM(model.parameters(), masks, lr=0.05, **options, **implementation)
     train(model, optimizer)
     for param, old, mask in zip(model.parameters(), before, masks):
         assert torch.equal(param[~mask], old[~mask])
@@ -79,17 +80,31 @@ def test_masks_must_match_the_parameters():
         SparseSGDM(model.parameters(), [torch.ones(5)] + masks[1:], lr=0.1)
 
 
-def test_none_means_dense_and_the_state_dict_round_trips():
+@pytest.mark.parametrize("foreach", [False, True])
+def test_none_means_dense_and_the_state_dict_round_trips(foreach):
     model, masks = model_and_masks()
     masks[0] = None
-    optimizer = SparseSGDM(model.parameters(), masks, lr=0.1, momentum=0.9, weight_decay=0.1)
+    optimizer = SparseSGDM(model.parameters(), masks, lr=0.1, momentum=0.9, weight_decay=0.1, foreach=foreach)
     train(model, optimizer, steps=2)
     twin, _ = model_and_masks()
     twin.load_state_dict(model.state_dict())
     restored = SparseSGDM(twin.parameters(), [torch.ones_like(p) for p in twin.parameters()], lr=0.1, momentum=0.9,
-                          weight_decay=0.1)
+                          weight_decay=0.1, foreach=foreach)
     restored.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # state_dict() shares the buffers
     train(model, optimizer, steps=3)
     train(twin, restored, steps=3)
     for first, second in zip(model.parameters(), twin.parameters()):
         assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_the_folded_step_by_hand(foreach):
+    """μ = 0.5, wd = 0.1, lr = 0.1, mask [1, 0]: b₁ = d₁·m, b₂ = μ·b₁ + d₂·m, θ −= lr·b (trainable entry only)."""
+    param = nn.Parameter(torch.tensor([1.0, 2.0]))
+    optimizer = SparseSGDM([param], [torch.tensor([1, 0])], lr=0.1, momentum=0.5, weight_decay=0.1, foreach=foreach)
+    param.grad = torch.tensor([0.9, 4.0])
+    optimizer.step()  # d = 0.9 + 0.1·1 = 1, b = 1, θ = 1 − 0.1 = 0.9
+    param.grad = torch.tensor([0.91, 4.0])
+    optimizer.step()  # d = 0.91 + 0.09 = 1, b = 0.5 + 1 = 1.5, θ = 0.9 − 0.15 = 0.75
+    assert torch.allclose(param.detach(), torch.tensor([0.75, 2.0]), atol=1e-6) and param[1] == 2.0
+    assert torch.allclose(optimizer.state[param]["momentum_buffer"], torch.tensor([1.5, 0.0]), atol=1e-6)
