@@ -8,7 +8,7 @@ import torch
 from network.algorithms import build_algorithm
 from network.algorithms.base import GLOBAL_MODEL, ServerState, Upload
 from network.algorithms.sparse_finetune import DELTA, MASK, MASK_PREFIX
-from network.client import ClientFailure
+from utils.errors import TaskHetError
 from sparse.calibration import mask_density
 from tests.test_algorithms import UploadRecorder
 from tests.test_engine import global_test, make_engine
@@ -46,11 +46,11 @@ def test_client_masks_have_the_density_and_frozen_entries_never_move_through_rou
 def test_a_server_mask_is_broadcast_and_only_its_entries_move(tmp_path):
     engine = make_engine(tmp_path, "sparse_ft", rounds=2, client_fraction=1.0,
                          settings={"mask_source": "server", "density": 0.1, "mask_rule": "random"})
-    engine.server = engine.algorithm.calibrate_server(engine.server, engine.model, global_test(), torch.device("cpu"))
-    masks = {key[len(MASK_PREFIX):]: value for key, value in engine.server.tensors.items() if key.startswith(MASK_PREFIX)}
-    assert set(masks) == set(MASKABLE) and mask_density(masks) == round(0.1 * 112) / 112
+    engine.calibration_loader = global_test()  # the engine calls calibrate_server with it before round 1
     start = {key: value.clone() for key, value in engine.server.models[GLOBAL_MODEL].items()}
     engine.run()
+    masks = {key[len(MASK_PREFIX):]: value for key, value in engine.server.tensors.items() if key.startswith(MASK_PREFIX)}
+    assert set(masks) == set(MASKABLE) and mask_density(masks) == round(0.1 * 112) / 112
     final = engine.server.models[GLOBAL_MODEL]
     for key, mask in masks.items():
         assert torch.equal(final[key][~mask], start[key][~mask]) and not torch.equal(final[key][mask], start[key][mask])
@@ -58,8 +58,10 @@ def test_a_server_mask_is_broadcast_and_only_its_entries_move(tmp_path):
 
 def test_a_server_mask_without_calibration_data_is_one_clear_error(tmp_path):
     engine = make_engine(tmp_path, "sparse_ft", rounds=1, settings={"mask_source": "server"})
-    with pytest.raises(ClientFailure, match="mask_source=server needs the engine to call calibrate_server"):
+    with pytest.raises(TaskHetError, match="mask_source server needs a held-out calibration split"):
         engine.run()
+    client = make_engine(tmp_path / "client", "sparse_ft", rounds=1, settings={"mask_source": "client"})
+    assert client.algorithm.calibrate_server(client.server, client.model, None, torch.device("cpu")) is client.server
 
 
 def test_aggregation_by_hand_two_clients_whose_masks_differ():
