@@ -18,35 +18,37 @@ from torch.optim.sgd import sgd
 from utils.errors import TaskHetError
 
 MASK = "mask"  # optimizer state key: the 0/1 mask as a float tensor of the parameter's dtype
+# A mask at most this dense steps through the indices of its trainable entries (per-tensor loop, foldable options):
+# int64 indices cost 8 B × density per entry, no more than the float mask's 4 B.
+INDEXED_UP_TO = 0.5
 
 
 class SparseSGDM(torch.optim.SGD):
     """SGD with momentum (torch's pseudo-code, every option) that never changes an entry whose mask is 0.
 
-    Two paths, both exact:
+    Three paths; on every one a frozen entry keeps its exact bits and an all-ones mask is
+    ``torch.optim.SGD`` bit for bit (tests/test_sparse_optim.py):
 
-    * **Folded** (momentum > 0, dampening 0, no nesterov, not ``fused``, float lr and decay:
-      the usual fine-tuning setting). torch's own steps with the mask folded into the buffer
-      update: ``d = ±g + wd·θ``; ``b ← μ·b + d·m`` (``addcmul_``, in the pass where torch's SGD
-      does ``b ← μ·b + d``); ``θ ← θ − lr·b``. No extra pass over the parameters: the step costs
-      what torch's does plus one read of the mask (bench/bench_sparse.py). With
-      ``m = 1``, ``d·1`` is exact and ``b + d·1`` rounds as torch's ``b + d``, so it is
-      bit-identical to ``torch.optim.SGD``; the first step's ``b = d·m`` is torch's
-      ``b = clone(d)``.
-    * **Masked direction** (every other option). ``(±g + wd·θ)·m`` is computed first (one
-      extra in-place multiply) and handed to torch's ``sgd`` kernel with
-      ``weight_decay=0``. Folding is not exact there: with dampening τ, torch computes
-      ``b + (1−τ)·d`` as one fused multiply-add on CPU, ``addcmul`` rounds ``(1−τ)·d`` first;
-      nesterov's ``d + μ·b`` and momentum 0's ``θ − lr·d`` would use the unmasked ``d``.
+    * **Indexed** (the per-tensor loop, torch's CPU default; momentum > 0, dampening 0, no
+      nesterov; a mask at most ``INDEXED_UP_TO`` = 50 % dense). torch's step on the trainable
+      entries only: gather ``d = ±g + wd·θ`` at their flat indices, ``b ← μ·b + d`` on a
+      compact buffer, ``θ.index_add_(−lr·b)``. Frozen entries are never read or written, and
+      at density 0.1 it moves far less memory than torch's dense step (bench/bench_sparse.py).
+    * **Folded** (the same options, denser masks or the foreach path). torch's own ops with
+      the mask folded into the buffer pass: ``b ← μ·b + d·m`` (``addcmul_`` where torch does
+      ``b ← μ·b + d``), ``θ ← θ − lr·b``: no extra pass, one extra read (the mask). With
+      ``m = 1``, ``d·1`` is exact and ``b + d·1`` rounds as torch's ``b + d``; the first
+      step's ``b = d·m`` is torch's ``b = clone(d)``.
+    * **Masked direction** (every other option). ``d·m`` first (one extra multiply), then
+      torch's own update with ``weight_decay=0`` (its ``sgd`` kernel on the foreach path, its
+      per-tensor loop op for op otherwise). Folding is not exact there: with dampening τ,
+      torch computes ``b + (1−τ)·d`` as one fused multiply-add on CPU, ``addcmul`` rounds
+      ``(1−τ)·d`` first; nesterov's ``d + μ·b`` and momentum 0's ``θ − lr·d`` would use the
+      unmasked ``d``.
 
-    On CPU, ``d`` is written into a persistent parameter-sized scratch tensor per parameter
-    (``torch.add(..., out=)``, the same kernel) instead of a fresh one each step as torch
-    does: a fresh multi-megabyte tensor is a new mapping whose first touch page-faults, which
-    cost more than reading the mask (bench/bench_sparse.py). It is the memory torch's foreach
-    step allocates anyway, held between steps; it is not optimizer state (never saved). On
-    other devices the caching allocator makes fresh tensors cheap: torch's foreach ops are used.
-
-    A frozen entry's direction is ±0, so ``b`` stays ±0 there and its value never changes
+    The per-tensor loop handles one parameter at a time, as torch's does, so ``d`` is still
+    in cache when the buffer and the parameter use it. On the folded and masked paths a
+    frozen entry's direction is ±0, so ``b`` stays ±0 there and its value never changes
     (θ − lr·(±0) = θ; only a parameter that is exactly 0 may flip the sign of its zero).
     The mask is kept as a float tensor of the parameter's dtype (one parameter-sized copy):
     on CPU, ``masked_fill_`` or ``where`` with a bool mask took 7–8× as long as a multiply.
@@ -54,13 +56,15 @@ class SparseSGDM(torch.optim.SGD):
     gradient means training has diverged; the local loop stops on the next non-finite loss
     (``NonFiniteLossError``).
 
-    Momentum buffer: on both paths it accumulates the *masked* direction, so a frozen
-    entry's buffer is and stays exactly 0. TaLoS's AdamW keeps its moments from the full
-    gradient and masks the step instead; because SGD's buffer is element-wise, both choices
-    give the same updates on every trainable entry. They differ only at frozen entries,
-    where a masked buffer holds no hidden velocity (that would move an entry the moment its
-    mask is relaxed, e.g. between calibration rounds or in a later phase), and masking the
-    buffer is what lets the mask ride in torch's buffer pass for free.
+    Momentum buffer: it accumulates the *masked* direction. On the folded and masked paths
+    it is parameter-sized and exactly 0 at frozen entries; on the indexed path it holds the
+    trainable entries only (in flat order), which is the same buffer without its zeros.
+    TaLoS's AdamW keeps its moments from the full gradient and masks the step instead;
+    because SGD's buffer is element-wise, both choices give the same updates on every
+    trainable entry. They differ only at frozen entries, where a masked buffer holds no
+    hidden velocity (that would move an entry the moment its mask is relaxed, e.g. between
+    calibration rounds or in a later phase), and masking the buffer is what lets the mask
+    ride in torch's buffer pass, or lets the indexed path drop frozen entries altogether.
 
     Args:
         params: parameters or parameter groups, as for ``torch.optim.SGD``.
@@ -84,6 +88,19 @@ class SparseSGDM(torch.optim.SGD):
             if mask.shape != param.shape:
                 raise TaskHetError(f"mask {index} has shape {tuple(mask.shape)}, its parameter {tuple(param.shape)}")
             self.state[param][MASK] = (mask.detach() != 0).to(device=param.device, dtype=param.dtype)
+        self._indices: dict[Tensor, Tensor | None] = {}  # param -> flat trainable indices (from MASK), or None
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._indices.clear()  # the loaded masks may differ
+
+    def _indices_of(self, param: Tensor) -> Tensor | None:
+        """Flat indices of the trainable entries when the mask is sparse enough (cached), else None."""
+        if param not in self._indices:
+            mask = self.state[param].get(MASK)
+            sparse = mask is not None and param.is_contiguous() and float(mask.mean()) <= INDEXED_UP_TO
+            self._indices[param] = mask.reshape(-1).nonzero().squeeze(1) if sparse else None
+        return self._indices[param]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -111,8 +128,8 @@ class SparseSGDM(torch.optim.SGD):
             elif foreach:
                 _foreach_step(params, grads, masks, buffers, group)
             else:
-                for index, param in enumerate(params):
-                    buffers[index] = _single_step(param, grads[index], masks[index], buffers[index], group)
+                indexed = [self._indices_of(param) for param in params]
+                _single_tensor_steps(params, grads, masks, indexed, buffers, group)
             if group["momentum"] != 0:
                 for param, buffer in zip(params, buffers):
                     self.state[param]["momentum_buffer"] = buffer
@@ -130,28 +147,59 @@ def _folds(mask: Tensor | None, group: dict) -> bool:
     return mask is not None and group["momentum"] != 0 and group["dampening"] == 0 and not group["nesterov"]
 
 
-def _single_step(param: Tensor, grad: Tensor, mask: Tensor | None, buffer: Tensor | None, group: dict) -> Tensor | None:
-    """torch's per-tensor SGD step (``_single_tensor_sgd``, op for op) for one parameter, masked; returns ``b``.
+def _single_tensor_steps(params: list[Tensor], grads: list[Tensor], masks: list[Tensor | None],
+                         indexed: list[Tensor | None], buffers: list[Tensor | None], group: dict) -> None:
+    """torch's per-tensor SGD loop (``_single_tensor_sgd``, op for op), masked; fills ``buffers``.
 
-    One parameter at a time, as torch does, so ``d`` is still in cache when the buffer and
-    the parameter use it.
+    One parameter at a time, as torch does, so ``d`` is still in cache when the buffer and the
+    parameter use it; the group's settings are read once (the loop's Python cost is a few
+    percent of a step of a small model).
     """
-    momentum, lr = group["momentum"], group["lr"]
-    direction = -grad if group["maximize"] else grad
+    momentum, lr, decay, maximize = group["momentum"], group["lr"], group["weight_decay"], group["maximize"]
+    keep_up = 1 - group["dampening"]
+    foldable = momentum != 0 and group["dampening"] == 0 and not group["nesterov"]
+    for index, (param, grad, mask, where) in enumerate(zip(params, grads, masks, indexed)):
+        if foldable and where is not None:
+            buffers[index] = _indexed_step(param, grad, where, buffers[index], group)
+            continue
+        direction = -grad if maximize else grad
+        if decay != 0:
+            direction = direction.add(param, alpha=decay)
+        folds = foldable and mask is not None
+        if mask is not None and not folds:
+            direction = direction * mask if direction is grad else direction.mul_(mask)
+        if momentum != 0:
+            buffer = buffers[index]
+            if buffer is None:  # torch: b = clone(d)
+                buffer = buffers[index] = direction * mask if folds else direction.detach().clone()
+            elif folds:
+                buffer.mul_(momentum).addcmul_(direction, mask)
+            else:
+                buffer.mul_(momentum).add_(direction, alpha=keep_up)
+            direction = direction.add(buffer, alpha=momentum) if group["nesterov"] else buffer
+        param.add_(direction, alpha=-lr)
+
+
+def _indexed_step(param: Tensor, grad: Tensor, where: Tensor, buffer: Tensor | None, group: dict) -> Tensor:
+    """torch's step on the trainable entries only (gathered, updated, added back); returns the compact ``b``.
+
+    Frozen entries are never read or written, so they keep their bits; the buffer holds
+    the trainable entries only (a full-size buffer, e.g. loaded from a dense run, is
+    gathered first).
+    """
+    flat = param.view(-1)
+    direction = grad.reshape(-1).index_select(0, where)
+    if group["maximize"]:
+        direction.neg_()
     if group["weight_decay"] != 0:
-        direction = direction.add(param, alpha=group["weight_decay"])
-    folds = _folds(mask, group)
-    if mask is not None and not folds:
-        direction = direction * mask if direction is grad else direction.mul_(mask)
-    if momentum != 0:
-        if buffer is None:  # torch: b = clone(d)
-            buffer = direction * mask if folds else direction.detach().clone()
-        elif folds:
-            buffer.mul_(momentum).addcmul_(direction, mask)
-        else:
-            buffer.mul_(momentum).add_(direction, alpha=1 - group["dampening"])
-        direction = direction.add(buffer, alpha=momentum) if group["nesterov"] else buffer
-    param.add_(direction, alpha=-lr)
+        direction.add_(flat.index_select(0, where), alpha=group["weight_decay"])
+    if buffer is None:
+        buffer = direction  # torch: clone(d); this d is already our own tensor
+    else:
+        if buffer.numel() != where.numel():
+            buffer = buffer.reshape(-1).index_select(0, where)
+        buffer.mul_(group["momentum"]).add_(direction)
+    flat.index_add_(0, where, buffer, alpha=-group["lr"])
     return buffer
 
 
