@@ -115,6 +115,8 @@ class SparseSGDM(torch.optim.SGD):
             buffers: list[Tensor | None] = []
             if self._init_group(group, params, grads, buffers):
                 raise TaskHetError("SparseSGDM does not support sparse gradients")
+            if isinstance(group["lr"], Tensor) and not group["fused"]:
+                group = {**group, "lr": group["lr"].item()}  # torch's own unfused steps read it as a number too
             masks = [self.state[param].get(MASK) for param in params]
             buffers = buffers or [None] * len(params)  # torch lists no buffers without momentum
             foreach = group["foreach"]
