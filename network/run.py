@@ -222,7 +222,10 @@ def run(setup: FedSetup) -> dict:
 
     config = setup.config
     clients = make_clients(config, setup.manifest, setup.table, setup.task)
+    calibration = calibration_loader(setup)  # before the folder is claimed: a refused split leaves it untouched
     logger = open_run_folder(setup)
+    if calibration is not None:
+        logger.info("server calibration split: %d held-out train samples", len(calibration.dataset))
     test_loader = global_test_loader(config, setup.manifest, setup.task)
     logger.info("%s on %s: %d clients (%d train samples), %d test samples, device %s", config.method, config.task,
                 len(clients), sum(client.num_samples for client in clients), len(test_loader.dataset), setup.device)
@@ -237,12 +240,12 @@ def run(setup: FedSetup) -> dict:
                 min_available_clients=config.min_available_clients))
         else:
             engine = SequentialEngine(*inputs, model_config=setup.model_config, logger=logger,
-                                      calibration_loader=calibration_loader(setup, logger))
+                                      calibration_loader=calibration)
             engine.run()
     return {"out": config.out, "best_test_loss": engine.best_loss}
 
 
-def calibration_loader(setup: FedSetup, logger: logging.Logger):
+def calibration_loader(setup: FedSetup) -> torch.utils.data.DataLoader | None:
     """The server's calibration batches (network.calibration_split), or None without --calibration_fraction."""
     from network.calibration_split import calibration_ids
     from network.client_data import task_dataset
@@ -252,7 +255,6 @@ def calibration_loader(setup: FedSetup, logger: logging.Logger):
     ids = calibration_ids(setup.manifest, setup.table, config.calibration_fraction, config.rand_seed)
     if not ids:
         return None
-    logger.info("server calibration split: %d held-out train samples", len(ids))
     return make_loader(task_dataset(config, setup.manifest, setup.task, ids), config.batch_size, False, 0,
                        config.num_workers)
 

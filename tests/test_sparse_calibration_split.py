@@ -91,6 +91,10 @@ def test_step4_calibrates_the_server_mask_on_the_held_out_rows(tiny_data_root, t
     out = tmp_path / "run"
     with pytest.raises(TaskHetError, match="needs a held-out calibration split: pass --calibration_fraction"):
         test_fed.main(argv(tiny_data_root, tiny_manifest, assignments_with_free_rows, out, *sparse))
+    with pytest.raises(TaskHetError, match=r"--calibration_fraction 0.5 needs \d+ of the manifest's"):
+        test_fed.main(argv(tiny_data_root, tiny_manifest, assignments_with_free_rows, tmp_path / "big", *sparse,
+                           "--calibration_fraction", "0.5"))
+    assert not (tmp_path / "big").exists()  # refused before the folder is claimed
     test_fed.main(argv(tiny_data_root, tiny_manifest, assignments_with_free_rows, tmp_path / "ok", *sparse,
                        "--calibration_fraction", "0.1", "--keep_local_models", "true"))
     tensors = load_checkpoint(tmp_path / "ok" / "checkpoint.pt")["server"]["tensors"]
