@@ -84,3 +84,27 @@ def test_aggregation_by_hand_two_clients_whose_masks_differ():
     assert torch.equal(new.models[GLOBAL_MODEL]["body.0.bias"], expected)
     assert all(torch.equal(new.models[GLOBAL_MODEL][key], weights[key]) for key in weights if key != "body.0.bias")
     assert isinstance(new, ServerState)
+
+
+def test_aggregation_by_hand_three_clients_of_unequal_sizes_and_a_server_learning_rate():
+    """Entry j moves by η_g · Σ_i n_i m_ij Δ_ij / Σ_i n_i m_ij over the clients that trained it (none: 0)."""
+    algorithm, _ = build_algorithm("sparse_ft", TinyNet(), {"a": 2, "b": 5, "c": 3}, {"server_lr": 0.5})
+    weights = {key: torch.ones_like(value) for key, value in TinyNet().state_dict().items()}
+    server = algorithm.init_server(weights)
+
+    def upload(client_id, trained, values, num_samples):
+        mask = {key: torch.zeros_like(weights[key], dtype=torch.bool) for key in MASKABLE}
+        delta = {key: torch.zeros_like(weights[key]) for key in MASKABLE}
+        mask["body.0.bias"][trained] = True
+        delta["body.0.bias"][trained] = torch.tensor(values)
+        return Upload(client_id, {DELTA: delta, MASK: mask}, num_samples)
+
+    # entry 0: a, b, c; entry 1: a, c; entry 2: b only; entry 3: nobody (c's 0 at 0 and 2 is "frozen", no vote).
+    new = algorithm.aggregate(server, [upload("a", [0, 1], [1.0, 2.0], 2), upload("b", [0, 2], [4.0, -6.0], 5),
+                                       upload("c", [0, 1], [-2.0, 8.0], 3)])
+    bias = new.models[GLOBAL_MODEL]["body.0.bias"]
+    expected = [1 + 0.5 * (2 * 1 + 5 * 4 + 3 * -2) / 10,  # 1.8
+                1 + 0.5 * (2 * 2 + 3 * 8) / 5,  # 3.8: b froze it, so its n = 5 is not in the denominator
+                1 + 0.5 * -6.0,  # -2.0: b alone, not shrunk by a's and c's sizes
+                1.0]
+    assert torch.allclose(bias[:4], torch.tensor(expected)) and torch.equal(bias[4:], torch.ones(bias.numel() - 4))
