@@ -7,12 +7,12 @@ import torch
 
 from network.algorithms import build_algorithm
 from network.algorithms.base import GLOBAL_MODEL, ServerState, Upload
-from network.algorithms.sparse_finetune import DELTA, MASK, MASK_PREFIX
-from utils.errors import TaskHetError
+from network.algorithms.sparse_finetune import BASE_PREFIX, DELTA, LOCAL_PREFIX, MASK, MASK_PREFIX
 from sparse.calibration import mask_density
 from tests.test_algorithms import UploadRecorder
 from tests.test_engine import global_test, make_engine
 from tests.tiny_models import TinyNet
+from utils.errors import TaskHetError
 
 MASKABLE = ("body.0.weight", "body.0.bias", "body.1.weight", "body.1.bias")  # the head and BatchNorm buffers are not
 
@@ -47,8 +47,11 @@ def test_a_server_mask_is_broadcast_and_only_its_entries_move(tmp_path):
     engine = make_engine(tmp_path, "sparse_ft", rounds=2, client_fraction=1.0,
                          settings={"mask_source": "server", "density": 0.1, "mask_rule": "random"})
     engine.calibration_loader = global_test()  # the engine calls calibrate_server with it before round 1
+    recorder = UploadRecorder(engine)
     start = {key: value.clone() for key, value in engine.server.models[GLOBAL_MODEL].items()}
     engine.run()
+    assert all(state == {} for _, _, state in recorder.calls)  # server masks: clients keep nothing
+    assert not any(key.startswith(BASE_PREFIX) for key in engine.server.tensors)  # no keep_local_models
     masks = {key[len(MASK_PREFIX):]: value for key, value in engine.server.tensors.items() if key.startswith(MASK_PREFIX)}
     assert set(masks) == set(MASKABLE) and mask_density(masks) == round(0.1 * 112) / 112
     final = engine.server.models[GLOBAL_MODEL]
@@ -108,3 +111,22 @@ def test_aggregation_by_hand_three_clients_of_unequal_sizes_and_a_server_learnin
                 1 + 0.5 * -6.0,  # -2.0: b alone, not shrunk by a's and c's sizes
                 1.0]
     assert torch.allclose(bias[:4], torch.tensor(expected)) and torch.equal(bias[4:], torch.ones(bias.numel() - 4))
+
+
+def test_keep_local_models_keeps_the_base_and_each_clients_local_model(tmp_path):
+    engine = make_engine(tmp_path, "sparse_ft", rounds=1, client_fraction=1.0, weight_decay=0.1,
+                         settings={"density": 0.25, "calibration_rounds": 1, "keep_local_models": True})
+    recorder = UploadRecorder(engine)
+    start = {key: value.clone() for key, value in engine.server.models[GLOBAL_MODEL].items()}
+    engine.run()
+    assert {key[len(BASE_PREFIX):]: value for key, value in engine.server.tensors.items()
+            if key.startswith(BASE_PREFIX)}.keys() == start.keys()
+    assert all(torch.equal(engine.server.tensors[BASE_PREFIX + key], value) for key, value in start.items())
+    for _, upload, state in recorder.calls:  # round 1 starts from θ_0: θ_k = θ_0 + Δ_k, and θ_0 off the mask
+        local = {key[len(LOCAL_PREFIX):]: value for key, value in state.items() if key.startswith(LOCAL_PREFIX)}
+        assert local.keys() == start.keys() and {key for key in state if key.startswith(MASK_PREFIX)}
+        for key, value in local.items():
+            if key in upload[DELTA]:
+                assert torch.allclose(value, start[key] + upload[DELTA][key], atol=1e-6)
+            else:
+                assert torch.equal(value, start[key]), key
