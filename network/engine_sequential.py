@@ -112,12 +112,14 @@ class SequentialEngine:
         model_config: the arguments that rebuild the task model (kept in checkpoints).
         val_loader: the manifest's validation rows, or None: the global model is evaluated on them
             too (split ``val``), so a report can pick a round by validation and quote its test numbers.
+        calibration_loader: held-out server data for ``algorithm.calibrate_server`` (None: none).
     """
 
     def __init__(self, model: nn.Module, algorithm: Algorithm, clients: list[ClientData], loss_fn: LossFn,
                  evaluate_fn: EvaluateFn, test_loader: Iterable[dict], config: EngineConfig,
                  device: torch.device, model_config: dict[str, Any] | None = None,
-                 logger: logging.Logger | None = None, val_loader: Iterable[dict] | None = None) -> None:
+                 logger: logging.Logger | None = None, val_loader: Iterable[dict] | None = None,
+                 calibration_loader: Iterable[dict] | None = None) -> None:
         if (config.local_steps is None) == (config.local_epochs is None):
             raise TaskHetError("set exactly one of --local_steps and --local_epochs")
         ids = [str(client.client_id) for client in clients]
@@ -126,6 +128,7 @@ class SequentialEngine:
         self.model, self.algorithm, self.loss_fn, self.evaluate_fn = model, algorithm, loss_fn, evaluate_fn
         self.clients = {client_id: client for client_id, client in zip(ids, clients)}
         self.test_loader, self.val_loader, self.config, self.device = test_loader, val_loader, config, device
+        self.calibration_loader = calibration_loader  # the server's held-out data: Algorithm.calibrate_server
         self.model_config, self.logger = model_config, logger or logging.getLogger(__name__)
         self.out_dir = Path(config.out_dir)
         self.checkpoint_path = self.out_dir / CHECKPOINT_FILE
@@ -288,6 +291,7 @@ class SequentialEngine:
             return checkpoint["round"]
         self.metrics.truncate_after("round", -1)
         self.store.restore({})
+        self.server = self.algorithm.calibrate_server(self.server, self.model, self.calibration_loader, self.device)
         rows, test_loss = self.evaluate(0)
         self._finish_round(0, rows, test_loss)
         self.logger.info("round 0: test loss %.4g", test_loss)

@@ -77,6 +77,7 @@ class RunConfig:
     momentum: float = 0.0
     weight_decay: float = 0.0
     client_fraction: float = 1.0
+    calibration_fraction: float = 0.0
     finetune_steps: int = 0
     diagnostics: bool = False
     eval_every: int = 1
@@ -187,6 +188,11 @@ def resolve(config: RunConfig, meta: dict) -> RunConfig:
     config = config.replace(type=config.type or kind, alpha=config.alpha if config.alpha is not None else meta.get("alpha"))
     if config.init_from == "centralized" and config.centralized_checkpoint is None:
         raise TaskHetError("--init_from centralized needs --centralized_checkpoint (a step-2 best.pt)")
+    if not 0 <= config.calibration_fraction < 1:
+        raise TaskHetError(f"--calibration_fraction must be in [0, 1), got {config.calibration_fraction}")
+    if config.calibration_fraction and config.engine != "sequential":
+        raise TaskHetError(f"--calibration_fraction needs --engine sequential (the {config.engine} engine has no "
+                           "server-side calibration yet)")
     if config.finetune_steps < 0:
         raise TaskHetError(f"--finetune_steps must be >= 0, got {config.finetune_steps}")
     if config.out is None:
@@ -221,7 +227,10 @@ def run(setup: FedSetup) -> dict:
 
     config = setup.config
     clients = make_clients(config, setup.manifest, setup.table, setup.task, setup.feature_model)
+    calibration = calibration_loader(setup)  # before the folder is claimed: a refused split leaves it untouched
     logger = open_run_folder(setup)
+    if calibration is not None:
+        logger.info("server calibration split: %d held-out train samples", len(calibration.dataset))
     test_loader = global_test_loader(config, setup.manifest, setup.task, setup.feature_model)
     val_loader = global_val_loader(config, setup.manifest, setup.task, setup.feature_model)
     logger.info("%s on %s: %d clients (%d train samples), %d test samples, device %s", config.method, config.task,
@@ -236,9 +245,24 @@ def run(setup: FedSetup) -> dict:
                 mode=config.flower_mode, num_cpus=config.flower_num_cpus, num_gpus=config.flower_num_gpus,
                 min_available_clients=config.min_available_clients))
         else:
-            engine = SequentialEngine(*inputs, model_config=setup.model_config, logger=logger, val_loader=val_loader)
+            engine = SequentialEngine(*inputs, model_config=setup.model_config, logger=logger, val_loader=val_loader,
+                                      calibration_loader=calibration)
             engine.run()
     return {"out": config.out, "best_test_loss": engine.best_loss}
+
+
+def calibration_loader(setup: FedSetup) -> torch.utils.data.DataLoader | None:
+    """The server's calibration batches (network.calibration_split), or None without --calibration_fraction."""
+    from network.calibration_split import calibration_ids
+    from network.client_data import task_dataset
+    from training.loop import make_loader
+
+    config = setup.config
+    ids = calibration_ids(setup.manifest, setup.table, config.calibration_fraction, config.rand_seed)
+    if not ids:
+        return None
+    return make_loader(task_dataset(config, setup.manifest, setup.task, ids, setup.feature_model), config.batch_size, False, 0,
+                       config.num_workers)
 
 
 def open_run_folder(setup: FedSetup) -> logging.Logger:

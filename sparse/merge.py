@@ -80,3 +80,19 @@ def jaccard_matrix(masks: Sequence[Weights]) -> Tensor:
             if union:
                 result[row, column] = int((first & second).sum()) / union
     return result
+
+
+def plot_matrix(matrix: Tensor, names: Sequence[str], title: str, out_png, vmin: float = -1.0) -> None:
+    """A [K, K] heatmap (cosine: vmin −1; Jaccard: vmin 0), clients on both axes."""
+    from utils.plots import plt, save_figure  # only here: the arithmetic never needs matplotlib
+
+    size = min(12.0, 2.5 + 0.35 * len(names))
+    figure, axis = plt.subplots(figsize=(size, size * 0.85))
+    image = axis.imshow(matrix.numpy(), vmin=vmin, vmax=1, cmap="RdBu_r" if vmin < 0 else "viridis")
+    axis.set_xticks(range(len(names)), names, rotation=90, fontsize=7)
+    axis.set_yticks(range(len(names)), names, fontsize=7)
+    axis.set_xlabel("client")
+    axis.set_ylabel("client")
+    axis.set_title(title)
+    figure.colorbar(image, ax=axis, fraction=0.046)
+    save_figure(figure, out_png, dpi=110)

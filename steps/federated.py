@@ -76,6 +76,9 @@ def build_parser(method: str | None = None) -> argparse.ArgumentParser:
     add("--momentum", type=cli.nonnegative_float, default=0.0, help="local SGD momentum (default: 0)")
     add("--weight_decay", type=cli.nonnegative_float, default=0.0, help="local SGD weight decay (default: 0)")
     add("--client_fraction", type=positive_float, default=1.0, help="share of clients per round (default: 1)")
+    add("--calibration_fraction", type=cli.nonnegative_float, default=0.0,
+        help="hold out this share of the manifest's train rows no client holds as the server's calibration split "
+             "(sparse_ft --mask_source server; default: 0, none)")
     add("--finetune_steps", type=cli.nonnegative_int, default=0,
         help="also evaluate each client's model after this many local SGD steps on its train rows (default: 0, off)")
     add("--diagnostics", action=argparse.BooleanOptionalAction, default=False,

@@ -1,9 +1,9 @@
-"""Task arithmetic over fine-tuned checkpoints (issue 15): merge, choose λ, report interference.
+"""Task arithmetic over fine-tuned models (TaLoS, issue 15): merged model, λ search and interference.
 
-Library entry point :func:`run_merge` (λ search and per-client comparison need a loss
-callable: they run from Python until a data family gives the command line one), and
-the command ``merge_task_vectors.py``, which merges at a fixed λ and writes the
-diagnostics that need no data.
+Two sources of models: ``--run`` (a finished step-4 ``sparse_ft`` run made with
+``--keep_local_models true``: θ_0, the clients' local models, their masks and their data,
+read by sparse/from_run.py), or ``--base`` and ``--finetuned`` checkpoints (no data: one
+fixed λ, the interference diagnostics only). The work is :func:`run_merge`.
 """
 
 from __future__ import annotations
@@ -13,19 +13,24 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
+import pandas as pd
 
 from network.aggregation import Weights
-from network.diagnostics import plot_cosine
-from sparse.merge import choose_lambda, cosine_matrix, jaccard_matrix, merge, support, task_vector
+from sparse.merge import (choose_lambda, cosine_matrix, jaccard_matrix, merge, plot_matrix, support, task_vector)
 from utils import cli
 from utils.errors import TaskHetError
-from utils.run_dir import MetricsCSV, atomic_torch_save, load_checkpoint, setup_logging, write_config
+from utils.run_dir import (MetricsCSV, atomic_torch_save, atomic_write_text, claim_folder, load_checkpoint,
+                           setup_logging, write_config)
 
+STEP = "merge"
 COLUMNS = ("split", "model", "other", "metric", "value")
-DESCRIPTION = """Task arithmetic (TaLoS, issue 15): task vectors τ_k = θ_k − θ_0 of fine-tuned checkpoints,
-the merged model θ_0 + λ Σ τ_k, pairwise cosine of the τ_k and Jaccard overlap of their supports.
-Inputs: --base (a state dict or a best.pt), --finetuned NAME=PATH (two or more). Outputs under --out:
-config.json, run.log, metrics.csv (split, model, other, metric, value), cosine.png, merged.pt."""
+DESCRIPTION = """Task arithmetic (TaLoS, issue 15): task vectors τ_k = θ_k − θ_0 of fine-tuned models, the merged
+model θ_0 + λ Σ τ_k with λ chosen on validation data, pairwise cosine of the τ_k, Jaccard overlap of the clients'
+masks, and each client's own model against the merged model on that client's test rows.
+Inputs: --run (a step-4 sparse_ft run folder made with --keep_local_models true), or --base and --finetuned
+NAME=PATH (state dicts or best.pt files; no data, so one --lam and no comparison).
+Outputs under --out: config.json, run.log, metrics.csv (split, model, other, metric, value), merge.csv (per
+client: own, merged and base loss; with --run), cosine.npy, jaccard.npy, cosine.png, jaccard.png, merged.pt."""
 
 
 def load_model_weights(path: Path) -> Weights:
@@ -39,21 +44,26 @@ def load_model_weights(path: Path) -> Weights:
 
 def run_merge(base: Weights, finetuned: Mapping[str, Weights], out_dir: Path, lambdas: Sequence[float],
               validation_loss: Callable[[Weights], float] | None = None,
-              client_loss: Callable[[str, Weights], float] | None = None, config: dict | None = None) -> Weights:
+              client_loss: Callable[[str, Weights], float] | None = None, config: dict | None = None,
+              masks: Mapping[str, Weights] | None = None) -> Weights:
     """Merge ``finetuned`` into ``base``, write the run folder, return the merged weights.
 
     Args:
         base: θ_0. finetuned: name (a client id) -> θ_k.
         lambdas: the λ grid; with no ``validation_loss`` it must hold exactly one λ.
-        validation_loss: merged weights -> loss on validation data (chooses λ).
-        client_loss: (name, weights) -> loss on that client's data: each θ_k vs the merged model.
+        validation_loss: merged weights -> loss on validation data (chooses λ: the lowest, first on ties).
+        client_loss: (name, weights) -> loss on that client's data: θ_k, the merged model and θ_0 (merge.csv).
         config: extra entries for config.json.
+        masks: name -> the client's trained-entry masks (Jaccard); default: the supports of the τ_k.
     """
     if len(lambdas) != 1 and validation_loss is None:
         raise TaskHetError("choosing λ from a grid needs validation data; give one λ")
     out_dir = Path(out_dir)
+    claim_folder(out_dir, STEP)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_config(out_dir, {**(config or {}), "models": list(finetuned), "lambdas": list(lambdas)}, step=STEP)
     log = setup_logging(out_dir, "merge")
-    write_config(out_dir, {**(config or {}), "models": list(finetuned), "lambdas": list(lambdas)})
+    (out_dir / "metrics.csv").unlink(missing_ok=True)  # a rerun into the same folder starts the table afresh
     metrics = MetricsCSV(out_dir / "metrics.csv", COLUMNS)
     names = list(finetuned)
     vectors = [task_vector(base, finetuned[name]) for name in names]
@@ -62,37 +72,86 @@ def run_merge(base: Weights, finetuned: Mapping[str, Weights], out_dir: Path, la
                   for key, value in losses.items())
     log.info("λ = %s%s", lam, f" (validation losses {losses})" if losses else "")
     merged = merge(base, vectors, lam)
-    cosine, jaccard = cosine_matrix(vectors), jaccard_matrix([support(vector) for vector in vectors])
+    cosine = cosine_matrix(vectors)
+    jaccard = jaccard_matrix([masks[name] for name in names] if masks else [support(vector) for vector in vectors])
     for row, first in enumerate(names):
-        for column, second in enumerate(names):
-            metrics.write([{"split": "interference", "model": first, "other": second, "metric": "cosine",
-                            "value": float(cosine[row, column])},
-                           {"split": "interference", "model": first, "other": second, "metric": "jaccard",
-                            "value": float(jaccard[row, column])}])
-        if client_loss is not None:
-            own, joint = client_loss(first, finetuned[first]), client_loss(first, merged)
-            metrics.write([{"split": "client", "model": first, "other": "own", "metric": "loss", "value": own},
-                           {"split": "client", "model": first, "other": "merged", "metric": "loss", "value": joint}])
-            log.info("client %s: own model %.4f, merged %.4f", first, own, joint)
-    plot_cosine(np.asarray(cosine), names, 0, out_dir / "cosine.png")
+        metrics.write({"split": "interference", "model": first, "other": second, "metric": metric,
+                       "value": float(matrix[row, column])}
+                      for column, second in enumerate(names) for metric, matrix in (("cosine", cosine),
+                                                                                     ("jaccard", jaccard)))
+    if client_loss is not None:
+        table = pd.DataFrame([_compare(name, finetuned[name], merged, base, client_loss, lam) for name in names])
+        atomic_write_text(out_dir / "merge.csv", table.to_csv(index=False))
+        metrics.write({"split": "client", "model": row.client, "other": other, "metric": "loss",
+                       "value": getattr(row, f"{other}_loss")} for row in table.itertuples()
+                      for other in ("own", "merged", "base"))
+        log.info("clients: own model %.4f, merged %.4f, base %.4f (mean loss on their own data)",
+                 table.own_loss.mean(), table.merged_loss.mean(), table.base_loss.mean())
+    for name, matrix, vmin in (("cosine", cosine, -1.0), ("jaccard", jaccard, 0.0)):
+        np.save(out_dir / f"{name}.npy", matrix.numpy())
+        plot_matrix(matrix, names, f"{name} between clients' task vectors" if name == "cosine"
+                    else "Jaccard overlap of the clients' masks", out_dir / f"{name}.png", vmin=vmin)
     atomic_torch_save({"model": merged, "lambda": lam}, out_dir / "merged.pt")
     log.info("wrote %s", out_dir)
     return merged
 
 
+def _compare(name: str, own: Weights, merged: Weights, base: Weights, client_loss: Callable[[str, Weights], float],
+             lam: float) -> dict:
+    return {"client": name, "lambda": lam, "own_loss": client_loss(name, own),
+            "merged_loss": client_loss(name, merged), "base_loss": client_loss(name, base)}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = cli.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", type=Path, required=True, help="θ_0: a state dict or a best.pt")
-    parser.add_argument("--finetuned", nargs="+", required=True, metavar="NAME=PATH", help="fine-tuned checkpoints")
-    parser.add_argument("--lam", type=float, default=1.0, help="λ of the merge θ_0 + λ Σ τ_k (default: 1.0)")
-    parser.add_argument("--out", type=Path, required=True, help="the run folder")
+    parser.add_argument("--run", type=Path, default=None, help="step-4 sparse_ft run folder (--keep_local_models true)")
+    parser.add_argument("--base", type=Path, default=None, help="θ_0: a state dict or a best.pt (without --run)")
+    parser.add_argument("--finetuned", nargs="+", default=None, metavar="NAME=PATH", help="fine-tuned checkpoints")
+    parser.add_argument("--lam", type=float, default=None, help="one fixed λ, no search (default without --run: 1.0)")
+    parser.add_argument("--lambdas", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1",
+                        help="--run: the λ grid searched on the validation split (comma-separated)")
+    parser.add_argument("--val_split", choices=("held_out", "client_test"), default="held_out",
+                        help="--run: λ's validation data: held_out (manifest train rows no client holds, "
+                             "--val_fraction of the train rows) or client_test (the clients' test rows)")
+    parser.add_argument("--val_fraction", type=cli.nonnegative_float, default=0.1, help="--run: see --val_split")
+    parser.add_argument("--use_accelerator", action=argparse.BooleanOptionalAction, default=False,
+                        help="--run: evaluate on CUDA/MPS when present (default: CPU)")
+    parser.add_argument("--out", type=Path, required=True, help="the merge's run folder")
     return parser
 
 
 def main(argv: list[str] | None = None) -> Weights:
     args = build_parser().parse_args(argv)
+    if (args.run is None) == (args.base is None and args.finetuned is None):
+        raise TaskHetError("pass --run RUN_DIR, or --base and --finetuned (not both)")
+    if args.run is None:
+        return _merge_checkpoints(args)
+    from sparse.from_run import read_run, validation_loader  # only here: builds models and data
+
+    run = read_run(args.run, args.use_accelerator)
+    grid = [args.lam] if args.lam is not None else _grid(args.lambdas)
+    validation = run.loss_on(validation_loader(run, args.val_split, args.val_fraction))
+    return run_merge(run.base, run.local, args.out, grid, validation_loss=validation,
+                     client_loss=lambda name, weights: run.loss_on(run.client_loaders[name])(weights),
+                     config=vars(args), masks=run.masks)
+
+
+def _merge_checkpoints(args: argparse.Namespace) -> Weights:
+    if args.base is None or not args.finetuned:
+        raise TaskHetError("--base needs --finetuned NAME=PATH (and --finetuned needs --base)")
     pairs = [item.split("=", 1) for item in args.finetuned]
     if any(len(pair) != 2 or not pair[0] for pair in pairs):
         raise TaskHetError(f"--finetuned takes NAME=PATH items, got {args.finetuned}")
     finetuned = {name: load_model_weights(Path(path)) for name, path in pairs}
-    return run_merge(load_model_weights(args.base), finetuned, args.out, [args.lam], config=vars(args))
+    lam = 1.0 if args.lam is None else args.lam
+    return run_merge(load_model_weights(args.base), finetuned, args.out, [lam], config=vars(args))
+
+
+def _grid(text: str) -> list[float]:
+    try:
+        grid = [float(item) for item in str(text).split(",") if item.strip()]
+    except ValueError:
+        raise TaskHetError(f"--lambdas takes comma-separated numbers, got {text!r}") from None
+    if not grid:
+        raise TaskHetError("--lambdas is empty")
+    return grid

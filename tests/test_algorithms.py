@@ -87,7 +87,7 @@ REFUSED = {
 }
 # Settings no __post_init__ check guards: their choices are enforced when the settings are built from a run's
 # values (build_settings), or any value is valid.
-NOT_CHECKED_AFTER_BUILD = {"mask_rule", "score", "likelihood", "mask_source", "input_key"}
+NOT_CHECKED_AFTER_BUILD = {"mask_rule", "score", "likelihood", "mask_source", "input_key", "keep_local_models"}
 ACCEPTED_EDGES = {"server_lr": [{"server_lr": 1e-9}], "server_momentum": [{"server_momentum": 0.0}],
                   "server_beta1": [{"server_beta1": 0.0}], "server_beta2": [{"server_beta2": 0.0}],
                   "mu": [{"mu": 0.0}], "lam": [{"lam": 0.0}], "head_epochs": [{"head_epochs": 0, "body_epochs": 1}],

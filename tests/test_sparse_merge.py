@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -80,3 +81,19 @@ def test_run_merge_writes_the_run_folder_and_the_command_reads_best_pt_files(tmp
         run_merge(base, {"0": tuned[0]}, tmp_path / "x", [0.0, 1.0])
     with pytest.raises(TaskHetError, match="checkpoint to merge b does not exist"):
         main(["--base", str(tmp_path / "nope.pt"), "--finetuned", "a=b", "--out", str(tmp_path / "y")])
+
+
+def test_jaccard_of_given_masks_and_the_npy_files_by_hand(tmp_path):
+    base = {"w": torch.zeros(4)}
+    tuned = {"a": {"w": torch.tensor([1.0, 0.0, 0.0, 0.0])}, "b": {"w": torch.tensor([0.0, 0.0, 0.0, -2.0])}}
+    masks = {"a": {"w": torch.tensor([True, True, False, False])}, "b": {"w": torch.tensor([False, True, True, True])}}
+    run_merge(base, tuned, tmp_path / "m", [1.0], masks=masks,
+              client_loss=lambda name, weights: float(weights["w"].abs().sum()))
+    jaccard = np.load(tmp_path / "m" / "jaccard.npy")
+    assert jaccard[0, 1] == pytest.approx(1 / 4) and jaccard[0, 0] == 1.0  # {0, 1} vs {1, 2, 3}: one of four
+    assert np.load(tmp_path / "m" / "cosine.npy")[0, 1] == 0.0  # disjoint supports: orthogonal
+    table = pd.read_csv(tmp_path / "m" / "merge.csv", dtype={"client": str})
+    assert table.to_dict("records") == [
+        {"client": "a", "lambda": 1.0, "own_loss": 1.0, "merged_loss": 3.0, "base_loss": 0.0},
+        {"client": "b", "lambda": 1.0, "own_loss": 2.0, "merged_loss": 3.0, "base_loss": 0.0}]
+    assert {"cosine.png", "jaccard.png"} <= {path.name for path in (tmp_path / "m").iterdir()}

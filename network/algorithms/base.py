@@ -234,6 +234,17 @@ class Algorithm(ABC):
         """The server state before round 1, from the initial worker-model weights."""
         return ServerState({GLOBAL_MODEL: weights})
 
+    def calibrate_server(self, server: ServerState, model: nn.Module, batches: Iterable[dict] | None,
+                         device: torch.device) -> ServerState:
+        """The server state after server-side calibration (unchanged by default).
+
+        Engines call it once, after ``init_server`` and before round 0's evaluation (a resumed
+        run restores its result from the checkpoint), with the run's held-out calibration
+        batches (``RunConfig.calibration_fraction``), or None when the run has none.
+        ``model`` is the reused worker model (load what you need).
+        """
+        return server
+
     def broadcast(self, server: ServerState) -> Bundle:
         """What the server sends to every sampled client (the global model by default)."""
         return {GLOBAL_MODEL: server.models[GLOBAL_MODEL]}

@@ -14,12 +14,14 @@ Masks, ``mask_source``:
   keeps it (client state). The label draws come from the seeded RNG the engine gives
   each client round.
 * ``server``: one mask for everyone, calibrated by :meth:`SparseFinetune.calibrate_server`
-  on a held-out calibration loader before round 1 and broadcast with the model. The
-  engines do not call that hook yet (the algorithm interface has no server-side data),
-  so a run with ``server`` stops with an error naming what is missing; the proposed core
-  addition is: ``RunConfig.calibration`` names a split, and the engine, right after
-  ``init_server``, calls ``server = algorithm.calibrate_server(server, model, loader, device)``
-  for algorithms that define it.
+  (the engine's hook, once before round 1) at the initial global model on the run's
+  held-out calibration split (``--calibration_fraction``: manifest train rows no client
+  holds, network/calibration_split.py), kept in the server state (so a resume keeps it)
+  and broadcast with the model. Without a calibration split the run stops before round 0.
+
+``keep_local_models``: θ_0 stays in the server tensors and each client's last local model
+in its client state (both in checkpoint.pt), so ``merge_task_vectors.py --run`` can form
+the task vectors τ_k = θ_k − θ_0 (sparse/from_run.py).
 
 Server: per entry, the sample-weighted mean of Δ over the clients whose mask trained it
 (``sparse.aggregation.MaskedMean``: a frozen entry's 0 is no vote), then the server
@@ -54,6 +56,8 @@ DELTA = "delta"  # upload group: Δ of the maskable parameters
 MASK = "mask"  # broadcast (server masks) and upload group: parameter name -> bool mask
 MASK_PREFIX = "mask/"  # server tensors and client state: the mask of a parameter
 MASK_SOURCES = ("client", "server")
+BASE_PREFIX = "base/"  # server tensors (keep_local_models): θ_0, the initial global model
+LOCAL_PREFIX = "local/"  # client state (keep_local_models): θ_k, the client's model after its last local training
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,8 @@ class SparseFinetuneSettings(ServerOptSettings):
     mask_source: str = setting("client", "who calibrates the mask: client (own data) or server (held-out data)",
                                choices=MASK_SOURCES)
     input_key: str = setting("rgb,x", "model input: the first of these batch keys the batch has")
+    keep_local_models: bool = setting(False, "keep θ_0 (server) and each client's last local model (client state) "
+                                      "in checkpoint.pt, for merge_task_vectors.py --run")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -109,15 +115,21 @@ class SparseFinetune(Algorithm):
                               rule=settings.mask_rule, maskable=set(self.maskable).__contains__,
                               generator=torch_generator(seed, "mask_rule"))
 
-    def calibrate_server(self, server: ServerState, model: nn.Module, batches: Iterable[dict],
+    def calibrate_server(self, server: ServerState, model: nn.Module, batches: Iterable[dict] | None,
                          device: torch.device) -> ServerState:
         """Server masks (``mask_source`` server): calibrated once at the global model on held-out ``batches``."""
+        if self.settings.mask_source != "server":
+            return server
+        require(batches is not None, f"{self.name} --mask_source server needs a held-out calibration split: pass "
+                "--calibration_fraction F (train rows of the manifest that no client holds)")
         load_weights(model, server.models[GLOBAL_MODEL])
         masks = self.calibrate(model, batches, torch_generator(self.federation.seed, "server_mask"), device)
         return ServerState(server.models, {**server.tensors, **{MASK_PREFIX + key: mask for key, mask in masks.items()}})
 
     def init_server(self, weights: Weights) -> ServerState:
-        return ServerState({GLOBAL_MODEL: weights}, init_server_optimizer(self.settings, weights, self.maskable))
+        base = {BASE_PREFIX + key: value.detach().clone() for key, value in weights.items()}
+        return ServerState({GLOBAL_MODEL: weights}, {**init_server_optimizer(self.settings, weights, self.maskable),
+                                                     **(base if self.settings.keep_local_models else {})})
 
     def broadcast(self, server: ServerState) -> Bundle:
         masks = {key[len(MASK_PREFIX):]: value for key, value in server.tensors.items() if key.startswith(MASK_PREFIX)}
@@ -135,16 +147,20 @@ class SparseFinetune(Algorithm):
             result = local_train(model, loader, cfg.loss_fn, optimizer, cfg.device, **cfg.budget())
         upload = {DELTA: subtract(model.state_dict(), weights, masks), MASK: masks}
         state = {MASK_PREFIX + key: mask for key, mask in masks.items()} if self.settings.mask_source == "client" else {}
+        if self.settings.keep_local_models:
+            state.update({LOCAL_PREFIX + key: value.detach().clone() for key, value in model.state_dict().items()})
         return ClientResult(upload, state, {TRAIN_LOSS: result.mean_loss, LOCAL_STEPS: result.steps}, cfg.num_samples)
 
     def _client_masks(self, model: nn.Module, broadcast: Bundle, client_state: Weights, loader: Iterable[dict],
                       cfg: ClientConfig) -> Weights:
         if self.settings.mask_source == "server":
-            require(bool(broadcast[MASK]), f"{self.name} mask_source=server needs the engine to call calibrate_server "
-                    "with a held-out calibration loader before round 1, which no engine does yet; use mask_source=client")
+            require(bool(broadcast[MASK]), f"{self.name} mask_source=server: the broadcast has no mask (the engine "
+                    "did not call calibrate_server before round 1)")
             return {key: mask.to(cfg.device) for key, mask in broadcast[MASK].items()}
-        if client_state:
-            return {key[len(MASK_PREFIX):]: mask.to(cfg.device) for key, mask in client_state.items()}
+        kept = {key[len(MASK_PREFIX):]: mask.to(cfg.device) for key, mask in client_state.items()
+                if key.startswith(MASK_PREFIX)}
+        if kept:
+            return kept
         seed = int(torch.randint(2 ** 62, (1,)))  # the engine seeds each client round's RNG
         return self.calibrate(model, loader, torch.Generator().manual_seed(seed), cfg.device)
 
