@@ -68,6 +68,15 @@ def dense_l1_loss(prediction: torch.Tensor, batch: dict, domain: str, reduction:
     return masked_l1(prediction, target, valid_pixels(batch, prediction), reduction)
 
 
+def channel_cosine(a: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
+    """Cosine similarity over dim 1, kept as ``[B, 1, ...]``: a·b / (max(‖a‖, eps) · max(‖b‖, eps)), as
+    ``F.cosine_similarity`` defines it. Written with sums because this CPU build's norm over dim 1 runs about
+    100x slower than a sum of squares (3.1 ms vs 0.03 ms on a [16, 3, 32, 32] batch), which made it a quarter
+    of a frozen-encoder run; the square is clamped before the root so a zero vector has a finite gradient."""
+    norms = (a * a).sum(1, keepdim=True).clamp_min(eps * eps).sqrt() * (b * b).sum(1, keepdim=True).clamp_min(eps * eps).sqrt()
+    return (a * b).sum(1, keepdim=True) / norms
+
+
 def normal_loss(prediction: torch.Tensor, batch: dict, domain: str = "normal", reduction: str = "mean") -> torch.Tensor:
     """L1 plus angular loss (1 - cosine similarity) on valid pixels of unit normals in [-1, 1].
 
@@ -78,7 +87,7 @@ def normal_loss(prediction: torch.Tensor, batch: dict, domain: str = "normal", r
     valid = valid_pixels(batch, prediction)
     prediction = torch.where(valid, prediction, target)
     l1 = _mean_over((prediction - target).abs(), valid, reduction)
-    cosine = F.cosine_similarity(prediction, target, dim=1, eps=1e-6).unsqueeze(1)
+    cosine = channel_cosine(prediction, target, eps=1e-6)
     angular = _mean_over(1.0 - cosine, valid[:, :1], reduction)
     return l1 + angular
 

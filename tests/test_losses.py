@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from datasets.taskonomy_domains import SEGMENT_IGNORE_INDEX
+from losses import channel_cosine
 from models.tasks import get_task, list_tasks
 
 SIZE = 8
@@ -136,3 +137,16 @@ def test_normal_loss_adds_angular_term():
     batch = {"normal": target, "mask": torch.ones(1, 1, 1, 1, dtype=torch.bool)}
     # L1 mean over channels = 2/3, angular = 1 - cos(90 deg) = 1
     assert float(task.loss(prediction, batch)) == pytest.approx(2 / 3 + 1)
+
+
+def test_channel_cosine_is_torchs_cosine_similarity_and_has_a_finite_gradient_at_zero():
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4, 3, 5, 5, generator=generator), torch.randn(4, 3, 5, 5, generator=generator)
+    a[0, :, 0, 0] = 0.0  # a zero prediction: torch's rule gives 0, not NaN
+    expected = torch.nn.functional.cosine_similarity(a, b, dim=1, eps=1e-6).unsqueeze(1)
+    got = channel_cosine(a, b, eps=1e-6)
+    torch.testing.assert_close(got, expected)
+    assert float(got[0, 0, 0, 0]) == 0.0
+    leaf = a.clone().requires_grad_(True)
+    channel_cosine(leaf, b, eps=1e-6).sum().backward()
+    assert torch.isfinite(leaf.grad).all()

@@ -17,7 +17,7 @@ import math
 import torch
 
 from datasets.taskonomy_domains import SEGMENT_IGNORE_INDEX
-from losses import valid_pixels
+from losses import channel_cosine, valid_pixels
 
 # Angular errors are binned at 0.01 degree: the median over a split of millions
 # of pixels then needs 18,000 counters instead of every pixel's error.
@@ -103,7 +103,7 @@ class NormalMetrics:
         prediction = prediction.detach()
         target = batch[self.domain].to(prediction.device, prediction.dtype)
         valid = valid_pixels(batch, prediction[:, :1])[:, 0]
-        cosine = torch.nn.functional.cosine_similarity(prediction.double(), target.double(), dim=1, eps=1e-12)
+        cosine = channel_cosine(prediction.double(), target.double(), eps=1e-12)[:, 0]
         angles = torch.rad2deg(torch.arccos(cosine[valid].clamp(-1.0, 1.0))).cpu()
         self.angle_sum += float(angles.sum())
         self.within += int((angles < 11.25).sum())
