@@ -148,7 +148,8 @@ def test_report_from_stubbed_results(stubbed_table, tmp_path):
     assert "scheduler **cosine**: validation top-1 0.82 (95% interval 0.7703 to 0.8697)" in report
     assert "**Epochs needed:** 5 (95% interval 2.516 to 7.484) epochs on average over 3 seeds" in report
     assert "the slowest seed needed 6" in report
-    assert "**Is the win clear?** not clear: its interval overlaps the runner-up's (lr0.01-wd0-none: [0.4516, 0.9484]" in report
+    assert ("**Is the win clear?** not clear: its interval overlaps that of the runner-up lr0.01-wd0-none "
+            "(winner [0.7703, 0.8697], runner-up [0.4516, 0.9484])") in report
     assert "**Scheduler that won:** cosine; not clear" in report
     assert "seed 0 epoch 5, seed 1 epoch 6, seed 2 epoch 5): loss 0.6 (95% interval" in report
     assert "top1 0.75 (95% interval 0.6258 to 0.8742)" in report
@@ -156,7 +157,11 @@ def test_report_from_stubbed_results(stubbed_table, tmp_path):
     clear_table = stubbed_table.copy()
     clear_table.loc[clear_table["config"] == "lr0.01-wd0-none", ["best_val_top1", "best_val_top1_low", "best_val_top1_high"]] = (
         0.70, 0.69, 0.71)
-    assert best_record(clear_table, 0.01, {}, tests)["win"] == CLEAR
+    clear = best_record(clear_table, 0.01, {}, tests)
+    assert clear["win"] == CLEAR and clear["runner_up_interval"] == [0.69, 0.71]
+    report = write_report(tmp_path, clear_table, clear, {"task": "t", "manifest": "m.csv", "n_epochs": 10, "seeds": [0, 1, 2]})
+    assert ("**Is the win clear?** clear: its interval lies wholly above that of the runner-up lr0.01-wd0-none "
+            "(winner [0.7703, 0.8697], runner-up [0.69, 0.71])") in report.read_text()
 
 
 def test_a_diverged_config_is_ranked_last(digits400, tmp_path, monkeypatch):

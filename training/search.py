@@ -280,7 +280,7 @@ def _clarity_sentence(clarity: str, best: dict, other_name: str | None, table: p
         return (f"{UNKNOWN}: with one seed there is no interval (the {role} {other_name} has mean "
                 f"{other['best_val_top1']:.4g}); rerun with --seeds 0,1,2 to tell.")
     verdict = ("its interval lies wholly above" if clarity == CLEAR else "its interval overlaps")
-    return f"{clarity}: {verdict} the {role}'s ({other_name}: {theirs} against {mine})."
+    return f"{clarity}: {verdict} that of the {role} {other_name} (winner {mine}, {role} {theirs})."
 
 
 def write_json(path: Path, record: dict) -> None:
