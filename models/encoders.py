@@ -141,8 +141,22 @@ def load_encoder_weights(encoder: Encoder, name: str, weights: str) -> None:
         raise TaskHetError(f"--weights {weights}: encoder {name} has no {weights} weights; choose one of: {offered}")
     else:
         path = Path(weights)
+        if not path.is_file():
+            raise TaskHetError(missing_file_message(encoder, name, path))
     tensors = match_state_dict(encoder, name, read_weights_file(path, torchscript), path)
     encoder.load_state_dict(tensors, strict=True)
+
+
+def missing_file_message(encoder: Encoder, name: str, path: Path) -> str:
+    """The error of a --weights PATH that is not a file: this encoder's own weight names, and where its published file
+    comes from (an experiment file names such a path, e.g. data/weights/dino_deitsmall16_pretrain.pth, before it exists)."""
+    offered = ", ".join(["none", *encoder.pretrained])
+    message = f"--weights {path} for encoder {name}: no such file (expected {offered} or a path to a weights file)"
+    for weights, sources in encoder.pretrained.items():  # the first name's first source: the one a download would use
+        source = sources[0]
+        fetch = source.url or f"https://huggingface.co/{source.repo_id}"
+        return f"{message}; download {fetch} to that path, or put {source.where()} and pass --weights {weights}"
+    return message
 
 
 def build_encoder(name: str, weights: str = "none") -> Encoder:

@@ -1,10 +1,11 @@
-"""The centralized baseline's hyperparameter search: step 2 once per lr x weight decay x scheduler, scored on validation.
+"""The centralized baseline's hyperparameter search: step 2 once per lr x weight decay x scheduler and seed, scored on validation.
 
 The library half of search_centralized_hparams.py; the table, pick and report are training/search.py."""
 
 from __future__ import annotations
 
 import argparse
+import itertools
 from pathlib import Path
 from typing import Callable
 
@@ -15,23 +16,25 @@ from datasets.family import load_manifest
 from models import get_task
 from steps import train_centralized as step2
 from training.schedules import list_schedulers
-from training.search import (DONE, TABLE_COLUMNS, best_record, diverged, grid, long_metrics, plot_validation_accuracy, rank, summarize,
-                             write_json, write_report)
-from training.selection import centralized_splits
+from training.search import (DONE, RUN_COLUMNS, Config, aggregate, best_record, diverged, grid, long_metrics,
+                             mean_validation_curves, pick, plot_validation_accuracy, rank, summarize, write_json, write_report)
+from training.selection import centralized_splits, selected_test_metrics
 from utils import cli
 from utils.errors import NonFiniteLossError, TaskHetError
 from utils.run_dir import atomic_write_text, claim_folder, setup_logging, unfinished, write_config
 
 STEP = "centralized search"
-DESCRIPTION = """Search the centralized baseline's lr x weight decay x scheduler on the validation split.
+DESCRIPTION = """Search the centralized baseline's lr x weight decay x scheduler on the validation split, over seeds.
 Inputs: a step-1 manifest with a validation part (cifar, digits: val = 1 rows) and every step-2 flag
 (train_centralized_task_model.py --help) but --init_lr, --weight_decay and --scheduler, which become the
-lists --lrs, --weight_decays and --schedulers. Each config is one step-2 run in --out/runs/<config>/, trained
-on the train part and scored on the validation part; a finished run is skipped, an interrupted one resumes.
-Outputs in --out: search.csv (one row per config: lr, weight_decay, scheduler, best_val_top1, best_val_loss,
-best_epoch, epochs_to_within), best.json (the winner and its test numbers), report.md (epochs needed to
-come within --tolerance of the best validation accuracy, the winning scheduler), metrics.csv (every run's
-rows), val_top1.png (validation accuracy per epoch, one line per config), config.json, run.log."""
+lists --lrs, --weight_decays and --schedulers (and --seeds, a list, beside step 2's --seed). Each config is
+one step-2 run per seed in --out/runs/<config>/seed<seed>/, trained on the train part and scored on the
+validation part; a finished run is skipped, an interrupted one resumes, added seeds train only themselves.
+Outputs in --out: search_runs.csv (one row per config and seed), search.csv (one row per config: mean over
+seeds and 95% t-interval of the best validation accuracy and of the epochs to come within --tolerance of it),
+best.json (the winner, whether its interval clears the runner-up's, its test numbers), report.md (epochs
+needed, whether the win is clear, the winning scheduler), metrics.csv (every run's rows), val_top1.csv and
+val_top1.png (validation accuracy per epoch, mean over seeds, one line per config), config.json, run.log."""
 
 
 def comma_list(convert: Callable[[str], object]) -> Callable[[str], list]:
@@ -60,9 +63,23 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"schedules, from {', '.join(list_schedulers())} (default: cosine)")
     add("--tolerance", type=cli.positive_float, default=0.01,
         help="'epochs needed' = first epoch within this relative distance of the best validation accuracy (default: 0.01)")
-    add("--out", type=Path, default=None, help="search folder (default: results/search_centralized/<task>/<encoder>-seed<seed>)")
+    add("--seeds", type=comma_list(cli.nonnegative_int), default=None,
+        help="seeds, each config trains once per seed, e.g. 0,1,2 (default: --seed alone; one seed gives no interval)")
+    add("--out", type=Path, default=None,
+        help="search folder (default: results/search_centralized/<task>/<encoder>-seeds<s1-s2-...>)")
     step2.add_training_arguments(parser, searched=False)
+    parser.set_defaults(seed=None)  # None: not given, so --seed and --seeds can be told apart
     return parser
+
+
+def resolve_seeds(args: argparse.Namespace) -> list[int]:
+    """The seeds to run: --seeds, or --seed alone, or 0; both flags together are refused (which would win is unclear)."""
+    if args.seeds is not None and args.seed is not None:
+        raise TaskHetError("--seed and --seeds both given; pass the list --seeds alone")
+    seeds = args.seeds if args.seeds is not None else [0 if args.seed is None else args.seed]
+    if len(set(seeds)) != len(seeds):
+        raise TaskHetError(f"--seeds repeats a value: {', '.join(map(str, seeds))}")
+    return seeds
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
@@ -72,8 +89,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         search.csv's table, best first.
     """
     args = build_parser().parse_args(argv)
+    args.seeds, args.seed = resolve_seeds(args), None
     if args.out is None:
-        args.out = Path("results/search_centralized") / args.task / f"{args.encoder}-seed{args.seed}"
+        args.out = Path("results/search_centralized") / args.task / f"{args.encoder}-seeds{'-'.join(map(str, args.seeds))}"
     if get_task(args.task).kind != "classification":
         raise TaskHetError(f"--task {args.task}: the search ranks by validation accuracy, so it needs a classification task")
     _, manifest = load_manifest(args.manifest)
@@ -85,36 +103,51 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     args.out.mkdir(parents=True, exist_ok=True)
     write_config(args.out, vars(args), step=STEP)
     logger = setup_logging(args.out, "search_centralized")
-    logger.info("search over %d configs, %d epochs each, on the validation part of %s", len(configs), args.n_epochs, args.manifest)
+    logger.info("search over %d configs x %d seed(s), %d epochs each, on the validation part of %s", len(configs),
+                len(args.seeds), args.n_epochs, args.manifest)
     with unfinished(args.out, STEP):
         return _search(args, configs, logger)
 
 
-def _search(args: argparse.Namespace, configs: list, logger) -> pd.DataFrame:
-    searched = {key: value for key, value in vars(args).items() if key not in ("lrs", "weight_decays", "schedulers", "tolerance")}
-    run_dirs = {config.name: args.out / "runs" / config.name for config in configs}
-    rows = []
-    for config in tqdm(configs, desc="search", dynamic_ncols=True):
-        run_args = argparse.Namespace(**{**searched, "init_lr": config.lr, "weight_decay": config.weight_decay,
-                                         "scheduler": config.scheduler, "out": run_dirs[config.name]})
-        try:
-            step2.train(step2.resolve(run_args))  # a finished run returns at once: the search resumes config by config
-        except NonFiniteLossError as error:
-            rows.append(diverged(config))
-            logger.warning("%s diverged, ranked last: %s", config.name, error)
-            continue
-        rows.append(summarize(config, run_dirs[config.name], args.tolerance))
-        logger.info("%s: best val top1 %.4f at epoch %d, within %g of it at epoch %d", config.name, rows[-1]["best_val_top1"],
-                    rows[-1]["best_epoch"], args.tolerance, rows[-1]["epochs_to_within"])
-    table = pd.DataFrame(rows, columns=list(TABLE_COLUMNS))
+def _search(args: argparse.Namespace, configs: list[Config], logger) -> pd.DataFrame:
+    runs = _train_all(args, configs, logger)
+    run_table = pd.DataFrame([row for row, _ in runs], columns=list(RUN_COLUMNS))
+    atomic_write_text(args.out / "search_runs.csv", run_table.to_csv(index=False))
+    table = aggregate(run_table)
     atomic_write_text(args.out / "search.csv", table.to_csv(index=False))
-    best = best_record(table, run_dirs, args.tolerance)  # refuses a search where every config diverged
-    metrics_path = args.out / "metrics.csv"
-    finished = [config for config, row in zip(configs, rows) if row["status"] == DONE]
-    atomic_write_text(metrics_path, long_metrics(finished, [run_dirs[config.name] for config in finished]).to_csv(index=False))
-    plot_validation_accuracy(metrics_path, args.out / "val_top1.png")
+    winner, _ = pick(table)  # refuses a search where every config diverged
+    run_dirs = {row["seed"]: run_dir for row, run_dir in runs if row["config"] == winner["config"]}
+    tests = {seed: selected_test_metrics(run_dir / "metrics.csv") for seed, run_dir in run_dirs.items()}
+    best = best_record(table, args.tolerance, run_dirs, tests)
+    by_name = {config.name: config for config in configs}
+    metrics = long_metrics([(by_name[row["config"]], row["seed"], run_dir) for row, run_dir in runs if row["status"] == DONE])
+    atomic_write_text(args.out / "metrics.csv", metrics.to_csv(index=False))
+    atomic_write_text(args.out / "val_top1.csv", mean_validation_curves(metrics).to_csv(index=False))
+    plot_validation_accuracy(args.out / "val_top1.csv", args.out / "val_top1.png")
     write_json(args.out / "best.json", best)
-    write_report(args.out, table, best, {"task": args.task, "manifest": args.manifest, "n_epochs": args.n_epochs, "seed": args.seed})
-    logger.info("best: %s (val top1 %.4f); %d epochs to within %g; wrote %s", best["config"], best["best_val_top1"],
-                best["epochs_to_within"], args.tolerance, args.out / "report.md")
+    write_report(args.out, table, best, {"task": args.task, "manifest": args.manifest, "n_epochs": args.n_epochs, "seeds": args.seeds})
+    logger.info("best: %s (mean val top1 %.4f, win %s); %.3g epochs to within %g; wrote %s", best["config"], best["best_val_top1"],
+                best["win"], best["epochs_to_within"], args.tolerance, args.out / "report.md")
     return rank(table)
+
+
+def _train_all(args: argparse.Namespace, configs: list[Config], logger) -> list[tuple[dict, Path]]:
+    """Step 2 for every (config, seed), config-major; ``(search_runs.csv row, run folder)`` each."""
+    searched = {key: value for key, value in vars(args).items()
+                if key not in ("lrs", "weight_decays", "schedulers", "tolerance", "seeds")}
+    runs = []
+    for config, seed in tqdm(list(itertools.product(configs, args.seeds)), desc="search", dynamic_ncols=True):
+        run_dir = args.out / "runs" / config.name / f"seed{seed}"
+        run_args = argparse.Namespace(**{**searched, "init_lr": config.lr, "weight_decay": config.weight_decay,
+                                         "scheduler": config.scheduler, "seed": seed, "out": run_dir})
+        try:
+            step2.train(step2.resolve(run_args))  # a finished run returns at once: the search resumes run by run
+        except NonFiniteLossError as error:
+            runs.append((diverged(config, seed), run_dir))
+            logger.warning("%s seed %d diverged, its config is ranked last: %s", config.name, seed, error)
+            continue
+        runs.append((summarize(config, seed, run_dir, args.tolerance), run_dir))
+        row = runs[-1][0]
+        logger.info("%s seed %d: best val top1 %.4f at epoch %d, within %g of it at epoch %d", config.name, seed,
+                    row["best_val_top1"], row["best_epoch"], args.tolerance, row["epochs_to_within"])
+    return runs

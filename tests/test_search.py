@@ -1,6 +1,7 @@
 """The centralized hyperparameter search (steps/search_centralized.py, training/search.py) on tiny digits, on the CPU."""
 
 import json
+import math
 
 import pandas as pd
 import pytest
@@ -8,7 +9,8 @@ import pytest
 from datasets.digits import select_digits
 from steps import search_centralized as search
 from steps import train_centralized as step2
-from training.search import Config, epochs_to_within, grid
+from training.search import (CLEAR, DIVERGED, DONE, NOT_CLEAR, RUN_COLUMNS, UNKNOWN, Config, aggregate, best_record, epochs_to_within,
+                             grid, pick, rank, win_clarity, write_report)
 from utils.cli import run_main
 from utils.errors import NonFiniteLossError, TaskHetError
 
@@ -29,41 +31,137 @@ def argv(manifest, out, lrs="0.000001,0.003", *extra):
 
 @pytest.fixture(scope="module")
 def searched(digits400, tmp_path_factory):
-    """A search whose best lr is unambiguous: 1e-6 cannot move small_cnn off chance in 2 epochs, 3e-3 can."""
+    """A search whose best lr is unambiguous: 1e-6 cannot move small_cnn off chance in 2 epochs, 3e-3 can; two seeds."""
     out = tmp_path_factory.mktemp("search") / "out"
-    return out, search.main(argv(digits400, out))
+    return out, search.main(argv(digits400, out, "0.000001,0.003", "--seeds", "0,1"))
 
 
 def test_search_picks_the_known_best_lr(searched):
     out, table = searched
     best = json.loads((out / "best.json").read_text())
     assert best["lr"] == 0.003 and best["scheduler"] == "none" and best["config"] == "lr0.003-wd0.0001-none"
+    runs = pd.read_csv(out / "search_runs.csv")
+    assert list(zip(runs["lr"], runs["seed"])) == [(1e-6, 0), (1e-6, 1), (0.003, 0), (0.003, 1)] and (runs["status"] == "done").all()
     rows = pd.read_csv(out / "search.csv").set_index("lr")
-    assert list(rows.index) == [1e-6, 0.003] and (rows["status"] == "done").all()
-    # 30 validation digits: chance is ~3 of them; the tuned lr gets well above it, the tiny one cannot
-    assert rows.loc[0.003, "best_val_top1"] >= 0.3 > rows.loc[1e-6, "best_val_top1"]
+    assert list(rows.index) == [1e-6, 0.003] and (rows["n_seeds"] == 2).all() and (rows["status"] == "done").all()
+    # search.csv's columns are the mean and t-interval of search_runs.csv's two seeds (t_{0.975,1} = 12.706)
+    tuned = runs[runs["lr"] == 0.003]
+    accuracy, epochs = list(tuned["best_val_top1"]), list(tuned["epochs_to_within"])
+    half = 12.7062047 * abs(accuracy[0] - accuracy[1]) / 2
+    assert rows.loc[0.003, "best_val_top1"] == pytest.approx(sum(accuracy) / 2)
+    assert rows.loc[0.003, "best_val_top1_low"] == pytest.approx(sum(accuracy) / 2 - half)
+    assert rows.loc[0.003, "epochs_to_within"] == pytest.approx(sum(epochs) / 2) and rows.loc[0.003, "epochs_to_within_max"] == max(epochs)
+    # 30 validation digits: chance is ~3 of them; the tuned lr gets well above it in every seed, the tiny one in none
+    assert min(accuracy) >= 0.3 > runs[runs["lr"] == 1e-6]["best_val_top1"].max()
     assert list(table["lr"]) == [0.003, 1e-6]  # returned best first
-    for name in ("config.json", "run.log", "metrics.csv", "report.md", "val_top1.png", "runs/lr0.003-wd0.0001-none/best.pt"):
+    for name in ("config.json", "run.log", "metrics.csv", "report.md", "val_top1.csv", "val_top1.png",
+                 "runs/lr0.003-wd0.0001-none/seed0/best.pt", "runs/lr0.003-wd0.0001-none/seed1/best.pt"):
         assert (out / name).is_file(), name
-    assert set(pd.read_csv(out / "metrics.csv")["config"]) == {"lr1e-06-wd0.0001-none", "lr0.003-wd0.0001-none"}
+    metrics = pd.read_csv(out / "metrics.csv")
+    assert set(zip(metrics["config"], metrics["seed"])) == {(name, seed) for name in ("lr1e-06-wd0.0001-none", "lr0.003-wd0.0001-none")
+                                                           for seed in (0, 1)}
+    curves = pd.read_csv(out / "val_top1.csv").set_index(["config", "epoch"])["value"]
+    val_top1 = metrics[(metrics.split == "val") & (metrics.metric == "top1") & (metrics.config == "lr0.003-wd0.0001-none")]
+    assert curves["lr0.003-wd0.0001-none", 2] == pytest.approx(val_top1[val_top1.epoch == 2]["value"].mean())
     report = (out / "report.md").read_text()
-    assert "**Scheduler that won:** none" in report
-    assert f"**Epochs needed:** {int(rows.loc[0.003, 'epochs_to_within'])} epochs reach within 1%" in report
-    # the winner's test numbers are those of its best.pt epoch, which validation chose
-    metrics = pd.read_csv(out / "runs/lr0.003-wd0.0001-none/metrics.csv")
-    val = metrics[(metrics.split == "val") & (metrics.metric == "loss")].set_index("epoch").value
-    test = metrics[(metrics.split == "test") & (metrics.metric == "loss")].set_index("epoch").value
-    assert best["test_at_selected_epoch"]["epoch"] == val.idxmin()
-    assert best["test_at_selected_epoch"]["loss"] == pytest.approx(test[val.idxmin()])
+    assert "**Scheduler that won:** none" in report and "2 seed(s) (0, 1)" in report
+    assert f"**Epochs needed:** {sum(epochs) / 2:.4g} (95% interval" in report and f"the slowest seed needed {max(epochs)}" in report
+    # the winner's test numbers are those of each seed's best.pt epoch, which validation chose
+    for seed in (0, 1):
+        run = pd.read_csv(out / f"runs/lr0.003-wd0.0001-none/seed{seed}/metrics.csv")
+        val = run[(run.split == "val") & (run.metric == "loss")].set_index("epoch").value
+        test = run[(run.split == "test") & (run.metric == "loss")].set_index("epoch").value
+        assert best["test_at_selected_epoch"][str(seed)]["epoch"] == val.idxmin()
+        assert best["test_at_selected_epoch"][str(seed)]["loss"] == pytest.approx(test[val.idxmin()])
+    assert best["test"]["loss"]["mean"] == pytest.approx(sum(best["test_at_selected_epoch"][s]["loss"] for s in ("0", "1")) / 2)
 
 
-def test_a_rerun_skips_finished_configs(searched, digits400):
+def test_a_rerun_skips_finished_runs(searched, digits400):
     out, table = searched
-    before = {path: path.stat().st_mtime_ns for path in out.glob("runs/*/last.pt")}
-    again = search.main(argv(digits400, out))
+    before = {path: path.stat().st_mtime_ns for path in out.glob("runs/*/seed*/last.pt")}
+    again = search.main(argv(digits400, out, "0.000001,0.003", "--seeds", "0,1"))
     # a finished step-2 run trains no epoch again: no last.pt is rewritten, and the table is the same
-    assert len(before) == 2 and {path: path.stat().st_mtime_ns for path in out.glob("runs/*/last.pt")} == before
+    assert len(before) == 4 and {path: path.stat().st_mtime_ns for path in out.glob("runs/*/seed*/last.pt")} == before
     pd.testing.assert_frame_equal(again, table)
+
+
+def run_rows(config: Config, values: list[tuple[int, float, float, int]]) -> list[dict]:
+    """Stubbed search_runs.csv rows: (seed, best_val_top1, best_val_loss, epochs_to_within) each; None accuracy = diverged."""
+    return [{**config.columns(), "seed": seed, "best_val_top1": math.nan if accuracy is None else accuracy,
+             "best_val_loss": loss, "best_epoch": 5, "epochs_to_within": epochs, "epochs_done": 10,
+             "status": DIVERGED if accuracy is None else DONE} for seed, accuracy, loss, epochs in values]
+
+
+@pytest.fixture
+def stubbed_table():
+    """Three seeds per config; no training. Values chosen so that the sample standard deviations are round."""
+    cosine, step, none, wild = (Config(0.1, 0.0, "cosine"), Config(0.1, 0.0, "step"), Config(0.01, 0.0, "none"),
+                                Config(1.0, 0.0, "cosine"))
+    rows = (run_rows(cosine, [(0, 0.80, 0.5, 4), (1, 0.82, 0.4, 5), (2, 0.84, 0.3, 6)])  # mean 0.82, sd 0.02; epochs 5, sd 1
+            + run_rows(step, [(0, 0.50, 0.9, 2), (1, 0.60, 0.8, 3), (2, 0.70, 0.7, 4)])  # mean 0.60, sd 0.10; epochs 3, sd 1
+            + run_rows(none, [(0, 0.60, 1.0, 3), (1, 0.70, 1.0, 3), (2, 0.80, 1.0, 3)])  # mean 0.70, sd 0.10; epochs 3, sd 0
+            + run_rows(wild, [(0, 0.99, 0.1, 1), (1, None, 0.0, -1), (2, 0.99, 0.1, 1)]))  # one diverged seed: ranked last
+    return aggregate(pd.DataFrame(rows, columns=list(RUN_COLUMNS)))
+
+
+def test_intervals_and_ranking_by_hand(stubbed_table):
+    table = stubbed_table.set_index("config")
+    t = 4.30265273  # t_{0.975, 2}: 3 seeds
+    cosine, step, none = table.loc["lr0.1-wd0-cosine"], table.loc["lr0.1-wd0-step"], table.loc["lr0.01-wd0-none"]
+    assert cosine["best_val_top1"] == pytest.approx(0.82) and cosine["best_val_loss"] == pytest.approx(0.4)
+    assert (cosine["best_val_top1_low"], cosine["best_val_top1_high"]) == pytest.approx((0.82 - t * 0.02 / 3 ** 0.5,
+                                                                                          0.82 + t * 0.02 / 3 ** 0.5))
+    assert (step["best_val_top1_low"], step["best_val_top1_high"]) == pytest.approx((0.6 - t * 0.1 / 3 ** 0.5, 0.6 + t * 0.1 / 3 ** 0.5))
+    assert (cosine["epochs_to_within"], cosine["epochs_to_within_low"], cosine["epochs_to_within_high"]) == pytest.approx(
+        (5, 5 - t / 3 ** 0.5, 5 + t / 3 ** 0.5))
+    assert (none["epochs_to_within_low"], none["epochs_to_within_high"]) == (3, 3) and cosine["epochs_to_within_max"] == 6
+    wild = table.loc["lr1-wd0-cosine"]
+    assert (wild["status"], wild["n_seeds"], wild["n_diverged"], wild["best_val_top1"]) == (DIVERGED, 3, 1, pytest.approx(0.99))
+    # ranked by mean accuracy: cosine 0.82 > none 0.70 > step 0.60; the diverged config last despite its 0.99
+    assert list(rank(stubbed_table)["config"]) == ["lr0.1-wd0-cosine", "lr0.01-wd0-none", "lr0.1-wd0-step", "lr1-wd0-cosine"]
+    winner, runner_up = pick(stubbed_table)
+    # cosine's interval [0.770, 0.870] lies inside none's [0.452, 0.948]: they overlap, so the win is not clear
+    assert runner_up["config"] == "lr0.01-wd0-none" and win_clarity(winner, runner_up) == NOT_CLEAR
+
+
+def test_win_clarity_by_hand():
+    def row(low, high):
+        return {"best_val_top1_low": low, "best_val_top1_high": high}
+    assert win_clarity(row(0.80, 0.90), row(0.60, 0.79)) == CLEAR
+    assert win_clarity(row(0.80, 0.90), row(0.60, 0.80)) == NOT_CLEAR  # touching intervals are not clear
+    assert win_clarity(row(math.nan, math.nan), row(0.6, 0.7)) == UNKNOWN  # one seed: no interval
+    assert win_clarity(row(0.8, 0.9), None) == UNKNOWN
+
+
+def test_report_from_stubbed_results(stubbed_table, tmp_path):
+    tests = {0: {"epoch": 5, "loss": 0.5, "top1": 0.70}, 1: {"epoch": 6, "loss": 0.7, "top1": 0.80},
+             2: {"epoch": 5, "loss": 0.6, "top1": 0.75}}
+    best = best_record(stubbed_table, 0.01, {seed: tmp_path / f"seed{seed}" for seed in tests}, tests)
+    assert best["config"] == "lr0.1-wd0-cosine" and best["runner_up"] == "lr0.01-wd0-none" and best["win"] == NOT_CLEAR
+    # the best config of another scheduler is none's too; the step scheduler's [0.352, 0.848] also overlaps
+    assert best["scheduler_runner_up"] == "lr0.01-wd0-none" and best["scheduler_win"] == NOT_CLEAR
+    # test top1 0.70, 0.80, 0.75: mean 0.75, sd 0.05
+    assert best["test"]["top1"]["mean"] == pytest.approx(0.75)
+    assert best["test"]["top1"]["high"] == pytest.approx(0.75 + 4.30265273 * 0.05 / 3 ** 0.5)
+    report = write_report(tmp_path, stubbed_table, best, {"task": "cifar_class", "manifest": "m.csv", "n_epochs": 10,
+                                                          "seeds": [0, 1, 2]}).read_text()
+    assert "scheduler **cosine**: validation top-1 0.82 (95% interval 0.7703 to 0.8697)" in report
+    assert "**Epochs needed:** 5 (95% interval 2.516 to 7.484) epochs on average over 3 seeds" in report
+    assert "the slowest seed needed 6" in report
+    assert ("**Is the win clear?** not clear: its interval overlaps that of the runner-up lr0.01-wd0-none "
+            "(winner [0.7703, 0.8697], runner-up [0.4516, 0.9484])") in report
+    assert "**Scheduler that won:** cosine; not clear" in report
+    assert "seed 0 epoch 5, seed 1 epoch 6, seed 2 epoch 5): loss 0.6 (95% interval" in report
+    assert "top1 0.75 (95% interval 0.6258 to 0.8742)" in report
+    # a clear win: make the runner-up's seeds agree far below the winner's interval
+    clear_table = stubbed_table.copy()
+    clear_table.loc[clear_table["config"] == "lr0.01-wd0-none", ["best_val_top1", "best_val_top1_low", "best_val_top1_high"]] = (
+        0.70, 0.69, 0.71)
+    clear = best_record(clear_table, 0.01, {}, tests)
+    assert clear["win"] == CLEAR and clear["runner_up_interval"] == [0.69, 0.71]
+    report = write_report(tmp_path, clear_table, clear, {"task": "t", "manifest": "m.csv", "n_epochs": 10, "seeds": [0, 1, 2]})
+    assert ("**Is the win clear?** clear: its interval lies wholly above that of the runner-up lr0.01-wd0-none "
+            "(winner [0.7703, 0.8697], runner-up [0.69, 0.71])") in report.read_text()
 
 
 def test_a_diverged_config_is_ranked_last(digits400, tmp_path, monkeypatch):
@@ -77,6 +175,7 @@ def test_a_diverged_config_is_ranked_last(digits400, tmp_path, monkeypatch):
     monkeypatch.setattr(step2, "train", diverge_at_high_lr)
     table = search.main(argv(digits400, tmp_path / "out", "100,0.003", "--n_epochs", "1"))
     assert list(table["lr"]) == [0.003, 100.0] and list(table["status"]) == ["done", "diverged"]
+    assert "(one seed: no interval)" in (tmp_path / "out" / "report.md").read_text()
     assert json.loads((tmp_path / "out" / "best.json").read_text())["lr"] == 0.003
 
 
@@ -96,6 +195,9 @@ def test_grid_and_epochs_to_within_by_hand():
     (("--schedulers", "cosine,cosinus"), "unknown scheduler 'cosinus'"),
     (("--init_lr", "0.1"), "unrecognized arguments: --init_lr 0.1"),
     (("--task", "normal"), "--task normal: the search ranks by validation accuracy"),
+    (("--seeds", "0,x"), "argument --seeds: must be an integer, got 'x'"),
+    (("--seeds", "0,1,0"), "--seeds repeats a value: 0, 1, 0"),
+    (("--seeds", "0,1", "--seed", "3"), "--seed and --seeds both given"),
 ])
 def test_bad_flag_is_one_error_line(digits400, tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as exit_info:

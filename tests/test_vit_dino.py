@@ -173,5 +173,17 @@ def test_missing_file_offline_names_file_folder_and_url(tmp_path):
     with pytest.raises(TaskHetError, match="--weights dino for encoder vit_s16_dino: no cached file") as error:
         build_task_model("cifar_class", "vit_s16_dino", "dino", num_classes=NUM_CLASSES)
     assert f"Put {vit_dino.OFFICIAL_URL} at {expected}" in str(error.value)
-    with pytest.raises(TaskHetError, match="--weights .*missing.pth: no such file"):
+    with pytest.raises(TaskHetError, match="--weights .*missing.pth for encoder vit_s16_dino: no such file"):
         build_encoder("vit_s16_dino", str(tmp_path / "missing.pth"))
+
+
+def test_missing_weights_path_names_this_encoders_weights_and_where_to_get_the_file(tmp_path):
+    # experiments/cifar100_fedavg.yaml names data/weights/dino_deitsmall16_pretrain.pth before anyone has put it there
+    path = tmp_path / "weights" / vit_dino.OFFICIAL_FILENAME
+    with pytest.raises(TaskHetError) as error:
+        build_encoder("vit_s16_dino", str(path))
+    hub = os.path.join(str(tmp_path / "torch"), "hub", "checkpoints", vit_dino.OFFICIAL_FILENAME)
+    assert str(error.value) == (
+        f"--weights {path} for encoder vit_s16_dino: no such file (expected none, dino, imagenet or a path to a weights "
+        f"file); download {vit_dino.OFFICIAL_URL} to that path, or put {vit_dino.OFFICIAL_URL} at {hub} and pass "
+        "--weights dino")

@@ -1,20 +1,24 @@
-"""The centralized hyperparameter search as a library: the grid, one summary row per trained config, the pick, the report.
+"""The centralized hyperparameter search as a library: the grid, one row per trained (config, seed), the
+per-config summary over seeds, the pick, the report.
 
-Training is step 2's (``steps/search_centralized.py`` runs it once per config); this module
-only reads what each run wrote. Configs are ranked by their best validation accuracy
-(``val`` ``top1`` over epochs 1..n), ties by the lower best validation loss, then by grid
-order; the test split plays no part in the ranking and only gives the winner's final numbers.
+Training is step 2's (``steps/search_centralized.py`` runs it once per config and seed); this module
+only reads what each run wrote. A config's score is the mean over seeds of its best validation accuracy
+(``val`` ``top1`` over epochs 1..n), with a 95% t-interval (pipeline/statistics.py); configs are ranked
+by that mean, ties by the lower mean best validation loss, then by grid order; a config with a diverged
+seed is ranked last. The test split plays no part in the ranking and only gives the winner's final numbers.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
+from pipeline.statistics import mean_interval
 from training.loop import VAL_SPLIT
 from training.selection import curve, epochs_to_within, read_metrics, selected_test_metrics
 from utils.errors import TaskHetError
@@ -22,9 +26,16 @@ from utils.plots import plot_curves
 from utils.run_dir import atomic_write_text
 
 ACCURACY = "top1"  # the search ranks classification runs by their validation top-1 accuracy
-TABLE_COLUMNS = ("config", "lr", "weight_decay", "scheduler", "best_val_top1", "best_val_loss", "best_epoch",
-                 "epochs_to_within", "epochs_done", "status")
+CONFIG_COLUMNS = ("config", "lr", "weight_decay", "scheduler")
+# search_runs.csv: one row per (config, seed)
+RUN_COLUMNS = (*CONFIG_COLUMNS, "seed", "best_val_top1", "best_val_loss", "best_epoch", "epochs_to_within", "epochs_done",
+               "status")
+# search.csv: one row per config, over its seeds (mean and 95% t-interval bounds _low/_high; NaN bounds with one seed)
+TABLE_COLUMNS = (*CONFIG_COLUMNS, "n_seeds", "n_diverged", "best_val_top1", "best_val_top1_low", "best_val_top1_high",
+                 "best_val_loss", "epochs_to_within", "epochs_to_within_low", "epochs_to_within_high", "epochs_to_within_max",
+                 "status")
 DONE, DIVERGED = "done", "diverged"
+CLEAR, NOT_CLEAR, UNKNOWN = "clear", "not clear", "unknown"
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,9 @@ class Config:
         """The config's run folder name, e.g. ``lr0.1-wd0.0001-cosine`` (``%g``: 1e-05, not 0.00001)."""
         return f"lr{self.lr:g}-wd{self.weight_decay:g}-{self.scheduler}"
 
+    def columns(self) -> dict:
+        return {"config": self.name, "lr": self.lr, "weight_decay": self.weight_decay, "scheduler": self.scheduler}
+
 
 def grid(lrs: list[float], weight_decays: list[float], schedulers: list[str]) -> list[Config]:
     """Every combination, in the order lr, then weight decay, then scheduler; repeated values are refused."""
@@ -49,8 +63,8 @@ def grid(lrs: list[float], weight_decays: list[float], schedulers: list[str]) ->
     return [Config(lr, wd, scheduler) for lr, wd, scheduler in itertools.product(lrs, weight_decays, schedulers)]
 
 
-def summarize(config: Config, run_dir: Path, tolerance: float) -> dict:
-    """One row of search.csv from a finished step-2 run of ``config`` (keys :data:`TABLE_COLUMNS`).
+def summarize(config: Config, seed: int, run_dir: Path, tolerance: float) -> dict:
+    """One row of search_runs.csv from a finished step-2 run of ``config`` with ``seed`` (keys :data:`RUN_COLUMNS`).
 
     ``best_epoch`` is the epoch of the highest validation accuracy (the first, on ties) and
     ``epochs_to_within`` the first epoch whose validation accuracy is at least ``1 - tolerance``
@@ -62,97 +76,211 @@ def summarize(config: Config, run_dir: Path, tolerance: float) -> dict:
     if trained.empty:
         raise TaskHetError(f"{run_dir}/metrics.csv: no validation {ACCURACY} of a trained epoch; "
                            "the search needs a classification task and a manifest with a validation part")
-    return {"config": config.name, "lr": config.lr, "weight_decay": config.weight_decay, "scheduler": config.scheduler,
-            "best_val_top1": float(trained.max()), "best_val_loss": float(curve(metrics, VAL_SPLIT, "loss").min()),
-            "best_epoch": int(trained.idxmax()), "epochs_to_within": epochs_to_within(accuracy, tolerance),
-            "epochs_done": int(metrics["epoch"].max()), "status": DONE}
+    return {**config.columns(), "seed": seed, "best_val_top1": float(trained.max()),
+            "best_val_loss": float(curve(metrics, VAL_SPLIT, "loss").min()), "best_epoch": int(trained.idxmax()),
+            "epochs_to_within": epochs_to_within(accuracy, tolerance), "epochs_done": int(metrics["epoch"].max()),
+            "status": DONE}
 
 
-def diverged(config: Config) -> dict:
-    """The row of a config whose training loss became NaN/inf: no score, ranked last (a too-high lr is an answer too)."""
-    return {"config": config.name, "lr": config.lr, "weight_decay": config.weight_decay, "scheduler": config.scheduler,
-            "best_val_top1": float("nan"), "best_val_loss": float("nan"), "best_epoch": -1, "epochs_to_within": -1,
-            "epochs_done": -1, "status": DIVERGED}
+def diverged(config: Config, seed: int) -> dict:
+    """The row of a run whose training loss became NaN/inf: no score (a too-high lr is an answer too)."""
+    return {**config.columns(), "seed": seed, "best_val_top1": math.nan, "best_val_loss": math.nan, "best_epoch": -1,
+            "epochs_to_within": -1, "epochs_done": -1, "status": DIVERGED}
+
+
+def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
+    """search.csv from search_runs.csv: per config (in first-seen order), the mean and 95% t-interval over its finished seeds.
+
+    A config with any diverged seed gets status diverged (its lr is unstable) and is ranked last by
+    :func:`rank`; its means are over the seeds that finished (NaN when none did).
+    """
+    rows = []
+    for _, group in runs.groupby("config", sort=False):
+        done = group[group["status"] == DONE]
+        accuracy = _interval(done["best_val_top1"])
+        epochs = _interval(done["epochs_to_within"])
+        n_diverged = int((group["status"] == DIVERGED).sum())
+        rows.append({**{key: group.iloc[0][key] for key in CONFIG_COLUMNS}, "n_seeds": len(group), "n_diverged": n_diverged,
+                     "best_val_top1": accuracy[0], "best_val_top1_low": accuracy[1], "best_val_top1_high": accuracy[2],
+                     "best_val_loss": float(done["best_val_loss"].mean()) if len(done) else math.nan,
+                     "epochs_to_within": epochs[0], "epochs_to_within_low": epochs[1], "epochs_to_within_high": epochs[2],
+                     "epochs_to_within_max": int(done["epochs_to_within"].max()) if len(done) else -1,
+                     "status": DIVERGED if n_diverged else DONE})
+    return pd.DataFrame(rows, columns=list(TABLE_COLUMNS))
+
+
+def _interval(values: pd.Series) -> tuple[float, float, float]:
+    return mean_interval([float(value) for value in values]) if len(values) else (math.nan, math.nan, math.nan)
 
 
 def rank(table: pd.DataFrame) -> pd.DataFrame:
-    """``table`` best first: highest best_val_top1, then lowest best_val_loss, then grid order (a stable sort); diverged last."""
-    return table.sort_values(["best_val_top1", "best_val_loss"], ascending=[False, True], kind="stable", na_position="last")
+    """``table`` best first: finished configs before diverged ones, then highest mean best_val_top1, then lowest
+    mean best_val_loss, then grid order (a stable sort)."""
+    order = table.assign(_diverged=table["status"] != DONE)
+    order = order.sort_values(["_diverged", "best_val_top1", "best_val_loss"], ascending=[True, False, True], kind="stable",
+                              na_position="last")
+    return order.drop(columns="_diverged")
 
 
-def long_metrics(configs: list[Config], run_dirs: list[Path]) -> pd.DataFrame:
-    """Every run's metrics.csv rows, with the config's columns in front (the search's metrics.csv); pass finished runs only."""
-    frames = [read_metrics(run_dir / "metrics.csv").assign(config=config.name, lr=config.lr, weight_decay=config.weight_decay,
-                                                            scheduler=config.scheduler)
-              for config, run_dir in zip(configs, run_dirs)]
+def win_clarity(winner: dict, runner_up: dict | None) -> str:
+    """``clear`` when the winner's 95% interval of mean accuracy lies wholly above the runner-up's, ``not clear`` when
+    they overlap, ``unknown`` with one seed (no interval) or no runner-up.
+
+    Disjoint intervals are a conservative test (two means can differ significantly while their intervals touch):
+    a ``clear`` win is clear, a ``not clear`` one may still be real with more seeds.
+    """
+    if runner_up is None:
+        return UNKNOWN
+    bounds = (winner["best_val_top1_low"], runner_up["best_val_top1_high"])
+    if any(math.isnan(bound) for bound in bounds):
+        return UNKNOWN
+    return CLEAR if bounds[0] > bounds[1] else NOT_CLEAR
+
+
+def long_metrics(runs: list[tuple[Config, int, Path]]) -> pd.DataFrame:
+    """Every run's metrics.csv rows, with the config's columns and the seed in front (the search's metrics.csv).
+
+    Args:
+        runs: ``(config, seed, run folder)`` of the finished runs only.
+    """
+    frames = [read_metrics(run_dir / "metrics.csv").assign(**config.columns(), seed=seed) for config, seed, run_dir in runs]
     frame = pd.concat(frames, ignore_index=True)
-    return frame[["config", "lr", "weight_decay", "scheduler", "epoch", "split", "metric", "value"]]
+    return frame[[*CONFIG_COLUMNS, "seed", "epoch", "split", "metric", "value"]]
 
 
-def plot_validation_accuracy(metrics_csv: Path, out_png: Path) -> Path | None:
-    """One line per config: validation accuracy per epoch."""
-    return plot_curves(metrics_csv, out_png, x="epoch", hue="config", where={"split": VAL_SPLIT, "metric": ACCURACY},
-                       title="validation top-1 accuracy per config")
+def mean_validation_curves(metrics: pd.DataFrame) -> pd.DataFrame:
+    """Validation top-1 per config and epoch, averaged over seeds (val_top1.csv, the numbers val_top1.png plots)."""
+    rows = metrics[(metrics["split"] == VAL_SPLIT) & (metrics["metric"] == ACCURACY)]
+    means = rows.groupby(["config", "epoch"], sort=False)["value"].mean().reset_index()
+    return means.assign(split=VAL_SPLIT, metric=ACCURACY)[["config", "epoch", "split", "metric", "value"]]
 
 
-def best_record(table: pd.DataFrame, run_dirs: dict[str, Path], tolerance: float) -> dict:
-    """best.json: the winning row, its run folder, and the test metrics of its best.pt epoch (chosen by validation loss)."""
-    done = table[table["status"] == DONE]
+def plot_validation_accuracy(curves_csv: Path, out_png: Path) -> Path | None:
+    """One line per config: validation accuracy per epoch (its mean over seeds)."""
+    return plot_curves(curves_csv, out_png, x="epoch", hue="config", where={"split": VAL_SPLIT, "metric": ACCURACY},
+                       title="validation top-1 accuracy per config (mean over seeds)")
+
+
+def pick(table: pd.DataFrame) -> tuple[dict, dict | None]:
+    """The best config of search.csv's ``table`` and the runner-up (None when only one config finished)."""
+    done = rank(table[table["status"] == DONE])
     if done.empty:
         raise TaskHetError("every config diverged (NaN/inf training loss): try lower --lrs")
-    best = rank(done).iloc[0].to_dict()
-    run_dir = run_dirs[best["config"]]
-    return {**_plain(best), "tolerance": tolerance, "run_dir": str(run_dir),
-            "test_at_selected_epoch": selected_test_metrics(run_dir / "metrics.csv")}
+    return _plain(done.iloc[0].to_dict()), (_plain(done.iloc[1].to_dict()) if len(done) > 1 else None)
+
+
+def scheduler_runner_up(table: pd.DataFrame, winner: dict) -> dict | None:
+    """The best finished config of any scheduler other than the winner's (None when no other scheduler finished)."""
+    others = rank(table[(table["status"] == DONE) & (table["scheduler"] != winner["scheduler"])])
+    return None if others.empty else _plain(others.iloc[0].to_dict())
+
+
+def best_record(table: pd.DataFrame, tolerance: float, run_dirs: dict[int, Path], tests: dict[int, dict]) -> dict:
+    """best.json: the winning row, how clear its win is, its run folders, and its test numbers.
+
+    Args:
+        table: search.csv's rows.
+        tolerance: the search's --tolerance.
+        run_dirs: the winner's run folder per seed.
+        tests: per seed, the test metrics of the winner's best.pt epoch (chosen by validation loss;
+            :func:`training.selection.selected_test_metrics`).
+    """
+    winner, runner_up = pick(table)
+    other_scheduler = scheduler_runner_up(table, winner)
+    metric_names = [name for name in next(iter(tests.values())) if name != "epoch"]
+    test = {name: dict(zip(("mean", "low", "high"), mean_interval([tests[seed][name] for seed in tests])))
+            for name in metric_names}
+    return {**winner, "tolerance": tolerance,
+            "runner_up": None if runner_up is None else runner_up["config"], "win": win_clarity(winner, runner_up),
+            "runner_up_interval": None if runner_up is None else [runner_up["best_val_top1_low"], runner_up["best_val_top1_high"]],
+            "scheduler_runner_up": None if other_scheduler is None else other_scheduler["config"],
+            "scheduler_win": win_clarity(winner, other_scheduler),
+            "run_dirs": {str(seed): str(path) for seed, path in run_dirs.items()},
+            "test_at_selected_epoch": {str(seed): metrics for seed, metrics in tests.items()}, "test": test}
 
 
 def scheduler_winners(table: pd.DataFrame) -> pd.DataFrame:
-    """The best row of each scheduler, best first (``scheduler, config, best_val_top1, best_val_loss, epochs_to_within``)."""
+    """The best row of each scheduler, best first (its config and mean accuracy with interval, loss, epochs needed)."""
     ranked = rank(table)
-    return ranked.drop_duplicates("scheduler")[["scheduler", "config", "best_val_top1", "best_val_loss", "epochs_to_within"]]
+    return ranked.drop_duplicates("scheduler")[["scheduler", "config", "best_val_top1", "best_val_top1_low", "best_val_top1_high",
+                                                "best_val_loss", "epochs_to_within"]]
 
 
 def write_report(out_dir: Path, table: pd.DataFrame, best: dict, header: dict) -> Path:
-    """report.md: the winner, how many epochs it needs, which scheduler won, and the whole table best first.
+    """report.md: the winner, how many epochs it needs, whether it won clearly, which scheduler won, the whole table.
 
     Args:
         out_dir: the search folder.
         table: search.csv's rows.
         best: :func:`best_record`'s dict.
-        header: ``task``, ``manifest``, ``n_epochs``, ``seed`` of the search.
+        header: ``task``, ``manifest``, ``n_epochs``, ``seeds`` (a list) of the search.
     """
-    test = best["test_at_selected_epoch"]
-    test_numbers = ", ".join(f"{key} {value:.4g}" for key, value in test.items() if key != "epoch")
+    seeds = header["seeds"]
+    test = ", ".join(f"{name} {_with_interval(value['mean'], value['low'], value['high'])}" for name, value in best["test"].items())
+    epochs = ", ".join(f"seed {seed} epoch {metrics['epoch']}" for seed, metrics in best["test_at_selected_epoch"].items())
     lines = [
         f"# Centralized hyperparameter search: {header['task']}",
         "",
-        f"{len(table)} configs (lr x weight decay x scheduler), {header['n_epochs']} epochs each, seed {header['seed']}, "
-        f"manifest `{header['manifest']}`. Ranked by the best validation top-1 accuracy over the epochs "
-        "(ties: lower validation loss); the test split is not looked at for the ranking.",
+        f"{len(table)} configs (lr x weight decay x scheduler), {header['n_epochs']} epochs each, "
+        f"{len(seeds)} seed(s) ({', '.join(map(str, seeds))}), manifest `{header['manifest']}`. Ranked by the mean over seeds "
+        "of the best validation top-1 accuracy over the epochs (ties: lower mean validation loss); intervals are 95% "
+        "t-intervals of the mean over seeds; the test split is not looked at for the ranking.",
         "",
         f"**Best config:** lr {best['lr']:g}, weight decay {best['weight_decay']:g}, scheduler **{best['scheduler']}**: "
-        f"validation top-1 {best['best_val_top1']:.4f} at epoch {best['best_epoch']}.",
+        f"validation top-1 {_with_interval(best['best_val_top1'], best['best_val_top1_low'], best['best_val_top1_high'])}.",
         "",
-        f"**Epochs needed:** {best['epochs_to_within']} epochs reach within {best['tolerance']:.0%} of its best validation "
-        f"accuracy (top-1 >= {1 - best['tolerance']:g} x {best['best_val_top1']:.4f}).",
+        f"**Epochs needed:** {_epochs_needed(best, len(seeds))}",
         "",
-        f"**Scheduler that won:** {best['scheduler']}. The best config of each scheduler:",
+        f"**Is the win clear?** {_clarity_sentence(best['win'], best, best['runner_up'], table, 'runner-up')}",
+        "",
+        f"**Scheduler that won:** {best['scheduler']}; "
+        f"{_clarity_sentence(best['scheduler_win'], best, best['scheduler_runner_up'], table, 'best config of another scheduler')} "
+        "The best config of each scheduler:",
         "",
         _markdown(scheduler_winners(table)),
         "",
-        f"**Final test numbers** of the best config (its best.pt, epoch {test['epoch']}, chosen by validation loss): "
-        f"{test_numbers}.",
+        f"**Final test numbers** of the best config (its best.pt per seed, chosen by validation loss: {epochs}): {test}.",
         "",
         "## All configs, best first",
         "",
         _markdown(rank(table)),
         "",
-        "Files: search.csv (this table), best.json, metrics.csv (every run's rows), val_top1.png, runs/<config>/ (step 2).",
+        "Files: search.csv (this table), search_runs.csv (one row per config and seed), best.json, metrics.csv (every "
+        "run's rows), val_top1.csv and val_top1.png (validation accuracy per epoch, mean over seeds), "
+        "runs/<config>/seed<seed>/ (step 2).",
         "",
     ]
     path = Path(out_dir) / "report.md"
     atomic_write_text(path, "\n".join(lines))
     return path
+
+
+def _with_interval(mean: float, low: float, high: float) -> str:
+    """``0.6 (95% interval 0.3516 to 0.8484)``, or the mean alone with one seed."""
+    if math.isnan(low):
+        return f"{mean:.4g} (one seed: no interval)"
+    return f"{mean:.4g} (95% interval {low:.4g} to {high:.4g})"
+
+
+def _epochs_needed(best: dict, n_seeds: int) -> str:
+    within = f"to come within {best['tolerance']:.0%} of the run's best validation accuracy (top-1 >= {1 - best['tolerance']:g} x best)"
+    if n_seeds == 1:
+        return f"{best['epochs_to_within']:g} epochs {within}; one seed, so no interval (pass --seeds for one)."
+    return (f"{_with_interval(best['epochs_to_within'], best['epochs_to_within_low'], best['epochs_to_within_high'])} epochs "
+            f"on average over {n_seeds} seeds {within}; the slowest seed needed {best['epochs_to_within_max']}.")
+
+
+def _clarity_sentence(clarity: str, best: dict, other_name: str | None, table: pd.DataFrame, role: str) -> str:
+    if other_name is None:
+        return f"{UNKNOWN}: there is no {role} to compare with."
+    other = table[table["config"] == other_name].iloc[0]
+    mine = f"[{best['best_val_top1_low']:.4g}, {best['best_val_top1_high']:.4g}]"
+    theirs = f"[{other['best_val_top1_low']:.4g}, {other['best_val_top1_high']:.4g}]"
+    if clarity == UNKNOWN:
+        return (f"{UNKNOWN}: with one seed there is no interval (the {role} {other_name} has mean "
+                f"{other['best_val_top1']:.4g}); rerun with --seeds 0,1,2 to tell.")
+    verdict = ("its interval lies wholly above" if clarity == CLEAR else "its interval overlaps")
+    return f"{clarity}: {verdict} that of the {role} {other_name} (winner {mine}, {role} {theirs})."
 
 
 def write_json(path: Path, record: dict) -> None:
