@@ -26,6 +26,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch CPU threads (default: torch's own choice); floating-point results differ in the "
                              "last digits with it, the report's verdicts do not (tests/test_pipeline.py)")
+    parser.add_argument("--jobs", type=positive_int, default=1,
+                        help="federated runs at once, each in its own process (default: 1, in this process); "
+                             "with --jobs 2 on 2 cores pass --threads 1")
     return parser.parse_args(argv)
 
 
@@ -47,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
         table = Study(config, out_dir, command_line([str(args.experiment)])).run()
         print(f"report: {out_dir / 'report.md'} ({len(table)} rows: partition × J × algorithm, and centralized)")
         return
-    table = Pipeline(config, out_dir, command_line([str(args.experiment)])).run()
+    table = Pipeline(config, out_dir, command_line([str(args.experiment)]), jobs=args.jobs, threads=args.threads).run()
     print(f"report: {out_dir / 'report.md'} ({len(table)} task × algorithm × α rows)")
 
 

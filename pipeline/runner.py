@@ -20,8 +20,10 @@ Layout under ``results/<experiment name>/``::
 
 from __future__ import annotations
 
+import multiprocessing
 import shlex
 import sys
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -35,7 +37,7 @@ from network.engine_sequential import GLOBAL_CLIENT, METRICS_COLUMNS
 from partitioning.groupings import EMBEDDING_BASED, GROUPINGS, IID_REFERENCE
 from pipeline.experiment import DATA_SOURCES, Combination, combinations, split_csv_path
 from pipeline.report import write_report
-from pipeline.stages import run_stage, stage_key
+from pipeline.stages import is_done, run_stage, stage_key
 from steps import assign as step3b
 from steps import embed as step3
 from steps import federated as step4
@@ -57,6 +59,8 @@ class Pipeline:
     out_dir: Path
     command: str
     progress: tqdm | None = None
+    jobs: int = 1  # step-4 runs at once (separate processes); 1 runs them in this process
+    threads: int | None = None  # torch threads of each step-4 worker process (jobs > 1)
 
     def step(self, name: str, stage_dir: Path, params: dict[str, Any], script: Callable, argv: list[str]) -> Path:
         """Run one script unless its stage is done; advances the top-level progress bar."""
@@ -155,7 +159,9 @@ class Pipeline:
                   ["--out", str(stage_dir), *flags(params)])
         return stage_dir
 
-    def federated(self, combination: Combination, root: Path, manifest: Path, assignments: Path, model_dir: Path) -> Path:
+    def federated(self, combination: Combination, root: Path, manifest: Path, assignments: Path,
+                  model_dir: Path) -> FederatedStage:
+        """Step 4's stage of one combination (run later by :meth:`run_federated`)."""
         federated = dict(self.config["federated"])
         hyper = federated.pop("algorithms")[combination.algorithm] or {}
         params = {
@@ -175,8 +181,36 @@ class Pipeline:
         partition = c.grouping if c.grouping == IID_REFERENCE else Path(c.grouping, f"a{c.alpha:g}")
         stage_dir = (self.out_dir / "federated" / c.task / partition / c.algorithm
                      / f"s{c.seed}-{stage_key(params, [manifest, assignments / 'assignments.csv'], self.out_dir)}")
-        self.step(f"step 4: {c.label()}", stage_dir, params, step4, ["--out", str(stage_dir), "--resume", *flags(params)])
-        return stage_dir
+        argv = ["--out", str(stage_dir), "--resume", *flags(params)]
+        return FederatedStage(f"step 4: {c.label()}", stage_dir, params, argv)
+
+    def run_federated(self, stages: list[FederatedStage]) -> None:
+        """Every step-4 run: here one after another, or ``jobs`` at a time in worker processes.
+
+        Runs are independent (each has its own seed-derived draws), so the order changes nothing but
+        the floating-point rounding of a different thread count. The first failure stops the rest.
+        """
+        if self.jobs == 1:
+            for stage in stages:
+                self.step(stage.name, stage.stage_dir, stage.params, step4, stage.argv)
+            return
+        pending = [stage for stage in stages if not is_done(stage.stage_dir)]
+        if self.progress is not None:
+            self.progress.update(len(stages) - len(pending))
+            self.progress.set_description(f"step 4: {len(pending)} runs, {self.jobs} at a time")
+        # spawn, not fork: a forked child of a process that already ran OpenMP threads (steps 2-3) can hang.
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(self.jobs, mp_context=context, initializer=use_threads, initargs=(self.threads,)) as pool:
+            futures = [pool.submit(run_federated_stage, stage.stage_dir, stage.params,
+                                   [*stage.argv, *self.shared_flags(step4), "--no-progress"]) for stage in pending]
+            try:
+                for future in as_completed(futures):
+                    future.result()
+                    if self.progress is not None:
+                        self.progress.update(1)
+            except BaseException:
+                pool.shutdown(cancel_futures=True)
+                raise
 
     # ----- the whole experiment -----
     def count_steps(self) -> int:
@@ -219,9 +253,11 @@ class Pipeline:
                 measured = (combination.task, combination.grouping, combination.alpha, combination.seed)
                 if measured in self.metered([combination]) and measured not in meters:
                     meters[measured] = self.meter(*measured, root, manifest, assignments, model_dirs[combination.task])
-                run_dir = self.federated(combination, root, manifest, assignments, model_dirs[combination.task])
-                runs.append((combination, run_dir, assignments))
-        return self.report(runs, model_dirs, cluster_dirs, meters)
+                stage = self.federated(combination, root, manifest, assignments, model_dirs[combination.task])
+                runs.append((combination, stage, assignments))
+            self.run_federated([stage for _, stage, _ in runs])
+        return self.report([(combination, stage.stage_dir, assignments) for combination, stage, assignments in runs],
+                           model_dirs, cluster_dirs, meters)
 
     def partition_for(self, combination: Combination, manifest: Path, cluster_dirs: dict[str, Path]) -> Path:
         owner, grouping, alpha, seed = partition_key(combination)
@@ -253,6 +289,29 @@ class Pipeline:
                       for (task, grouping, alpha, seed), stage_dir in meters.items()]
         return write_report(self.out_dir, pd.DataFrame(finals), pd.DataFrame(curves), centralized, agreement,
                             heatmaps, self.command, pd.DataFrame(meter_rows))
+
+
+@dataclass(frozen=True)
+class FederatedStage:
+    """One step-4 run: its progress label, folder, stage parameters and step-4 command line."""
+
+    name: str
+    stage_dir: Path
+    params: dict[str, Any]
+    argv: list[str]
+
+
+def use_threads(threads: int | None) -> None:
+    """A worker process's torch thread count (None: torch's own choice)."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def run_federated_stage(stage_dir: Path, params: dict[str, Any], argv: list[str]) -> None:
+    """One step-4 run in a worker process (module level, so a spawned process can import it)."""
+    run_stage(stage_dir, params, lambda: step4.main(argv))
 
 
 def partition_key(combination: Combination) -> tuple:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -156,3 +157,32 @@ def test_verdicts_do_not_depend_on_the_thread_count(tmp_path):
         torch.set_num_threads(previous)
     assert list(reports[1].verdict) == list(reports[2].verdict)
     assert (reports[1].gap_percent - reports[2].gap_percent).abs().max() < 1.0  # percentage points
+
+
+def test_parallel_federated_runs_give_the_report_of_sequential_ones(tmp_path):
+    config = tiny_experiment(tmp_path)
+    config["federated"]["algorithms"]["fedprox"] = {"mu": 0.01}
+    experiment = write_experiment(tmp_path, config)
+    run_pipeline.main([str(experiment), "--results", str(tmp_path / "sequential"), "--threads", "1"])
+    run_pipeline.main([str(experiment), "--results", str(tmp_path / "parallel"), "--threads", "1", "--jobs", "2"])
+    reports = [pd.read_csv(tmp_path / name / "tiny" / "report.csv") for name in ("sequential", "parallel")]
+    pd.testing.assert_frame_equal(*reports)  # one thread each: the same arithmetic in either process
+    assert len(list((tmp_path / "parallel" / "tiny").glob("federated/**/stage.json"))) == 4  # 2 groupings x 2 algorithms
+
+
+def test_a_failing_parallel_run_stops_the_pipeline_with_its_error(tmp_path):
+    config = tiny_experiment(tmp_path)
+    config["federated"]["init_from"] = "centralized"
+    config["heterogeneity_meter"] = False
+    experiment = write_experiment(tmp_path, config)
+    results = tmp_path / "results"
+    run_pipeline.main([str(experiment), "--results", str(results), "--threads", "1"])
+    out = results / "tiny"
+    for stage in list(out.glob("federated/**/stage.json")):
+        shutil.rmtree(stage.parent)
+    (out / "report.csv").unlink()
+    # Steps 1-3 stay done; only step 4, in a worker process, reads the now unfinished step-2 checkpoint.
+    (next(out.glob("centralized/*/best.pt")).parent / "INCOMPLETE").write_text("step 2")
+    with pytest.raises(TaskHetError, match="INCOMPLETE|unfinished|did not finish"):
+        run_pipeline.main([str(experiment), "--results", str(results), "--jobs", "2", "--threads", "1"])
+    assert not (out / "report.csv").exists()
