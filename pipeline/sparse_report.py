@@ -44,6 +44,10 @@ SPARSE_COLUMNS = ["partition", "scheme", "nc", "local_steps", "rounds", "variant
                   "best_val_low", "best_val_high", "seeds"]
 CELL = ["partition", "local_steps", "calibration_rounds", "extra", "sparsity"]  # the rules compete within a cell
 VARIED = ("density", "calibration_rounds", "mask_rule")  # the settings with their own columns
+START = {"head": "The centralized row is step 0, the head trained on the frozen encoder's features: every federated run "
+                 "starts from that model with the encoder unfrozen.",
+         "centralized": "Every federated run starts from the centralized model.",
+         "scratch": "The centralized row is step 2; the federated runs start from the untrained model."}
 
 
 def describe_variant(variant, varying: set[str]) -> dict[str, Any]:
@@ -278,7 +282,8 @@ def report_lines(config: dict[str, Any], table: pd.DataFrame, runs: pd.DataFrame
              "calibrated mask; sparsity = 1 − density, R = calibration rounds). Accuracy of the global model on the test "
              "split: *final* at the last round, *best by validation* at the round of the highest validation accuracy "
              "(– without validation rows). Intervals: 95% Student t over seeds; differences are paired by seed and "
-             "*noticeable* when their interval excludes 0 (with one seed nothing is).", "", "## Summary", ""]
+             "*noticeable* when their interval excludes 0 (with one seed nothing is). " + START[federated["init_from"]],
+             "", "## Summary", ""]
     lines += summary_lines(runs, "final", "Final accuracy")
     if runs["best_val"].notna().any():
         lines += summary_lines(runs, "best_val", "Best-by-validation accuracy")

@@ -26,6 +26,7 @@ Layout under ``results/<name>/``::
     step1-<key>/manifest.csv
     centralized/<task>-<key>/                             step 2, one per seed
     head/s<seed>-<key>/best.pt                            init_from head: step 2's model, encoder unfrozen
+    calibration/s<seed>-<key>/manifest.csv                calibration_fraction: the manifest without the server's rows
     assignments/<partition>-s<seed>-<key>/                step 3b, shared by every J and algorithm
     federated/<partition>/J<j>/<variant>/s<seed>-<key>/   step 4 (resumes from its checkpoint)
     report.md, report.csv, *.png
@@ -290,7 +291,8 @@ class Study:
             manifest = self.pipeline.manifest(root)
             centralized = {seed: self.pipeline.centralized(self.config["task"], root, manifest, seed) for seed in seeds}
             starts = {seed: self.start_model(seed, centralized[seed]) for seed in seeds}
-            assignments = {key: self.assignments(*key, manifest) for key in partitions}
+            clients = {seed: self.client_manifest(seed, manifest) for seed in seeds}
+            assignments = {key: self.assignments(*key, clients[key[1]]) for key in partitions}
             run_dirs = {run: self.federated(run, root, manifest, assignments[(run.partition, run.seed)],
                                             starts[run.seed]) for run in runs}
         report = importlib.import_module(STUDY_REPORTS[self.config["study"]])
@@ -307,6 +309,35 @@ class Study:
         stage_dir = self.out_dir / "head" / f"s{seed}-{stage_key(params, [model_dir / 'best.pt'], self.out_dir)}"
         run_stage(stage_dir, params, lambda: unfrozen_copy(model_dir / "best.pt", stage_dir / "best.pt"))
         return stage_dir
+
+    def client_manifest(self, seed: int, manifest: Path) -> Path:
+        """The manifest step 3b partitions: without the server's calibration rows when
+        ``federated.calibration_fraction`` is set (network/calibration_split.py draws them from train rows no
+        client holds, and partitions such as nc_shards and iid hand out every row).
+
+        The rows held out are the draw that split makes for this seed with no client rows, so step 4's own
+        draw (same size, among rows no client holds) finds at least these free.
+        """
+        import pandas as pd
+
+        from datasets.family import load_manifest
+        from network.calibration_split import calibration_ids
+        from pipeline.stages import run_stage
+
+        fraction = self.config["federated"]["calibration_fraction"]
+        if not fraction:
+            return manifest
+        params = {"manifest": str(manifest), "calibration_fraction": fraction, "seed": seed}
+        stage_dir = self.out_dir / "calibration" / f"s{seed}-{stage_key(params, [manifest], self.out_dir)}"
+
+        def write() -> None:
+            _, rows = load_manifest(manifest)
+            held_out = set(calibration_ids(rows, rows.iloc[:0], fraction, seed))
+            raw = pd.read_csv(manifest, dtype=str, keep_default_na=False)  # every other row exactly as step 1 wrote it
+            raw[~raw["sample_id"].isin(held_out)].to_csv(stage_dir / "manifest.csv", index=False)
+
+        run_stage(stage_dir, params, write)
+        return stage_dir / "manifest.csv"
 
     def assignments(self, partition: Partition, seed: int, manifest: Path) -> Path:
         from pipeline.runner import flags

@@ -154,3 +154,24 @@ def test_sparse_study_file_errors_name_the_key(tmp_path, change, key):
     change(config)
     with pytest.raises(TaskHetError, match=key.replace("[", r"\[").replace("]", r"\]")):
         load_experiment(write(tmp_path, config))
+
+
+def test_server_masks_calibrate_on_rows_no_client_holds(tmp_path, one_thread):
+    config = tiny_sparse_study()
+    config["federated"]["calibration_fraction"] = 0.1
+    config["grid"] = [{"partitions": [{"scheme": "nc_shards", "groups_per_client": 1}], "local_steps": [2],
+                       "algorithms": {"sparse_ft": {"density": 0.1, "calibration_rounds": 2, "calibration_batches": 1,
+                                                    "mask_source": "server", "input_key": "image"}}}]
+    config["seeds"] = [0]
+    run_pipeline.main([str(write(tmp_path, config)), "--results", str(tmp_path / "results")])
+    out = tmp_path / "results" / "tinysparse"
+    full = pd.read_csv(next(out.glob("step1-*/manifest.csv")))
+    clients = pd.read_csv(next(out.glob("calibration/s0-*/manifest.csv")))
+    held_out = set(full.sample_id) - set(clients.sample_id)
+    # 75 training digits, 10 of them validation rows: round(0.1 · 65) = 6 held out, all train and not val.
+    assert len(held_out) == 6 and set(full[full.sample_id.isin(held_out)].split) == {"train"}
+    assert not full[full.sample_id.isin(held_out)].val.any()
+    assignments = pd.read_csv(next(out.glob("assignments/*/assignments.csv")))
+    assert not held_out & set(assignments.sample_id)
+    report = pd.read_csv(out / "report.csv", keep_default_na=False)
+    assert list(report.mask_rule) == ["least_sensitive", ""] and list(report.algorithm) == ["sparse_ft", "centralized"]
