@@ -302,7 +302,8 @@ def report_lines(config: dict[str, Any], table: pd.DataFrame, runs: pd.DataFrame
 
 def plot_accuracy_vs_sparsity(table: pd.DataFrame, out_png: Path, column: str, metric: str) -> None:
     """One panel per partition (rows) and J × R × other settings (columns): one line per rule with its interval
-    against sparsity (evenly spaced ticks), dense variants and centralized as horizontal lines."""
+    against sparsity (evenly spaced ticks), dense variants and centralized as horizontal lines; intervals are
+    drawn clipped to the accuracy range [0, 1]."""
     from utils.plots import plt, save_figure
 
     sparse = table[table.algorithm == SPARSE]
@@ -321,8 +322,9 @@ def plot_accuracy_vs_sparsity(table: pd.DataFrame, out_png: Path, column: str, m
                           & (sparse.calibration_rounds == rounds) & (sparse.extra == extra)]
             for rule, rows in cell.groupby("mask_rule"):
                 rows = rows.sort_values("sparsity")
-                error = np.nan_to_num(np.vstack([rows[f"{column}_mean"] - rows[f"{column}_low"],
-                                                 rows[f"{column}_high"] - rows[f"{column}_mean"]]).astype(float))
+                # Accuracy lies in [0, 1]: a 2-seed t interval (t = 12.7) can reach far past it, so draw it clipped.
+                low, high = rows[f"{column}_low"].clip(0, 1), rows[f"{column}_high"].clip(0, 1)
+                error = np.nan_to_num(np.vstack([rows[f"{column}_mean"] - low, high - rows[f"{column}_mean"]]).astype(float))
                 axis.errorbar([position[level] for level in rows.sparsity], rows[f"{column}_mean"].to_numpy(dtype=float),
                               yerr=error, marker="o", capsize=3, label=rule, color=colors[rule])
             dense = table[(table.partition == partition) & (table.mask_rule == DENSE_RULE)
@@ -333,7 +335,8 @@ def plot_accuracy_vs_sparsity(table: pd.DataFrame, out_png: Path, column: str, m
             if len(central) and not math.isnan(central.iloc[0]):
                 axis.axhline(central.iloc[0], color="grey", linestyle=":", label="centralized")
             axis.set_xticks(range(len(levels)), [f"{level:g}" for level in levels])
-            axis.set_title(f"{partition}" + (f" · J={local_steps} · R={rounds}" if local_steps is not None else "")
+            axis.set_ylim(-0.02, 1.02)
+            axis.set_title(f"{partition}" + (f" · J={int(local_steps)} · R={int(rounds)}" if local_steps is not None else "")
                            + (f" · {extra}" if extra else ""), fontsize=9)
             axis.set_xlabel("sparsity (1 − density)")
         row_axes[0].set_ylabel(f"test {metric}" + (" (best by val)" if column == "best_val" else ""))
