@@ -12,12 +12,21 @@ groups_per_client: 5}``), J sets the rounds through the fixed budget
 work), and an algorithm's setting given as a list expands into one variant per value
 (``sparse_ft: {density: [0.01, 0.1]}``), so a later study (dense FedAvg against sparse
 fine-tuning over its settings) reuses the grid and only adds a report. ``study:`` names
-the report (:data:`STUDY_REPORTS`).
+the report (:data:`STUDY_REPORTS`): ``fedavg_sharding`` (pipeline/study_report.py) or
+``sparse_finetuning`` (pipeline/sparse_report.py: dense FedAvg against ``sparse_ft`` per
+sparsity, calibration rounds and mask rule).
+
+``federated.init_from: head`` is issue 15's step 0: step 2 runs with ``model.freeze_encoder``
+(a linear head on the frozen pretrained features), the study copies its ``best.pt`` with the
+encoder unfrozen into ``head/s<seed>-<key>/``, and every federated run (dense or sparse)
+fine-tunes the whole model from there (``sparse_ft`` keeps the head frozen, as TaLoS does).
 
 Layout under ``results/<name>/``::
 
     step1-<key>/manifest.csv
     centralized/<task>-<key>/                             step 2, one per seed
+    head/s<seed>-<key>/best.pt                            init_from head: step 2's model, encoder unfrozen
+    calibration/s<seed>-<key>/manifest.csv                calibration_fraction: the manifest without the server's rows
     assignments/<partition>-s<seed>-<key>/                step 3b, shared by every J and algorithm
     federated/<partition>/J<j>/<variant>/s<seed>-<key>/   step 4 (resumes from its checkpoint)
     report.md, report.csv, *.png
@@ -41,7 +50,10 @@ from pipeline.stages import stage_key
 from utils.errors import TaskHetError
 from utils.loaders import load_yaml
 
-STUDY_REPORTS = ("fedavg_sharding",)
+# study name -> the module whose ``write_report(config, out_dir, run_dirs, centralized, command)`` writes its report
+# (imported when the study runs: the report modules import matplotlib and pandas).
+STUDY_REPORTS = {"fedavg_sharding": "pipeline.study_report", "sparse_finetuning": "pipeline.sparse_report"}
+INIT_FROM = ("scratch", "centralized", "head")
 
 # Every key of a study file with its default (the sections shared with the main job have its defaults).
 STUDY_SCHEMA: dict[str, Any] = {
@@ -62,7 +74,8 @@ STUDY_SCHEMA: dict[str, Any] = {
         "momentum": 0.0,
         "weight_decay": 0.0,
         "client_test_fraction": 0.0,  # the study reads the global test and validation splits only
-        "init_from": "scratch",
+        "init_from": "scratch",  # scratch | centralized (step 2's model) | head (step 2's head, encoder unfrozen)
+        "calibration_fraction": 0.0,  # held-out train rows for sparse_ft's server masks (step 4's --calibration_fraction)
     },
     "grid": [],  # blocks: {partitions: [{scheme, ...}], local_steps: [J, ...], algorithms: {name: settings}}
     "seeds": [0, 1, 2],
@@ -70,13 +83,13 @@ STUDY_SCHEMA: dict[str, Any] = {
 }
 STUDY_TYPES = {**{key: check for key, check in TYPES.items() if key.split(".")[0] in ("name", "data", "model", "centralized",
                                                                                       "seeds", "use_accelerator")},
-               "study": Str(STUDY_REPORTS), "task": Str(),
+               "study": Str(tuple(STUDY_REPORTS)), "task": Str(),
                "federated.n_clients": Int(1), "federated.client_fraction": Float(0, 1, low_open=True),
                "federated.rounds_x_local_steps": Int(1), "federated.evaluations": Int(1),
                "federated.batch_size": Int(1), "federated.init_lr": Float(0, low_open=True),
                "federated.lr_schedule": Str(), "federated.momentum": Float(0), "federated.weight_decay": Float(0),
                "federated.client_test_fraction": Float(0, 1, high_open=True),
-               "federated.init_from": Str(("scratch", "centralized"))}
+               "federated.init_from": Str(INIT_FROM), "federated.calibration_fraction": Float(0, 1, high_open=True)}
 BLOCK_KEYS = ("partitions", "local_steps", "algorithms")
 # Short names of scheme parameters in folder names and report rows (nc_shards-nc5, dirichlet_split-a0.1).
 PARAM_LABELS = {"groups_per_client": "nc", "alpha": "a"}
@@ -130,6 +143,9 @@ def load_study(path: Path) -> dict[str, Any]:
     check_types(config, path, STUDY_TYPES)
     config["tasks"] = [config["task"]]  # what the shared Pipeline steps read
     validate_study_names(config, path)
+    if config["federated"]["init_from"] == "head" and not config["model"]["freeze_encoder"]:
+        raise TaskHetError(f"{path}: federated.init_from head needs model.freeze_encoder: true (step 2 then trains the "
+                           "head on the frozen encoder's features, which the federated runs start from)")
     config["grid"] = validate_grid(config["grid"], path)
     budget = config["federated"]["rounds_x_local_steps"]
     for index, block in enumerate(config["grid"]):
@@ -264,7 +280,7 @@ class Study:
 
     def run(self):
         """Step 1, step 2 per seed, step 3b per partition and seed, step 4 per run, then the report; returns its table."""
-        from pipeline.study_report import write_study_report
+        import importlib
 
         runs = study_runs(self.config)
         seeds = [int(seed) for seed in self.config["seeds"]]
@@ -274,10 +290,54 @@ class Study:
             root = self.pipeline.data_root()
             manifest = self.pipeline.manifest(root)
             centralized = {seed: self.pipeline.centralized(self.config["task"], root, manifest, seed) for seed in seeds}
-            assignments = {key: self.assignments(*key, manifest) for key in partitions}
+            starts = {seed: self.start_model(seed, centralized[seed]) for seed in seeds}
+            clients = {seed: self.client_manifest(seed, manifest) for seed in seeds}
+            assignments = {key: self.assignments(*key, clients[key[1]]) for key in partitions}
             run_dirs = {run: self.federated(run, root, manifest, assignments[(run.partition, run.seed)],
-                                            centralized[run.seed]) for run in runs}
-        return write_study_report(self.config, self.out_dir, run_dirs, centralized, self.command)
+                                            starts[run.seed]) for run in runs}
+        report = importlib.import_module(STUDY_REPORTS[self.config["study"]])
+        return report.write_report(self.config, self.out_dir, run_dirs, centralized, self.command)
+
+    def start_model(self, seed: int, model_dir: Path) -> Path:
+        """The folder whose ``best.pt`` the federated runs start from: step 2's, or (init_from head) a copy with
+        the encoder unfrozen, since a checkpoint's model config keeps step 2's ``freeze_encoder``."""
+        from pipeline.stages import run_stage
+
+        if self.config["federated"]["init_from"] != "head":
+            return model_dir
+        params = {"checkpoint": str(model_dir / "best.pt")}
+        stage_dir = self.out_dir / "head" / f"s{seed}-{stage_key(params, [model_dir / 'best.pt'], self.out_dir)}"
+        run_stage(stage_dir, params, lambda: unfrozen_copy(model_dir / "best.pt", stage_dir / "best.pt"))
+        return stage_dir
+
+    def client_manifest(self, seed: int, manifest: Path) -> Path:
+        """The manifest step 3b partitions: without the server's calibration rows when
+        ``federated.calibration_fraction`` is set (network/calibration_split.py draws them from train rows no
+        client holds, and partitions such as nc_shards and iid hand out every row).
+
+        The rows held out are the draw that split makes for this seed with no client rows, so step 4's own
+        draw (same size, among rows no client holds) finds at least these free.
+        """
+        import pandas as pd
+
+        from datasets.family import load_manifest
+        from network.calibration_split import calibration_ids
+        from pipeline.stages import run_stage
+
+        fraction = self.config["federated"]["calibration_fraction"]
+        if not fraction:
+            return manifest
+        params = {"manifest": str(manifest), "calibration_fraction": fraction, "seed": seed}
+        stage_dir = self.out_dir / "calibration" / f"s{seed}-{stage_key(params, [manifest], self.out_dir)}"
+
+        def write() -> None:
+            _, rows = load_manifest(manifest)
+            held_out = set(calibration_ids(rows, rows.iloc[:0], fraction, seed))
+            raw = pd.read_csv(manifest, dtype=str, keep_default_na=False)  # every other row exactly as step 1 wrote it
+            raw[~raw["sample_id"].isin(held_out)].to_csv(stage_dir / "manifest.csv", index=False)
+
+        run_stage(stage_dir, params, write)
+        return stage_dir / "manifest.csv"
 
     def assignments(self, partition: Partition, seed: int, manifest: Path) -> Path:
         from pipeline.runner import flags
@@ -301,17 +361,30 @@ class Study:
         params = {
             "task": self.config["task"], "method": run.variant.algorithm, "rand_seed": run.seed,
             "data_path": str(root), "manifest": str(manifest), "assignments": str(assignments / "assignments.csv"),
-            "encoder": model["encoder"], "weights": model["weights"], "freeze_encoder": model["freeze_encoder"],
+            "encoder": model["encoder"], "weights": model["weights"],
+            "freeze_encoder": model["freeze_encoder"] and federated["init_from"] != "head",
             "image_size": model["image_size"], "use_accelerator": self.config["use_accelerator"],
             "n_rounds": rounds, "local_steps": run.local_steps, "eval_every": max(1, rounds // federated["evaluations"]),
             **{key: federated[key] for key in ("batch_size", "init_lr", "lr_schedule", "momentum", "weight_decay",
                                                "client_fraction", "init_from")},
             **dict(run.variant.settings),
         }
-        if federated["init_from"] == "centralized":
-            params["centralized_checkpoint"] = str(model_dir / "best.pt")
+        if federated["init_from"] != "scratch":
+            params.update(init_from="centralized", centralized_checkpoint=str(model_dir / "best.pt"))
+        if federated["calibration_fraction"]:
+            params["calibration_fraction"] = federated["calibration_fraction"]
         inputs = [manifest, assignments / "assignments.csv"]
         stage_dir = (self.out_dir / "federated" / run.partition.label / f"J{run.local_steps}" / run.variant.label
                      / f"s{run.seed}-{stage_key(params, inputs, self.out_dir)}")
         label = f"step 4: {run.partition.label} · J={run.local_steps} · {run.variant.label} · seed {run.seed}"
         return self.pipeline.step(label, stage_dir, params, step4, ["--out", str(stage_dir), "--resume", *flags(params)])
+
+
+def unfrozen_copy(checkpoint: Path, out: Path) -> None:
+    """Write step 2's checkpoint with ``freeze_encoder`` off in its model config (the weights unchanged)."""
+    import torch
+
+    from utils.loaders import load_checkpoint
+
+    loaded = load_checkpoint(checkpoint, "step-2 best.pt", keys=("model", "model_config"), finished=True)
+    torch.save({"model": loaded["model"], "model_config": {**loaded["model_config"], "freeze_encoder": False}}, out)

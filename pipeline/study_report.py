@@ -270,3 +270,4 @@ def plot_curves(curves: pd.DataFrame, out_png: Path, metric: str) -> None:
             handles.setdefault(label, handle)
     axes[0][0].legend(list(handles.values()), list(handles), fontsize=7)
     save_figure(figure, out_png, dpi=120)
+write_report = write_study_report  # the name pipeline/study.py calls (STUDY_REPORTS)
