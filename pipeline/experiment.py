@@ -79,6 +79,7 @@ SCHEMA: dict[str, Any] = {
         "local_steps": 5,
         "batch_size": 16,
         "init_lr": 0.01,
+        "task_init_lr": {},  # task -> its own local learning rate (tasks not listed use init_lr)
         "lr_schedule": "constant",
         "client_fraction": 1.0,
         "eval_every": 1,
@@ -89,7 +90,7 @@ SCHEMA: dict[str, Any] = {
 }
 
 # Sections whose values are free-form mappings (algorithm name -> its hyperparameters).
-FREE_FORM = {"federated.algorithms"}
+FREE_FORM = {"federated.algorithms", "federated.task_init_lr"}
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,11 @@ def validate_names(config: dict[str, Any], source: Path) -> None:
     if sorted(set(config["partition"]["groupings"])) != sorted(GROUPINGS):
         raise TaskHetError(f"{source}: partition.groupings must list both {' and '.join(GROUPINGS)}: the report "
                            f"compares them; got {config['partition']['groupings']}")
+    for task, lr in config["federated"]["task_init_lr"].items():
+        if task not in config["tasks"]:
+            raise TaskHetError(f"{source}: federated.task_init_lr names task {task!r}, which is not in tasks {config['tasks']}")
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+            raise TaskHetError(f"{source}: federated.task_init_lr.{task} must be a number > 0, got {lr!r}")
     if config["model"]["cache_features"] and not config["model"]["freeze_encoder"]:
         raise TaskHetError(f"{source}: model.cache_features needs model.freeze_encoder: true (a trained encoder's maps "
                            "change every step)")

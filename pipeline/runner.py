@@ -164,6 +164,7 @@ class Pipeline:
         """Step 4's stage of one combination (run later by :meth:`run_federated`)."""
         federated = dict(self.config["federated"])
         hyper = federated.pop("algorithms")[combination.algorithm] or {}
+        federated["init_lr"] = federated.pop("task_init_lr").get(combination.task, federated["init_lr"])
         params = {
             "task": combination.task, "method": combination.algorithm, "rand_seed": combination.seed,
             "alpha": None if combination.grouping == IID_REFERENCE else combination.alpha,

@@ -132,12 +132,20 @@ class Optional:
 
 @dataclass(frozen=True)
 class Mapping:
-    """A mapping whose values are checked elsewhere (``federated.algorithms``: each algorithm's Settings)."""
+    """A mapping whose values are checked elsewhere (``federated.algorithms``: each algorithm's Settings).
+
+    ``what`` and ``example`` make the error; ``allow_empty`` accepts ``{}`` (or an empty YAML value).
+    """
+
+    what: str = "map algorithm names to their settings"
+    example: str = "{fedavg: {}, fedprox: {mu: 0.01}}"
+    allow_empty: bool = False
 
     def __call__(self, value: Any, key: str) -> dict:
-        if not isinstance(value, dict) or not value:
-            raise TaskHetError(f"{key} must map algorithm names to their settings, e.g. "
-                               f"{{fedavg: {{}}, fedprox: {{mu: 0.01}}}}, got {value!r}")
+        if self.allow_empty and value is None:
+            return {}
+        if not isinstance(value, dict) or not (value or self.allow_empty):
+            raise TaskHetError(f"{key} must {self.what}, e.g. {self.example}, got {value!r}")
         return value
 
 
@@ -194,6 +202,7 @@ TYPES: dict[str, Check] = {
     "federated.local_steps": Int(1),
     "federated.batch_size": Int(1),
     "federated.init_lr": POSITIVE,
+    "federated.task_init_lr": Mapping("map task names to their learning rates", "{class_scene: 0.05}", allow_empty=True),
     "federated.lr_schedule": Str(),
     "federated.client_fraction": Float(0, 1, low_open=True),
     "federated.eval_every": Int(1),

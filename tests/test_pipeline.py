@@ -55,6 +55,7 @@ def test_tiny_experiment_end_to_end(tmp_path):
     config["partition"]["iid_reference"] = True
     # A frozen encoder whose maps are cached: steps 2, 3c and 4 share one feature store.
     config["model"].update(freeze_encoder=True, cache_features=True, decoder_width=8)
+    config["federated"]["task_init_lr"] = {"depth_euclidean": 0.0123}
     experiment = write_experiment(tmp_path, config)
     run_pipeline.main([str(experiment), "--results", str(tmp_path / "results")])
     out = tmp_path / "results" / "tiny"
@@ -62,6 +63,7 @@ def test_tiny_experiment_end_to_end(tmp_path):
     for run_config in out.glob("federated/**/config.json"):
         args = json.loads(run_config.read_text())["args"]
         assert (args["weights"], args["decoder_width"], args["cache_features"]) == ("none", 8, True), run_config
+        assert args["init_lr"] == 0.0123, run_config  # the task's own rate, not federated.init_lr
     federated = load_task_model(next(out.glob("federated/**/best.pt")))
     narrow, default = (build_task_model("depth_euclidean", "small_cnn", decoder_width=width) for width in (8, None))
     assert federated.config["decoder_width"] == 8 and federated.decoder.out_channels == narrow.decoder.out_channels
@@ -120,6 +122,8 @@ def test_killed_during_step4_resumes_to_the_same_report(tmp_path):
         (lambda c: c["federated"].update(algorithms={"fedsgdx": {}}), "fedsgdx"),
         (lambda c: c["partition"].update(scheme="dirichlet_mix"), "dirichlet_mix"),
         (lambda c: c.setdefault("model", {}).update(cache_features=True), "model.cache_features needs model.freeze_encoder"),
+        (lambda c: c["federated"].update(task_init_lr={"normal": 0.1}), "task_init_lr names task 'normal'"),
+        (lambda c: c["federated"].update(task_init_lr={"depth_euclidean": -1}), "task_init_lr.depth_euclidean"),
     ],
 )
 def test_bad_experiment_rejected_before_any_work(tmp_path, edit, named):
