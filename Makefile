@@ -27,8 +27,10 @@ $(HOOK_STAMP): utils/torchvision_hook.py utils/tv_compat.py $(STAMP)
 	echo "import taskhet_torchvision_hook" > $$site/taskhet_torchvision_hook.pth
 	touch $(HOOK_STAMP)
 
+# Federated runs go JOBS at a time, one torch thread each (2 cores: 2 jobs); JOBS=1 runs them in one process.
+JOBS ?= 2
 demo: setup
-	$(PY) run_pipeline.py experiments/demo.yaml
+	$(PY) run_pipeline.py experiments/demo.yaml --jobs $(JOBS) --threads 1
 
 test: setup
 	$(PY) -m pytest -q tests

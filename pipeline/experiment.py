@@ -80,6 +80,8 @@ SCHEMA: dict[str, Any] = {
         "batch_size": 16,
         "init_lr": 0.01,
         "task_init_lr": {},  # task -> its own local learning rate (tasks not listed use init_lr)
+        "momentum": 0.0,  # local SGD momentum (a fresh buffer each round)
+        "weight_decay": 0.0,  # local SGD weight decay
         "lr_schedule": "constant",
         "client_fraction": 1.0,
         "eval_every": 1,

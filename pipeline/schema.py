@@ -203,6 +203,8 @@ TYPES: dict[str, Check] = {
     "federated.batch_size": Int(1),
     "federated.init_lr": POSITIVE,
     "federated.task_init_lr": Mapping("map task names to their learning rates", "{class_scene: 0.05}", allow_empty=True),
+    "federated.momentum": Float(0, 1, high_open=True),
+    "federated.weight_decay": Float(0),
     "federated.lr_schedule": Str(),
     "federated.client_fraction": Float(0, 1, low_open=True),
     "federated.eval_every": Int(1),
