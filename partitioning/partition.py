@@ -302,7 +302,7 @@ NC_SLACKS = (0.0, 0.1, 0.25, 0.5, 1.0, None)
 
 
 @SCHEMES.register("nc_shards")
-class NcShardsPartitioner(Partitioner):
+class NcShardsPartitioner(ShardsPartitioner):
     """The course's non-iid sharding: every client holds exactly Nc = ``groups_per_client`` groups,
     client sizes are equal within 1, clients are disjoint and together hold every sample.
 
@@ -333,15 +333,8 @@ class NcShardsPartitioner(Partitioner):
 
     name = "nc_shards"
 
-    def __init__(self, n_clients: int, *, groups_per_client: int = 2, seed: int = 0, size_skew: str | None = None,
-                 min_client_size: int = 1) -> None:
-        super().__init__(n_clients, seed=seed, size_skew=size_skew, min_client_size=min_client_size)
-        self.groups_per_client = groups_per_client
-
     def _validate(self, n_samples: int) -> None:
-        super()._validate(n_samples)
-        if not isinstance(self.groups_per_client, (int, np.integer)) or self.groups_per_client < 1:
-            raise TaskHetError(f"{self.name}: groups_per_client (--groups_per_client) must be an integer >= 1, got {self.groups_per_client!r}")
+        super()._validate(n_samples)  # shards' checks of groups_per_client
         if self.size_skew is not None:
             raise TaskHetError(f"{self.name}: client sizes are equal by construction; --size_skew cannot be combined with it (use shards)")
 
