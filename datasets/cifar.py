@@ -25,7 +25,8 @@ from torch.utils.data import Dataset
 import utils.tv_compat  # noqa: F401  (before torchvision)
 from torchvision.datasets import CIFAR10, CIFAR100
 
-from datasets.family import DATASETS, FAMILY_COLUMN, SPLITS, VAL_COLUMN, DataFamily, stratified_validation, with_family_column
+from datasets.family import (DATASETS, FAMILY_COLUMN, SPLITS, VAL_COLUMN, DataFamily, stratified_validation,
+                             with_family_column)
 from datasets.long_tail import long_tail_indices
 from utils.errors import TaskHetError
 from utils.loaders import read_csv
@@ -158,13 +159,6 @@ def _rows(dataset: str, split: str, index: np.ndarray, labels: np.ndarray, val: 
                          "image_index": index.astype(np.int64), "label": labels.astype(np.int64), "split": split,
                          VAL_COLUMN: val.astype(np.int64)}, columns=list(MANIFEST_COLUMNS))
 
-
-def class_counts(manifest: pd.DataFrame) -> pd.DataFrame:
-    """``label, num_train, num_val, num_test`` per class (num_train excludes the validation rows)."""
-    part = np.where(manifest[VAL_COLUMN] == 1, "val", manifest["split"])
-    table = pd.crosstab(manifest["label"], part).reindex(columns=["train", "val", "test"], fill_value=0)
-    return pd.DataFrame({"label": table.index, "num_train": table["train"].to_numpy(), "num_val": table["val"].to_numpy(),
-                         "num_test": table["test"].to_numpy()})
 
 
 def validate_manifest(manifest: pd.DataFrame, source: str = "manifest") -> pd.DataFrame:

@@ -22,7 +22,8 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch.utils.data import Dataset
 
-from datasets.family import DATASETS, FAMILY_COLUMN, SPLITS, VAL_COLUMN, DataFamily, stratified_validation, with_family_column
+from datasets.family import (DATASETS, FAMILY_COLUMN, SPLITS, VAL_COLUMN, DataFamily, stratified_validation,
+                             with_family_column)
 from utils.errors import TaskHetError
 from utils.loaders import read_csv
 from utils.seeding import derive_seed, numpy_rng
@@ -88,13 +89,6 @@ def _sklearn_seed(seed: int, purpose: str) -> int:
     """A derived seed in scikit-learn's accepted range [0, 2**32)."""
     return derive_seed(seed, "digits", purpose) % 2**32
 
-
-def class_counts(manifest: pd.DataFrame) -> pd.DataFrame:
-    """``label, num_train, num_val, num_test`` per digit (num_train excludes the validation rows)."""
-    part = np.where(manifest[VAL_COLUMN] == 1, "val", manifest["split"])
-    table = pd.crosstab(manifest["label"], part).reindex(columns=["train", "val", "test"], fill_value=0)
-    return pd.DataFrame({"label": table.index, "num_train": table["train"].to_numpy(), "num_val": table["val"].to_numpy(),
-                         "num_test": table["test"].to_numpy()})
 
 
 def validate_manifest(manifest: pd.DataFrame, source: str = "manifest") -> pd.DataFrame:

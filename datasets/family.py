@@ -130,6 +130,15 @@ def load_manifest(path: Path) -> tuple[DataFamily, pd.DataFrame]:
     return family, family.read_manifest(path)
 
 
+def class_counts(manifest: pd.DataFrame) -> pd.DataFrame:
+    """``label, num_train, num_val, num_test`` per class of a manifest with ``label`` and ``val`` columns
+    (num_train excludes the validation rows): the class_counts.csv of step 1 for cifar and digits."""
+    part = np.where(manifest[VAL_COLUMN] == 1, "val", manifest["split"])
+    table = pd.crosstab(manifest["label"], part).reindex(columns=["train", "val", "test"], fill_value=0)
+    return pd.DataFrame({"label": table.index, "num_train": table["train"].to_numpy(), "num_val": table["val"].to_numpy(),
+                         "num_test": table["test"].to_numpy()})
+
+
 def validation_mask(manifest: pd.DataFrame) -> np.ndarray:
     """bool [rows]: the train rows set aside for validation (``val = 1``); all False without a ``val`` column.
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from datasets.digits import class_counts, select_digits
+from datasets.digits import select_digits
+from datasets.family import class_counts
 from steps.manifest_output import claim_step1_folder, write_step1_outputs
 from utils import cli
 from utils.cli import positive_int
