@@ -160,7 +160,6 @@ def _rows(dataset: str, split: str, index: np.ndarray, labels: np.ndarray, val: 
                          VAL_COLUMN: val.astype(np.int64)}, columns=list(MANIFEST_COLUMNS))
 
 
-
 def validate_manifest(manifest: pd.DataFrame, source: str = "manifest") -> pd.DataFrame:
     """Check a cifar manifest; returns it with a fresh 0..N-1 index and int64 numbers.
 

@@ -90,7 +90,6 @@ def _sklearn_seed(seed: int, purpose: str) -> int:
     return derive_seed(seed, "digits", purpose) % 2**32
 
 
-
 def validate_manifest(manifest: pd.DataFrame, source: str = "manifest") -> pd.DataFrame:
     """Check a digits manifest; returns it with a fresh 0..N-1 index and int64 numbers.
 
