@@ -18,6 +18,7 @@ import torch
 
 from utils import loaders
 from utils.errors import TaskHetError, disk_full_names
+from utils.locks import folder_entries
 
 LIBRARIES = ("torch", "torchvision", "numpy", "scikit-learn", "pandas", "accelerate", "timm", "flwr")
 
@@ -160,7 +161,7 @@ def claim_folder(out_dir: Path, step: str, flag: str = "--out") -> None:
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise TaskHetError(f"{flag} {out_dir} is a file, not a folder")
-    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+    if not out_dir.is_dir() or not folder_entries(out_dir):  # a folder holding only its lock is empty
         return
     owner = folder_step(out_dir)
     if owner != step:
