@@ -121,6 +121,18 @@ def test_every_shared_write_names_its_file_on_a_real_full_disk(small_disk):
     assert sorted(path.name for path in small_disk.iterdir()) == ["filler", "metrics.csv"]
 
 
+def test_a_run_log_that_cannot_be_written_stops_the_run_naming_it(small_disk, capsys):
+    logger = run_dir.setup_logging(small_disk / "run", "full_disk_test")
+    logger.info("started")
+    (small_disk / "filler").write_bytes(b"\0" * (DISK_BYTES - 16 * 1024))
+    with pytest.raises(DiskFullError, match=f"^{re.escape(str(small_disk / 'run' / 'run.log'))}: no space left"):
+        logger.info("x" * 100_000)
+    assert "Logging error" not in capsys.readouterr().err
+    for handler in logger.handlers:
+        handler.close()
+    logger.handlers.clear()
+
+
 @pytest.mark.parametrize("quota", [errno.ENOSPC, errno.EDQUOT])
 def test_an_injected_full_disk_in_the_lowest_write_names_the_checkpoint(tmp_path, monkeypatch, quota):
     """Where no tmpfs can be mounted: the file object's write raises ENOSPC/EDQUOT, as a full disk's does."""

@@ -97,7 +97,11 @@ def _take(path: Path, flag: str) -> int:
             break
         os.close(handle)
     _warn_if_stale(path, _read_record(handle))
-    _write_record(handle)
+    try:
+        _write_record(handle)
+    except BaseException:  # a full disk, say: give the lock back rather than leave an empty record
+        _give_back(handle, path)
+        raise
     return handle
 
 

@@ -17,7 +17,7 @@ from typing import Any, BinaryIO, Iterable, Iterator
 import torch
 
 from utils import loaders
-from utils.errors import TaskHetError, disk_full_names
+from utils.errors import TaskHetError, disk_full_names, is_disk_full
 from utils.locks import folder_entries
 
 LIBRARIES = ("torch", "torchvision", "numpy", "scikit-learn", "pandas", "accelerate", "timm", "flwr")
@@ -200,13 +200,28 @@ def setup_logging(out_dir: Path, name: str = "taskhet") -> logging.Logger:
     logger.propagate = False
     if not logger.handlers:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-        file_handler = logging.FileHandler(Path(out_dir) / "run.log")
+        file_handler = _RunLog(Path(out_dir) / "run.log")
         file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         console = logging.StreamHandler()
         console.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(file_handler)
         logger.addHandler(console)
     return logger
+
+
+class _RunLog(logging.FileHandler):
+    """run.log's handler: a full disk stops the run with one error line naming run.log.
+
+    logging's default prints a "--- Logging error ---" traceback for every record it cannot write
+    and goes on; a run whose log cannot be written must stop like one whose metrics cannot.
+    """
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        if is_disk_full(error):
+            with disk_full_names(self.baseFilename, exact=True):
+                raise error
+        super().handleError(record)
 
 
 class MetricsCSV:
