@@ -18,6 +18,7 @@ import yaml
 from steps import assign, select
 from tests.test_digits import tiny_digits_experiment
 from utils.cli import run_main
+from utils.errors import FolderInUseError
 from utils.locks import LOCK_FILE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,3 +127,44 @@ def test_two_pipelines_on_one_experiment_the_second_is_refused_and_a_rerun_compl
     rows = pd.read_csv(step2)
     assert not rows.duplicated().any() and rows.epoch.max() == config["centralized"]["n_epochs"]
     assert not list(results.rglob(LOCK_FILE))  # every lock released
+
+
+@pytest.fixture(scope="module")
+def held_folder(tmp_path_factory):
+    """A folder whose lock a separate process holds for the whole module."""
+    out = tmp_path_factory.mktemp("held") / "out"
+    process = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "held"
+    yield out, process.pid
+    process.kill()
+    process.wait()
+
+
+STEP_ARGV = {  # just enough to parse: the lock comes before any input is read
+    "render": ["--out", "{out}"],
+    "select --family digits": ["--family", "digits", "--out", "{out}"],
+    "select --family cifar": ["--family", "cifar", "--data_path", "{missing}", "--out", "{out}"],
+    "select --family taskonomy": ["--data_path", "{missing}", "--out", "{out}"],
+    "train_centralized": ["--task", "digit_class", "--manifest", "{manifest}", "--out", "{out}"],
+    "search_centralized": ["--task", "digit_class", "--manifest", "{manifest}", "--lrs", "0.1", "--out", "{out}"],
+    "embed": ["--checkpoint", "{missing}", "--manifest", "{manifest}", "--data_path", "{missing}", "--out", "{out}"],
+    "assign": ["--manifest", "{manifest}", "--out", "{out}"],
+    "meter": ["--checkpoint", "{missing}", "--manifest", "{manifest}", "--assignments", "{missing}", "--data_path",
+              "{missing}", "--out", "{out}"],
+    "federated": ["--task", "digit_class", "--method", "fedavg", "--manifest", "{manifest}", "--assignments", "{missing}",
+                  "--out", "{out}"],
+    "merge": ["--base", "{missing}", "--finetuned", "a={missing}", "--out", "{out}"],
+    "explain": ["--out", "{out}"],
+}
+
+
+@pytest.mark.parametrize("step", sorted(STEP_ARGV))
+def test_every_step_refuses_a_folder_another_run_holds(step, held_folder, manifest, tmp_path):
+    import importlib
+
+    out, pid = held_folder
+    module = importlib.import_module(f"steps.{step.split()[0]}")
+    argv = [arg.format(out=out, manifest=manifest, missing=tmp_path / "missing") for arg in STEP_ARGV[step]]
+    with pytest.raises(FolderInUseError, match=f"is being written by another run: pid {pid} on host"):
+        module.main(argv)
+    assert sorted(path.name for path in out.iterdir()) == [LOCK_FILE]
