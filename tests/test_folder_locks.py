@@ -168,3 +168,26 @@ def test_every_step_refuses_a_folder_another_run_holds(step, held_folder, manife
     with pytest.raises(FolderInUseError, match=f"is being written by another run: pid {pid} on host"):
         module.main(argv)
     assert sorted(path.name for path in out.iterdir()) == [LOCK_FILE]
+
+
+def test_without_flock_the_recorded_pid_decides(tmp_path, monkeypatch, capsys):
+    """Platforms without fcntl (Windows): a live holder on this host refuses, a dead one is taken over."""
+    from utils import locks
+
+    monkeypatch.setattr(locks, "fcntl", None)
+    out = tmp_path / "out"
+    out.mkdir()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        record = {"pid": live.pid, "host": socket.gethostname(), "since": "2026-01-01T00:00:00+00:00"}
+        (out / LOCK_FILE).write_text(json.dumps(record))
+        with pytest.raises(FolderInUseError, match=f"pid {live.pid} on host"):
+            with locks.folder_lock(out):
+                pass
+    finally:
+        live.kill()
+        live.wait()
+    with locks.folder_lock(out):
+        assert json.loads((out / LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert f"took over the lock left by pid {live.pid}" in capsys.readouterr().err
+    assert not (out / LOCK_FILE).exists()

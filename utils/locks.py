@@ -111,7 +111,11 @@ def _take_by_pid(path: Path, flag: str) -> int:
     Not atomic (two runs starting in the same instant may both pass); flock is used wherever it exists.
     """
     if path.exists():
-        holder = json.loads(path.read_text() or "{}")
+        try:
+            holder = json.loads(path.read_text() or "{}")
+        except ValueError:
+            holder = {}
+        holder = holder if isinstance(holder, dict) else {}  # not a record of ours: no holder, so stale
         if not _is_stale(holder):
             raise FolderInUseError(_in_use_message(path, flag, holder))
         _warn_if_stale(path, holder)
