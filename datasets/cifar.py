@@ -29,8 +29,8 @@ import utils.tv_compat  # noqa: F401  (before torchvision)
 from torchvision.datasets import CIFAR10, CIFAR100
 from torchvision.datasets.utils import check_integrity, download_and_extract_archive
 
-from datasets.family import (DATASETS, FAMILY_COLUMN, SPLITS, VAL_COLUMN, DataFamily, stratified_validation,
-                             with_family_column)
+from datasets.family import (DATASETS, FAMILY_COLUMN, SPLITS, VAL_COLUMN, DataFamily, refuse_repeated_images,
+                             stratified_validation, with_family_column)
 from datasets.long_tail import long_tail_indices
 from utils.errors import TaskHetError
 from utils.loaders import load_data_pickle, read_csv
@@ -269,7 +269,10 @@ def validate_manifest(manifest: pd.DataFrame, source: str = "manifest") -> pd.Da
             value = manifest.at[row, column]
             shown = repr(value) if isinstance(value, str) else value  # 1, not np.int64(1)
             raise TaskHetError(f"{source}: row {row + 2} has {column} {shown}, expected {expected[column]}")
-    return manifest.astype({"image_index": np.int64, "label": np.int64, VAL_COLUMN: np.int64})
+    manifest = manifest.astype({"image_index": np.int64, "label": np.int64, VAL_COLUMN: np.int64})
+    # train and test are separate arrays in the files: the image is its split's row
+    refuse_repeated_images(manifest[["dataset", "split", "image_index"]], manifest["sample_id"], source)
+    return manifest
 
 
 def read_manifest(path: Path) -> pd.DataFrame:
