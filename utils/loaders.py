@@ -138,8 +138,7 @@ def load_data_pickle(path: Path, what: str, encoding: str = "latin1") -> Any:
                            "dicts, lists, strings, numbers and numpy arrays, so it is refused unread (a pickle can "
                            "run code)") from None
     except Exception as error:  # noqa: BLE001 - nothing of the file can run here, so any failure means a malformed file
-        raise TaskHetError(f"{what} {path} is truncated or not a pickle of data "
-                           f"({type(error).__name__}: {_first_line(error)})") from None
+        raise TaskHetError(f"{what} {path} is truncated or not a pickle of data ({error_summary(error)})") from None
 
 
 def read_csv(path: Path, what: str, columns: Sequence[str] = (), finished: bool = False, hint: str = "",
@@ -316,6 +315,11 @@ def _raise_rows(table: pd.DataFrame, column: str, bad: pd.Series, source: str, r
     listed = ", ".join(f"row {line} ({cell!r})" for line, cell in list(zip(lines, cells))[:MAX_LISTED])
     more = f" ... ({int(bad.sum())} rows in all)" if bad.sum() > MAX_LISTED else ""
     raise TaskHetError(f"{source}: column {column!r} must be {expected}: {listed}{more}")
+
+
+def error_summary(error: BaseException) -> str:
+    """``"TypeName: first line of the message"``: what a one-line error says about a library's exception."""
+    return f"{type(error).__name__}: {_first_line(error)}"
 
 
 def _first_line(error: BaseException) -> str:
