@@ -153,7 +153,7 @@ def load_split(root: Path, dataset: str, train: bool, verify_checksums: bool = T
     _read_meta(folder / meta_name, dataset, names_key, files.num_classes)
     parts = [_read_batch(folder / name, dataset, files.label_key, files.num_classes) for name, _ in batches]
     images = np.concatenate([data for data, _ in parts]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
-    return np.ascontiguousarray(images), np.concatenate([labels for _, labels in parts])
+    return images, np.concatenate([labels for _, labels in parts])
 
 
 def _read_meta(path: Path, dataset: str, names_key: str, num_classes: int) -> None:
