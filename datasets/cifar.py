@@ -179,19 +179,23 @@ def _read_batch(path: Path, dataset: str, label_key: str, num_classes: int) -> t
     if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != IMAGE_VALUES:
         found = f"{data.dtype} {list(data.shape)}" if isinstance(data, np.ndarray) else type(data).__name__
         raise TaskHetError(f"{what}: 'data' is {found}, expected a uint8 array [images, {IMAGE_VALUES}]")
-    raw = batch[label_key]
-    labels = None
-    if isinstance(raw, (list, np.ndarray)):
-        labels = np.asarray(raw) if len(raw) else np.zeros(0, dtype=np.int64)
-    if labels is None or labels.ndim != 1 or labels.dtype.kind not in "iu":
-        raise TaskHetError(f"{what}: {label_key!r} is not a list of integer labels")
+    labels = _labels(batch[label_key], what, label_key)
     if len(labels) != len(data):
         raise TaskHetError(f"{what} has {len(labels)} labels for {len(data)} images: every image needs exactly one label")
-    outside = np.flatnonzero((labels < 0) | (labels >= num_classes))
-    if outside.size:
+    outside = [index for index, label in enumerate(labels) if not 0 <= label < num_classes]
+    if outside:
         raise TaskHetError(f"{what}: label {labels[outside[0]]} of image {outside[0]} is outside 0..{num_classes - 1} "
-                           f"({outside.size} labels in all)")
-    return data, labels.astype(np.int64)
+                           f"({len(outside)} labels in all)")
+    return data, np.array(labels, dtype=np.int64)
+
+
+def _labels(raw: object, what: str, label_key: str) -> list[int]:
+    """A batch's labels as Python ints (any size, so a huge one is reported as out of range, not as an overflow)."""
+    if isinstance(raw, np.ndarray) and raw.ndim == 1 and raw.dtype.kind in "iu":
+        return raw.tolist()
+    if isinstance(raw, list) and all(type(label) is int for label in raw):  # bool is no label
+        return raw
+    raise TaskHetError(f"{what}: {label_key!r} is not a list of integer labels")
 
 
 def validation_rows(labels: np.ndarray, val_fraction: float, seed: int) -> np.ndarray:

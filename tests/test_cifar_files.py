@@ -11,6 +11,7 @@ family's dataset, which is tested directly.
 from __future__ import annotations
 
 import os
+import re
 import pickle
 import shutil
 from pathlib import Path
@@ -263,3 +264,16 @@ def test_download_fetches_and_never_unpickles(tmp_path, monkeypatch):
     monkeypatch.setattr(cifar, "download_and_extract_archive", fetch)
     cifar.download(tmp_path / "data", "cifar10")
     assert calls == [(CIFAR10.url, CIFAR10.filename, CIFAR10.tgz_md5)] and not marker.exists()
+
+
+@pytest.mark.parametrize("labels, expected", [
+    ([[0, 1]] + [0] * 7, "'labels' is not a list of integer labels"),  # a ragged list (numpy refuses it with ValueError)
+    ([True] + [0] * 7, "'labels' is not a list of integer labels"),
+    ([2**70] + [0] * 7, "label 1180591620717411303424 of image 0 is outside 0..9"),
+    (np.array(3), "'labels' is not a list of integer labels"),  # a 0-d array has no len()
+])
+def test_odd_label_lists_are_named(clean, tmp_path, labels, expected):
+    root = data_copy(clean, tmp_path)
+    edit_batch(root / FOLDERS["cifar10"], "data_batch_1", lambda batch: batch.update({b"labels": labels}))
+    with pytest.raises(TaskHetError, match=f"data_batch_1: {re.escape(expected)}"):
+        load_split(root, "cifar10", True, verify_checksums=False)
