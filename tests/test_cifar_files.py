@@ -166,6 +166,20 @@ def test_the_official_format_loads_and_names_only_numpy(tmp_path):
         load_data_pickle(tmp_path / "py3_2", "file")
 
 
+# {"data": uint8 [[0, 1, 2], [253, 254, 255]], "labels": [6, 1]} as Python 2's cPickle wrote it at protocol 2,
+# opcode by opcode (numpy 1.x's array reduction; raw bytes above 0x7f, which only latin1 keeps exact).
+PYTHON2_BATCH = (b"\x80\x02}q\x01(U\x04dataq\x02cnumpy.core.multiarray\n_reconstruct\nq\x03cnumpy\nndarray\nq\x04K\x00"
+                 b"\x85U\x01b\x87Rq\x05(K\x01K\x02K\x03\x86cnumpy\ndtype\nq\x06U\x02u1K\x00K\x01\x87Rq\x07(K\x03U\x01|NNN"
+                 b"J\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00tb\x89U\x06\x00\x01\x02\xfd\xfe\xfftbU\x06labelsq\x08]q\t(K\x06K\x01eu.")
+
+
+def test_a_python2_batch_written_opcode_by_opcode_loads(tmp_path):
+    (tmp_path / "batch").write_bytes(PYTHON2_BATCH)
+    loaded = load_data_pickle(tmp_path / "batch", "file")
+    assert loaded["labels"] == [6, 1] and loaded["data"].dtype == np.uint8
+    np.testing.assert_array_equal(loaded["data"], [[0, 1, 2], [253, 254, 255]])
+
+
 # ----- item 2: content checked at the step that reads the file -----
 def edit_batch(folder: Path, name: str, edit) -> None:
     content = read_raw(folder / name)

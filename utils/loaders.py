@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
+from numpy._core.multiarray import _reconstruct  # numpy >= 2 (requirements.txt)
 
 from utils.errors import TaskHetError
 
@@ -37,11 +38,13 @@ INCOMPLETE = "INCOMPLETE"
 PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 # An error message lists at most this many bad rows.
 MAX_LISTED = 10
-# The only globals a pickle of plain data and numpy arrays needs: what ``ndarray`` and ``dtype`` reduce to.
-# Python 2 and numpy 1.x wrote numpy.core.multiarray (the official CIFAR files), numpy 2 writes numpy._core.multiarray.
+# The only globals a pickle of plain data and numpy arrays needs, and the objects they are: what ``ndarray`` and
+# ``dtype`` reduce to. Python 2 and numpy 1.x wrote numpy.core.multiarray (the official CIFAR files), numpy 2 writes
+# numpy._core.multiarray; both name the one function. Looked up here, never imported by the name a file gives.
 # Dicts, lists, tuples, str, bytes, ints, floats, bools and None need no global: they are pickle opcodes.
-ARRAY_PICKLE_GLOBALS = frozenset({("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-                                  ("numpy", "ndarray"), ("numpy", "dtype")})
+ARRAY_PICKLE_GLOBALS = {("numpy.core.multiarray", "_reconstruct"): _reconstruct,
+                        ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
+                        ("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype}
 
 
 def require_file(path: Path, what: str, hint: str = "") -> Path:
@@ -111,7 +114,7 @@ class _DataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in ARRAY_PICKLE_GLOBALS:
             raise _RefusedGlobal(f"{module}.{name}")
-        return super().find_class(module, name)
+        return ARRAY_PICKLE_GLOBALS[module, name]
 
 
 def load_data_pickle(path: Path, what: str, encoding: str = "latin1") -> Any:
