@@ -264,7 +264,9 @@ class SequentialEngine:
     def _train_client(self, round_index: int, client_id: str, broadcast: dict[str, Weights], lr: float) -> ClientResult:
         client = self.clients[client_id]
         try:
-            result = train_client(self.algorithm, self.model, broadcast, self.store.get(client_id), client,
+            result = train_client(self.algorithm, self.model,
+                                  self.algorithm.client_broadcast(self.server, broadcast, client_id),
+                                  self.store.get(client_id), client,
                                   client_seed(self.config.seed, round_index, client_id),
                                   self.client_config(lr, client.num_samples))
         except NonFiniteLossError as error:

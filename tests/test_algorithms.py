@@ -85,6 +85,16 @@ REFUSED = {
     "cap": [({"cap": 0.0}, "setting cap must be in (0, 1], got 0.0"), ({"cap": 1.5}, "setting cap must be in (0, 1], got 1.5")],
     "n_components": [({"n_components": 0}, "setting n_components must be >= 1, got 0")],
     "mix": [({"mix": "logits"}, "setting mix must be one of auto, probabilities, values, got 'logits'")],
+    "variant": [({"variant": "adaptive"}, "setting variant must be one of fedamp, heuristic, got 'adaptive'")],
+    "alpha_k": [({"alpha_k": 0.0}, "setting alpha_k must be > 0, got 0.0")],
+    "sigma": [({"sigma": 0.0}, "setting sigma must be > 0, got 0.0"), ({"sigma": -1.0}, "setting sigma must be > 0, got -1.0")],
+    "self_weight": [({"self_weight": 1.5}, "setting self_weight must be in [0, 1], got 1.5")],
+    "eps": [({"eps": 0.0}, "setting eps must be in (0, 1), got 0.0")],
+    "eps1": [({"eps1": 0.0}, "setting eps1 must be > 0, got 0.0"),
+             ({"eps1": 2.0, "eps2": 1.0}, "setting eps1 must be < eps2 (1.0), got 2.0")],
+    "eps2": [({"eps1": 0.5, "eps2": 0.5}, "setting eps1 must be < eps2 (0.5), got 0.5")],
+    "start_round": [({"start_round": -1}, "setting start_round must be >= 0, got -1")],
+    "min_size": [({"min_size": 1}, "setting min_size must be >= 2, got 1")],
     "q": [({"q": -1.0}, "setting q must be >= 0, got -1.0")],
     "density": [({"density": 0.0}, "setting density must be in (0, 1], got 0.0"),
                 ({"density": 1.5}, "setting density must be in (0, 1], got 1.5")],
@@ -99,7 +109,9 @@ ACCEPTED_EDGES = {"server_lr": [{"server_lr": 1e-9}], "server_momentum": [{"serv
                   "mu": [{"mu": 0.0}], "lam": [{"lam": 0.0}], "head_epochs": [{"head_epochs": 0, "body_epochs": 1}],
                   "body_epochs": [{"head_epochs": 1, "body_epochs": 0}], "n_cluster_models": [{"n_cluster_models": 1}],
                   "init_noise": [{"init_noise": 0.0}], "density": [{"density": 1.0}], "cap": [{"cap": 1.0}], "q": [{"q": 0.0}],
-                  "inner_steps": [{"inner_steps": 1}], "n_components": [{"n_components": 1}], "personal_lr": [{"personal_lr": 1e-9}],
+                  "inner_steps": [{"inner_steps": 1}], "n_components": [{"n_components": 1}],
+                  "self_weight": [{"self_weight": 0.0}, {"self_weight": 1.0}],
+                  "min_size": [{"min_size": 2}], "start_round": [{"start_round": 0}], "personal_lr": [{"personal_lr": 1e-9}],
                   "calibration_rounds": [{"calibration_rounds": 1}], "calibration_batches": [{"calibration_batches": 1}]}
 
 
