@@ -31,9 +31,8 @@ from torch import nn
 from network.aggregation import Weights, WeightedMean, apply_update, subtract
 from network.algorithms.base import (ALGORITHMS, GLOBAL_MODEL, Algorithm, Bundle, ClientConfig, ClientResult,
                                      ServerState, Upload, load_weights)
-from network.algorithms.skeleton import DELTA, Phase, run_phases
+from network.algorithms.skeleton import DELTA, Phase, run_phases, training_loss
 from network.settings import check, setting
-from utils.device import to_device
 
 Q_DELTA = "q_delta"  # upload group: Δ_k = F_k^q·L·(w^t − w̄_k) of every trainable parameter
 H = "h"  # upload group {"h": h_k}
@@ -98,17 +97,3 @@ class QFedAvg(Algorithm):
         if self._buffers:
             weights = apply_update(weights, buffers.mean())
         return ServerState({GLOBAL_MODEL: weights}, server.tensors)
-
-
-def training_loss(model: nn.Module, loader: Iterable[dict], cfg: ClientConfig) -> float:
-    """The model's mean per-sample loss over one pass of ``loader`` (eval mode, no gradient)."""
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for batch in loader:
-            per_sample = cfg.loss_fn(model, to_device(batch, cfg.device), reduction="none")
-            total += float(per_sample.double().sum())
-            count += per_sample.numel()
-    model.train(was_training)
-    return total / max(count, 1)

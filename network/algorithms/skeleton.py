@@ -29,6 +29,7 @@ from network.algorithms.base import (GLOBAL_MODEL, LOCAL_STEPS, TRAIN_LOSS, Algo
                                      ClientResult, ServerState, Upload, copy_state, load_weights, make_optimizer,
                                      trainable)
 from network.local_train import local_train
+from utils.device import to_device
 
 DELTA = "delta"  # upload group: the client's change y − x of the shared entries
 
@@ -180,3 +181,17 @@ class ModelAveraging(Algorithm):
     def _averaged_params(self) -> tuple[str, ...]:
         params = self.federation.layout.param_keys
         return tuple(key for key in self.shared_keys() if key in params)
+
+
+def training_loss(model: nn.Module, loader: Iterable[dict], cfg: ClientConfig) -> float:
+    """F_i(θ): the model's mean per-sample loss over one pass of ``loader`` (eval mode, no gradient; IFCA, q-FedAvg)."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for batch in loader:
+            per_sample = cfg.loss_fn(model, to_device(batch, cfg.device), reduction="none")
+            total += float(per_sample.double().sum())
+            count += per_sample.numel()
+    model.train(was_training)
+    return total / max(count, 1)
