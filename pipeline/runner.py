@@ -21,6 +21,7 @@ Layout under ``results/<experiment name>/``::
 from __future__ import annotations
 
 import multiprocessing
+import os
 import shlex
 import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -49,6 +50,7 @@ from steps import train_centralized as step2
 from training.selection import selected_test_metrics
 from utils.errors import TaskHetError
 from utils.loaders import load_json, read_csv
+from utils.parent_death import die_with_parent
 
 
 @dataclass
@@ -201,7 +203,10 @@ class Pipeline:
             self.progress.set_description(f"step 4: {len(pending)} runs, {self.jobs} at a time")
         # spawn, not fork: a forked child of a process that already ran OpenMP threads (steps 2-3) can hang.
         context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(self.jobs, mp_context=context, initializer=use_threads, initargs=(self.threads,)) as pool:
+        # Workers die with this process, even when it is killed with SIGKILL (utils/parent_death.py). The death
+        # signal follows the thread that started a worker: submit() starts them, from this (the main) thread.
+        with ProcessPoolExecutor(self.jobs, mp_context=context, initializer=init_worker,
+                                 initargs=(self.threads, os.getpid())) as pool:
             futures = [pool.submit(run_federated_stage, stage.stage_dir, stage.params,
                                    [*stage.argv, *self.shared_flags(step4), "--no-progress"]) for stage in pending]
             try:
@@ -302,8 +307,9 @@ class FederatedStage:
     argv: list[str]
 
 
-def use_threads(threads: int | None) -> None:
-    """A worker process's torch thread count (None: torch's own choice)."""
+def init_worker(threads: int | None, parent_pid: int) -> None:
+    """A step-4 worker process: dies with the pipeline (``parent_pid``); ``threads`` torch threads (None: torch's choice)."""
+    die_with_parent(parent_pid)
     if threads is not None:
         import torch
 

@@ -382,9 +382,9 @@ class Study:
 
 def unfrozen_copy(checkpoint: Path, out: Path) -> None:
     """Write step 2's checkpoint with ``freeze_encoder`` off in its model config (the weights unchanged)."""
-    import torch
-
     from utils.loaders import load_checkpoint
+    from utils.run_dir import atomic_torch_save
 
     loaded = load_checkpoint(checkpoint, "step-2 best.pt", keys=("model", "model_config"), finished=True)
-    torch.save({"model": loaded["model"], "model_config": {**loaded["model_config"], "freeze_encoder": False}}, out)
+    # atomic and content-only bytes: the federated runs' stage keys hash this file
+    atomic_torch_save({"model": loaded["model"], "model_config": {**loaded["model_config"], "freeze_encoder": False}}, out)

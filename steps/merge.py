@@ -19,6 +19,7 @@ from network.aggregation import Weights
 from sparse.merge import (choose_lambda, cosine_matrix, jaccard_matrix, merge, plot_matrix, support, task_vector)
 from utils import cli
 from utils.errors import TaskHetError
+from utils.locks import folder_lock
 from utils.run_dir import (MetricsCSV, atomic_torch_save, atomic_write_text, claim_folder, load_checkpoint,
                            setup_logging, write_config)
 
@@ -122,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> Weights:
     args = build_parser().parse_args(argv)
+    with folder_lock(args.out):  # one run at a time writes the folder
+        return merge_locked(args)
+
+
+def merge_locked(args: argparse.Namespace) -> Weights:
+    """:func:`main`'s work, holding the lock of ``args.out``."""
     if (args.run is None) == (args.base is None and args.finetuned is None):
         raise TaskHetError("pass --run RUN_DIR, or --base and --finetuned (not both)")
     if args.run is None:
