@@ -152,7 +152,8 @@ def prepare(config: RunConfig) -> FedSetup:
     task_model = initial_model(config, num_classes)
     train_counts = table[table["subset"] == "train"].groupby("client_id").size()
     sizes = {str(client_id): int(train_counts.get(client_id, 0)) for client_id in sorted(table["client_id"].unique())}
-    algorithm, worker = build_algorithm(config.method, task_model, sizes, config.settings, seed=config.rand_seed)
+    algorithm, worker = build_algorithm(config.method, task_model, sizes, config.settings, seed=config.rand_seed,
+                                        input_key=input_key)
     engine_config = EngineConfig(
         out_dir=config.out, n_rounds=config.n_rounds,
         lr_schedule=make_lr_schedule(config.lr_schedule, config.init_lr, config.n_rounds),

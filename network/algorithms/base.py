@@ -106,11 +106,15 @@ class Federation:
         client_sizes: client id -> number of training samples n_i, for every client.
         layout: the worker model's :class:`ModelLayout`.
         seed: the run's root seed (for an algorithm's own random draws, e.g. IFCA's initial models).
+        input_key: the batch key of the model input: the data family's ``input_key`` (``rgb``, ``image``), or
+            ``encoded`` with cached features (datasets/encoded.py); for an algorithm that feeds batches to the
+            model itself (sparse_ft's mask calibration).
     """
 
     client_sizes: dict[str, int]
     layout: ModelLayout
     seed: int = 0
+    input_key: str = "x"
 
     @property
     def num_clients(self) -> int:
