@@ -218,8 +218,17 @@ class Algorithm(ABC):
     def __init__(self, settings: Any, federation: Federation) -> None:
         if not isinstance(settings, self.Settings):
             raise TypeError(f"{self.name} takes {self.Settings.__name__}, got {type(settings).__name__}")
+        self.check_num_clients(settings, federation.num_clients)
         self.settings = settings
         self.federation = federation
+
+    @classmethod
+    def check_num_clients(cls, settings: Any, num_clients: int) -> None:
+        """Refuse settings that cannot serve ``num_clients`` clients (none by default; IFCA: k <= clients).
+
+        Called when the algorithm is built, before it allocates anything, and by the experiment-file
+        checks with the file's number of clients, before step 0.
+        """
 
     @classmethod
     def worker_model(cls, model: nn.Module, settings: Any) -> nn.Module:
