@@ -315,11 +315,13 @@ def rounds_for(config: dict[str, Any], local_steps: int) -> int:
 class Study:
     """Runs one study (a config from :func:`load_study`) into ``out_dir``, reusing the main job's steps."""
 
-    def __init__(self, config: dict[str, Any], out_dir: Path, command: str) -> None:
+    def __init__(self, config: dict[str, Any], out_dir: Path, command: str, jobs: int = 1,
+                 threads: int | None = None) -> None:
         from pipeline.runner import Pipeline
 
         self.config, self.out_dir, self.command = config, Path(out_dir), command
-        self.pipeline = Pipeline(config, self.out_dir, command)
+        # jobs > 1: the grid's federated runs go through the main job's worker pool (Pipeline.run_federated)
+        self.pipeline = Pipeline(config, self.out_dir, command, jobs=jobs, threads=threads)
 
     def run(self):
         """Step 1, step 2 per seed, step 3b per partition and seed, step 4 per run, then the report; returns its table."""
@@ -337,8 +339,10 @@ class Study:
             starts = {seed: self.start_model(seed, centralized[seed]) for seed in seeds}
             clients = {seed: self.client_manifest(seed, manifest) for seed in seeds}
             assignments = {key: self.assignments(*key, clients[key[1]]) for key in partitions}
-            run_dirs = {run: self.federated(run, root, manifest, assignments[(run.partition, run.seed)],
-                                            starts[run.seed]) for run in runs}
+            stages = {run: self.federated(run, root, manifest, assignments[(run.partition, run.seed)],
+                                          starts[run.seed]) for run in runs}
+            self.pipeline.run_federated(list(stages.values()))  # one by one, or --jobs at a time
+            run_dirs = {run: stage.stage_dir for run, stage in stages.items()}
         report = importlib.import_module(STUDY_REPORTS[self.config["study"]])
         return report.write_report(self.config, self.out_dir, run_dirs, centralized, self.command)
 
@@ -396,9 +400,9 @@ class Study:
         return self.pipeline.step(f"step 3b: {partition.label} seed {seed}", stage_dir, params, step3b,
                                   ["--out", str(stage_dir), *flags(params)])
 
-    def federated(self, run: StudyRun, root: Path, manifest: Path, assignments: Path, model_dir: Path) -> Path:
-        from pipeline.runner import flags
-        from steps import federated as step4
+    def federated(self, run: StudyRun, root: Path, manifest: Path, assignments: Path, model_dir: Path):
+        """Step 4's stage of one run (a ``pipeline.runner.FederatedStage``, run by ``Pipeline.run_federated``)."""
+        from pipeline.runner import FederatedStage, flags
 
         federated, model = dict(self.config["federated"]), self.config["model"]
         rounds = rounds_for(self.config, run.local_steps)
@@ -421,7 +425,7 @@ class Study:
         stage_dir = (self.out_dir / "federated" / run.partition.label / f"J{run.local_steps}" / run.variant.label
                      / f"s{run.seed}-{stage_key(params, inputs, self.out_dir)}")
         label = f"step 4: {run.partition.label} · J={run.local_steps} · {run.variant.label} · seed {run.seed}"
-        return self.pipeline.step(label, stage_dir, params, step4, ["--out", str(stage_dir), "--resume", *flags(params)])
+        return FederatedStage(label, stage_dir, params, ["--out", str(stage_dir), "--resume", *flags(params)])
 
 
 def unfrozen_copy(checkpoint: Path, out: Path) -> None:

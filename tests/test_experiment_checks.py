@@ -194,3 +194,20 @@ def test_two_learning_rates_that_share_a_search_folder_are_refused():
     with pytest.raises(TaskHetError, match=r"both map to the run folder lr0.01-wd1e-05-cosine"):
         grid([0.01], [1e-5, 1.0000001e-5], ["cosine"])
     assert [config.name for config in grid([0.1, 0.11], [0.0], ["cosine"])] == ["lr0.1-wd0-cosine", "lr0.11-wd0-cosine"]
+
+
+# ----- item 13: a study honours --jobs with the main job's worker pool
+def test_a_study_runs_its_federated_grid_jobs_at_a_time_with_the_sequential_result(tmp_path, capsys):
+    import pandas as pd
+
+    config = tiny_study(tmp_path)
+    config["grid"] = [{"partitions": [{"scheme": "iid"}], "local_steps": [1], "algorithms": {"fedavg": {}}}]
+    study = write(tmp_path, config)
+    run_pipeline.main([str(study), "--results", str(tmp_path / "sequential"), "--threads", "1"])
+    assert "2 at a time" not in capsys.readouterr().out
+    run_pipeline.main([str(study), "--results", str(tmp_path / "parallel"), "--threads", "1", "--jobs", "2"])
+    assert "step 4: 2 runs, 2 at a time" in capsys.readouterr().out  # the worker pool ran them, not this process
+    sequential, parallel = (pd.read_csv(tmp_path / kind / "tinystudy" / "report.csv") for kind in ("sequential", "parallel"))
+    pd.testing.assert_frame_equal(sequential, parallel)
+    runs = sorted(path.relative_to(tmp_path / "parallel") for path in (tmp_path / "parallel").rglob("federated/**/stage.json"))
+    assert len(runs) == 2
