@@ -12,6 +12,8 @@ from network.algorithms import list_algorithms
 from network.algorithms.base import get_settings_class
 from network.run import RunConfig
 from network.settings import build_settings, describe
+from tests.fixtures import tiny_data_root, tiny_manifest  # noqa: F401  (session fixtures)
+from tests.test_step4 import argv, assignments  # noqa: F401  (the step-4 fixture: 3 clients)
 from utils.errors import TaskHetError
 
 MESSAGE = "sparse_ft setting density must be a finite float, got 'nan'"
@@ -77,3 +79,13 @@ def test_a_deployment_run_config_with_a_non_finite_number_is_refused(field):
     record[field] = math.nan
     with pytest.raises(TaskHetError, match=f"--{field} must be a finite number, got nan"):
         RunConfig.from_json(json.dumps(record))
+
+
+def test_ifca_with_more_cluster_models_than_clients_is_one_error_at_setup(tiny_data_root, tiny_manifest,  # noqa: F811
+                                                                            assignments, tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(TaskHetError, match=r"^ifca setting n_cluster_models must be <= the number of clients \(3\), "
+                                           r"got 100000000$"):
+        test_fed.main(argv(tiny_data_root, tiny_manifest, assignments, out, "--method", "ifca",
+                           "--n_cluster_models", "100000000"))
+    assert not out.exists()  # refused at setup, before the run folder and before any cluster model
