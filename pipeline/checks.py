@@ -8,8 +8,9 @@ So every check a step makes from its arguments alone is made here first, on the 
 
 * :func:`check_config` (from ``load_experiment`` / ``load_study``, no file is read): the encoder's
   weight name (step 2), ``centralized.warmup_epochs`` below ``n_epochs`` (step 2), frozen-encoder
-  feature caching (step 2), the digits subsample size (step 1), each partition's scheme parameters
-  and the family's natural owners (step 3b), each algorithm against the number of clients (IFCA:
+  feature caching (step 2), the digits subsample size (step 1), each partition's scheme parameters,
+  the family's natural owners and a study's groups per client against the labels the data source
+  can have (step 3b), each algorithm against the number of clients (IFCA:
   k ≤ clients, step 4), sparse_ft's server masks against the calibration split (step 4, round 0),
   and partition labels that two α values would share in folder names and the report.
 * :func:`check_input_files` (from the runner, before step 0): every file the experiment names but no
@@ -134,12 +135,32 @@ def _check_partitions(config: dict[str, Any], source: Path, n_clients: int, stud
         if scheme == "natural" and family.source_column is None:
             raise TaskHetError(f"{source}: {key}: scheme natural needs each sample's natural owner, which data family "
                                f"{family.name} (data.source {config['data']['source']}) does not have")
+        most = _most_label_groups(config)
+        per_client = params.get("groups_per_client")
+        if study and per_client is not None and most is not None and per_client > most:
+            raise TaskHetError(f"{source}: {key}: {scheme} groups_per_client {per_client} exceeds the {most} labels "
+                               f"data.source {config['data']['source']} can have (step 3b refuses it)")
         accepted = scheme_parameters(scheme)
         given = {name: value for name, value in params.items() if value is not None and name in accepted}
         try:
             get_partitioner(scheme, n_clients, **given).check_parameters()
         except TaskHetError as error:
             raise TaskHetError(f"{source}: {key}: {error}") from None
+
+
+def _most_label_groups(config: dict[str, Any]) -> int | None:
+    """The most distinct labels the manifest of this data source can have (a study partitions by label): digits'
+    and CIFAR's class counts, Taskonomy's top_k_classes."""
+    source = config["data"]["source"]
+    if source == "digits":
+        from datasets.digits import NUM_CLASSES
+
+        return NUM_CLASSES
+    if source in ("cifar10", "cifar100"):
+        from datasets.cifar import DATASET_CLASSES
+
+        return DATASET_CLASSES[source][0]
+    return config["data"]["top_k_classes"]
 
 
 def _variants(config: dict[str, Any], study: bool) -> list[tuple[str, str, dict[str, Any]]]:

@@ -147,6 +147,9 @@ EXPERIMENT_ONLY = {
                      r"partition.alphas 0.1 and 0.1000001 both print as α=0.1"),
 }
 STUDY_ONLY = {
+    "groups per client": (lambda c: c["grid"][1]["partitions"][1].update(groups_per_client=11),
+                          r"grid\[1\].partitions: nc_shards groups_per_client 11 exceeds the 10 labels data.source "
+                          r"digits can have"),
     "natural on digits": (lambda c: c["grid"][0].update(partitions=[{"scheme": "natural"}]),
                           r"grid\[0\].partitions: scheme natural needs each sample's natural owner"),
     "ifca clusters": (lambda c: c["grid"][0].update(algorithms={"ifca": {"n_cluster_models": [2, 11]}}),
