@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-import copy
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 import run_pipeline
 from pipeline.experiment import MAX_RUNS, load_experiment
