@@ -159,7 +159,7 @@ def _most_label_groups(config: dict[str, Any]) -> int | None:
     if source in ("cifar10", "cifar100"):
         from datasets.cifar import DATASET_CLASSES
 
-        return DATASET_CLASSES[source][0]
+        return DATASET_CLASSES[source].num_classes
     return config["data"]["top_k_classes"]
 
 
