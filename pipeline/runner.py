@@ -36,6 +36,7 @@ from models.tasks import get_task
 from network.client import GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT
 from network.engine_sequential import GLOBAL_CLIENT, METRICS_COLUMNS
 from partitioning.groupings import EMBEDDING_BASED, GROUPINGS, IID_REFERENCE
+from pipeline.checks import check_input_files
 from pipeline.experiment import DATA_SOURCES, Combination, combinations, split_csv_path
 from pipeline.report import write_report
 from pipeline.stages import is_done, run_stage, stage_key
@@ -48,7 +49,6 @@ from steps import render
 from steps import select as step1
 from steps import train_centralized as step2
 from training.selection import selected_test_metrics
-from utils.errors import TaskHetError
 from utils.loaders import load_json, read_csv
 from utils.parent_death import die_with_parent
 
@@ -233,14 +233,9 @@ class Pipeline:
         return list(dict.fromkeys((c.task, c.grouping, c.alpha, c.seed) for c in runs if c.grouping in GROUPINGS))
 
     def check_inputs(self) -> None:
-        """Inputs the experiment names but no step makes: checked before any step runs, errors name the key."""
-        data = self.config["data"]
-        if data["source"] == "taskonomy":
-            if not Path(data["root"]).is_dir():
-                raise TaskHetError(f"data.root {data['root']} does not exist (download Taskonomy first: download_taskonomy.py)")
-            if not split_csv_path(data).is_file():
-                raise TaskHetError(f"data.split_csv: {split_csv_path(data)} does not exist (download_taskonomy.py writes "
-                                   "train_val_test_<subset>.csv into data.root)")
+        """Inputs the experiment names but no step makes: checked before any step runs, errors name the key
+        (pipeline/checks.py; the file's other checks ran when it was loaded)."""
+        check_input_files(self.config)
 
     def run(self) -> pd.DataFrame:
         """Every step for every combination, then the report; returns the report table."""
