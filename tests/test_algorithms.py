@@ -16,7 +16,8 @@ from network.algorithms import build_algorithm, describe_algorithms, list_algori
 from network.algorithms.base import ALGORITHMS, Upload, get_settings_class
 from network.algorithms.fedavg import FedAvg
 from network.algorithms.fedrep import FedRep
-from network.client import ClientFailure
+from network import client as client_module
+from network.client import FINETUNED_TEST_SPLIT, ClientFailure, Finetune, evaluate_client
 from network.local_train import NonFiniteLossError, local_train
 from network.settings import describe
 from steps.federated import build_parser
@@ -330,3 +331,57 @@ def test_an_algorithm_refuses_another_algorithms_settings():
     scaffold_settings = ALGORITHMS.get("scaffold").Settings()
     with pytest.raises(TypeError, match="^fedavg takes ServerOptSettings, got ScaffoldSettings$"):
         FedAvg(scaffold_settings, algorithm.federation)
+
+
+# ----- what a personalised algorithm keeps (issue 19: bugs that passed every test) -----
+def layer_entries(model: nn.Module) -> dict[str, set[str]]:
+    """Layer name -> the state-dict entries the layer holds itself (parameters and buffers, not its children's)."""
+    return {name: {f"{name}.{key}" if name else key for key in module.state_dict(keep_vars=True) if "." not in key}
+            for name, module in model.named_modules()}
+
+
+@pytest.mark.parametrize("name", list_algorithms())
+def test_a_private_entry_makes_every_tensor_of_its_layer_and_of_the_head_private(tmp_path, name):
+    # e.g. a head whose weight stays on the client while its bias is averaged fails here
+    engine = make_engine(tmp_path, name, rounds=2, client_fraction=1.0)
+    private = engine.algorithm.private_keys()
+    for layer, entries in layer_entries(engine.model).items():
+        assert not entries & private or entries <= private, (layer, sorted(entries - private))
+    head = set(engine.model.head_keys())
+    assert not head & private or head <= private, sorted(head - private)
+    initial = {model: {key: value.clone() for key, value in weights.items()}
+               for model, weights in engine.server.models.items()}
+    engine.run()
+    for model, weights in engine.server.models.items():
+        for key in private:  # the server never receives any element of a private tensor
+            assert torch.equal(weights[key], initial[model][key]), (model, key)
+
+
+def personalised_algorithms() -> list[str]:
+    return [name for name in list_algorithms() if build_algorithm(name, TinyNet(), {"0": 1})[0].personalized]
+
+
+@pytest.mark.parametrize("name", personalised_algorithms())
+def test_evaluation_fine_tuning_starts_from_the_clients_own_model(tmp_path, monkeypatch, name):
+    engine = make_engine(tmp_path, name, rounds=2, client_fraction=1.0)
+    engine.run()
+    starts = {}
+    train = client_module.local_train
+
+    def spy(model, loader, *args, **kwargs):
+        starts[loader.client_id] = {key: value.clone() for key, value in model.state_dict().items()}
+        return train(model, loader, *args, **kwargs)
+
+    monkeypatch.setattr(client_module, "local_train", spy)
+    # a global model that is no client's own, so starting from it cannot pass for starting from the own one
+    other = {key: value + 1 if value.is_floating_point() else value for key, value in engine.global_weights.items()}
+    for client_id, client in engine.clients.items():
+        state = engine.store.get(client_id)
+        splits = evaluate_client(engine.algorithm, engine.model, engine.evaluate_fn, engine.server.models, other,
+                                 state, client, engine.loss_fn, CPU, Finetune(steps=2, lr=0.01), seed=3)
+        own = engine.algorithm.personal_model(engine.server.models, state)
+        assert own is not None and FINETUNED_TEST_SPLIT in splits, client_id
+        assert starts[client_id].keys() == own.keys()
+        for key, value in own.items():
+            assert torch.equal(starts[client_id][key], value), (client_id, key)
+    assert len(starts) == len(engine.clients)

@@ -267,6 +267,8 @@ def test_lr_schedules_are_functions_of_the_round():
     assert cosine(1) == pytest.approx(0.1) and cosine(6) == pytest.approx(0.05)
     assert make_lr_schedule("exponential:0.5", 0.1, 10)(3) == pytest.approx(0.025)
     assert make_lr_schedule("step:2:0.1", 1.0, 10)(4) == pytest.approx(0.1)
+    step = make_lr_schedule("step:2:0.5", 1.0, 10)  # γ^⌊(r−1)/2⌋, not γ·⌊(r−1)/2⌋ nor shifted by a round
+    assert [step(round_index) for round_index in range(1, 8)] == [1.0, 1.0, 0.5, 0.5, 0.25, 0.25, 0.125]
     for bad in ("linear", "exponential", "step:0:0.1", "exponential:x"):
         with pytest.raises(TaskHetError, match="--lr_schedule"):
             make_lr_schedule(bad, 0.1, 10)

@@ -47,3 +47,28 @@ def test_without_batchnorm_fedbn_is_fedavg():
 def test_a_model_that_is_a_batchnorm_layer_has_unprefixed_keys():
     assert ModelLayout.of(torch.nn.BatchNorm1d(3)).batchnorm_keys == {"weight", "bias", "running_mean", "running_var",
                                                                        "num_batches_tracked"}
+
+
+class BatchAndInstanceNorm(torch.nn.Module):
+    """A BatchNorm and an InstanceNorm with affine parameters and running statistics (both ``_NormBase``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 2, 1)
+        self.batch = torch.nn.BatchNorm2d(2)
+        self.instance = torch.nn.InstanceNorm2d(2, affine=True, track_running_stats=True)
+        self.lazy = torch.nn.LazyBatchNorm1d()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lazy(self.instance(self.batch(self.conv(x))).mean((2, 3)))
+
+
+def test_only_batchnorm_is_private_never_an_instancenorm_with_affine_parameters_and_statistics():
+    algorithm, _ = build_algorithm("fedbn", BatchAndInstanceNorm(), {"a": 1})
+    entries = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+    assert algorithm.private_keys() == {f"{layer}.{entry}" for layer in ("batch", "lazy") for entry in entries}
+    for layer in (torch.nn.BatchNorm3d(2), torch.nn.SyncBatchNorm(2), torch.nn.LazyBatchNorm2d()):
+        assert ModelLayout.of(layer).batchnorm_keys == set(entries), type(layer).__name__
+    for layer in (torch.nn.InstanceNorm1d(2, affine=True, track_running_stats=True), torch.nn.GroupNorm(1, 2),
+                  torch.nn.LayerNorm(2)):
+        assert ModelLayout.of(layer).batchnorm_keys == frozenset(), type(layer).__name__

@@ -75,3 +75,32 @@ def test_step_3c_refuses_a_missing_checkpoint_and_another_steps_folder(tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "step 2" in err[0]
     assert not (other / "meter.json").exists()
+
+
+def test_small_gradients_and_client_sizes_at_their_edges():
+    # ‖∇F‖² = 0.0025 (below 1, above 0): B² is still the ratio; a client of size 0 simply has no weight
+    g1, g2, g3 = (torch.tensor(values, dtype=torch.float64) for values in ([0.1, 0.0], [0.0, 0.0], [7.0, 7.0]))
+    reading = dissimilarity([g1, g2, g3], [1, 1, 0])
+    assert reading.global_grad_norm2 == pytest.approx(0.0025, rel=1e-12)
+    assert reading.b2 == pytest.approx((0.5 * 0.01) / 0.0025, rel=1e-12)  # = 2
+    assert dissimilarity([g1], [1]).b2 == pytest.approx(1.0, abs=1e-15)  # one client of size 1 (sum = 1 is allowed)
+    for sizes in ([1, -1, 1], [0, 0, 0]):
+        with pytest.raises(ValueError, match=r"^client sizes must be >= 0 and not all 0, got \[" + ", ".join(
+                str(size) for size in sizes).replace("-", r"\-") + r"\]$"):
+            dissimilarity([g1, g2, g3], sizes)
+    with pytest.raises(ValueError, match="^need one gradient per client and at least one client$"):
+        dissimilarity([], [])
+
+
+def test_full_gradient_is_float64_whatever_the_model_precision_and_refuses_no_samples():
+    a, b = least_squares_clients(sizes=(12,))[0]
+    model = torch.nn.Linear(DIM, 1, bias=False)  # float32
+    with torch.no_grad():
+        model.weight.copy_(torch.linspace(-1, 1, DIM).unsqueeze(0))
+    batches = [{"x": a[:5].float(), "y": b[:5].float()}, {"x": a[5:].float(), "y": b[5:].float()}]
+    got = full_gradient(model, batches, least_squares_loss, CPU)
+    assert got.dtype == torch.float64
+    want = gradient(model.weight.detach().double().squeeze(0), a.float().double(), b.float().double())
+    assert torch.allclose(got, want, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="^a client has no samples to take a gradient over$"):
+        full_gradient(model, [], least_squares_loss, CPU)

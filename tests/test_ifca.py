@@ -144,3 +144,45 @@ def test_more_cluster_models_than_clients_is_refused_before_any_model_is_allocat
             build_algorithm("ifca", linear_model(), THREE_CLIENTS, {"n_cluster_models": k})
     algorithm, _ = build_algorithm("ifca", linear_model(), THREE_CLIENTS, {"n_cluster_models": 3})  # k = clients is fine
     assert algorithm.settings.n_cluster_models == 3
+
+
+class NormDropLinear(nn.Module):
+    """x → BatchNorm (no affine) → dropout → w·x: its eval and train modes give very different losses."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(1, affine=False, dtype=torch.float64)
+        self.drop = nn.Dropout(dropout)
+        self.linear = nn.Linear(1, 1, bias=False, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.drop(self.norm(x)))
+
+
+def cluster(running_mean: float, weight: float) -> dict:
+    return {"norm.running_mean": torch.tensor([running_mean], dtype=torch.float64),
+            "norm.running_var": torch.ones(1, dtype=torch.float64), "norm.num_batches_tracked": torch.tensor(0),
+            "linear.weight": torch.tensor([[weight]], dtype=torch.float64)}
+
+
+@pytest.mark.parametrize("dropout, models, eval_choice", [
+    # BatchNorm: the clusters differ only in their running mean. In eval mode cluster 1 (mean 0, the data's)
+    # predicts y = x almost exactly and cluster 0 (mean 3) is off by 3 everywhere; in train mode the batch
+    # statistics replace both running means, the losses tie and the lower index, 0, would win.
+    (0.0, {"cluster0": cluster(3.0, 1.0), "cluster1": cluster(0.0, 1.0)}, 1),
+    # Dropout: cluster 0 (w = 1) fits y = x in eval mode; cluster 1 (w = 0) predicts 0 in both modes (loss
+    # E[x²]/2). In train mode p = 0.9 dropout makes cluster 0's expected loss 9·E[x²]/2, so cluster 1 would win.
+    (0.9, {"cluster0": cluster(0.0, 1.0), "cluster1": cluster(0.0, 0.0)}, 0),
+])
+def test_the_cluster_is_chosen_with_the_model_in_eval_mode(dropout, models, eval_choice):
+    torch.manual_seed(0)
+    x = torch.randn(400, 1, dtype=torch.float64)
+    x = (x - x.mean()) / x.std(correction=0)  # mean 0, variance 1: the running statistics of cluster 1 fit exactly
+    loader = [{"x": x[:250], "y": x[:250, 0]}, {"x": x[250:], "y": x[250:, 0]}]
+    algorithm, model = build_algorithm("ifca", NormDropLinear(dropout), {"0": 400, "1": 400}, {"n_cluster_models": 2})
+    model.train()  # the engine hands over a model left in training mode
+    from tests.oracles import client_config
+
+    result = algorithm.client_update(model, models, {}, loader,
+                                     client_config(400, steps=1, loss_fn=half_squared_error))
+    assert int(result.client_state["id"]) == eval_choice

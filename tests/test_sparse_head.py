@@ -41,3 +41,17 @@ def test_bad_shapes_are_an_error():
         ridge_head(torch.zeros(4), torch.zeros(4), 2)
     with pytest.raises(TaskHetError, match="at least one batch"):
         collect_features(lambda batch: batch["x"], [])
+
+
+def test_unbalanced_classes_an_absent_class_the_default_and_the_edge_alphas_match_scikit_learn():
+    features, labels = separable(per_class=20)
+    keep = torch.cat([torch.arange(0, 20), torch.arange(20, 25), torch.arange(40, 60)])  # 20, 5, 20 rows
+    features, labels = features[keep], labels[keep]
+    targets = np.eye(4)[labels.numpy()]  # 4 classes, class 3 has no row: its column is all zero
+    for alpha, (weight, bias) in ((1e-3, ridge_head(features, labels, 4)), (0.0, ridge_head(features, labels, 4, 0.0))):
+        reference = Ridge(alpha=alpha).fit(features.numpy().astype(np.float64), targets)
+        assert weight.shape == (4, 5) and bias.shape == (4,)
+        np.testing.assert_allclose(weight.numpy(), reference.coef_, rtol=1e-6, atol=1e-8)
+        np.testing.assert_allclose(bias.numpy(), reference.intercept_, rtol=1e-6, atol=1e-8)
+    with pytest.raises(TaskHetError, match=r"^ridge alpha must be >= 0, got -0.5$"):
+        ridge_head(features, labels, 4, alpha=-0.5)

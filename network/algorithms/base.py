@@ -76,7 +76,7 @@ class ModelLayout:
         head = getattr(model, "head_keys", None)
         batchnorm = {f"{module_name}.{key}" if module_name else key
                      for module_name, module in model.named_modules()
-                     if isinstance(module, nn.modules.batchnorm._NormBase)
+                     if isinstance(module, nn.modules.batchnorm._BatchNorm)  # not InstanceNorm (also a _NormBase)
                      for key in module.state_dict()}
         fixed = {f"{module_name}.{key}" if module_name else key
                  for module_name, module in model.named_modules()

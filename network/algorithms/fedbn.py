@@ -2,8 +2,11 @@
 
 Every BatchNorm layer stays local: its affine parameters (γ, β) and its running
 statistics (mean, variance, batch counter). BatchNorm layers are selected by module
-type (``nn.modules.batchnorm._NormBase``: BatchNorm1d/2d/3d, SyncBatchNorm), never by
-name, so torchvision's ``downsample.1`` is found too (``ModelLayout.batchnorm_keys``).
+type (``nn.modules.batchnorm._BatchNorm``: BatchNorm1d/2d/3d, SyncBatchNorm,
+LazyBatchNorm1d/2d/3d), never by name, so torchvision's ``downsample.1`` is found too
+(``ModelLayout.batchnorm_keys``). Other normalisation layers are shared like any layer:
+InstanceNorm (even with ``affine=True`` and ``track_running_stats=True``, a ``_NormBase``
+like BatchNorm), GroupNorm, LayerNorm.
 
 Client: load the global model, then its own BatchNorm entries (after its first
 round); train everything; upload Δ of every other entry; keep its BatchNorm entries.
