@@ -153,7 +153,7 @@ class SequentialEngine:
         with logging_redirect_tqdm(loggers=[self.logger]):  # log lines above the bar, not through it
             for round_index in bar:
                 self._run_round(round_index, bar)
-        plot_curves(self.out_dir / METRICS_FILE, self.out_dir / CURVES_FILE)
+        plot_curves(self.out_dir / METRICS_FILE, self.out_dir / CURVES_FILE, run_title(self.algorithm.name, self.out_dir))
         return self.global_weights
 
     def _run_round(self, round_index: int, bar: tqdm) -> None:
@@ -355,8 +355,15 @@ def _mean_train_loss(rows: list[dict[str, Any]]) -> float:
                  and row["metric"] == TRAIN_LOSS), math.nan)
 
 
-def plot_curves(metrics_csv: Path, out_png: Path) -> None:
-    """Loss per round: global test, client-test mean ± std (global and personal models), mean train loss."""
+def run_title(algorithm: str, out_dir: Path) -> str:
+    """``fedavg: label_based/fedavg/s0-1a2b3c``: the algorithm and the run folder's last three names (in a pipeline,
+    grouping or partition, algorithm, run)."""
+    return f"{algorithm}: {'/'.join(Path(out_dir).resolve().parts[-3:])}"
+
+
+def plot_curves(metrics_csv: Path, out_png: Path, title: str | None = None) -> None:
+    """Loss per round: global test, client-test mean ± std (global and personal models), mean train loss; ``title``
+    names the run."""
     # Imported here, not at the top: training never needs matplotlib. utils.plots selects Agg first.
     from utils.plots import plt, save_figure
     import pandas as pd
@@ -380,5 +387,7 @@ def plot_curves(metrics_csv: Path, out_png: Path) -> None:
         axis.plot(train["round"], train["value"], linestyle="--", label="local train loss (mean)")
     axis.set_xlabel("round")
     axis.set_ylabel("loss")
+    if title:
+        axis.set_title(title, fontsize=9, wrap=True)
     axis.legend()
     save_figure(figure, out_png, dpi=120)

@@ -67,7 +67,7 @@ def plot_curves(metrics_csv: Path, out_png: Path, x: str = "epoch", hue: str = "
     for axis in list(axes.flat)[len(metric_names):]:
         axis.set_visible(False)
     if title:
-        figure.suptitle(title)
+        figure.suptitle(title, wrap=True)  # wrapped to the figure's width: a one-panel figure is narrower than a long title
     save_figure(figure, out_png)
     return Path(out_png)
 
