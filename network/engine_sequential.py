@@ -38,11 +38,13 @@ from network.client import (CLIENT_TEST_SPLIT, FINETUNED_TEST_SPLIT, GLOBAL_TEST
                             ClientData, ClientFailure, EvaluateFn, Finetune, evaluate_client, evaluate_model,
                             finetune_seed, train_client)
 from network.client_store import ClientStore
+from network.clients_table import CLIENTS_FILE, write_clients_table
 from network.diagnostics import DriftMeter
 from network.local_train import NonFiniteLossError
 from network.sampling import client_seed, sample_clients
 from utils.errors import TaskHetError
 from utils.run_dir import MetricsCSV, atomic_torch_save, load_checkpoint, remove_stale_temporaries
+from utils.tensorboard_log import mirror_to_tensorboard
 
 # Names in metrics.csv, shared with every engine and with the report.
 TRAIN_SPLIT = "train"  # the clients' local training metrics
@@ -78,6 +80,9 @@ class EngineConfig:
         finetune_steps: evaluate every client's model also after this many local steps (0: off).
         diagnostics: record client drift, update norms and the update-cosine matrix every round
             (network.diagnostics).
+        tensorboard: also write metrics.csv's rows as TensorBoard scalars under ``out_dir/tensorboard``.
+        round_lines: print one console line per round; False keeps them in run.log only and prints one
+            summary line at the end (what a pipeline of hundreds of runs wants).
     """
 
     out_dir: Path
@@ -96,6 +101,8 @@ class EngineConfig:
     signature: dict[str, str] | None = None
     finetune_steps: int = 0
     diagnostics: bool = False
+    tensorboard: bool = False
+    round_lines: bool = True
 
 
 class SequentialEngine:
@@ -136,7 +143,12 @@ class SequentialEngine:
         self.server: ServerState = algorithm.init_server(
             {key: value.detach().clone() for key, value in model.state_dict().items()})
         self.best_loss = math.inf
-        self.metrics = MetricsCSV(self.out_dir / METRICS_FILE, METRICS_COLUMNS)
+        self.metrics = mirror_to_tensorboard(MetricsCSV(self.out_dir / METRICS_FILE, METRICS_COLUMNS), config.tensorboard,
+                                             self.out_dir, "round")
+        if not config.round_lines:
+            for handler in self.logger.handlers:
+                if not isinstance(handler, logging.FileHandler):  # the console: run.log keeps every round
+                    handler.addFilter(_not_a_round_line)
         self.drift = DriftMeter(self.out_dir, algorithm.federation.layout.param_keys) if config.diagnostics else None
 
     @property
@@ -147,13 +159,20 @@ class SequentialEngine:
     # ----- the loop -----
     def run(self) -> Weights:
         """Train (or finish training) and return the final global weights."""
-        start = self._start()
+        start, began = self._start(), time.perf_counter()
         bar = tqdm(range(start + 1, self.config.n_rounds + 1), initial=start, total=self.config.n_rounds,
                    desc=f"{self.algorithm.name} rounds", unit="round", disable=not self.config.progress)
         with logging_redirect_tqdm(loggers=[self.logger]):  # log lines above the bar, not through it
             for round_index in bar:
                 self._run_round(round_index, bar)
+        if hasattr(self.metrics, "close"):  # the TensorBoard mirror's event file
+            self.metrics.close()
         plot_curves(self.out_dir / METRICS_FILE, self.out_dir / CURVES_FILE, run_title(self.algorithm.name, self.out_dir))
+        write_clients_table(self.out_dir / METRICS_FILE, self.algorithm.federation.client_sizes,
+                            self.out_dir / CLIENTS_FILE)
+        self.logger.info("%s: %d rounds done (%d in this call, %.1fs), best global test loss %.4g (every round: run.log)",
+                         self.out_dir, self.config.n_rounds, self.config.n_rounds - start, time.perf_counter() - began,
+                         self.best_loss)
         return self.global_weights
 
     def _run_round(self, round_index: int, bar: tqdm) -> None:
@@ -167,7 +186,8 @@ class SequentialEngine:
         if test_loss is not None:
             bar.set_postfix(test_loss=f"{test_loss:.4g}")
         self.logger.info("round %d: train loss %.4g%s (%.1fs)", round_index, _mean_train_loss(rows),
-                         "" if test_loss is None else f", test loss {test_loss:.4g}", time.perf_counter() - began)
+                         "" if test_loss is None else f", test loss {test_loss:.4g}", time.perf_counter() - began,
+                         extra={ROUND_LINE: True})
 
     def train_round(self, round_index: int) -> list[dict[str, Any]]:
         """Sample, train and aggregate one round; returns its training metric rows."""
@@ -294,7 +314,7 @@ class SequentialEngine:
         self.server = self.algorithm.calibrate_server(self.server, self.model, self.calibration_loader, self.device)
         rows, test_loss = self.evaluate(0)
         self._finish_round(0, rows, test_loss)
-        self.logger.info("round 0: test loss %.4g", test_loss)
+        self.logger.info("round 0: test loss %.4g", test_loss, extra={ROUND_LINE: True})
         return 0
 
     def _finish_round(self, round_index: int, rows: list[dict[str, Any]], test_loss: float | None) -> None:
@@ -353,6 +373,13 @@ def _client_rows(round_index: int, split: str, per_client: dict[str, dict[str, f
 def _mean_train_loss(rows: list[dict[str, Any]]) -> float:
     return next((row["value"] for row in rows if row["split"] == TRAIN_SPLIT and row["client"] == "mean"
                  and row["metric"] == TRAIN_LOSS), math.nan)
+
+
+ROUND_LINE = "round_line"  # log-record attribute of the per-round lines (kept off the console by round_lines=False)
+
+
+def _not_a_round_line(record: logging.LogRecord) -> bool:
+    return not getattr(record, ROUND_LINE, False)
 
 
 def run_title(algorithm: str, out_dir: Path) -> str:

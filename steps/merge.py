@@ -117,11 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--use_accelerator", action=argparse.BooleanOptionalAction, default=False,
                         help="--run: evaluate on CUDA/MPS when present (default: CPU)")
     parser.add_argument("--out", type=Path, required=True, help="the merge's run folder")
+    cli.add_runtime_flags(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> Weights:
-    args = build_parser().parse_args(argv)
+    args = cli.apply_runtime_flags(build_parser().parse_args(argv))
     if (args.run is None) == (args.base is None and args.finetuned is None):
         raise TaskHetError("pass --run RUN_DIR, or --base and --finetuned (not both)")
     if args.run is None:

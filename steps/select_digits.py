@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="share of each digit's training images set aside for validation, in [0, 1) (default: 0.1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the subsample, the split and the validation part (default: 0)")
     parser.add_argument("--out", type=Path, default=Path("results/datapoints"), help="output folder (default: results/datapoints)")
+    cli.add_runtime_flags(parser)
     return parser
 
 
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> Path:
     Returns:
         The path of the manifest.csv written.
     """
-    args = build_parser().parse_args(argv)
+    args = cli.apply_runtime_flags(build_parser().parse_args(argv))
     claim_step1_folder(args.out)
     manifest = select_digits(args.test_fraction, args.seed, args.n_samples, args.val_fraction)
     path = write_step1_outputs(args, manifest, class_counts(manifest))

@@ -99,11 +99,15 @@ def run_config_toml(argv: list[str]) -> str:
     """
     from steps.federated import parse_run_config
 
-    config = parse_run_config(argv)
+    config = parse_run_config(argv, prog="python -m network.flower.app", description=APP_DESCRIPTION)
     if config is None:
         raise TaskHetError("--list_methods prints the algorithms; pass a run's flags to get its run config")
     return f"{RUN_CONFIG} = {json.dumps(config.to_json())}"
 
+
+APP_DESCRIPTION = """Print the run-config line of a Flower deployment (docs/FLOWER.md) for a run given by test_fed.py's
+flags: python -m network.flower.app <flags> > run.toml, then flwr run flower/ --run-config run.toml.
+The flags are exactly test_fed.py's (step 4); --method X --help lists X's settings."""
 
 server_app = make_server_app(build_engine)
 client_app = make_client_app(build_node)
