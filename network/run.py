@@ -246,7 +246,7 @@ def run(setup: FedSetup) -> dict:
 
             engine = run_flower(*inputs, model_config=setup.model_config, logger=logger, options=FlowerOptions(
                 mode=config.flower_mode, num_cpus=config.flower_num_cpus, num_gpus=config.flower_num_gpus,
-                min_available_clients=config.min_available_clients))
+                min_available_clients=config.min_available_clients), val_loader=val_loader)
         else:
             engine = SequentialEngine(*inputs, model_config=setup.model_config, logger=logger, val_loader=val_loader,
                                       calibration_loader=calibration)
