@@ -11,7 +11,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP_MODULES = ["render", "select_scenes", "select_cifar", "select_digits", "train_centralized", "search_centralized",
-                "embed", "assign", "meter", "federated", "merge", "download"]
+                "embed", "assign", "meter", "explain", "federated", "merge", "download"]
 
 
 def _flat(text: str) -> str:

@@ -18,7 +18,7 @@ from tests.test_step4 import argv as fed_argv, assignments  # noqa: F401  (a fix
 from utils.cli import apply_runtime_flags
 
 STEP_MODULES = ["render", "select_scenes", "select_cifar", "select_digits", "train_centralized", "search_centralized",
-                "embed", "assign", "meter", "federated", "merge", "download"]
+                "embed", "assign", "meter", "explain", "federated", "merge", "download"]
 
 
 @pytest.mark.parametrize("name", STEP_MODULES)
