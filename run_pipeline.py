@@ -12,7 +12,6 @@ checkpoint.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from pipeline.experiment import load_experiment
@@ -24,13 +23,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("experiment", type=Path, help="YAML experiment file")
     parser.add_argument("--results", type=Path, default=Path("results"), help="parent folder of the experiment's outputs")
-    parser.add_argument("--threads", type=positive_int, default=None,
-                        help="torch CPU threads of every step, recorded in each step's config.json (default: torch's own "
-                             "choice, one per core; on a shared machine 1 is often several times faster); floating-point "
-                             "results differ in the last digits with it, the report's verdicts do not (tests/test_pipeline.py)")
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                        help="the pipeline's progress bar (one bar counting steps; the steps draw none); never drawn "
-                             "when stdout is not a terminal")
+    cli.add_runtime_flags(parser)  # --threads reaches every step; the steps draw no bars, the pipeline draws one
     parser.add_argument("--jobs", type=positive_int, default=1,
                         help="federated runs at once, each in its own process (default: 1, in this process); "
                              "with --jobs 2 on 2 cores pass --threads 1")
@@ -43,13 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     # Imported after validation so a bad experiment file fails before the heavy imports.
     from pipeline.runner import Pipeline, command_line
 
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
-
+    show_progress = cli.apply_runtime_flags(args).progress
     out_dir = args.results / config["name"]
-    show_progress = args.progress and sys.stdout.isatty()
     if "study" in config:  # a study file (pipeline/study.py): centralized → federated grid → study report
         from pipeline.study import Study
 
