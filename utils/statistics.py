@@ -50,7 +50,7 @@ CLEAR_MAJORITY = 2 / 3  # ... and at least this share of the decided cells agree
 UNBOUNDED, UNIT, NONNEGATIVE = "unbounded", "unit", "nonnegative"
 # Metrics whose values are fractions in [0, 1]; every other metric TaskHet logs (losses, l1, abs_rel, rmse,
 # angles in degrees, epochs) is ≥ 0.
-UNIT_METRICS = frozenset({"top1", "top5", "miou", "delta1", "within_11_25", "pixel_accuracy"})
+UNIT_METRICS = frozenset({"top1", "top5", "miou", "delta1", "within_11_25", "pixel_acc"})
 
 TOO_FEW, ZERO_VARIANCE, CONTAINS_ZERO = "too few seeds", "zero variance", "interval contains 0"
 
