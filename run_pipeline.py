@@ -17,6 +17,7 @@ from pathlib import Path
 from pipeline.experiment import load_experiment
 from utils import cli
 from utils.cli import positive_int, run_main
+from utils.locks import folder_lock
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -25,8 +26,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--results", type=Path, default=Path("results"), help="parent folder of the experiment's outputs")
     cli.add_runtime_flags(parser)  # --threads reaches every step; the steps draw no bars, the pipeline draws one
     parser.add_argument("--jobs", type=positive_int, default=1,
-                        help="federated runs at once, each in its own process (default: 1, in this process); "
-                             "with --jobs 2 on 2 cores pass --threads 1")
+                        help="federated runs at once, each in its own process (default: 1, in this process), for "
+                             "experiment and study files alike; with --jobs 2 on 2 cores pass --threads 1")
     return parser.parse_args(argv)
 
 
@@ -38,15 +39,16 @@ def main(argv: list[str] | None = None) -> None:
 
     show_progress = cli.apply_runtime_flags(args).progress
     out_dir = args.results / config["name"]
-    if "study" in config:  # a study file (pipeline/study.py): centralized → federated grid → study report
-        from pipeline.study import Study
+    with folder_lock(out_dir, f"experiment {config['name']!r} in --results"):  # a second run of it is refused
+        if "study" in config:  # a study file (pipeline/study.py): centralized → federated grid → study report
+            from pipeline.study import Study
 
-        table = Study(config, out_dir, command_line([str(args.experiment)]), threads=args.threads,
-                      show_progress=show_progress).run()
-        print(f"report: {out_dir / 'report.md'} ({len(table)} rows: partition × J × algorithm, and centralized)")
-        return
-    table = Pipeline(config, out_dir, command_line([str(args.experiment)]), jobs=args.jobs, threads=args.threads,
-                     show_progress=show_progress).run()
+            table = Study(config, out_dir, command_line([str(args.experiment)]), jobs=args.jobs, threads=args.threads,
+                          show_progress=show_progress).run()
+            print(f"report: {out_dir / 'report.md'} ({len(table)} rows: partition × J × algorithm, and centralized)")
+            return
+        table = Pipeline(config, out_dir, command_line([str(args.experiment)]), jobs=args.jobs, threads=args.threads,
+                         show_progress=show_progress).run()
     print(f"report: {out_dir / 'report.md'} ({len(table)} task × algorithm × α rows)")
 
 
