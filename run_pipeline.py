@@ -24,9 +24,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("experiment", type=Path, help="YAML experiment file")
     parser.add_argument("--results", type=Path, default=Path("results"), help="parent folder of the experiment's outputs")
-    parser.add_argument("--threads", type=positive_int, default=None,
-                        help="torch CPU threads (default: torch's own choice); floating-point results differ in the "
-                             "last digits with it, the report's verdicts do not (tests/test_pipeline.py)")
+    cli.add_runtime_flags(parser)  # --threads reaches every step; the steps draw no bars, the pipeline draws one
     parser.add_argument("--jobs", type=positive_int, default=1,
                         help="federated runs at once, each in its own process (default: 1, in this process), for "
                              "experiment and study files alike; with --jobs 2 on 2 cores pass --threads 1")
@@ -39,20 +37,18 @@ def main(argv: list[str] | None = None) -> None:
     # Imported after validation so a bad experiment file fails before the heavy imports.
     from pipeline.runner import Pipeline, command_line
 
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
-
+    show_progress = cli.apply_runtime_flags(args).progress
     out_dir = args.results / config["name"]
     with folder_lock(out_dir, f"experiment {config['name']!r} in --results"):  # a second run of it is refused
         if "study" in config:  # a study file (pipeline/study.py): centralized → federated grid → study report
             from pipeline.study import Study
 
-            table = Study(config, out_dir, command_line([str(args.experiment)]), jobs=args.jobs, threads=args.threads).run()
+            table = Study(config, out_dir, command_line([str(args.experiment)]), jobs=args.jobs, threads=args.threads,
+                          show_progress=show_progress).run()
             print(f"report: {out_dir / 'report.md'} ({len(table)} rows: partition × J × algorithm, and centralized)")
             return
-        table = Pipeline(config, out_dir, command_line([str(args.experiment)]), jobs=args.jobs, threads=args.threads).run()
+        table = Pipeline(config, out_dir, command_line([str(args.experiment)]), jobs=args.jobs, threads=args.threads,
+                         show_progress=show_progress).run()
     print(f"report: {out_dir / 'report.md'} ({len(table)} task × algorithm × α rows)")
 
 

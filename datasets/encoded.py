@@ -116,7 +116,9 @@ class EncodedDataset(Dataset):
         position = 0
         encoder.eval()
         with torch.inference_mode():
-            for batch in tqdm(loader, desc="encode (frozen encoder, once)", leave=False, dynamic_ncols=True):
+            # disable=None: no bar when stderr is not a terminal. The cache is built deep inside steps 2, 3c and 4,
+            # where their --no-progress does not reach; a TTY check is what a pipeline log needs.
+            for batch in tqdm(loader, desc="encode (frozen encoder, once)", leave=False, dynamic_ncols=True, disable=None):
                 maps = encoder(normalise(batch[self.input_key].to(device)))
                 for offset in range(len(batch["sample_id"])):
                     row = int(self.rows[missing[position + offset]])

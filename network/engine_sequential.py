@@ -38,12 +38,14 @@ from network.client import (CLIENT_TEST_SPLIT, FINETUNED_TEST_SPLIT, GLOBAL_TEST
                             ClientData, ClientFailure, EvaluateFn, Finetune, evaluate_client, evaluate_model,
                             finetune_seed, train_client)
 from network.client_store import ClientStore
+from network.clients_table import CLIENTS_FILE, write_clients_table
 from network.diagnostics import DriftMeter
 from network.local_train import NonFiniteLossError
 from network.sampling import client_seed, sample_clients
 from training.metrics import HIGHER_IS_BETTER
 from utils.errors import TaskHetError
 from utils.run_dir import MetricsCSV, atomic_torch_save, load_checkpoint, remove_stale_temporaries
+from utils.tensorboard_log import mirror_to_tensorboard
 
 # Names in metrics.csv, shared with every engine and with the report.
 TRAIN_SPLIT = "train"  # the clients' local training metrics
@@ -80,6 +82,9 @@ class EngineConfig:
         finetune_steps: evaluate every client's model also after this many local steps (0: off).
         diagnostics: record client drift, update norms and the update-cosine matrix every round
             (network.diagnostics).
+        tensorboard: also write metrics.csv's rows as TensorBoard scalars under ``out_dir/tensorboard``.
+        round_lines: print one console line per round; False keeps them in run.log only and prints one
+            summary line at the end (what a pipeline of hundreds of runs wants).
     """
 
     out_dir: Path
@@ -98,6 +103,8 @@ class EngineConfig:
     signature: dict[str, str] | None = None
     finetune_steps: int = 0
     diagnostics: bool = False
+    tensorboard: bool = False
+    round_lines: bool = True
 
 
 class SequentialEngine:
@@ -138,7 +145,12 @@ class SequentialEngine:
         self.server: ServerState = algorithm.init_server(
             {key: value.detach().clone() for key, value in model.state_dict().items()})
         self.best_loss = math.inf
-        self.metrics = MetricsCSV(self.out_dir / METRICS_FILE, METRICS_COLUMNS)
+        self.metrics = mirror_to_tensorboard(MetricsCSV(self.out_dir / METRICS_FILE, METRICS_COLUMNS), config.tensorboard,
+                                             self.out_dir, "round")
+        if not config.round_lines:
+            for handler in self.logger.handlers:
+                if not isinstance(handler, logging.FileHandler):  # the console: run.log keeps every round
+                    handler.addFilter(_not_a_round_line)
         self.drift = DriftMeter(self.out_dir, algorithm.federation.layout.param_keys) if config.diagnostics else None
 
     @property
@@ -149,13 +161,20 @@ class SequentialEngine:
     # ----- the loop -----
     def run(self) -> Weights:
         """Train (or finish training) and return the final global weights."""
-        start = self._start()
+        start, began = self._start(), time.perf_counter()
         bar = tqdm(range(start + 1, self.config.n_rounds + 1), initial=start, total=self.config.n_rounds,
                    desc=f"{self.algorithm.name} rounds", unit="round", disable=not self.config.progress)
         with logging_redirect_tqdm(loggers=[self.logger]):  # log lines above the bar, not through it
             for round_index in bar:
                 self._run_round(round_index, bar)
-        plot_curves(self.out_dir / METRICS_FILE, self.out_dir / CURVES_FILE)
+        if hasattr(self.metrics, "close"):  # the TensorBoard mirror's event file
+            self.metrics.close()
+        plot_curves(self.out_dir / METRICS_FILE, self.out_dir / CURVES_FILE, run_title(self.algorithm.name, self.out_dir))
+        write_clients_table(self.out_dir / METRICS_FILE, self.algorithm.federation.client_sizes,
+                            self.out_dir / CLIENTS_FILE)
+        self.logger.info("%s: %d rounds done (%d in this call, %.1fs), best global test loss %.4g (every round: run.log)",
+                         self.out_dir, self.config.n_rounds, self.config.n_rounds - start, time.perf_counter() - began,
+                         self.best_loss)
         return self.global_weights
 
     def _run_round(self, round_index: int, bar: tqdm) -> None:
@@ -169,7 +188,8 @@ class SequentialEngine:
         if test_loss is not None:
             bar.set_postfix(test_loss=f"{test_loss:.4g}")
         self.logger.info("round %d: train loss %.4g%s (%.1fs)", round_index, _mean_train_loss(rows),
-                         "" if test_loss is None else f", test loss {test_loss:.4g}", time.perf_counter() - began)
+                         "" if test_loss is None else f", test loss {test_loss:.4g}", time.perf_counter() - began,
+                         extra={ROUND_LINE: True})
 
     def train_round(self, round_index: int) -> list[dict[str, Any]]:
         """Sample, train and aggregate one round; returns its training metric rows."""
@@ -298,7 +318,7 @@ class SequentialEngine:
         self.server = self.algorithm.calibrate_server(self.server, self.model, self.calibration_loader, self.device)
         rows, test_loss = self.evaluate(0)
         self._finish_round(0, rows, test_loss)
-        self.logger.info("round 0: test loss %.4g", test_loss)
+        self.logger.info("round 0: test loss %.4g", test_loss, extra={ROUND_LINE: True})
         return 0
 
     def _finish_round(self, round_index: int, rows: list[dict[str, Any]], test_loss: float | None) -> None:
@@ -359,8 +379,22 @@ def _mean_train_loss(rows: list[dict[str, Any]]) -> float:
                  and row["metric"] == TRAIN_LOSS), math.nan)
 
 
-def plot_curves(metrics_csv: Path, out_png: Path) -> None:
-    """Loss per round: global test, client-test mean ± std (global and personal models), mean train loss."""
+ROUND_LINE = "round_line"  # log-record attribute of the per-round lines (kept off the console by round_lines=False)
+
+
+def _not_a_round_line(record: logging.LogRecord) -> bool:
+    return not getattr(record, ROUND_LINE, False)
+
+
+def run_title(algorithm: str, out_dir: Path) -> str:
+    """``fedavg: label_based/fedavg/s0-1a2b3c``: the algorithm and the run folder's last three names (in a pipeline,
+    grouping or partition, algorithm, run)."""
+    return f"{algorithm}: {'/'.join(Path(out_dir).resolve().parts[-3:])}"
+
+
+def plot_curves(metrics_csv: Path, out_png: Path, title: str | None = None) -> None:
+    """Loss per round: global test, client-test mean ± std (global and personal models), mean train loss; ``title``
+    names the run."""
     # Imported here, not at the top: training never needs matplotlib. utils.plots selects Agg first.
     from utils.plots import plt, save_figure
     import pandas as pd
@@ -384,5 +418,7 @@ def plot_curves(metrics_csv: Path, out_png: Path) -> None:
         axis.plot(train["round"], train["value"], linestyle="--", label="local train loss (mean)")
     axis.set_xlabel("round")
     axis.set_ylabel("loss")
+    if title:
+        axis.set_title(title, fontsize=9, wrap=True)
     axis.legend()
     save_figure(figure, out_png, dpi=120)

@@ -39,7 +39,7 @@ ENGINES = ("sequential", "flower")  # round loops over the same algorithm object
 # Fields that do not change what a run computes: a resumed run may differ in them.
 NOT_IN_SIGNATURE = ("out", "resume", "use_accelerator", "num_workers", "cache_dir", "deterministic", "n_rounds",
                     "eval_every", "diagnostics", "progress", "client_state_memory_mb", "engine", "flower_mode", "flower_num_cpus",
-                    "flower_num_gpus", "min_available_clients")
+                    "flower_num_gpus", "min_available_clients", "threads", "tensorboard", "round_lines")
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,9 @@ class RunConfig:
     cache_dir: Path | None = None
     client_state_memory_mb: float = 2048
     progress: bool = True
+    threads: int | None = None
+    tensorboard: bool = False
+    round_lines: bool = True
     resume: bool = True
     out: Path | None = None
     engine: str = "sequential"
@@ -177,7 +180,7 @@ def prepare(config: RunConfig) -> FedSetup:
         client_fraction=config.client_fraction, eval_every=config.eval_every, momentum=config.momentum,
         weight_decay=config.weight_decay, resume=config.resume, progress=config.progress,
         max_state_memory_bytes=int(config.client_state_memory_mb * 2**20), finetune_steps=config.finetune_steps,
-        diagnostics=config.diagnostics,
+        diagnostics=config.diagnostics, tensorboard=config.tensorboard, round_lines=config.round_lines,
         signature={key: str(value) for key, value in dataclasses.asdict(config).items() if key not in NOT_IN_SIGNATURE})
     return FedSetup(
         config=config, task=task, manifest=manifest, table=table, algorithm=algorithm, engine_config=engine_config,
@@ -260,7 +263,7 @@ def run(setup: FedSetup) -> dict:
 
             engine = run_flower(*inputs, model_config=setup.model_config, logger=logger, options=FlowerOptions(
                 mode=config.flower_mode, num_cpus=config.flower_num_cpus, num_gpus=config.flower_num_gpus,
-                min_available_clients=config.min_available_clients))
+                min_available_clients=config.min_available_clients), val_loader=val_loader)
         else:
             engine = SequentialEngine(*inputs, model_config=setup.model_config, logger=logger, val_loader=val_loader,
                                       calibration_loader=calibration)

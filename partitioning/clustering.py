@@ -38,7 +38,8 @@ SCATTER_POINTS = 20_000
 
 
 @torch.inference_mode()
-def embed_samples(model: nn.Module, loader: DataLoader, device: torch.device, input_key: str) -> tuple[np.ndarray, list[str]]:
+def embed_samples(model: nn.Module, loader: DataLoader, device: torch.device, input_key: str,
+                  progress: bool = True) -> tuple[np.ndarray, list[str]]:
     """Embed every sample of a loader with a TaskModel in eval mode, in float32.
 
     Eval mode makes batch norm use its running statistics, so a sample's embedding
@@ -56,7 +57,7 @@ def embed_samples(model: nn.Module, loader: DataLoader, device: torch.device, in
     """
     model.eval()
     chunks, sample_ids = [], []
-    for batch in tqdm(loader, desc="embedding", leave=False, dynamic_ncols=True):
+    for batch in tqdm(loader, desc="embedding", leave=False, dynamic_ncols=True, disable=not progress):
         _, embedding = model(batch[input_key].to(device, non_blocking=True))
         chunks.append(embedding.float().cpu().numpy())
         sample_ids.extend(batch["sample_id"])

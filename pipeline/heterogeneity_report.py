@@ -74,7 +74,8 @@ def plot_meter(meters: pd.DataFrame, path: Path) -> None:
             summary = rows.groupby("alpha").g2.agg(["mean", "min", "max"]).reset_index()
             axis.plot(summary.alpha, summary["mean"], color=f"C{index}", linestyle="-" if index == 0 else "--",
                       marker="o", label=grouping)
-            axis.fill_between(summary.alpha, summary["min"], summary["max"], color=f"C{index}", alpha=0.15)
+            axis.fill_between(summary.alpha, summary["min"], summary["max"], color=f"C{index}", alpha=0.15,
+                              label=f"{grouping} min–max over seeds")
         axis.set_xscale("log")
         axis.set_yscale("log")
         axis.set_title(task)

@@ -17,8 +17,12 @@ Inputs are plain tables the pipeline collects from the run folders:
 Runs with grouping ``iid`` (the iid reference partition) are reported in their own table.
 The label-vs-embedding gap of a cell is the paired difference over seeds (the same seed gives
 the same initial model and client sampling on both sides) with a 95% t interval
-(pipeline/statistics.py); a verdict counts only where the interval excludes 0.
-Every sentence of the summary is computed from these numbers.
+(utils/statistics.py): a cell is decided only with at least 3 paired seeds, nonzero variance and
+an interval excluding 0, and otherwise says why it is undecided. Counts of decided cells come
+with the count after Benjamini–Hochberg over all cells of the report; a headline claims a
+direction only when half of its cells are decided and two thirds of those agree. Means of losses
+get intervals on the log scale (never below 0). Every sentence of the summary is computed from
+these numbers.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from partitioning.groupings import EMBEDDING_BASED, IID_REFERENCE, LABEL_BASED  # noqa: E402
-from pipeline.statistics import EMBEDDING_WORSE, LABEL_WORSE, mean_interval, paired_difference  # noqa: E402
+from utils.statistics import (CONTAINS_ZERO, NONNEGATIVE, TOO_FEW, ZERO_VARIANCE, Counts, adjusted_decided,  # noqa: E402
+                              direction, mean_interval, paired_difference)
 from utils.plots import save_figure  # noqa: E402
 from utils.run_dir import atomic_write_text  # noqa: E402
 
@@ -43,8 +48,10 @@ REPORT_COLUMNS = [
     "task", "algorithm", "alpha", "metric",
     "label_loss_mean", "label_loss_std", "embedding_loss_mean", "embedding_loss_std",
     "label_metric_mean", "label_metric_std", "embedding_metric_mean", "embedding_metric_std",
-    "centralized_loss", "gap_percent", "diff_mean", "diff_ci_low", "diff_ci_high", "verdict", "n_seeds",
+    "centralized_loss", "gap_percent", "diff_mean", "diff_ci_low", "diff_ci_high", "p_value", "verdict", "reason",
+    "decided_after_bh", "n_seeds",
 ]
+EMBEDDING_WORSE, LABEL_WORSE = "embedding worse", "label worse"
 SIGNIFICANT = (EMBEDDING_WORSE, LABEL_WORSE)
 IID_COLUMNS = ["task", "algorithm", "iid_loss_mean", "iid_loss_ci_low", "iid_loss_ci_high", "centralized_loss",
                "above_centralized_percent", "within_10_percent", "n_seeds"]
@@ -71,22 +78,40 @@ def gap_table(finals: pd.DataFrame, centralized: dict[str, float]) -> pd.DataFra
                 renamed[f"{quantity}_{stat}_{side}"] = f"{side}_{quantity}_{stat}"
     table = table.rename(columns=renamed)
     table["centralized_loss"] = table.task.map(centralized).astype(float)
-    paired = pd.DataFrame([_paired(group) for _, group in finals.groupby(KEYS)])
+    cells = [(group, _paired(group)) for _, group in finals.groupby(KEYS)]
+    kept = adjusted_decided([difference for _, difference in cells])  # over every cell of the report
+    paired = pd.DataFrame([_paired_row(group, difference, keep) for (group, difference), keep in zip(cells, kept)])
     table = table.merge(paired, on=KEYS).drop(columns=["n_seeds_label", "n_seeds_embedding"])
     return table[REPORT_COLUMNS].sort_values(KEYS).reset_index(drop=True)
 
 
-def _paired(group: pd.DataFrame) -> dict:
-    """The paired difference of one cell over the seeds both groupings ran."""
+def _paired(group: pd.DataFrame):
+    """The paired difference embedding − label of one cell over the seeds both groupings ran (None: no pairs)."""
     sides = group.pivot_table(index="seed", columns="grouping", values="loss").dropna()
+    if sides.empty or LABEL_BASED not in sides or EMBEDDING_BASED not in sides:
+        return None
+    return paired_difference(list(sides[LABEL_BASED]), list(sides[EMBEDDING_BASED]))
+
+
+def _paired_row(group: pd.DataFrame, difference, decided_after_bh: bool) -> dict:
     first = group.iloc[0]
     keys = {key: first[key] for key in KEYS}
-    if sides.empty or LABEL_BASED not in sides or EMBEDDING_BASED not in sides:
+    if difference is None:
         return {**keys, "gap_percent": np.nan, "diff_mean": np.nan, "diff_ci_low": np.nan, "diff_ci_high": np.nan,
-                "verdict": "no pairs", "n_seeds": 0}
-    result = paired_difference(list(sides[LABEL_BASED]), list(sides[EMBEDDING_BASED]))
-    return {**keys, "gap_percent": result.relative, "diff_mean": result.mean, "diff_ci_low": result.low,
-            "diff_ci_high": result.high, "verdict": result.verdict, "n_seeds": result.n}
+                "p_value": np.nan, "verdict": "undecided: no seed ran under both partitions", "reason": TOO_FEW,
+                "decided_after_bh": False, "n_seeds": 0}
+    verdict = {1: EMBEDDING_WORSE, -1: LABEL_WORSE}.get(difference.sign, difference.explain())
+    return {**keys, "gap_percent": difference.relative, "diff_mean": difference.mean, "diff_ci_low": difference.low,
+            "diff_ci_high": difference.high, "p_value": difference.p_value, "verdict": verdict,
+            "reason": difference.reason, "decided_after_bh": decided_after_bh, "n_seeds": difference.n}
+
+
+def cell_counts(rows: pd.DataFrame, adjusted_over: int) -> Counts:
+    """How the cells of ``rows`` (gap-table rows) came out; ``adjusted_over``: the report's number of cells."""
+    worse, better = rows.verdict == EMBEDDING_WORSE, rows.verdict == LABEL_WORSE
+    return Counts(len(rows), int(worse.sum()), int(better.sum()), int((rows.reason == TOO_FEW).sum()),
+                  int((rows.reason == ZERO_VARIANCE).sum()), int((rows.reason == CONTAINS_ZERO).sum()),
+                  int((worse & rows.decided_after_bh).sum()), int((better & rows.decided_after_bh).sum()), adjusted_over)
 
 
 def iid_table(finals: pd.DataFrame, centralized: dict[str, float]) -> pd.DataFrame:
@@ -94,7 +119,7 @@ def iid_table(finals: pd.DataFrame, centralized: dict[str, float]) -> pd.DataFra
     iid = finals[finals.grouping == IID_REFERENCE]
     rows = []
     for (task, algorithm), group in iid.groupby(["task", "algorithm"]):
-        mean, low, high = mean_interval(list(group.loss))
+        mean, low, high = mean_interval(list(group.loss), NONNEGATIVE)
         reference = float(centralized.get(task, np.nan))
         above = 100.0 * (mean / reference - 1.0) if reference else np.nan
         rows.append({"task": task, "algorithm": algorithm, "iid_loss_mean": mean, "iid_loss_ci_low": low,
@@ -108,28 +133,29 @@ def summary_sentences(table: pd.DataFrame, agreement: dict[str, dict[str, float]
     """Plain-language findings, one per task and one overall, derived from the table."""
     sentences = []
     for task, rows in table.groupby("task"):
+        counts = cell_counts(rows, len(table))
         larger = int((rows.gap_percent > 0).sum())
-        worse = int((rows.verdict == EMBEDDING_WORSE).sum())
-        better = int((rows.verdict == LABEL_WORSE).sum())
         nmi = agreement.get(task, {}).get("nmi")
         nmi_text = f"; clusters vs class labels NMI = {nmi:.2f}" if nmi is not None else ""
-        worst = rows.loc[rows.gap_percent.idxmax()]
-        best = rows.loc[rows.gap_percent.idxmin()]
-        verdict = "hurts more" if worse > better else "does not hurt more"
+        worst = rows.loc[rows.gap_percent.idxmax()] if rows.gap_percent.notna().any() else rows.iloc[0]
+        best = rows.loc[rows.gap_percent.idxmin()] if rows.gap_percent.notna().any() else rows.iloc[0]
+        headline = {1: "embedding-based heterogeneity hurts more", -1: "label-based heterogeneity hurts more",
+                    0: "no clear direction"}[direction(counts)]
         sentences.append(
-            f"**{task}**: embedding-based heterogeneity {verdict}: the 95% interval of the paired difference "
-            f"puts embedding-based above label-based in {worse} and below it in {better} of {len(rows)} "
-            f"algorithm × α cells ({len(rows) - worse - better} undecided; larger mean loss in {larger}); mean gap "
-            f"{rows.gap_percent.mean():+.1f}%, largest {worst.gap_percent:+.1f}% ({worst.algorithm}, "
+            f"**{task}**: {headline}: over its {len(rows)} algorithm × α cells, the paired embedding − label loss is "
+            f"{counts.text('embedding worse', 'label worse')}; larger mean loss under embedding-based in {larger}; "
+            f"mean gap {rows.gap_percent.mean():+.1f}%, largest {worst.gap_percent:+.1f}% ({worst.algorithm}, "
             f"α={worst.alpha:g}), smallest {best.gap_percent:+.1f}% ({best.algorithm}, α={best.alpha:g}){nmi_text}"
             f"{_iid_clause(iid, task)}."
         )
-    worse, better = int((table.verdict == EMBEDDING_WORSE).sum()), int((table.verdict == LABEL_WORSE).sum())
-    claim = "holds" if worse > len(table) / 2 else "holds only in part" if worse > better else "does not hold"
+    counts = cell_counts(table, len(table))
+    claim = {1: "holds", -1: "is contradicted (label-based partitions give the larger loss)",
+             0: "is neither supported nor contradicted"}[direction(counts)]
     sentences.append(
         f"Overall the paper's claim (embedding-based partitions give a larger federated loss) {claim} on this data: "
-        f"counting only cells whose 95% interval excludes 0, embedding-based is worse in {worse} and better in "
-        f"{better} of {len(table)} task × algorithm × α cells (median gap {table.gap_percent.median():+.1f}%)."
+        f"over {len(table)} task × algorithm × α cells the paired difference is "
+        f"{counts.text('embedding worse', 'label worse')} (median gap {table.gap_percent.median():+.1f}%). "
+        "A direction is claimed only when at least half of the cells are decided and two thirds of those agree."
     )
     return sentences
 
@@ -160,78 +186,104 @@ def personal_gap_table(finals: pd.DataFrame) -> pd.DataFrame:
 
 
 def personal_markdown_table(table: pd.DataFrame) -> str:
-    lines = ["| task | algorithm | α | label loss | embedding loss | gap % |", "|" + "---|" * 6]
+    lines = ["| task | algorithm | α | label loss | embedding loss | gap % | verdict |", "|" + "---|" * 7]
     for row in table.itertuples():
         lines.append(
             f"| {row.task} | {row.algorithm} | {row.alpha:g} | {row.label_loss_mean:.4f} ± {row.label_loss_std:.4f} "
             f"| {row.embedding_loss_mean:.4f} ± {row.embedding_loss_std:.4f} "
-            f"| {row.gap_percent:+.1f}{'*' if row.verdict in SIGNIFICANT else ''} |"
+            f"| {row.gap_percent:+.1f}{'*' if row.verdict in SIGNIFICANT else ''} | {row.verdict} |"
         )
     return "\n".join(lines)
 
 
 def markdown_table(table: pd.DataFrame) -> str:
     """The report table as GitHub Markdown."""
-    header = ("| task | algorithm | α | label loss | embedding loss | gap % | embedding − label [95% CI] "
-              "| label metric | embedding metric | centralized loss |")
-    lines = [header, "|" + "---|" * 10]
+    header = ("| task | algorithm | α | label loss | embedding loss | gap % | embedding − label [95% CI] | verdict "
+              "| after BH | label metric | embedding metric | centralized loss |")
+    lines = [header, "|" + "---|" * 12]
     for row in table.itertuples():
         lines.append(
             f"| {row.task} | {row.algorithm} | {row.alpha:g} "
             f"| {row.label_loss_mean:.4f} ± {row.label_loss_std:.4f} "
             f"| {row.embedding_loss_mean:.4f} ± {row.embedding_loss_std:.4f} "
             f"| {row.gap_percent:+.1f}{'*' if row.verdict in SIGNIFICANT else ''} "
-            f"| {row.diff_mean:+.4f} [{row.diff_ci_low:+.4f}, {row.diff_ci_high:+.4f}] "
+            f"| {_interval_text(row.diff_mean, row.diff_ci_low, row.diff_ci_high)} | {row.verdict} "
+            f"| {'decided' if row.decided_after_bh else '–'} "
             f"| {row.metric} {row.label_metric_mean:.3f} ± {row.label_metric_std:.3f} "
             f"| {row.embedding_metric_mean:.3f} ± {row.embedding_metric_std:.3f} | {row.centralized_loss:.4f} |"
         )
     return "\n".join(lines)
 
 
+def _interval_text(mean: float, low: float, high: float) -> str:
+    """``+0.3000 [+0.0516, +0.5484]``, or the mean alone when there is no interval (one seed, zero variance)."""
+    if np.isnan(low):
+        return f"{mean:+.4f} [no interval]"
+    return f"{mean:+.4f} [{low:+.4f}, {high:+.4f}]"
+
+
+GROUPING_STYLE = {LABEL_BASED: ("-", "o", "C0"), EMBEDDING_BASED: ("--", "s", "C1"), IID_REFERENCE: (":", None, "grey")}
+GROUPING_NAME = {LABEL_BASED: "label-based (solid)", EMBEDDING_BASED: "embedding-based (dashed)",
+                 IID_REFERENCE: "iid reference (dotted)"}
+
+
 def plot_loss_vs_alpha(finals: pd.DataFrame, path: Path) -> None:
-    """One panel per task: final loss vs α with 95% interval bands; solid = label-based, dashed = embedding-based,
-    dotted = the iid reference (no α)."""
-    tasks = sorted(finals.task.unique())
-    figure, axes = plt.subplots(1, len(tasks), figsize=(4.8 * len(tasks), 4.0), squeeze=False)
-    algorithms = sorted(finals.algorithm.unique())
-    for axis, task in zip(axes[0], tasks):
-        rows = finals[finals.task == task]
-        for (algorithm, grouping), group in rows.groupby(["algorithm", "grouping"]):
-            color = f"C{algorithms.index(algorithm)}"
-            cells = [(alpha, *mean_interval(list(cell.loss))) for alpha, cell in group.groupby("alpha")]
-            alphas, means, lows, highs = (np.array(values) for values in zip(*cells))
-            if grouping == IID_REFERENCE:
-                axis.axhline(means[0], color=color, linestyle=":", label=f"{algorithm} iid")
-                continue
-            style = "-" if grouping == LABEL_BASED else "--"
-            axis.plot(alphas, means, color=color, linestyle=style, marker="o" if style == "-" else "s",
-                      label=f"{algorithm} {grouping.split('_')[0]}")
-            axis.fill_between(alphas, lows, highs, color=color, alpha=0.15)
-        axis.set_xscale("log")
-        axis.set_title(task)
-        axis.set_xlabel("Dirichlet α")
-        axis.set_ylabel("final global test loss (mean, 95% CI)")
-    axes[0][-1].legend(fontsize=7)
+    """One panel per task (rows) × algorithm (columns): final loss against α, label-based solid, embedding-based dashed,
+    the iid reference dotted (no α); bands are 95% intervals of the mean on the log scale (never below 0). The legend
+    sits below the panels, off the data."""
+    tasks, algorithms = sorted(finals.task.unique()), sorted(finals.algorithm.unique())
+    figure, axes = plt.subplots(len(tasks), len(algorithms), figsize=(3.6 * len(algorithms), 3.0 * len(tasks) + 0.6),
+                                squeeze=False, sharex=True, layout="constrained")
+    for row, task in enumerate(tasks):
+        for column, algorithm in enumerate(algorithms):
+            axis = axes[row][column]
+            rows = finals[(finals.task == task) & (finals.algorithm == algorithm)]
+            for grouping, group in rows.groupby("grouping"):
+                style, marker, color = GROUPING_STYLE.get(grouping, ("-.", None, "black"))
+                cells = [(alpha, *mean_interval(list(cell.loss), NONNEGATIVE)) for alpha, cell in group.groupby("alpha")]
+                alphas, means, lows, highs = (np.array(values, dtype=float) for values in zip(*cells))
+                if grouping == IID_REFERENCE:
+                    axis.axhline(means[0], color=color, linestyle=style, label=GROUPING_NAME[grouping])
+                    continue
+                axis.plot(alphas, means, color=color, linestyle=style, marker=marker,
+                          label=GROUPING_NAME.get(grouping, grouping))
+                axis.fill_between(alphas, lows, highs, color=color, alpha=0.15)
+            axis.set_xscale("log")
+            axis.set_title(f"{task} · {algorithm}", fontsize=9)
+            axis.set_xlabel("Dirichlet α")
+            axis.set_ylabel("final global test loss")
+    handles = {}
+    for axis in axes.flat:  # every grouping once, whichever panel has it
+        for handle, label in zip(*axis.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    handles["95% interval (log scale)"] = plt.Rectangle((0, 0), 1, 1, color="C0", alpha=0.15)
+    figure.legend(list(handles.values()), list(handles), loc="outside lower center", ncol=len(handles), fontsize=8)
     save_figure(figure, path, dpi=110)
 
 
 def plot_round_curves(curves: pd.DataFrame, path: Path) -> None:
-    """Mean test loss per round; rows = task, columns = α, colour = algorithm, style = grouping."""
+    """Mean test loss per round; rows = task, columns = α, colour = algorithm, line style = grouping (the legend, below
+    the panels, names both)."""
     tasks, alphas = sorted(curves.task.unique()), sorted(curves.alpha.unique())
-    figure, axes = plt.subplots(len(tasks), len(alphas), figsize=(4.2 * len(alphas), 3.2 * len(tasks)), squeeze=False)
+    figure, axes = plt.subplots(len(tasks), len(alphas), figsize=(4.2 * len(alphas), 3.2 * len(tasks) + 0.8),
+                                squeeze=False, layout="constrained")
     mean = curves.groupby(["task", "alpha", "algorithm", "grouping", "round"]).loss.mean().reset_index()
     algorithms = sorted(curves.algorithm.unique())
     for row, task in enumerate(tasks):
         for column, alpha in enumerate(alphas):
             axis = axes[row][column]
             for (algorithm, grouping), group in mean[(mean.task == task) & (mean.alpha == alpha)].groupby(["algorithm", "grouping"]):
-                style = {LABEL_BASED: "-", EMBEDDING_BASED: "--"}.get(grouping, ":")
-                axis.plot(group["round"], group.loss, color=f"C{algorithms.index(algorithm)}", linestyle=style,
-                          label=f"{algorithm} {grouping}")
+                axis.plot(group["round"], group.loss, color=f"C{algorithms.index(algorithm)}",
+                          linestyle=GROUPING_STYLE.get(grouping, ("-.",))[0])
             axis.set_title(f"{task}, {'iid reference' if np.isinf(alpha) else f'α={alpha:g}'}", fontsize=9)
             axis.set_xlabel("round")
             axis.set_ylabel("global test loss")
-    axes[0][-1].legend(fontsize=6)
+    # Two legends' worth in one: colour says the algorithm, line style the grouping.
+    groupings = [grouping for grouping in GROUPING_STYLE if grouping in set(curves.grouping)]
+    handles = [plt.Line2D([], [], color=f"C{index}", label=algorithm) for index, algorithm in enumerate(algorithms)]
+    handles += [plt.Line2D([], [], color="black", linestyle=GROUPING_STYLE[grouping][0], label=GROUPING_NAME[grouping])
+                for grouping in groupings]
+    figure.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 6), fontsize=8)
     save_figure(figure, path, dpi=100)
 
 
@@ -325,8 +377,10 @@ def write_report(
         "",
         f"Produced by `{command}`. Losses are the final global model's loss on the global test split, "
         "mean ± std over seeds; gap % = (embedding − label) / label, from the seeds run under both partitions; "
-        "the interval is the 95% paired t interval of embedding − label over seeds, and * marks a gap whose "
-        "interval excludes 0 (only those count in the summary).",
+        "the interval is the 95% paired t interval of embedding − label over seeds. A cell is *decided* (and its gap "
+        "marked *) only with at least 3 paired seeds, nonzero variance and an interval excluding 0; otherwise its "
+        "verdict says why it is undecided. *after BH*: still decided after Benjamini–Hochberg at 5% over all cells of "
+        "this report. Intervals of mean losses are t intervals on the log scale, so they never go below 0.",
         "",
         "## Summary",
         "",

@@ -62,7 +62,8 @@ class Pipeline:
     command: str
     progress: tqdm | None = None
     jobs: int = 1  # step-4 runs at once (separate processes); 1 runs them in this process
-    threads: int | None = None  # torch threads of each step-4 worker process (jobs > 1)
+    threads: int | None = None  # torch threads of every step (passed as --threads, so config.json records it)
+    show_progress: bool = True  # the top-level bar (run_pipeline.py --no-progress, or stdout not a terminal: off)
 
     def step(self, name: str, stage_dir: Path, params: dict[str, Any], script: Callable, argv: list[str]) -> Path:
         """Run one script unless its stage is done; advances the top-level progress bar."""
@@ -74,11 +75,19 @@ class Pipeline:
         return stage_dir
 
     def shared_flags(self, script: Callable) -> list[str]:
-        """Flags that change speed, not results (so not part of any stage key)."""
+        """Flags that change speed or console output, not results (so not part of any stage key).
+
+        Every step runs without its own bars (the pipeline's bar counts steps); step 4 keeps its per-round
+        lines in run.log and prints one line per run, so a grid of hundreds of runs prints hundreds of lines,
+        not one per round.
+        """
+        shared = ["--no-progress"] + ([] if self.threads is None else ["--threads", str(self.threads)])
         if script in (step2, step3, step3c, step4):
             # One decoded-sample cache for the experiment: PNGs are decoded once, not once per run.
-            return ["--cache_dir", str(self.out_dir / "cache")]
-        return []
+            shared += ["--cache_dir", str(self.out_dir / "cache")]
+        if script is step4:
+            shared.append("--no-round_lines")
+        return shared
 
     # ----- steps -----
     def data_root(self) -> Path:
@@ -208,7 +217,7 @@ class Pipeline:
         with ProcessPoolExecutor(self.jobs, mp_context=context, initializer=init_worker,
                                  initargs=(self.threads, os.getpid())) as pool:
             futures = [pool.submit(run_federated_stage, stage.stage_dir, stage.params,
-                                   [*stage.argv, *self.shared_flags(step4), "--no-progress"]) for stage in pending]
+                                   [*stage.argv, *self.shared_flags(step4)]) for stage in pending]
             try:
                 for future in as_completed(futures):
                     future.result()
@@ -240,7 +249,8 @@ class Pipeline:
     def run(self) -> pd.DataFrame:
         """Every step for every combination, then the report; returns the report table."""
         self.check_inputs()
-        with tqdm(total=self.count_steps(), desc="pipeline", unit="step", file=sys.stdout) as self.progress:
+        with tqdm(total=self.count_steps(), desc="pipeline", unit="step", file=sys.stdout,
+                  disable=not self.show_progress) as self.progress:
             root = self.data_root()
             manifest = self.manifest(root)
             model_dirs = {task: self.centralized(task, root, manifest) for task in self.config["tasks"]}

@@ -8,14 +8,19 @@ variant is described by its settings (defaults filled in from its ``Settings``):
 ``mask_source``); every other algorithm of the grid is a dense reference (normally ``fedavg``).
 
 Comparisons pair runs by seed (the same seed gives the same partition, initial model and client
-sampling) and use Student's t 95% intervals (pipeline/statistics.py); a difference counts only
-when its interval excludes 0. The summary says, from the numbers:
+sampling) and use Student's t 95% intervals (utils/statistics.py); a difference counts only when
+it is decided (at least 3 paired seeds, nonzero variance, an interval excluding 0), and every count
+of decided cells comes with its count after Benjamini–Hochberg over the cells counted. Means get
+logit-scale intervals inside [0, 1]. The summary says, from the numbers:
 
 * the best rule at each sparsity (per partition, J, R) and its margin over the runner-up;
 * whether least-sensitive (TaLoS) beats each other rule: noticeable wins and losses over cells;
 * whether sparse fine-tuning beats dense FedAvg, on the most skewed partition (interference) and
   on iid, and whether its gain over dense is larger on the skewed one (difference in differences);
-* where those claims do not hold.
+* where those claims do not hold;
+* where final accuracy and best by validation disagree about sparse against dense, and why (where
+  each side's best validation round lies, the start model being round 0, and how far each ends
+  below its best).
 
 Outputs: ``report.csv`` (:data:`SPARSE_COLUMNS`: one row per partition × J × variant plus the
 centralized row), ``report.md``, ``accuracy_vs_sparsity.png`` (and
@@ -32,8 +37,9 @@ import numpy as np
 import pandas as pd
 
 from models.tasks import get_task
-from pipeline.statistics import paired_difference
-from pipeline.study_report import CENTRALIZED, _cell, _difference, centralized_accuracy, run_accuracy, summarize
+from pipeline.study_report import (CENTRALIZED, _cell, _difference, centralized_accuracy, ledger_line, run_accuracy,
+                                   summarize)
+from utils.statistics import UNIT, count, direction, metric_scale, paired_difference
 from utils.run_dir import atomic_write_text
 
 SPARSE = "sparse_ft"
@@ -78,11 +84,12 @@ def write_report(config: dict[str, Any], out_dir: Path, run_dirs: dict, centrali
         per_run.append({"partition": run.partition.label, "scheme": run.partition.scheme,
                         "nc": run.partition.groups_per_client, "local_steps": run.local_steps,
                         "variant": run.variant.label, **describe_variant(run.variant, varying), "seed": run.seed,
-                        "rounds": result["rounds"], "final": result["final"], "best_val": result["best_val"]})
+                        "rounds": result["rounds"], "final": result["final"], "best_val": result["best_val"],
+                        "best_round": result["best_round"]})
     runs = pd.DataFrame(per_run)
     central = pd.DataFrame([{"seed": seed, **centralized_accuracy(path / "metrics.csv", metric)}
                             for seed, path in centralized.items()])
-    table = sparse_table(runs, central)
+    table = sparse_table(runs, central, metric_scale(metric))
     table.to_csv(out_dir / "report.csv", index=False)
     pngs = []
     for column, suffix in (("final", ""), ("best_val", "_best_val")):
@@ -94,13 +101,14 @@ def write_report(config: dict[str, Any], out_dir: Path, run_dirs: dict, centrali
     return table
 
 
-def sparse_table(runs: pd.DataFrame, central: pd.DataFrame) -> pd.DataFrame:
-    """One row per partition × J × variant (mean and 95% interval over seeds), then the centralized row."""
+def sparse_table(runs: pd.DataFrame, central: pd.DataFrame, scale: str = UNIT) -> pd.DataFrame:
+    """One row per partition × J × variant (mean and 95% interval over seeds, inside ``scale``'s range), then the
+    centralized row."""
     rows = []
     for (partition, local_steps, variant), group in runs.groupby(["partition", "local_steps", "variant"], sort=False):
         group = group.sort_values("seed")
         first = group.iloc[0]
-        final, best = summarize(group["final"].tolist()), summarize(group["best_val"].tolist())
+        final, best = summarize(group["final"].tolist(), scale), summarize(group["best_val"].tolist(), scale)
         rows.append({"partition": partition, "scheme": first["scheme"], "nc": first["nc"], "local_steps": local_steps,
                      "rounds": int(first["rounds"]), "variant": variant, "algorithm": first["algorithm"],
                      "mask_rule": first["mask_rule"], "sparsity": first["sparsity"],
@@ -108,7 +116,7 @@ def sparse_table(runs: pd.DataFrame, central: pd.DataFrame) -> pd.DataFrame:
                      "n_seeds": len(group), "final_mean": final[0], "final_low": final[1], "final_high": final[2],
                      "best_val_mean": best[0], "best_val_low": best[1], "best_val_high": best[2],
                      "seeds": " ".join(str(seed) for seed in group["seed"])})
-    final, best = summarize(central["final"].tolist()), summarize(central["best_val"].tolist())
+    final, best = summarize(central["final"].tolist(), scale), summarize(central["best_val"].tolist(), scale)
     rows.append({"partition": CENTRALIZED, "scheme": CENTRALIZED, "variant": CENTRALIZED, "algorithm": CENTRALIZED,
                  "mask_rule": "", "extra": "", "n_seeds": len(central), "final_mean": final[0], "final_low": final[1],
                  "final_high": final[2], "best_val_mean": best[0], "best_val_low": best[1], "best_val_high": best[2],
@@ -129,10 +137,8 @@ def _pair(a: pd.Series, b: pd.Series):
 
 
 def _sign(difference) -> int:
-    """+1 / −1 when the interval lies above / below 0, else 0 (also with one seed: no interval)."""
-    if difference is None or math.isnan(difference.low):
-        return 0
-    return 1 if difference.low > 0 else -1 if difference.high < 0 else 0
+    """+1 / −1 when decided above / below 0, else 0 (no pairs, too few seeds, zero variance, interval contains 0)."""
+    return 0 if difference is None else difference.sign
 
 
 def _cell_name(key: tuple) -> str:
@@ -140,7 +146,7 @@ def _cell_name(key: tuple) -> str:
     return f"{partition}, J={local_steps}, R={rounds:g}{' ' + extra if extra else ''}, sparsity {sparsity:g}"
 
 
-def best_rule_lines(sparse: pd.DataFrame, column: str) -> list[str]:
+def best_rule_lines(sparse: pd.DataFrame, column: str, ledger: list | None = None) -> list[str]:
     """The best rule of each cell and its paired margin over the runner-up."""
     lines = []
     for key, cell in sparse.groupby(CELL, sort=True):
@@ -151,7 +157,7 @@ def best_rule_lines(sparse: pd.DataFrame, column: str) -> list[str]:
         if len(means) > 1:
             first, second = (_by_seed(cell[cell.mask_rule == rule], column) for rule in means.index[:2])
             common = first.index.intersection(second.index)
-            line += (f"; over {means.index[1]}: {_difference(second[common].tolist(), first[common].tolist())}"
+            line += (f"; over {means.index[1]}: {_difference(second[common].tolist(), first[common].tolist(), ledger)}"
                      if len(common) else "")
         lines.append(line + ".")
     return lines
@@ -164,7 +170,7 @@ def talos_lines(sparse: pd.DataFrame, column: str) -> tuple[list[str], list[str]
     if TALOS not in set(sparse.mask_rule):
         return ["- no least_sensitive variant in the grid: nothing to compare."], []
     for rule in rules:
-        signs, means = [], []
+        differences, means = [], []
         for key, cell in sparse.groupby(CELL, sort=True):
             talos, other = cell[cell.mask_rule == TALOS], cell[cell.mask_rule == rule]
             if not len(talos) or not len(other):
@@ -172,25 +178,26 @@ def talos_lines(sparse: pd.DataFrame, column: str) -> tuple[list[str], list[str]
             difference = _pair(_by_seed(other, column), _by_seed(talos, column))
             if difference is None:
                 continue
-            signs.append(_sign(difference))
+            differences.append(difference)
             means.append(difference.mean)
-            if signs[-1] < 0:
+            if difference.sign < 0:
                 exceptions.append(f"- least_sensitive is noticeably below {rule} at {_cell_name(key)} "
                                   f"({difference.mean:+.3f} [{difference.low:+.3f}, {difference.high:+.3f}]).")
-        if signs:
-            wins, losses = signs.count(1), signs.count(-1)
-            n = len(signs)
-            verdict = ("beats it in every cell" if wins == n else "loses to it in every cell" if losses == n
-                       else "is not separable from it" if not wins and not losses
-                       else "beats it in some cells and is never below it" if not losses
-                       else "is below it in some cells and never above it" if not wins else "is mixed against it")
-            lines.append(f"- least_sensitive − {rule}: mean {np.mean(means):+.3f} over {len(signs)} cells; noticeably "
-                         f"above in {wins}, below in {losses}, within the interval in {len(signs) - wins - losses}: "
+        if differences:
+            counts = count(differences)
+            verdict = {1: "is above it", -1: "is below it",
+                       0: "shows no clear direction against it (that needs half of the cells decided and two thirds "
+                          "of those agreeing)"}[direction(counts)]
+            lines.append(f"- least_sensitive − {rule}: mean {np.mean(means):+.3f} over {counts.cells} cells; noticeably "
+                         f"above in {counts.above}, below in {counts.below}, undecided in {counts.cells - counts.decided} "
+                         f"({counts.too_few} with too few seeds, {counts.zero_variance} with zero variance, "
+                         f"{counts.contains_zero} whose interval contains 0); after Benjamini–Hochberg over the "
+                         f"{counts.cells} cells: above in {counts.above_adjusted}, below in {counts.below_adjusted}: "
                          f"least_sensitive {verdict}.")
     return lines, exceptions
 
 
-def dense_lines(runs: pd.DataFrame, column: str) -> tuple[list[str], list[str]]:
+def dense_lines(runs: pd.DataFrame, column: str, ledger: list | None = None) -> tuple[list[str], list[str]]:
     """Sparse against dense per partition and J; on the most skewed partition against iid (interference)."""
     lines, exceptions, gains = [], [], {}
     dense_runs, sparse = runs[runs.mask_rule == DENSE_RULE], runs[runs.algorithm == SPARSE]
@@ -203,13 +210,14 @@ def dense_lines(runs: pd.DataFrame, column: str) -> tuple[list[str], list[str]]:
         differences = {variant: difference for variant, difference in differences.items() if difference is not None}
         gains[(partition, local_steps)] = {variant: (difference, mine[mine.variant == variant].iloc[0])
                                            for variant, difference in differences.items()}
-        signs = [_sign(difference) for difference in differences.values()]
+        counts = count(list(differences.values()))
         best = max(differences, key=lambda variant: differences[variant].mean)
-        lines.append(f"- {partition}, J={local_steps}: dense {reference.mean():.3f}; {signs.count(1)} of {len(signs)} "
-                     f"sparse variants noticeably above it, {signs.count(-1)} below; the best, "
+        lines.append(f"- {partition}, J={local_steps}: dense {reference.mean():.3f}; {counts.above} of {counts.cells} "
+                     f"sparse variants noticeably above it, {counts.below} below (after Benjamini–Hochberg over the "
+                     f"{counts.cells}: {counts.above_adjusted} above, {counts.below_adjusted} below); the best, "
                      f"{_short(mine[mine.variant == best].iloc[0])}: "
-                     f"{_difference(reference.tolist(), _by_seed(mine[mine.variant == best], column).tolist())}.")
-    lines += interference_lines(runs, gains, column, exceptions)
+                     f"{_difference(reference.tolist(), _by_seed(mine[mine.variant == best], column).tolist(), ledger)}.")
+    lines += interference_lines(runs, gains, column, exceptions, ledger)
     return lines, exceptions
 
 
@@ -218,7 +226,8 @@ def _short(row) -> str:
     return f"{row.mask_rule} at sparsity {row.sparsity:g}, R={row.calibration_rounds:g}{extra}"
 
 
-def interference_lines(runs: pd.DataFrame, gains: dict, column: str, exceptions: list[str]) -> list[str]:
+def interference_lines(runs: pd.DataFrame, gains: dict, column: str, exceptions: list[str],
+                       ledger: list | None = None) -> list[str]:
     """Does least-sensitive beat dense on the most skewed partition, and is its gain over dense larger there than
     on iid (the interference claim)? ``gains``: (partition, J) -> {variant: (sparse − dense, variant row)}."""
     skewed = runs[runs.nc.notna()]
@@ -248,7 +257,7 @@ def interference_lines(runs: pd.DataFrame, gains: dict, column: str, exceptions:
             if len(common):
                 lines.append(f"  - sparsity {row.sparsity:g}, R={row.calibration_rounds:g}{', ' + row.extra if row.extra else ''}: gain over dense at "
                              f"Nc={nc_min:g} {skewed_gain.mean():+.3f}, on iid {iid_gain.mean():+.3f}; "
-                             f"Nc={nc_min:g} − iid: {_difference(iid_gain[common].tolist(), skewed_gain[common].tolist())}.")
+                             f"Nc={nc_min:g} − iid: {_difference(iid_gain[common].tolist(), skewed_gain[common].tolist(), ledger)}.")
     return lines
 
 
@@ -262,13 +271,47 @@ def _gain(runs: pd.DataFrame, partition: str, local_steps: int, variant: str, co
 
 def summary_lines(runs: pd.DataFrame, column: str, what: str) -> list[str]:
     sparse = runs[runs.algorithm == SPARSE]
+    ledger: list = []
     talos, talos_exceptions = talos_lines(sparse, column)
-    dense, dense_exceptions = dense_lines(runs, column)
-    lines = [f"### {what}", "", "Best rule at each sparsity:", ""] + best_rule_lines(sparse, column)
+    dense, dense_exceptions = dense_lines(runs, column, ledger)
+    lines = [f"### {what}", "", "Best rule at each sparsity:", ""] + best_rule_lines(sparse, column, ledger)
     lines += ["", "Least-sensitive (TaLoS) against each rule, paired by seed within each cell:", ""] + talos
     lines += ["", "Sparse against dense FedAvg:", ""] + dense
     lines += ["", "Where the claims do not hold:", ""] + (talos_exceptions + dense_exceptions or ["- nowhere in this grid."])
+    if ledger:
+        lines += ["", ledger_line(ledger, f"{what}, the differences quoted with an interval")]
     return lines + [""]
+
+
+def criteria_lines(runs: pd.DataFrame) -> list[str]:
+    """Where final accuracy and best by validation disagree about a rule against dense, and the numbers that explain
+    it: each side's best validation round (round 0 is the start model) and how far each ends below its best."""
+    lines = []
+    dense_runs, sparse = runs[runs.mask_rule == DENSE_RULE], runs[runs.algorithm == SPARSE]
+    for (partition, local_steps), dense in dense_runs.groupby(["partition", "local_steps"], sort=True):
+        mine = sparse[(sparse.partition == partition) & (sparse.local_steps == local_steps)]
+        for rule, rule_runs in mine.groupby("mask_rule", sort=True):
+            above = {column: sum(_sign(_pair(_by_seed(dense, column), _by_seed(rows, column))) > 0
+                                 for _, rows in rule_runs.groupby("variant"))
+                     for column in ("final", "best_val")}
+            if above["final"] == above["best_val"]:
+                continue
+            settings = rule_runs.variant.nunique()
+            lines.append(f"- {partition}, J={local_steps}, {rule}: noticeably above dense in {above['final']} of "
+                         f"{settings} settings by final accuracy but in {above['best_val']} of {settings} by best by "
+                         f"validation. {_best_round_clause('dense', dense)}; {_best_round_clause(rule, rule_runs)}.")
+    return lines
+
+
+def _best_round_clause(name: str, rows: pd.DataFrame) -> str:
+    """``dense's best validation round is its start model (round 0) in 3 of 3 runs; it ends 0.050 below that best``."""
+    rounds = rows.best_round.dropna()
+    drop = float((rows.best_val - rows.final).mean())
+    at_start = int((rounds == 0).sum())
+    where = (f"{name}'s best validation round is its start model (round 0) in {at_start} of {len(rounds)} runs, so its "
+             "best-by-validation accuracy is the start model's" if at_start
+             else f"{name}'s best validation round is round {rounds.median():g} (median over {len(rounds)} runs)")
+    return f"{where}; it ends {drop:.3f} below that best on average"
 
 
 def report_lines(config: dict[str, Any], table: pd.DataFrame, runs: pd.DataFrame, command: str, metric: str,
@@ -281,12 +324,16 @@ def report_lines(config: dict[str, Any], table: pd.DataFrame, runs: pd.DataFrame
              f"{', '.join(map(str, config['seeds']))}. Dense FedAvg against sparse fine-tuning (sparse_ft, SparseSGDM on a "
              "calibrated mask; sparsity = 1 − density, R = calibration rounds). Accuracy of the global model on the test "
              "split: *final* at the last round, *best by validation* at the round of the highest validation accuracy "
-             "(– without validation rows). Intervals: 95% Student t over seeds; differences are paired by seed and "
-             "*noticeable* when their interval excludes 0 (with one seed nothing is). " + START[federated["init_from"]],
+             "(– without validation rows). Intervals: 95% Student t over seeds on the logit scale (inside [0, 1]); "
+             "differences are paired by seed and *noticeable* only with at least 3 paired seeds, nonzero variance and "
+             "an interval excluding 0. " + START[federated["init_from"]],
              "", "## Summary", ""]
     lines += summary_lines(runs, "final", "Final accuracy")
     if runs["best_val"].notna().any():
         lines += summary_lines(runs, "best_val", "Best-by-validation accuracy")
+        disagreements = criteria_lines(runs)
+        lines += ["### Where the two criteria disagree", ""] + (disagreements or ["- nowhere: final accuracy and best by "
+                                                                                   "validation give the same counts."]) + [""]
     lines += ["## Accuracy", "", "| partition | Nc | J | rounds | algorithm | rule | sparsity | R | other | final [95% CI] "
               "| best by validation [95% CI] | seeds |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in table.itertuples(index=False):
@@ -302,8 +349,7 @@ def report_lines(config: dict[str, Any], table: pd.DataFrame, runs: pd.DataFrame
 
 def plot_accuracy_vs_sparsity(table: pd.DataFrame, out_png: Path, column: str, metric: str) -> None:
     """One panel per partition (rows) and J × R × other settings (columns): one line per rule with its interval
-    against sparsity (evenly spaced ticks), dense variants and centralized as horizontal lines; intervals are
-    drawn clipped to the accuracy range [0, 1]."""
+    against sparsity (evenly spaced ticks), dense variants and centralized as horizontal lines."""
     from utils.plots import plt, save_figure
 
     sparse = table[table.algorithm == SPARSE]
@@ -322,8 +368,7 @@ def plot_accuracy_vs_sparsity(table: pd.DataFrame, out_png: Path, column: str, m
                           & (sparse.calibration_rounds == rounds) & (sparse.extra == extra)]
             for rule, rows in cell.groupby("mask_rule"):
                 rows = rows.sort_values("sparsity")
-                # Accuracy lies in [0, 1]: a 2-seed t interval (t = 12.7) can reach far past it, so draw it clipped.
-                low, high = rows[f"{column}_low"].clip(0, 1), rows[f"{column}_high"].clip(0, 1)
+                low, high = rows[f"{column}_low"], rows[f"{column}_high"]  # logit-scale intervals: inside [0, 1]
                 error = np.nan_to_num(np.vstack([rows[f"{column}_mean"] - low, high - rows[f"{column}_mean"]]).astype(float))
                 axis.errorbar([position[level] for level in rows.sparsity], rows[f"{column}_mean"].to_numpy(dtype=float),
                               yerr=error, marker="o", capsize=3, label=rule, color=colors[rule])

@@ -316,12 +316,12 @@ class Study:
     """Runs one study (a config from :func:`load_study`) into ``out_dir``, reusing the main job's steps."""
 
     def __init__(self, config: dict[str, Any], out_dir: Path, command: str, jobs: int = 1,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, show_progress: bool = True) -> None:
         from pipeline.runner import Pipeline
 
         self.config, self.out_dir, self.command = config, Path(out_dir), command
         # jobs > 1: the grid's federated runs go through the main job's worker pool (Pipeline.run_federated)
-        self.pipeline = Pipeline(config, self.out_dir, command, jobs=jobs, threads=threads)
+        self.pipeline = Pipeline(config, self.out_dir, command, jobs=jobs, threads=threads, show_progress=show_progress)
 
     def run(self):
         """Step 1, step 2 per seed, step 3b per partition and seed, step 4 per run, then the report; returns its table."""
@@ -332,7 +332,8 @@ class Study:
         seeds = [int(seed) for seed in self.config["seeds"]]
         partitions = list(dict.fromkeys((run.partition, run.seed) for run in runs))
         total = (self.config["data"]["source"] == "synthetic") + 1 + len(seeds) + len(partitions) + len(runs)
-        with tqdm(total=total, desc="study", unit="step", file=sys.stdout) as self.pipeline.progress:
+        with tqdm(total=total, desc="study", unit="step", file=sys.stdout,
+                  disable=not self.pipeline.show_progress) as self.pipeline.progress:
             root = self.pipeline.data_root()
             manifest = self.pipeline.manifest(root)
             centralized = {seed: self.pipeline.centralized(self.config["task"], root, manifest, seed) for seed in seeds}

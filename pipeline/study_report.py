@@ -5,9 +5,12 @@ primary metric, top-1) at the last round (*final*) and at the round of the highe
 accuracy (*best by validation*; the earliest such round; NaN when the manifest has no validation
 rows). The centralized baseline (one step-2 run per seed) gives its last epoch's test accuracy and,
 when step 2 logged a ``val`` split, the test accuracy of its best validation epoch. Means over seeds
-come with Student's t 95% intervals (pipeline/statistics.py); comparisons pair runs by seed (the
-same seed gives the same initial model and client sampling), and a difference counts as
-noticeable only when its interval excludes 0.
+come with Student's t 95% intervals on the logit scale, so they stay inside [0, 1]
+(utils/statistics.py); comparisons pair runs by seed (the same seed gives the same initial model
+and client sampling), and a difference counts as noticeable only when it is decided: at least 3
+paired seeds, nonzero variance and an interval excluding 0 (otherwise it says why not). Each
+summary ends with how many of its paired comparisons are noticeable, raw and after
+Benjamini–Hochberg over all of them.
 
 Outputs: ``report.csv`` (:data:`STUDY_COLUMNS`, one row per partition × J × algorithm variant plus
 the centralized row), ``report.md`` (summary, table, plots), ``accuracy_vs_nc.png`` and
@@ -26,7 +29,7 @@ import pandas as pd
 from models.tasks import get_task
 from network.engine_sequential import GLOBAL_CLIENT, GLOBAL_VAL_SPLIT, METRICS_COLUMNS
 from network.client import GLOBAL_TEST_SPLIT
-from pipeline.statistics import mean_interval, paired_difference
+from utils.statistics import UNIT, count, mean_interval, metric_scale, paired_difference
 from utils.loaders import read_csv
 from utils.run_dir import atomic_write_text
 
@@ -39,7 +42,8 @@ def run_accuracy(metrics_csv: Path, metric: str) -> dict[str, Any]:
     """Final and best-by-validation test ``metric`` of one step-4 run, and its test curve.
 
     Returns:
-        ``{"final", "best_val" (NaN without validation rows), "rounds", "curve": DataFrame(round, value)}``.
+        ``{"final", "best_val" (NaN without validation rows), "rounds", "best_round" (the round best_val comes
+        from; 0 is the start model; NaN without validation rows), "curve": DataFrame(round, value)}``.
     """
     metrics = read_csv(metrics_csv, "step-4 metrics", METRICS_COLUMNS, finished=True)
     global_rows = metrics[(metrics.client == GLOBAL_CLIENT) & (metrics.metric == metric)]
@@ -47,7 +51,7 @@ def run_accuracy(metrics_csv: Path, metric: str) -> dict[str, Any]:
     val = global_rows[global_rows.split == GLOBAL_VAL_SPLIT].set_index("round")["value"]
     best_val = float(test.loc[val.idxmax()]) if len(val) else math.nan  # idxmax: the earliest best round
     return {"final": float(test.loc[test.index.max()]), "best_val": best_val, "rounds": int(test.index.max()),
-            "curve": test.reset_index()}
+            "best_round": int(val.idxmax()) if len(val) else math.nan, "curve": test.reset_index()}
 
 
 def centralized_accuracy(metrics_csv: Path, metric: str) -> dict[str, float]:
@@ -60,10 +64,11 @@ def centralized_accuracy(metrics_csv: Path, metric: str) -> dict[str, float]:
     return {"final": float(test.loc[test.index.max()]), "best_val": best_val}
 
 
-def summarize(values: list[float]) -> tuple[float, float, float]:
-    """Mean and 95% t interval, NaN throughout when every value is NaN."""
+def summarize(values: list[float], scale: str = UNIT) -> tuple[float, float, float]:
+    """Mean and 95% t interval inside ``scale``'s range (default: accuracies, [0, 1]), NaN throughout when every
+    value is NaN."""
     finite = [value for value in values if not math.isnan(value)]
-    return mean_interval(finite) if finite else (math.nan, math.nan, math.nan)
+    return mean_interval(finite, scale) if finite else (math.nan, math.nan, math.nan)
 
 
 def write_study_report(config: dict[str, Any], out_dir: Path, run_dirs: dict, centralized: dict[int, Path],
@@ -76,13 +81,14 @@ def write_study_report(config: dict[str, Any], out_dir: Path, run_dirs: dict, ce
         keys = {"partition": run.partition.label, "scheme": run.partition.scheme,
                 "nc": run.partition.groups_per_client, "local_steps": run.local_steps, "algorithm": run.variant.label,
                 "seed": run.seed}
-        per_run.append({**keys, "rounds": result["rounds"], "final": result["final"], "best_val": result["best_val"]})
+        per_run.append({**keys, "rounds": result["rounds"], "final": result["final"], "best_val": result["best_val"],
+                        "best_round": result["best_round"]})
         curve = result["curve"].assign(**keys)
         curves.append(curve.assign(local_work=curve["round"] * run.local_steps))
     runs = pd.DataFrame(per_run)
     central = pd.DataFrame([{"seed": seed, **centralized_accuracy(path / "metrics.csv", metric)}
                             for seed, path in centralized.items()])
-    table = study_table(runs, central)
+    table = study_table(runs, central, metric_scale(metric))
     table.to_csv(out_dir / "report.csv", index=False)
     plot_accuracy_vs_nc(table, out_dir / "accuracy_vs_nc.png", metric)
     plot_curves(pd.concat(curves, ignore_index=True), out_dir / "accuracy_curves.png", metric)
@@ -91,18 +97,19 @@ def write_study_report(config: dict[str, Any], out_dir: Path, run_dirs: dict, ce
     return table
 
 
-def study_table(runs: pd.DataFrame, central: pd.DataFrame) -> pd.DataFrame:
-    """One row per partition × J × variant (mean and interval over seeds), then the centralized row."""
+def study_table(runs: pd.DataFrame, central: pd.DataFrame, scale: str = UNIT) -> pd.DataFrame:
+    """One row per partition × J × variant (mean and interval over seeds, inside ``scale``'s range), then the
+    centralized row."""
     rows = []
     for (partition, local_steps, algorithm), group in runs.groupby(["partition", "local_steps", "algorithm"], sort=False):
         group = group.sort_values("seed")
-        final, best = summarize(group["final"].tolist()), summarize(group["best_val"].tolist())
+        final, best = summarize(group["final"].tolist(), scale), summarize(group["best_val"].tolist(), scale)
         rows.append({"partition": partition, "scheme": group["scheme"].iloc[0], "nc": group["nc"].iloc[0],
                      "local_steps": local_steps, "rounds": int(group["rounds"].iloc[0]), "algorithm": algorithm,
                      "n_seeds": len(group), "final_mean": final[0], "final_low": final[1], "final_high": final[2],
                      "best_val_mean": best[0], "best_val_low": best[1], "best_val_high": best[2],
                      "seeds": " ".join(str(seed) for seed in group["seed"])})
-    final, best = summarize(central["final"].tolist()), summarize(central["best_val"].tolist())
+    final, best = summarize(central["final"].tolist(), scale), summarize(central["best_val"].tolist(), scale)
     rows.append({"partition": CENTRALIZED, "scheme": CENTRALIZED, "nc": None, "local_steps": None, "rounds": None,
                  "algorithm": CENTRALIZED, "n_seeds": len(central), "final_mean": final[0], "final_low": final[1],
                  "final_high": final[2], "best_val_mean": best[0], "best_val_low": best[1], "best_val_high": best[2],
@@ -116,13 +123,23 @@ def _cell(mean: float, low: float, high: float) -> str:
     return f"{mean:.3f}" if math.isnan(low) else f"{mean:.3f} [{low:.3f}, {high:.3f}]"
 
 
-def _difference(a: list[float], b: list[float]) -> str:
-    """``b − a`` paired by seed, with its interval and whether it is noticeable."""
+def _difference(a: list[float], b: list[float], ledger: list | None = None) -> str:
+    """``b − a`` paired by seed, with its interval and whether it is noticeable (decided) or why not; the
+    comparison is appended to ``ledger`` (the report's list, for the adjusted count)."""
     difference = paired_difference(a, b)
-    if math.isnan(difference.low):
-        return f"{difference.mean:+.3f} (one seed: no interval)"
-    noticeable = "noticeable" if difference.low > 0 or difference.high < 0 else "not noticeable (the interval contains 0)"
-    return f"{difference.mean:+.3f} [{difference.low:+.3f}, {difference.high:+.3f}], {noticeable}"
+    if ledger is not None:
+        ledger.append(difference)
+    interval = "" if math.isnan(difference.low) else f" [{difference.low:+.3f}, {difference.high:+.3f}]"
+    return f"{difference.mean:+.3f}{interval}, {'noticeable' if difference.decided else difference.explain()}"
+
+
+def ledger_line(ledger: list, what: str) -> str:
+    """How many of the summary's paired comparisons are noticeable, raw and after Benjamini–Hochberg over them all."""
+    counts = count(ledger)
+    return (f"- {what}: {counts.decided} of {counts.cells} paired comparisons above are noticeable; after "
+            f"Benjamini–Hochberg at 5% over the {counts.cells}: {counts.above_adjusted + counts.below_adjusted}. "
+            f"Undecided: {counts.too_few} with too few seeds, {counts.zero_variance} with zero variance, "
+            f"{counts.contains_zero} whose interval contains 0.")
 
 
 def _paired(runs: pd.DataFrame, column: str, **where: Any) -> pd.Series:
@@ -134,7 +151,7 @@ def _paired(runs: pd.DataFrame, column: str, **where: Any) -> pd.Series:
 
 def summary_lines(runs: pd.DataFrame, central: pd.DataFrame, column: str, what: str) -> list[str]:
     """The generated summary for ``column`` (final or best_val) of the Nc-sharded runs, iid and centralized."""
-    lines = []
+    lines, ledger = [], []
     sharded = runs[runs.nc.notna()]
     for algorithm in runs["algorithm"].unique():
         mine = sharded[sharded.algorithm == algorithm]
@@ -147,26 +164,29 @@ def summary_lines(runs: pd.DataFrame, central: pd.DataFrame, column: str, what: 
                 low, high = _paired(at_j, column, nc=ncs[0]), _paired(at_j, column, nc=ncs[-1])
                 common = low.index.intersection(high.index)
                 line += (f" Nc={ncs[-1]:g} − Nc={ncs[0]:g}: "
-                         f"{_difference(low[common].tolist(), high[common].tolist())}.")
+                         f"{_difference(low[common].tolist(), high[common].tolist(), ledger)}.")
             iid = runs[(runs.scheme == "iid") & (runs.algorithm == algorithm) & (runs.local_steps == local_steps)]
             if len(iid) and len(ncs):
                 skewed = _paired(at_j, column, nc=ncs[0])
                 common = skewed.index.intersection(iid.set_index("seed").index)
                 line += (f" iid {iid[column].mean():.3f}; Nc={ncs[0]:g} − iid: "
-                         f"{_difference(_paired(iid, column)[common].tolist(), skewed[common].tolist())}.")
+                         f"{_difference(_paired(iid, column)[common].tolist(), skewed[common].tolist(), ledger)}.")
             lines.append(line)
         if len(steps) > 1 and len(ncs) > 1:
-            lines += interaction_lines(mine, column, what, algorithm, ncs, steps)
+            lines += interaction_lines(mine, column, what, algorithm, ncs, steps, ledger)
     centralized = summarize(central["final" if column == "final" else "best_val"].tolist())
     if not math.isnan(centralized[0]):
         best = runs.groupby(["partition", "local_steps", "algorithm"])[column].mean()
         partition, local_steps, algorithm = best.idxmax()
         lines.append(f"- {what}: centralized {_cell(*centralized)}; the best federated cell "
                      f"({partition}, J={local_steps}, {algorithm}) reaches {best.max():.3f}.")
+    if ledger:
+        lines.append(ledger_line(ledger, what))
     return lines
 
 
-def interaction_lines(runs: pd.DataFrame, column: str, what: str, algorithm: str, ncs: list, steps: list) -> list[str]:
+def interaction_lines(runs: pd.DataFrame, column: str, what: str, algorithm: str, ncs: list, steps: list,
+                      ledger: list | None = None) -> list[str]:
     """How J's effect (J_max − J_min) changes with Nc: per Nc, and Nc_min against Nc_max (difference in differences)."""
     effects = {}
     for nc in ncs:
@@ -180,7 +200,7 @@ def interaction_lines(runs: pd.DataFrame, column: str, what: str, algorithm: str
     common = first.index.intersection(last.index)
     if len(common):
         line += (f" Interaction (J effect at Nc={ncs[0]:g} − at Nc={ncs[-1]:g}): "
-                 f"{_difference(last[common].tolist(), first[common].tolist())}")
+                 f"{_difference(last[common].tolist(), first[common].tolist(), ledger)}")
         smaller = (first[common] - last[common]).mean() < 0
         line += (f"; J's effect is {'smaller' if smaller else 'larger'} at Nc={ncs[0]:g} "
                  f"({'more local steps help less or hurt more' if smaller else 'more local steps help more or hurt less'} "
@@ -196,8 +216,9 @@ def report_lines(config: dict[str, Any], table: pd.DataFrame, runs: pd.DataFrame
              f"{config['model']['image_size']} px; K = {federated['n_clients']} clients, C = {federated['client_fraction']}, "
              f"rounds × J = {federated['rounds_x_local_steps']}, seeds {', '.join(map(str, config['seeds']))}. "
              "Accuracy of the global model on the test split: *final* at the last round, *best by validation* at the "
-             "round of the highest validation accuracy (– without validation rows). Intervals: 95% Student t over seeds; "
-             "differences are paired by seed and *noticeable* when their interval excludes 0.", "", "## Summary", ""]
+             "round of the highest validation accuracy (– without validation rows). Intervals: 95% Student t over seeds "
+             "on the logit scale (inside [0, 1]); differences are paired by seed and *noticeable* only with at least 3 "
+             "paired seeds, nonzero variance and an interval excluding 0.", "", "## Summary", ""]
     lines += summary_lines(runs, central, "final", "final accuracy")
     if runs["best_val"].notna().any():
         lines += summary_lines(runs, central, "best_val", "best-by-validation accuracy")

@@ -31,7 +31,7 @@ from utils.seeding import numpy_rng
 
 def build_parser() -> argparse.ArgumentParser:
     """The step-3b command line (make_client_assignments.py --help)."""
-    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=cli.DefaultsHelpFormatter)
     parser.add_argument("--manifest", type=Path, required=True,
                         help="step-1 manifest.csv; only its train split is partitioned, without its validation rows (val = 1)")
     parser.add_argument("--groups", default=None, help="a manifest column or a step-3 clusters.csv (default: the data family's label column)")
@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--min_client_size", type=cli.nonnegative_int, default=1, help="fewest samples a client may hold")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True, help="output folder")
+    cli.add_runtime_flags(parser)
     return parser
 
 
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> Path:
     Returns:
         The path of the assignments.csv written.
     """
-    args = build_parser().parse_args(argv)
+    args = cli.apply_runtime_flags(build_parser().parse_args(argv))
     with folder_lock(args.out):  # one run at a time writes the folder
         return assign_clients(args)
 

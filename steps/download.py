@@ -81,12 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--name", default="", help="your name, recorded by omnidata with the licence (make: NAME=...)")
     parser.add_argument("--email", default="", help="your email, recorded by omnidata with the licence (make: EMAIL=...)")
     parser.add_argument("--timeout_s", type=positive_float, default=5.0, help="connectivity check timeout in seconds (default: 5)")
+    cli.add_runtime_flags(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> Path:
     """Download the chosen domains and subset, then write the split CSV and the Places365 names; returns the root."""
-    args = build_parser().parse_args(argv)
+    args = cli.apply_runtime_flags(build_parser().parse_args(argv))
     for domain in args.domains:
         get_domain(domain)
     print(LICENCE_TERMS, flush=True)

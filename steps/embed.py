@@ -37,7 +37,7 @@ STEP = "step 3"
 
 def build_parser() -> argparse.ArgumentParser:
     """The step-3 command line (extract_embeddings.py --help)."""
-    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=cli.DefaultsHelpFormatter)
     add_model_input_arguments(parser, "step-1 manifest.csv (train and test rows are embedded)")
     parser.add_argument("--num_workers", type=cli.nonnegative_int, default=0)
     parser.add_argument("--pca_dim", type=positive_int, default=None, help="PCA components before KMeans (default: none)")
@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--n_init", type=positive_int, default=10, help="KMeans restarts")
     parser.add_argument("--minibatch_threshold", type=positive_int, default=MINIBATCH_THRESHOLD, help="MiniBatchKMeans above this many samples")
     parser.add_argument("--seed", type=int, default=0)
+    cli.add_runtime_flags(parser)
     return parser
 
 
@@ -90,7 +91,7 @@ def embed(args: argparse.Namespace, family: DataFamily, manifest: pd.DataFrame, 
     model = prepare_model(load_task_model(args.checkpoint, "--checkpoint (a step-2 best.pt)"), device)
     dataset = family.dataset(args.data_path, manifest, None, args.image_size, args.cache_dir)
     loader = make_loader(dataset, args.batch_size, shuffle=False, seed=args.seed, num_workers=args.num_workers)
-    embeddings, sample_ids = embed_samples(model, loader, device, family.input_key)
+    embeddings, sample_ids = embed_samples(model, loader, device, family.input_key, progress=args.progress)
     if sample_ids != manifest["sample_id"].tolist():
         raise TaskHetError("the loader changed the manifest's order; embeddings would be misaligned")
     np.save(embeddings_path, embeddings)
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> Path:
     Returns:
         The path of the clusters.csv written.
     """
-    args = build_parser().parse_args(argv)
+    args = cli.apply_runtime_flags(build_parser().parse_args(argv))
     with folder_lock(args.out):  # one run at a time writes the folder
         return embed_and_cluster(args)
 

@@ -46,12 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scales", type=cli.positive_float, nargs="+", default=[0.5, 1.0, 2.0],
                         help="client optima s·e_k (1: the unit vectors of the worked example); G² grows as s²")
     parser.add_argument("--rounds", type=cli.positive_int, default=500, help="rounds of the simulated FedAvg runs")
+    cli.add_runtime_flags(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     """Run every case; returns the explainer table."""
-    args = build_parser().parse_args(argv)
+    args = cli.apply_runtime_flags(build_parser().parse_args(argv))
     for flag in ("etas", "local_steps", "scales"):
         values = getattr(args, flag)
         if len(set(values)) != len(values):

@@ -30,11 +30,12 @@ round; --resume continues from it), best.pt (lowest global test loss) and curves
 Each algorithm's own settings follow --method X: `test_fed.py --method X --help` lists them."""
 
 
-def build_parser(method: str | None = None) -> argparse.ArgumentParser:
-    """The run's flags, plus the settings of ``method`` when given."""
+def build_parser(method: str | None = None, prog: str = "test_fed.py", description: str = DESCRIPTION
+                 ) -> argparse.ArgumentParser:
+    """The run's flags, plus the settings of ``method`` when given; ``prog`` and ``description`` head ``--help`` (the
+    Flower app reads the same flags under its own name)."""
     defaults = RunConfig(task="")
-    parser = cli.ArgumentParser(prog="test_fed.py", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--list_methods", action="store_true", help="print every algorithm with its settings and exit")
     add("--task", required=method is not None, help="task to train (depth_euclidean, normal, segment_semantic, class_scene, ...)")
@@ -56,7 +57,9 @@ def build_parser(method: str | None = None) -> argparse.ArgumentParser:
     add("--n_clients", type=positive_int, default=None, help="number of clients (checked against the file)")
     add("--n_clusters", type=positive_int, default=10, help="KMeans clusters of an embedding-based partition (default path)")
     add("--encoder", default=defaults.encoder, help="encoder of a model built from scratch (default: resnet50)")
-    add("--weights", default="none", help="encoder weights from scratch: none | imagenet | clip | PATH (default: none)")
+    add("--weights", default="none",
+        help="encoder weights from scratch: none | imagenet | clip | dino | PATH; which names an encoder offers: "
+             "README 'Models and training' (default: none)")
     add("--freeze_encoder", action=argparse.BooleanOptionalAction, default=False,
         help="keep the encoder fixed: clients train only the decoder and head (a centralized init keeps its own choice "
              "unless this is set)")
@@ -92,7 +95,12 @@ def build_parser(method: str | None = None) -> argparse.ArgumentParser:
     add("--num_workers", type=cli.nonnegative_int, default=0, help="DataLoader worker processes (default: 0)")
     add("--cache_dir", type=Path, default=None, help="decoded-sample cache folder (default: none)")
     add("--client_state_memory_mb", type=cli.nonnegative_float, default=2048, help="client state kept in memory, MB; more spills to disk")
-    add("--progress", action=argparse.BooleanOptionalAction, default=True, help="tqdm bar over rounds")
+    cli.add_runtime_flags(parser)
+    add("--tensorboard", action=argparse.BooleanOptionalAction, default=False,
+        help="also write metrics.csv's rows as TensorBoard scalars under <out>/tensorboard (needs the tensorboard "
+             "package; metrics.csv stays the source of truth)")
+    add("--round_lines", action=argparse.BooleanOptionalAction, default=True,
+        help="one console line per round; --no-round_lines keeps them in run.log and prints one line at the end")
     add("--resume", action=argparse.BooleanOptionalAction, default=True, help="continue from <out>/checkpoint.pt")
     add("--out", type=Path, default=None, help="run folder (default: results/test_federated/<task>/<type>/<method>/...)")
     if method is not None:
@@ -100,8 +108,9 @@ def build_parser(method: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def parse_run_config(argv: list[str] | None) -> RunConfig | None:
-    """The run config of a command line (None after --list_methods)."""
+def parse_run_config(argv: list[str] | None, prog: str = "test_fed.py", description: str = DESCRIPTION
+                     ) -> RunConfig | None:
+    """The run config of a command line (None after --list_methods); ``prog``/``description``: see :func:`build_parser`."""
     argv = sys.argv[1:] if argv is None else list(argv)
     first = cli.ArgumentParser(add_help=False)
     first.add_argument("--method", default="fedavg")
@@ -111,7 +120,8 @@ def parse_run_config(argv: list[str] | None) -> RunConfig | None:
         print(describe_algorithms())
         return None
     settings_class = get_settings_class(known.method)
-    args, unknown = build_parser(known.method).parse_known_args(argv)
+    args, unknown = build_parser(known.method, prog, description).parse_known_args(argv)
+    cli.apply_runtime_flags(args)
     if unknown:
         listing = ", ".join(f"--{info.name}" for info in describe(settings_class)) or "none"
         flags = [arg.split("=", 1)[0] for arg in unknown if arg.startswith("-")] or unknown

@@ -144,11 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--use_accelerator", action=argparse.BooleanOptionalAction, default=False,
                         help="--run: evaluate on CUDA/MPS when present (default: CPU)")
     parser.add_argument("--out", type=Path, required=True, help="the merge's run folder")
+    cli.add_runtime_flags(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> Weights:
-    args = build_parser().parse_args(argv)
+    args = cli.apply_runtime_flags(build_parser().parse_args(argv))
     with folder_lock(args.out):  # one run at a time writes the folder
         return merge_locked(args)
 

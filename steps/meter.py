@@ -40,17 +40,18 @@ STEP = "step 3c"
 
 def build_parser() -> argparse.ArgumentParser:
     """The step-3c command line (measure_heterogeneity.py --help)."""
-    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=cli.DefaultsHelpFormatter)
     add_model_input_arguments(parser, "step-1 manifest.csv")
     parser.add_argument("--assignments", type=Path, required=True, help="step-3b assignments.csv")
     parser.add_argument("--cache_features", action=argparse.BooleanOptionalAction, default=False,
                         help="the checkpoint's frozen encoder's maps, computed once per sample (in --cache_dir)")
+    cli.add_runtime_flags(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Measure one partition; returns what meter.json holds."""
-    args = build_parser().parse_args(argv)
+    args = cli.apply_runtime_flags(build_parser().parse_args(argv))
     with folder_lock(args.out):  # one run at a time writes the folder
         return meter(args)
 

@@ -33,9 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--image_size", type=positive_int, default=64, help="side of the square images in pixels (default: 64)")
     parser.add_argument("--seed", type=int, default=0, help="root seed; the same seed gives byte-identical files (default: 0)")
     parser.add_argument("--workers", type=positive_int, default=2, help="processes rendering buildings in parallel (default: 2)")
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar")
     parser.add_argument("--replace", action=argparse.BooleanOptionalAction, default=False,
                         help="replace a finished render with other settings in --out (default: refuse)")
+    cli.add_runtime_flags(parser)
     return parser
 
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> Path:
     Returns:
         The data root written (or kept when already rendered).
     """
-    args = build_parser().parse_args(argv)
+    args = cli.apply_runtime_flags(build_parser().parse_args(argv))
     config = RenderConfig(args.n_buildings, args.n_views, args.views_per_point, args.image_size, args.seed)
     config.validate()
     with folder_lock(args.out):  # one run at a time writes the folder

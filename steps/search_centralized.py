@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     Returns:
         search.csv's table, best first.
     """
-    args = build_parser().parse_args(argv)
+    args = cli.apply_runtime_flags(build_parser().parse_args(argv))
     args.seeds, args.seed = resolve_seeds(args), None
     if args.out is None:
         args.out = Path("results/search_centralized") / args.task / f"{args.encoder}-seeds{'-'.join(map(str, args.seeds))}"
@@ -143,7 +143,8 @@ def _train_all(args: argparse.Namespace, configs: list[Config], logger) -> list[
     searched = {key: value for key, value in vars(args).items()
                 if key not in ("lrs", "weight_decays", "schedulers", "tolerance", "seeds")}
     runs = []
-    for config, seed in tqdm(list(itertools.product(configs, args.seeds)), desc="search", dynamic_ncols=True):
+    for config, seed in tqdm(list(itertools.product(configs, args.seeds)), desc="search", dynamic_ncols=True,
+                             disable=not args.progress):
         run_dir = args.out / "runs" / config.name / f"seed{seed}"
         run_args = argparse.Namespace(**{**searched, "init_lr": config.lr, "weight_decay": config.weight_decay,
                                          "scheduler": config.scheduler, "seed": seed, "out": run_dir})

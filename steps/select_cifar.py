@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="share of each class's training images set aside for validation, in [0, 1) (default: 0.1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the long-tail draw and the validation split (default: 0)")
     parser.add_argument("--out", type=Path, default=Path("results/datapoints"), help="output folder (default: results/datapoints)")
+    cli.add_runtime_flags(parser)
     return parser
 
 
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> Path:
     Returns:
         The path of the manifest.csv written.
     """
-    args = build_parser().parse_args(argv)
+    args = cli.apply_runtime_flags(build_parser().parse_args(argv))
     with folder_lock(args.out):  # one run at a time writes the folder
         return select_and_write(args)
 

@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--split_by", choices=SPLIT_BY, default="sample", help="split samples, or whole buildings (default: sample)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the train/test split (default: 0)")
     parser.add_argument("--out", type=Path, default=Path("results/datapoints"), help="output folder (default: results/datapoints)")
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar")
+    cli.add_runtime_flags(parser)
     return parser
 
 
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> Path:
     Returns:
         The path of the manifest.csv written.
     """
-    args = build_parser().parse_args(argv)
+    args = cli.apply_runtime_flags(build_parser().parse_args(argv))
     with folder_lock(args.out):  # one run at a time writes the folder
         return select_scenes(args)
 

@@ -38,7 +38,8 @@ from it), curves.png, loss.png and <metric>.png (e.g. top1.png: the task's metri
 
 STEP = "step 2"
 # Arguments that do not change what a run computes: a resumed run may differ in them.
-NOT_IN_SIGNATURE = ("out", "resume", "use_accelerator", "num_workers", "cache_dir", "deterministic")
+NOT_IN_SIGNATURE = ("out", "resume", "use_accelerator", "num_workers", "cache_dir", "deterministic", "progress", "threads",
+                    "tensorboard")
 # The flags a hyperparameter search (steps/search_centralized.py) replaces by lists.
 SEARCHED = ("init_lr", "weight_decay", "scheduler")
 
@@ -55,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
 def add_training_arguments(parser: argparse.ArgumentParser, searched: bool = True) -> None:
     """Step 2's flags but --out; ``searched=False`` leaves out :data:`SEARCHED` (the search adds them as lists)."""
     add = parser.add_argument
+    cli.add_runtime_flags(parser)
+    add("--tensorboard", action=argparse.BooleanOptionalAction, default=False,
+        help="also write metrics.csv's rows as TensorBoard scalars under <out>/tensorboard (needs the tensorboard "
+             "package; metrics.csv stays the source of truth)")
     add("--task", required=True, help="task to train (depth_euclidean, normal, segment_semantic, class_scene, digit_class, ...)")
     add("--encoder", default="resnet50", help=f"{' | '.join(list_encoders())} (default: resnet50)")
     add("--freeze_encoder", action=argparse.BooleanOptionalAction, default=False,
@@ -63,7 +68,8 @@ def add_training_arguments(parser: argparse.ArgumentParser, searched: bool = Tru
         help="channels of a dense task's decoder (default: the encoder's; its cost grows with the square)")
     add("--cache_features", action=argparse.BooleanOptionalAction, default=False,
         help="with --freeze_encoder: compute the encoder's maps once per sample (in --cache_dir) and train on them")
-    add("--weights", default=None, help="none | imagenet | clip | PATH (default: the encoder's pretrained weights; none for small_cnn)")
+    add("--weights", default=None, help="none | imagenet | clip | dino | PATH (default: the encoder's pretrained weights, "
+        "e.g. dino for vit_s16_dino; none for small_cnn)")
     add("--data_path", type=Path, default=Path("data/synthetic"), help="data root (default: data/synthetic)")
     add("--manifest", type=Path, default=Path("results/datapoints/manifest.csv"), help="step-1 manifest.csv (default: step 1's)")
     add("--image_size", type=positive_int, default=224, help="side length the images are resized to (default: 224)")
@@ -127,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     Returns:
         The summary of :func:`training.loop.fit` for the run.
     """
-    return train(resolve(build_parser().parse_args(argv)))
+    return train(resolve(cli.apply_runtime_flags(build_parser().parse_args(argv))))
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -180,4 +186,5 @@ def train_locked(args: argparse.Namespace) -> dict:
         return fit(model, task, train_loader, eval_loaders, optimizer, scheduler, device,
                    input_key=model_input_key(family, args.cache_features),
                    n_epochs=args.n_epochs, out_dir=args.out, run_signature=signature, select_split=select,
-                   early_stopping_patience=args.early_stopping_patience or None, resume=args.resume, logger=logger)
+                   early_stopping_patience=args.early_stopping_patience or None, resume=args.resume, logger=logger,
+                   progress=args.progress, tensorboard=args.tensorboard)

@@ -123,8 +123,8 @@ def test_digits_pipeline_end_to_end(tmp_path):
     out = tmp_path / "results" / "tinydigits"
     assert (out / "report.md").stat().st_size > 0
     report = pd.read_csv(out / "report.csv")
-    assert set(report.task) == {"digit_class"} and report.drop(columns=["diff_ci_low", "diff_ci_high"]).notna().all(axis=None)
-    assert (report.verdict == "too few seeds").all()  # one seed: no interval
+    assert set(report.task) == {"digit_class"} and report.drop(columns=["diff_ci_low", "diff_ci_high", "p_value"]).notna().all(axis=None)
+    assert (report.reason == "too few seeds").all() and not report.decided_after_bh.any()  # one seed: no verdict
     runs = pd.concat([pd.read_csv(path) for path in out.rglob("federated/**/metrics.csv")])
     assert {"top1", "top5"} <= set(runs.metric)
     groupings = {path.parts[-5] for path in out.rglob("federated/**/metrics.csv")}

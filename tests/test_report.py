@@ -23,12 +23,21 @@ def test_gap_is_relative_difference_of_seed_means():
     assert row.n_seeds == 2 and row.centralized_loss == 0.7
 
 
-def test_summary_follows_the_sign_of_the_numbers():
-    hurts = summary_sentences(gap_table(_finals(1.5), {}), {"depth_euclidean": {"nmi": 0.3, "ari": 0.1}})
-    helps = summary_sentences(gap_table(_finals(0.8), {}), {})
-    assert "hurts more" in hurts[0] and "+50.0%" in hurts[0] and "NMI = 0.30" in hurts[0]
-    assert "does not hurt more" in helps[0] and "does not hold" in helps[-1]
-    assert "claim (embedding-based partitions give a larger federated loss) holds" in hurts[-1]
+def test_two_seeds_give_no_verdict_and_no_direction():
+    # The first use's case: two seeds, embedding-based 50% worse on both. Too few seeds to decide anything.
+    table = gap_table(_finals(1.5), {})
+    assert table.verdict.item() == "undecided: 2 paired seeds, 3 needed" and table.reason.item() == "too few seeds"
+    sentences = summary_sentences(table, {"depth_euclidean": {"nmi": 0.3, "ari": 0.1}})
+    assert "no clear direction" in sentences[0] and "+50.0%" in sentences[0] and "NMI = 0.30" in sentences[0]
+    assert "decided in 0 of 1 cells" in sentences[0] and "1 with too few seeds" in sentences[0]
+    assert "is neither supported nor contradicted" in sentences[-1]
+
+
+def test_the_summary_follows_decided_cells_only():
+    hurts = summary_sentences(gap_table(_three_seeds([1.0, 2.0, 3.0], [1.2, 2.4, 3.3]), {}), {})
+    helps = summary_sentences(gap_table(_three_seeds([1.0, 2.0, 3.0], [0.8, 1.7, 2.8]), {}), {})
+    assert "embedding-based heterogeneity hurts more" in hurts[0] and "claim (embedding-based partitions give a larger federated loss) holds" in hurts[-1]
+    assert "label-based heterogeneity hurts more" in helps[0] and "is contradicted" in helps[-1]
 
 
 def _three_seeds(label, embedding, algorithm="fedavg", alpha=0.1):
@@ -45,18 +54,53 @@ def test_the_gap_is_a_paired_difference_with_a_95_percent_interval():
     assert np.isclose(row.diff_ci_high, 0.54841, atol=1e-5) and np.isclose(row.gap_percent, 15.0)
     assert row.verdict == "embedding worse" and row.n_seeds == 3
     undecided = gap_table(_three_seeds([1.0, 2.0, 3.0], [1.1, 1.9, 3.05]), {}).iloc[0]
-    assert undecided.verdict == "no difference" and undecided.diff_ci_low < 0 < undecided.diff_ci_high
+    assert undecided.reason == "interval contains 0" and undecided.diff_ci_low < 0 < undecided.diff_ci_high
     only_one_side = _three_seeds([1.0, 2.0, 3.0], [1.2, 2.4, 3.3]).query("not (grouping == 'embedding_based' and seed == 2)")
     assert gap_table(only_one_side, {}).iloc[0].n_seeds == 2  # pairs only where both sides ran
 
 
-def test_summary_counts_only_cells_whose_interval_excludes_zero():
+def test_summary_counts_only_decided_cells_and_prints_the_counts():
     finals = pd.concat([_three_seeds([1.0, 2.0, 3.0], [1.2, 2.4, 3.3], "fedavg"),
                         _three_seeds([1.0, 2.0, 3.0], [1.1, 1.9, 3.05], "fedprox"),
                         _three_seeds([1.0, 2.0, 3.0], [0.8, 1.7, 2.8], "scaffold")])
-    sentences = summary_sentences(gap_table(finals, {}), {})
-    assert "above label-based in 1 and below it in 1 of 3" in sentences[0] and "(1 undecided" in sentences[0]
-    assert "does not hold" in sentences[-1] and "worse in 1 and better in 1 of 3" in sentences[-1]
+    table = gap_table(finals, {})
+    assert list(table.verdict) == ["embedding worse", "undecided: the 95% interval contains 0", "label worse"]
+    sentences = summary_sentences(table, {})
+    # 2 of 3 decided, but split 1:1: no direction
+    assert "no clear direction" in sentences[0] and "decided in 2 of 3 cells (embedding worse 1, label worse 1" in sentences[0]
+    assert "1 whose interval contains 0" in sentences[0] and "is neither supported nor contradicted" in sentences[-1]
+
+
+def test_zero_variance_is_undecided_in_the_report():
+    # +1/360 on every seed: the first use's "+0.003 [+0.003, +0.003] noticeable".
+    row = gap_table(_three_seeds([0.9, 0.8, 0.7], [0.9 + 1 / 360, 0.8 + 1 / 360, 0.7 + 1 / 360]), {}).iloc[0]
+    assert row.reason == "zero variance" and row.verdict.startswith("undecided: zero variance")
+    assert np.isnan(row.diff_ci_low) and not row.decided_after_bh
+
+
+def test_one_decided_cell_of_eight_claims_no_direction_and_bh_is_counted_beside():
+    cells = [_three_seeds([1.0, 2.0, 3.0], [1.2, 2.4, 3.3], "fedavg")]
+    cells += [_three_seeds([1.0, 2.0, 3.0], [1.1, 1.9, 3.05], "fedprox", alpha) for alpha in (0.1, 0.5, 1.0, 10.0)]
+    cells += [_three_seeds([1.0, 2.0], [1.3, 2.6], "scaffold", alpha) for alpha in (0.1, 0.5, 1.0)]
+    table = gap_table(pd.concat(cells), {})
+    assert len(table) == 8 and (table.verdict == "embedding worse").sum() == 1
+    # BH over 8 cells: fedavg's p = 0.0351 > 0.05/8 · 1 (and every other p is 1 or large): not decided after it.
+    assert not table.decided_after_bh.any()
+    sentences = summary_sentences(table, {})
+    assert "no clear direction" in sentences[0]
+    assert ("decided in 1 of 8 cells (embedding worse 1, label worse 0; after Benjamini–Hochberg over the report's 8: "
+            "embedding worse 0, label worse 0); undecided 7 (3 with too few seeds, 0 with zero variance, 4 whose interval "
+            "contains 0)") in sentences[0]
+    assert "is neither supported nor contradicted" in sentences[-1]
+
+
+def test_iid_loss_intervals_never_go_below_zero():
+    from pipeline.report import iid_table
+
+    iid = pd.DataFrame([dict(task="normal", grouping="iid", alpha=float("inf"), algorithm="fedavg", seed=seed, loss=loss,
+                             metric="mean_angle", metric_value=30.0) for seed, loss in enumerate((0.05, 0.4, 0.1))])
+    row = iid_table(iid, {"normal": 0.1}).iloc[0]
+    assert 0 < row.iid_loss_ci_low < row.iid_loss_mean < row.iid_loss_ci_high
 
 
 def test_the_iid_reference_is_compared_with_the_centralized_loss():

@@ -44,12 +44,15 @@ def test_search_picks_the_known_best_lr(searched):
     assert list(zip(runs["lr"], runs["seed"])) == [(1e-6, 0), (1e-6, 1), (0.003, 0), (0.003, 1)] and (runs["status"] == "done").all()
     rows = pd.read_csv(out / "search.csv").set_index("lr")
     assert list(rows.index) == [1e-6, 0.003] and (rows["n_seeds"] == 2).all() and (rows["status"] == "done").all()
-    # search.csv's columns are the mean and t-interval of search_runs.csv's two seeds (t_{0.975,1} = 12.706)
+    # search.csv's columns are the mean and the logit-scale t-interval of search_runs.csv's two seeds
+    # (t_{0.975,1} = 12.706); the plain interval went below 0 here
     tuned = runs[runs["lr"] == 0.003]
     accuracy, epochs = list(tuned["best_val_top1"]), list(tuned["epochs_to_within"])
-    half = 12.7062047 * abs(accuracy[0] - accuracy[1]) / 2
+    logits = [math.log(value / (1 - value)) for value in accuracy]
+    half = 12.7062047 * abs(logits[0] - logits[1]) / 2
     assert rows.loc[0.003, "best_val_top1"] == pytest.approx(sum(accuracy) / 2)
-    assert rows.loc[0.003, "best_val_top1_low"] == pytest.approx(sum(accuracy) / 2 - half)
+    low = min(sum(accuracy) / 2, 1 / (1 + math.exp(-(sum(logits) / 2 - half))))
+    assert rows.loc[0.003, "best_val_top1_low"] == pytest.approx(low) and 0 <= low
     assert rows.loc[0.003, "epochs_to_within"] == pytest.approx(sum(epochs) / 2) and rows.loc[0.003, "epochs_to_within_max"] == max(epochs)
     # 30 validation digits: chance is ~3 of them; the tuned lr gets well above it in every seed, the tiny one in none
     assert min(accuracy) >= 0.3 > runs[runs["lr"] == 1e-6]["best_val_top1"].max()
@@ -104,32 +107,47 @@ def stubbed_table():
     return aggregate(pd.DataFrame(rows, columns=list(RUN_COLUMNS)))
 
 
+def _transformed_t(values, forward, back):
+    """The 95% t interval of three values on a transformed scale, mapped back (t_{0.975, 2} = 4.30265273)."""
+    z = [forward(value) for value in values]
+    centre = sum(z) / 3
+    half = 4.30265273 * math.sqrt(sum((value - centre) ** 2 for value in z) / 2) / math.sqrt(3)
+    return back(centre - half), back(centre + half)
+
+
+def _logit_t(values):
+    return _transformed_t(values, lambda p: math.log(p / (1 - p)), lambda z: 1 / (1 + math.exp(-z)))
+
+
 def test_intervals_and_ranking_by_hand(stubbed_table):
     table = stubbed_table.set_index("config")
-    t = 4.30265273  # t_{0.975, 2}: 3 seeds
     cosine, step, none = table.loc["lr0.1-wd0-cosine"], table.loc["lr0.1-wd0-step"], table.loc["lr0.01-wd0-none"]
     assert cosine["best_val_top1"] == pytest.approx(0.82) and cosine["best_val_loss"] == pytest.approx(0.4)
-    assert (cosine["best_val_top1_low"], cosine["best_val_top1_high"]) == pytest.approx((0.82 - t * 0.02 / 3 ** 0.5,
-                                                                                          0.82 + t * 0.02 / 3 ** 0.5))
-    assert (step["best_val_top1_low"], step["best_val_top1_high"]) == pytest.approx((0.6 - t * 0.1 / 3 ** 0.5, 0.6 + t * 0.1 / 3 ** 0.5))
+    # accuracies: t on the logit scale (inside [0, 1]); epochs: t on the log scale (never below 0)
+    assert (cosine["best_val_top1_low"], cosine["best_val_top1_high"]) == pytest.approx(_logit_t([0.80, 0.82, 0.84]))
+    assert (step["best_val_top1_low"], step["best_val_top1_high"]) == pytest.approx(_logit_t([0.5, 0.6, 0.7]))
     assert (cosine["epochs_to_within"], cosine["epochs_to_within_low"], cosine["epochs_to_within_high"]) == pytest.approx(
-        (5, 5 - t / 3 ** 0.5, 5 + t / 3 ** 0.5))
-    assert (none["epochs_to_within_low"], none["epochs_to_within_high"]) == (3, 3) and cosine["epochs_to_within_max"] == 6
+        (5, *_transformed_t([4, 5, 6], math.log, math.exp)))
+    assert (none["epochs_to_within_low"], none["epochs_to_within_high"]) == pytest.approx((3, 3))
+    assert cosine["epochs_to_within_max"] == 6
     wild = table.loc["lr1-wd0-cosine"]
     assert (wild["status"], wild["n_seeds"], wild["n_diverged"], wild["best_val_top1"]) == (DIVERGED, 3, 1, pytest.approx(0.99))
     # ranked by mean accuracy: cosine 0.82 > none 0.70 > step 0.60; the diverged config last despite its 0.99
     assert list(rank(stubbed_table)["config"]) == ["lr0.1-wd0-cosine", "lr0.01-wd0-none", "lr0.1-wd0-step", "lr1-wd0-cosine"]
     winner, runner_up = pick(stubbed_table)
-    # cosine's interval [0.770, 0.870] lies inside none's [0.452, 0.948]: they overlap, so the win is not clear
+    # cosine's interval [0.765, 0.865] lies inside none's [0.416, 0.891]: they overlap, so the win is not clear
     assert runner_up["config"] == "lr0.01-wd0-none" and win_clarity(winner, runner_up) == NOT_CLEAR
 
 
 def test_win_clarity_by_hand():
-    def row(low, high):
-        return {"best_val_top1_low": low, "best_val_top1_high": high}
+    def row(low, high, n_seeds=3, n_diverged=0):
+        return {"best_val_top1_low": low, "best_val_top1_high": high, "n_seeds": n_seeds, "n_diverged": n_diverged}
     assert win_clarity(row(0.80, 0.90), row(0.60, 0.79)) == CLEAR
     assert win_clarity(row(0.80, 0.90), row(0.60, 0.80)) == NOT_CLEAR  # touching intervals are not clear
-    assert win_clarity(row(math.nan, math.nan), row(0.6, 0.7)) == UNKNOWN  # one seed: no interval
+    assert win_clarity(row(math.nan, math.nan, 1), row(0.6, 0.7)) == UNKNOWN  # one seed: no interval
+    assert win_clarity(row(0.80, 0.90, 2), row(0.60, 0.70, 2)) == UNKNOWN  # two seeds: too few to judge
+    assert win_clarity(row(0.80, 0.90), row(0.60, 0.70, 4, 2)) == UNKNOWN  # two of four seeds diverged
+    assert win_clarity(row(0.90, 0.90), row(0.60, 0.70)) == UNKNOWN  # zero spread: every seed the same
     assert win_clarity(row(0.8, 0.9), None) == UNKNOWN
 
 
@@ -142,17 +160,19 @@ def test_report_from_stubbed_results(stubbed_table, tmp_path):
     assert best["scheduler_runner_up"] == "lr0.01-wd0-none" and best["scheduler_win"] == NOT_CLEAR
     # test top1 0.70, 0.80, 0.75: mean 0.75, sd 0.05
     assert best["test"]["top1"]["mean"] == pytest.approx(0.75)
-    assert best["test"]["top1"]["high"] == pytest.approx(0.75 + 4.30265273 * 0.05 / 3 ** 0.5)
+    assert (best["test"]["top1"]["low"], best["test"]["top1"]["high"]) == pytest.approx(_logit_t([0.70, 0.80, 0.75]))
+    assert (best["test"]["loss"]["low"], best["test"]["loss"]["high"]) == pytest.approx(
+        _transformed_t([0.5, 0.7, 0.6], math.log, math.exp))
     report = write_report(tmp_path, stubbed_table, best, {"task": "cifar_class", "manifest": "m.csv", "n_epochs": 10,
                                                           "seeds": [0, 1, 2]}).read_text()
-    assert "scheduler **cosine**: validation top-1 0.82 (95% interval 0.7703 to 0.8697)" in report
-    assert "**Epochs needed:** 5 (95% interval 2.516 to 7.484) epochs on average over 3 seeds" in report
+    assert "scheduler **cosine**: validation top-1 0.82 (95% interval 0.7654 to 0.8651)" in report
+    assert "**Epochs needed:** 5 (95% interval 2.978 to 8.169) epochs on average over 3 seeds" in report
     assert "the slowest seed needed 6" in report
     assert ("**Is the win clear?** not clear: its interval overlaps that of the runner-up lr0.01-wd0-none "
-            "(winner [0.7703, 0.8697], runner-up [0.4516, 0.9484])") in report
+            "(winner [0.7654, 0.8651], runner-up [0.4157, 0.8909])") in report
     assert "**Scheduler that won:** cosine; not clear" in report
     assert "seed 0 epoch 5, seed 1 epoch 6, seed 2 epoch 5): loss 0.6 (95% interval" in report
-    assert "top1 0.75 (95% interval 0.6258 to 0.8742)" in report
+    assert "top1 0.75 (95% interval 0.6084 to 0.8558)" in report
     # a clear win: make the runner-up's seeds agree far below the winner's interval
     clear_table = stubbed_table.copy()
     clear_table.loc[clear_table["config"] == "lr0.01-wd0-none", ["best_val_top1", "best_val_top1_low", "best_val_top1_high"]] = (
@@ -161,7 +181,7 @@ def test_report_from_stubbed_results(stubbed_table, tmp_path):
     assert clear["win"] == CLEAR and clear["runner_up_interval"] == [0.69, 0.71]
     report = write_report(tmp_path, clear_table, clear, {"task": "t", "manifest": "m.csv", "n_epochs": 10, "seeds": [0, 1, 2]})
     assert ("**Is the win clear?** clear: its interval lies wholly above that of the runner-up lr0.01-wd0-none "
-            "(winner [0.7703, 0.8697], runner-up [0.69, 0.71])") in report.read_text()
+            "(winner [0.7654, 0.8651], runner-up [0.69, 0.71])") in report.read_text()
 
 
 def test_a_diverged_config_is_ranked_last(digits400, tmp_path, monkeypatch):

@@ -109,8 +109,10 @@ def test_summary_verdicts_are_paired_by_seed_on_hand_made_numbers():
     lines, exceptions = talos_lines(runs[runs.algorithm == "sparse_ft"], "final")
     # TaLoS − random per cell: iid (+0.11 − 0.03 + 0.20)/3 = +0.0933 (interval contains 0), nc1 −0.10 (noticeable);
     # their mean −0.0033.
-    assert lines == ["- least_sensitive − random: mean -0.003 over 2 cells; noticeably above in 0, below in 1, within "
-                     "the interval in 1: least_sensitive is below it in some cells and never above it."]
+    # One of two cells decided (half), all decided ones below: a direction. BH over 2: nc1's p = 0.0032 ≤ 0.025.
+    assert lines == ["- least_sensitive − random: mean -0.003 over 2 cells; noticeably above in 0, below in 1, undecided "
+                     "in 1 (0 with too few seeds, 0 with zero variance, 1 whose interval contains 0); after "
+                     "Benjamini–Hochberg over the 2 cells: above in 0, below in 1: least_sensitive is below it."]
     assert len(exceptions) == 1 and "below random at nc_shards-nc1, J=4, R=1, sparsity 0.9 (-0.100" in exceptions[0]
     lines, exceptions = dense_lines(runs, "final")
     text = "\n".join(lines)
@@ -175,3 +177,22 @@ def test_server_masks_calibrate_on_rows_no_client_holds(tmp_path, one_thread):
     assert not held_out & set(assignments.sample_id)
     report = pd.read_csv(out / "report.csv", keep_default_na=False)
     assert list(report.mask_rule) == ["least_sensitive", ""] and list(report.algorithm) == ["sparse_ft", "centralized"]
+
+
+def test_the_report_says_why_final_and_best_by_validation_disagree():
+    from pipeline.sparse_report import criteria_lines
+
+    runs = runs_frame({("nc_shards-nc1", 1, "dense", 0.0): [0.50, 0.52, 0.51],
+                       ("nc_shards-nc1", 1, "least_sensitive", 0.9): [0.60, 0.61, 0.62]})
+    dense, talos = runs.mask_rule == "dense", runs.mask_rule == "least_sensitive"
+    runs.loc[dense, "best_val"], runs.loc[dense, "best_round"] = [0.878, 0.880, 0.879], 0  # dense's best: its start model
+    runs.loc[talos, "best_val"], runs.loc[talos, "best_round"] = [0.879, 0.882, 0.878], [30, 35, 40]
+    # Final: TaLoS − dense = +0.10, +0.09, +0.11 (decided above); best by validation: +0.001, +0.002, −0.001 (undecided).
+    # Mean best − final: dense (0.378 + 0.360 + 0.369)/3 = 0.369, TaLoS (0.279 + 0.272 + 0.258)/3 = 0.270.
+    assert criteria_lines(runs) == [
+        "- nc_shards-nc1, J=4, least_sensitive: noticeably above dense in 1 of 1 settings by final accuracy but in 0 of 1 "
+        "by best by validation. dense's best validation round is its start model (round 0) in 3 of 3 runs, so its "
+        "best-by-validation accuracy is the start model's; it ends 0.369 below that best on average; least_sensitive's "
+        "best validation round is round 35 (median over 3 runs); it ends 0.270 below that best on average."]
+    runs.loc[talos, "best_val"] = [0.98, 0.99, 0.985]  # now above dense by both criteria: nothing to explain
+    assert criteria_lines(runs) == []

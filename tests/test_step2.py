@@ -221,7 +221,7 @@ def scripted_evaluation(monkeypatch):
     """Replace fit's evaluation by SCRIPTED (training itself still runs), so val and test disagree on the best epoch."""
     calls = {"epoch": 0}
 
-    def evaluate_all(model, loaders, spec, device, input_key):
+    def evaluate_all(model, loaders, spec, device, input_key, progress=True):
         epoch = calls["epoch"]
         calls["epoch"] += 1
         return {split: {"loss": SCRIPTED[split][epoch], "top1": 0.5} for split in loaders}

@@ -33,6 +33,7 @@ from utils.device import autocast, to_device
 from utils.errors import NonFiniteLossError, TaskHetError
 from utils.plots import plot_curves
 from utils.run_dir import MetricsCSV, atomic_torch_save, load_checkpoint, remove_stale_temporaries
+from utils.tensorboard_log import mirror_to_tensorboard
 from utils.seeding import torch_generator
 
 METRICS_COLUMNS = ("epoch", "split", "metric", "value")
@@ -146,7 +147,7 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
         optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None,
         device: torch.device, *, input_key: str, n_epochs: int, out_dir: Path, run_signature: dict,
         select_split: str = TEST_SPLIT, early_stopping_patience: int | None = None, resume: bool = True,
-        logger: logging.Logger | None = None) -> dict:
+        logger: logging.Logger | None = None, progress: bool = True, tensorboard: bool = False) -> dict:
     """Train ``n_epochs`` epochs (or until early stopping), evaluating every split and checkpointing after each.
 
     Args:
@@ -167,6 +168,8 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
         early_stopping_patience: stop after this many epochs without a lower ``select_split`` loss.
         resume: continue from ``out_dir/last.pt`` when it exists; otherwise start over.
         logger: where the per-epoch summary goes.
+        progress: draw the epoch and evaluation bars.
+        tensorboard: also write metrics.csv's rows as TensorBoard scalars under ``out_dir/tensorboard``.
 
     Returns:
         ``{"best_epoch", "best_val_loss" (the ``select_split`` loss of best.pt), "selected_on" (``select_split``),
@@ -189,14 +192,14 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
             scheduler.load_state_dict(checkpoint["scheduler"])
         train_loader.generator.set_state(checkpoint["rng"]["train_loader"])
         state = dict(checkpoint["state"])
-        metrics_csv = MetricsCSV(csv_path, METRICS_COLUMNS)
+        metrics_csv = mirror_to_tensorboard(MetricsCSV(csv_path, METRICS_COLUMNS), tensorboard, out_dir, "epoch")
         # rows of an epoch that was running when the run stopped
         metrics_csv.truncate_after("epoch", state["epoch"])
         logger.info("resuming from %s after epoch %d", last_path, state["epoch"])
     else:
         csv_path.unlink(missing_ok=True)
-        metrics_csv = MetricsCSV(csv_path, METRICS_COLUMNS)
-        initial = _evaluate_all(model, eval_loaders, spec, device, input_key)
+        metrics_csv = mirror_to_tensorboard(MetricsCSV(csv_path, METRICS_COLUMNS), tensorboard, out_dir, "epoch")
+        initial = _evaluate_all(model, eval_loaders, spec, device, input_key, progress)
         metrics_csv.write(_rows(0, initial))
         _track_best(model, spec, 0, initial[select_split], state, best_path)
         logger.info("epoch 0 (untrained): %s", _format_splits(initial))
@@ -205,7 +208,8 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
         epoch = state["epoch"] + 1
         model.train()
         loss_sum, batches = 0.0, 0
-        for batch in tqdm(train_loader, desc=f"epoch {epoch}/{n_epochs}", leave=False, dynamic_ncols=True):
+        for batch in tqdm(train_loader, desc=f"epoch {epoch}/{n_epochs}", leave=False, dynamic_ncols=True,
+                          disable=not progress):
             loss = train_one_batch(model, batch, spec, optimizer, device, input_key=input_key)
             if not math.isfinite(loss):  # as step 4 stops: the weights are garbage from here on
                 raise NonFiniteLossError(f"epoch {epoch}, batch {batches + 1}: the training loss is {loss}; the run "
@@ -215,7 +219,7 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
         learning_rate = optimizer.param_groups[0]["lr"]
         if scheduler is not None:
             scheduler.step()
-        evaluated = _evaluate_all(model, eval_loaders, spec, device, input_key)
+        evaluated = _evaluate_all(model, eval_loaders, spec, device, input_key, progress)
         rows = [{"epoch": epoch, "split": TRAIN_SPLIT, "metric": "loss", "value": loss_sum / max(batches, 1)},
                 {"epoch": epoch, "split": TRAIN_SPLIT, "metric": "lr", "value": learning_rate}]
         rows += _rows(epoch, evaluated)
@@ -234,6 +238,8 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
                     learning_rate, _format_splits(evaluated))
         if state["stopped_early"]:
             logger.info("early stopping: no lower %s loss in %d epochs", select_split, early_stopping_patience)
+    if hasattr(metrics_csv, "close"):  # the TensorBoard mirror's event file
+        metrics_csv.close()
     _plot(csv_path, out_dir, spec)
     logger.info("best epoch %d (by %s loss), %s loss %.5f", state["best_epoch"], select_split, select_split,
                 state["best_val_loss"])
@@ -242,8 +248,9 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
 
 
 def _evaluate_all(model: nn.Module, loaders: dict[str, DataLoader], spec: TaskSpec, device: torch.device,
-                  input_key: str) -> dict[str, dict[str, float]]:
-    return {split: evaluate(model, loader, spec, device, input_key=input_key) for split, loader in loaders.items()}
+                  input_key: str, progress: bool = True) -> dict[str, dict[str, float]]:
+    return {split: evaluate(model, loader, spec, device, input_key=input_key, progress=progress)
+            for split, loader in loaders.items()}
 
 
 def _rows(epoch: int, evaluated: dict[str, dict[str, float]]) -> list[dict]:

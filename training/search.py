@@ -3,7 +3,8 @@ per-config summary over seeds, the pick, the report.
 
 Training is step 2's (``steps/search_centralized.py`` runs it once per config and seed); this module
 only reads what each run wrote. A config's score is the mean over seeds of its best validation accuracy
-(``val`` ``top1`` over epochs 1..n), with a 95% t-interval (pipeline/statistics.py); configs are ranked
+(``val`` ``top1`` over epochs 1..n), with a 95% t-interval on the logit scale, inside [0, 1]
+(utils/statistics.py; epochs and losses get log-scale intervals, never below 0); configs are ranked
 by that mean, ties by the lower mean best validation loss, then by grid order; a config with a diverged
 seed is ranked last. The test split plays no part in the ranking and only gives the winner's final numbers.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from pipeline.statistics import mean_interval
+from utils.statistics import MIN_SEEDS, NONNEGATIVE, UNIT, mean_interval, metric_scale
 from training.loop import VAL_SPLIT
 from training.selection import curve, epochs_to_within, read_metrics, selected_test_metrics
 from utils.errors import TaskHetError
@@ -106,8 +107,8 @@ def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for _, group in runs.groupby("config", sort=False):
         done = group[group["status"] == DONE]
-        accuracy = _interval(done["best_val_top1"])
-        epochs = _interval(done["epochs_to_within"])
+        accuracy = _interval(done["best_val_top1"], UNIT)
+        epochs = _interval(done["epochs_to_within"], NONNEGATIVE)
         n_diverged = int((group["status"] == DIVERGED).sum())
         rows.append({**{key: group.iloc[0][key] for key in CONFIG_COLUMNS}, "n_seeds": len(group), "n_diverged": n_diverged,
                      "best_val_top1": accuracy[0], "best_val_top1_low": accuracy[1], "best_val_top1_high": accuracy[2],
@@ -118,8 +119,8 @@ def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=list(TABLE_COLUMNS))
 
 
-def _interval(values: pd.Series) -> tuple[float, float, float]:
-    return mean_interval([float(value) for value in values]) if len(values) else (math.nan, math.nan, math.nan)
+def _interval(values: pd.Series, scale: str) -> tuple[float, float, float]:
+    return mean_interval([float(value) for value in values], scale) if len(values) else (math.nan, math.nan, math.nan)
 
 
 def rank(table: pd.DataFrame) -> pd.DataFrame:
@@ -133,17 +134,20 @@ def rank(table: pd.DataFrame) -> pd.DataFrame:
 
 def win_clarity(winner: dict, runner_up: dict | None) -> str:
     """``clear`` when the winner's 95% interval of mean accuracy lies wholly above the runner-up's, ``not clear`` when
-    they overlap, ``unknown`` with one seed (no interval) or no runner-up.
+    they overlap, ``unknown`` without a runner-up or when either side is undecidable: fewer than 3 finished seeds
+    (``n_seeds − n_diverged``) or zero spread (every seed the same accuracy: a zero-width interval).
 
     Disjoint intervals are a conservative test (two means can differ significantly while their intervals touch):
     a ``clear`` win is clear, a ``not clear`` one may still be real with more seeds.
     """
-    if runner_up is None:
+    if runner_up is None or not _decidable(winner) or not _decidable(runner_up):
         return UNKNOWN
-    bounds = (winner["best_val_top1_low"], runner_up["best_val_top1_high"])
-    if any(math.isnan(bound) for bound in bounds):
-        return UNKNOWN
-    return CLEAR if bounds[0] > bounds[1] else NOT_CLEAR
+    return CLEAR if winner["best_val_top1_low"] > runner_up["best_val_top1_high"] else NOT_CLEAR
+
+
+def _decidable(row: dict) -> bool:
+    low, high = row["best_val_top1_low"], row["best_val_top1_high"]
+    return row["n_seeds"] - row["n_diverged"] >= MIN_SEEDS and not math.isnan(low) and high > low
 
 
 def long_metrics(runs: list[tuple[Config, int, Path]]) -> pd.DataFrame:
@@ -197,7 +201,7 @@ def best_record(table: pd.DataFrame, tolerance: float, run_dirs: dict[int, Path]
     winner, runner_up = pick(table)
     other_scheduler = scheduler_runner_up(table, winner)
     metric_names = [name for name in next(iter(tests.values())) if name != "epoch"]
-    test = {name: dict(zip(("mean", "low", "high"), mean_interval([tests[seed][name] for seed in tests])))
+    test = {name: dict(zip(("mean", "low", "high"), mean_interval([tests[seed][name] for seed in tests], metric_scale(name))))
             for name in metric_names}
     return {**winner, "tolerance": tolerance,
             "runner_up": None if runner_up is None else runner_up["config"], "win": win_clarity(winner, runner_up),
@@ -233,7 +237,9 @@ def write_report(out_dir: Path, table: pd.DataFrame, best: dict, header: dict) -
         f"{len(table)} configs (lr x weight decay x scheduler), {header['n_epochs']} epochs each, "
         f"{len(seeds)} seed(s) ({', '.join(map(str, seeds))}), manifest `{header['manifest']}`. Ranked by the mean over seeds "
         "of the best validation top-1 accuracy over the epochs (ties: lower mean validation loss); intervals are 95% "
-        "t-intervals of the mean over seeds; the test split is not looked at for the ranking.",
+        "t-intervals of the mean over seeds on the logit scale for accuracies and the log scale for losses and epochs, "
+        "so they stay inside the metric's range; a win is judged only with at least 3 finished seeds per config and "
+        "nonzero spread; the test split is not looked at for the ranking.",
         "",
         f"**Best config:** lr {best['lr']:g}, weight decay {best['weight_decay']:g}, scheduler **{best['scheduler']}**: "
         f"validation top-1 {_with_interval(best['best_val_top1'], best['best_val_top1_low'], best['best_val_top1_high'])}.",
@@ -286,8 +292,10 @@ def _clarity_sentence(clarity: str, best: dict, other_name: str | None, table: p
     mine = f"[{best['best_val_top1_low']:.4g}, {best['best_val_top1_high']:.4g}]"
     theirs = f"[{other['best_val_top1_low']:.4g}, {other['best_val_top1_high']:.4g}]"
     if clarity == UNKNOWN:
-        return (f"{UNKNOWN}: with one seed there is no interval (the {role} {other_name} has mean "
-                f"{other['best_val_top1']:.4g}); rerun with --seeds 0,1,2 to tell.")
+        return (f"{UNKNOWN}: a win is judged only with at least {MIN_SEEDS} finished seeds per config and nonzero spread "
+                f"(the winner has {best['n_seeds'] - best['n_diverged']} finished, the {role} {other_name} "
+                f"{other['n_seeds'] - other['n_diverged']}, mean {other['best_val_top1']:.4g}); rerun with more --seeds "
+                "(e.g. 0,1,2) to tell.")
     verdict = ("its interval lies wholly above" if clarity == CLEAR else "its interval overlaps")
     return f"{clarity}: {verdict} that of the {role} {other_name} (winner {mine}, {role} {theirs})."
 

@@ -93,3 +93,33 @@ def _int_at_least(text: str, low: int) -> int:
     if value < low:
         raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
     return value
+
+
+def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
+    """``--progress/--no-progress`` and ``--threads``: how a step runs, never what it computes (every step script)."""
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                        help="progress bars; none are drawn when stdout is not a terminal (a log file, a pipe)")
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="torch CPU threads of this step; default: torch's own choice, one per core. On a machine "
+                             "shared with other jobs, 1 is often several times faster. Recorded in config.json")
+
+
+def apply_runtime_flags(args: argparse.Namespace) -> argparse.Namespace:
+    """Set torch's thread count from ``--threads`` and turn ``args.progress`` off when stdout is not a terminal."""
+    args.progress = bool(args.progress) and sys.stdout.isatty()
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return args
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's defaults formatter, but a help that already names its default (``(default: none)``, or says what
+    an unset flag means) is left as it is, and an unset (None) default is not printed as ``(default: None)``."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        if "default" in help_text.lower() or action.default is None:
+            return help_text
+        return super()._get_help_string(action)

@@ -67,7 +67,7 @@ def plot_curves(metrics_csv: Path, out_png: Path, x: str = "epoch", hue: str = "
     for axis in list(axes.flat)[len(metric_names):]:
         axis.set_visible(False)
     if title:
-        figure.suptitle(title)
+        figure.suptitle(title, wrap=True)  # wrapped to the figure's width: a one-panel figure is narrower than a long title
     save_figure(figure, out_png)
     return Path(out_png)
 
@@ -76,7 +76,8 @@ def save_figure(figure: plt.Figure, path: Path, dpi: int = 120) -> None:
     """Lay out, write atomically (an interrupted save never leaves a truncated PNG) and close ``figure``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.tight_layout()
+    if figure.get_layout_engine() is None:  # a figure made with layout="constrained" (legend outside) lays itself out
+        figure.tight_layout()
     partial = path.with_name(path.stem + ".partial" + path.suffix)  # keeps the suffix: matplotlib picks the format by it
     figure.savefig(partial, dpi=dpi)
     plt.close(figure)

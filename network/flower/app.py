@@ -60,7 +60,7 @@ def client_ids(table) -> list[str]:
 
 def build_engine(grid: Grid, context: Context) -> FlowerEngine:
     """The server side: the engine over every client of the assignments, writing the run folder."""
-    from network.client_data import global_test_loader
+    from network.client_data import global_test_loader, global_val_loader
 
     setup = prepare(run_config(context))
     config, flower = setup.config, context.run_config
@@ -69,7 +69,8 @@ def build_engine(grid: Grid, context: Context) -> FlowerEngine:
     return FlowerEngine(grid, setup.model, setup.algorithm, client_ids(setup.table), setup.evaluate_fn,
                         test_loader, setup.engine_config, setup.device, setup.model_config, logger,
                         config.min_available_clients, float(flower.get(REPLY_TIMEOUT, 0)) or None,
-                        float(flower.get(NODE_WAIT, DEFAULT_NODE_WAIT_S)))
+                        float(flower.get(NODE_WAIT, DEFAULT_NODE_WAIT_S)),
+                        val_loader=global_val_loader(config, setup.manifest, setup.task, setup.feature_model))
 
 
 def build_node(context: Context) -> NodeHost:
@@ -99,11 +100,15 @@ def run_config_toml(argv: list[str]) -> str:
     """
     from steps.federated import parse_run_config
 
-    config = parse_run_config(argv)
+    config = parse_run_config(argv, prog="python -m network.flower.app", description=APP_DESCRIPTION)
     if config is None:
         raise TaskHetError("--list_methods prints the algorithms; pass a run's flags to get its run config")
     return f"{RUN_CONFIG} = {json.dumps(config.to_json())}"
 
+
+APP_DESCRIPTION = """Print the run-config line of a Flower deployment (docs/FLOWER.md) for a run given by test_fed.py's
+flags: python -m network.flower.app <flags> > run.toml, then flwr run flower/ --run-config run.toml.
+The flags are exactly test_fed.py's (step 4); --method X --help lists X's settings."""
 
 server_app = make_server_app(build_engine)
 client_app = make_client_app(build_node)

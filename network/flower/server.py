@@ -55,16 +55,18 @@ class FlowerEngine(SequentialEngine):
         reply_timeout_s: a client that has not answered this long after the round's messages
             went out counts as failed (None: wait for every reply).
         node_wait_s: how long to wait for nodes that host every client before giving up.
+        val_loader: the manifest's validation rows, evaluated on the server as the sequential engine does
+            (split ``val``), or None.
     """
 
     def __init__(self, grid: Grid, model: nn.Module, algorithm: Algorithm, client_ids: Iterable[str],
                  evaluate_fn: EvaluateFn, test_loader: Iterable[dict], config: EngineConfig, device: torch.device,
                  model_config: dict[str, Any] | None = None, logger: logging.Logger | None = None,
                  min_available_clients: int | None = None, reply_timeout_s: float | None = None,
-                 node_wait_s: float = 120.0) -> None:
+                 node_wait_s: float = 120.0, val_loader: Iterable[dict] | None = None) -> None:
         clients = [ClientData(str(client_id), 0, _remote_loader) for client_id in client_ids]
         super().__init__(model, algorithm, clients, _remote_loss, evaluate_fn, test_loader, config, device,
-                         model_config, logger)
+                         model_config, logger, val_loader=val_loader)
         per_round = check_min_available(min_available_clients, len(clients), config.client_fraction)
         self.grid, self.reply_timeout_s, self.node_wait_s = grid, reply_timeout_s, node_wait_s
         self.min_results = per_round if min_available_clients is None else min_available_clients

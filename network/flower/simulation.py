@@ -104,11 +104,12 @@ def _recipe_host(recipe_ref: Any) -> NodeHost:
 def run_flower(model: nn.Module, algorithm: Algorithm, clients: list[ClientData], loss_fn: LossFn,
                evaluate_fn: EvaluateFn, test_loader: Iterable[dict], config: EngineConfig, device: torch.device,
                model_config: dict[str, Any] | None = None, logger: logging.Logger | None = None,
-               options: FlowerOptions | None = None) -> FlowerEngine:
+               options: FlowerOptions | None = None, val_loader: Iterable[dict] | None = None) -> FlowerEngine:
     """Run (or resume) the federated training in Flower's simulation runtime on this machine.
 
     Takes the sequential engine's arguments plus ``options`` and writes the same run folder
-    (metrics.csv, checkpoint.pt, best.pt, curves.png) plus ``node_states/`` (the nodes' client
+    (metrics.csv with the same splits, ``val`` included when ``val_loader`` is given; checkpoint.pt,
+    best.pt, curves.png, clients.csv) plus ``node_states/`` (the nodes' client
     states). ``evaluate_fn`` runs on the nodes too, so it must use the model's own device.
 
     Returns:
@@ -123,7 +124,7 @@ def run_flower(model: nn.Module, algorithm: Algorithm, clients: list[ClientData]
     def build_engine(grid: Grid, context: Context) -> FlowerEngine:
         engines.append(FlowerEngine(grid, model, algorithm, ids, evaluate_fn, test_loader, config, device,
                                     model_config, logger, options.min_available_clients, options.reply_timeout_s,
-                                    options.node_wait_s))
+                                    options.node_wait_s, val_loader=val_loader))
         return engines[-1]
 
     import ray

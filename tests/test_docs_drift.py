@@ -1,0 +1,85 @@
+"""Docs and help that had drifted from the code (issue 24): each is checked against its source of truth."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP_MODULES = ["render", "select_scenes", "select_cifar", "select_digits", "train_centralized", "search_centralized",
+                "embed", "assign", "meter", "explain", "federated", "merge", "download"]
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _number(pattern: str, text: str) -> tuple[str, ...]:
+    match = re.search(pattern, text)
+    assert match, f"the README no longer says {pattern!r}; update this test with the README"
+    return match.groups()
+
+
+def test_the_readme_describes_the_demo_file_it_runs():
+    readme = _flat((ROOT / "README.md").read_text())
+    demo = yaml.safe_load((ROOT / "experiments" / "demo.yaml").read_text())
+    synthetic, federated, partition = demo["data"]["synthetic"], demo["federated"], demo["partition"]
+    # "Two commands": the opening paragraph about make demo
+    buildings, classes, per_class, views = _number(r"renders (\d+) synthetic buildings \((\d+) scene classes × (\d+)\) × (\d+) views",
+                                                   readme)
+    assert int(buildings) == synthetic["n_buildings"] and int(views) == synthetic["n_views"]
+    assert int(classes) == demo["data"]["top_k_classes"] and int(classes) * int(per_class) == synthetic["n_buildings"]
+    runs_per_cell = len(partition["groupings"]) * len(partition["alphas"]) + int(partition["iid_reference"])
+    n_runs = len(demo["tasks"]) * runs_per_cell * len(federated["algorithms"]) * len(demo["seeds"])
+    algorithms, seeds, runs = _number(r"× (\d+) algorithms × (\d+) seeds \((\d+) federated runs\)", readme)
+    assert (int(algorithms), int(seeds), int(runs)) == (len(federated["algorithms"]), len(demo["seeds"]), n_runs)
+    tasks = _number(r"runs (\d+) tasks \(([a-z_, ]+)\)", readme)
+    assert int(tasks[0]) == len(demo["tasks"]) and tasks[1].split(", ") == demo["tasks"]
+    # "Experiment files and the report": the experiments/demo.yaml bullet
+    bullet = readme[readme.index("`experiments/demo.yaml`: "):][:700]
+    assert int(_number(r"^`experiments/demo.yaml`: (\d+) synthetic buildings", bullet)[0]) == synthetic["n_buildings"]
+    clients, sampled = _number(r"(\d+) clients \((\d+) sampled per round\)", bullet)
+    assert int(clients) == partition["n_clients"] and int(sampled) == round(federated["client_fraction"] * int(clients))
+    rounds, steps = _number(r"(\d+) rounds × (\d+) local SGD steps", bullet)
+    assert (int(rounds), int(steps)) == (federated["n_rounds"], federated["local_steps"])
+    momentum, lr, class_lr = _number(r"\(momentum ([\d.]+), lr ([\d.]+); class_scene ([\d.]+) through", bullet)
+    assert (float(momentum), float(lr), float(class_lr)) == (federated["momentum"], federated["init_lr"],
+                                                            federated["task_init_lr"]["class_scene"])
+    width, size = _number(r"decoder width (\d+)\) at (\d+) px", bullet)
+    assert (int(width), int(size)) == (demo["model"]["decoder_width"], demo["model"]["image_size"])
+    alphas = _number(r"α ∈ \{([\d., ]+)\} plus iid", bullet)[0]
+    assert [float(value) for value in alphas.split(", ")] == partition["alphas"]
+    assert int(_number(r"(\d+) seeds\. Its comments", bullet)[0]) == len(demo["seeds"])
+
+
+def test_weights_help_names_every_encoders_weights():
+    from models.encoders import build_encoder, list_encoders
+
+    names = set()
+    for encoder in list_encoders():
+        names |= set(build_encoder(encoder, "none").pretrained)
+    assert "dino" in names
+    for module, flag in (("train_centralized", "--weights"), ("federated", "--weights")):
+        parser = importlib.import_module(f"steps.{module}").build_parser()
+        help_text = next(action.help for action in parser._actions if flag in action.option_strings)
+        offered = set(re.findall(r"[a-z_]+", help_text.split("(")[0]))
+        assert names <= offered, f"steps/{module}.py {flag} help lacks {sorted(names - offered)}"
+
+
+@pytest.mark.parametrize("name", STEP_MODULES)
+def test_help_never_states_a_default_twice(name):
+    text = _flat(importlib.import_module(f"steps.{name}").build_parser().format_help())
+    assert not re.search(r"\(default: [^)]*\) \(default:", text), re.search(r".{60}\(default: [^)]*\) \(default:.{20}", text)
+
+
+def test_the_flower_app_help_names_itself(capsys):
+    from network.flower.app import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m network.flower.app") and "test_fed.py's flags" in _flat(out)
