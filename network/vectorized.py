@@ -101,6 +101,11 @@ def _momentum(direction: Tensor, buffer: Tensor | None, started: Tensor | bool,
     return buffer, buffer
 
 
+def _masked(active: Tensor, new: Tensor, old: Tensor, everyone: bool) -> Tensor:
+    """``new`` for the active clients, ``old`` (bit for bit) for the others."""
+    return new if everyone else torch.where(_per_client(active, new), new, old)
+
+
 def _per_client(flags: Tensor, like: Tensor) -> Tensor:
     """``[C]`` flags shaped to broadcast over a stacked ``[C, ...]`` tensor."""
     return flags.view(-1, *([1] * (like.dim() - 1)))
@@ -214,9 +219,8 @@ def train_lockstep(model: nn.Module, state: Weights, train_keys: Sequence[str], 
             constants = {key: value for key, value in state.items() if key not in trained}
             grads, losses, buffers = step(trained, constants, stacked)
             if grad_sums is not None:
-                grad_sums = {key: grad_sums[key] + (grads[key] if everyone else
-                                                    torch.where(_per_client(active, grads[key]), grads[key], 0))
-                             for key in train_keys}
+                grad_sums = {key: grad_sums[key] + _masked(active, grads[key], torch.zeros((), dtype=grads[key].dtype),
+                                                           everyone) for key in train_keys}
             if hooks.grad_map is not None:
                 grads = hooks.grad_map(grads)
             flags: Tensor | bool = started[0] if len(set(started)) == 1 else torch.tensor(started, device=cfg.device)
@@ -227,10 +231,10 @@ def train_lockstep(model: nn.Module, state: Weights, train_keys: Sequence[str], 
                 updated.update(hooks.post_step({**state, **updated}))
             new_momentum_by_key = dict(zip(train_keys, new_momentum))
             for key, value in updated.items():
-                state[key] = value if everyone else torch.where(_per_client(active, value), value, state[key])
+                state[key] = _masked(active, value, state[key], everyone)
             if options.momentum:
                 for key, value in new_momentum_by_key.items():
-                    momentum[key] = value if everyone else torch.where(_per_client(active, value), value, momentum[key])
+                    momentum[key] = _masked(active, value, momentum[key], everyone)
             started = [was or index in member_set for index, was in enumerate(started)]
             step_losses.append(losses)
             step_active.append(active)
