@@ -144,7 +144,7 @@ def test_an_algorithm_that_does_not_declare_support_is_refused_by_name(tmp_path,
 
 
 def test_the_supporting_algorithms_are_the_skeleton_family():
-    assert set(SUPPORTED) >= {"fedavg", "fedprox", "fedper", "fedrep", "fedbn", "ditto", "scaffold"}
+    assert set(SUPPORTED) >= {"fedavg", "fedprox", "fedper", "fedrep", "fedbn", "ditto", "scaffold", "ifca"}
 
 
 def test_a_model_with_dropout_is_refused_naming_the_module(tmp_path):
@@ -278,7 +278,7 @@ def test_fed_vectorised_on_cached_encoder_maps_equals_sequential(tiny_data_root,
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--method", "ifca"], r"--vectorize_clients: algorithm ifca does not train vectorised"),
+    (["--method", "sparse_ft"], r"--vectorize_clients: algorithm sparse_ft does not train vectorised"),
     (["--engine", "flower"], r"--vectorize_clients needs --engine sequential"),
 ])
 def test_fed_refuses_what_cannot_train_vectorised_before_writing_anything(tiny_data_root, tiny_manifest,  # noqa: F811
