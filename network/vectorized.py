@@ -10,7 +10,7 @@ does per chunk, so a client's trajectory is its sequential one (tested for every
 supporting algorithm, ``tests/test_vectorized.py``):
 
 * **Batches**: each client draws from its own seeded loader through the very generator
-  ``local_train`` uses (``network.local_train._batches``), so it sees the same samples in
+  ``local_train`` uses (``network.local_train.budget_batches``), so it sees the same samples in
   the same order. Clients whose batches differ in shape at a step (an epoch's short last
   batch) are stepped in separate calls, one per shape.
 * **Masked steps**: a client without a batch at a step (fewer batches in the round, or
@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from network.algorithms.base import ClientConfig, LossFn
-from network.local_train import LocalTrainResult, _batches
+from network.local_train import LocalTrainResult, budget_batches
 from utils.device import autocast, to_device
 from utils.errors import NonFiniteLossError, TaskHetError
 
@@ -203,7 +203,7 @@ def train_lockstep(model: nn.Module, state: Weights, train_keys: Sequence[str], 
     step_active: list[Tensor] = []
     grad_sums = {key: torch.zeros_like(state[key]) for key in train_keys} if hooks.sum_grads else None
     model.train()
-    iterators = [_batches(loader, **budget) for loader in loaders]
+    iterators = [budget_batches(loader, budget["steps"], budget["epochs"]) for loader in loaders]
     while True:
         batches = [next(iterator, None) for iterator in iterators]
         if all(batch is None for batch in batches):

@@ -67,11 +67,15 @@ def train_batches(data: list[dict], seed: int) -> DataLoader:
     return DataLoader(data, batch_size=6, shuffle=True, generator=torch.Generator().manual_seed(seed))
 
 
+def cast(sample: dict, dtype: str) -> dict:
+    """The sample's tensors in ``dtype`` (other values, such as its id, unchanged)."""
+    return {key: value.to(getattr(torch, dtype)) if torch.is_tensor(value) else value for key, value in sample.items()}
+
+
 def make_clients(dtype: str = "float32") -> list[ClientData]:
     clients = []
     for index, size in enumerate(SIZES):
-        data = [{key: value.to(getattr(torch, dtype)) for key, value in sample.items()}
-                for sample in client_samples(index, size + 4)]
+        data = [cast(sample, dtype) for sample in client_samples(index, size + 4)]
         clients.append(ClientData(str(index), size, partial(train_batches, data[:size]),
                                   list(DataLoader(data[size:], batch_size=4))))
     return clients
@@ -88,8 +92,8 @@ def make_engine(out_dir: Path, name: str, settings: dict, chunk: int, rounds: in
     config = EngineConfig(out_dir=out_dir, n_rounds=rounds, lr_schedule=make_lr_schedule("constant", LR, rounds),
                           seed=3, client_fraction=0.6, momentum=0.9, weight_decay=0.01, progress=False,
                           signature={"test": name}, vectorize_chunk=chunk, **local)
-    test = list(DataLoader([{key: value.to(getattr(torch, dtype)) for key, value in sample.items()}
-                            for index in range(len(SIZES)) for sample in client_samples(index, 8)], batch_size=8))
+    test = list(DataLoader([cast(sample, dtype) for index in range(len(SIZES)) for sample in client_samples(index, 8)],
+                           batch_size=8))
     return SequentialEngine(worker, algorithm, clients, loss_fn, evaluate, test, config, CPU)
 
 

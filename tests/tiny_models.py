@@ -39,4 +39,6 @@ def client_samples(index: int, count: int) -> list[dict]:
     weights = torch.randn(4, generator=generator)
     x = torch.randn(count, 4, generator=generator) + index
     y = x @ weights + 0.1 * torch.randn(count, generator=generator)
-    return [{"x": row, "y": target} for row, target in zip(x, y)]
+    # Each sample carries its id, as a real data family's do (FedEM keys its E-step by it).
+    return [{"x": row, "y": target, "sample_id": f"{index}-{row_index}"}
+            for row_index, (row, target) in enumerate(zip(x, y))]
