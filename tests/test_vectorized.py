@@ -291,3 +291,10 @@ def test_fed_refuses_what_cannot_train_vectorised_before_writing_anything(tiny_d
     with pytest.raises(TaskHetError, match=message):
         test_fed.main(step4_argv(tiny_data_root, tiny_manifest, assignments, out, "--vectorize_clients", *extra))
     assert not out.exists()
+
+
+def test_a_chunk_refuses_an_algorithm_that_tailors_each_clients_message(tmp_path):
+    engine = make_engine(tmp_path, "fedavg", {}, chunk=2)
+    engine.algorithm.client_broadcast = lambda server, broadcast, client_id: dict(broadcast)  # a per-client message
+    with pytest.raises(TaskHetError, match=r"fedavg sends each client its own message \(client_broadcast\)"):
+        engine.train_round(1)
