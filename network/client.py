@@ -26,7 +26,8 @@ from network.aggregation import Weights
 from network.algorithms.base import Algorithm, ClientConfig, ClientResult, LossFn, load_weights, make_optimizer
 from network.local_train import local_train
 from network.sampling import client_seed
-from utils.errors import TaskHetError
+from network.vectorized import ChunkNonFiniteLoss
+from utils.errors import NonFiniteLossError, TaskHetError
 
 GLOBAL_TEST_SPLIT = "test"  # the global model on the manifest's test split
 CLIENT_TEST_SPLIT = "client_test"  # the global model on each client's held-out samples
@@ -75,11 +76,37 @@ def train_client(algorithm: Algorithm, model: nn.Module, broadcast: dict[str, We
     """
     with seeded_torch_rng(seed, cfg.device):
         result = algorithm.client_update(model, broadcast, dict(state or {}), client.train_loader(seed), cfg)
+    _check_upload(algorithm, result, client.client_id)
+    return result
+
+
+def _check_upload(algorithm: Algorithm, result: ClientResult, client_id: str) -> None:
     leaked = sorted(algorithm.private_keys().intersection(key for group in result.upload.values() for key in group))
     if leaked:
-        raise TaskHetError(f"{algorithm.name} uploaded {len(leaked)} private entries of client {client.client_id}, "
+        raise TaskHetError(f"{algorithm.name} uploaded {len(leaked)} private entries of client {client_id}, "
                            f"e.g. {leaked[:3]}")
-    return result
+
+
+def train_clients(algorithm: Algorithm, model: nn.Module, broadcast: dict[str, Weights], states: list[Weights | None],
+                  clients: list[ClientData], seeds: list[int], cfgs: list[ClientConfig]) -> list[ClientResult]:
+    """:func:`train_client` for a chunk of clients trained in lock-step (``algorithm.client_updates``,
+    ``--vectorize_clients``): each client's loader is built under its own seed, as ``train_client`` builds it.
+
+    A non-finite loss names its client (``network.vectorized.ChunkNonFiniteLoss`` carries the position).
+    """
+    device = cfgs[0].device
+    loaders = []
+    for client, seed in zip(clients, seeds):
+        with seeded_torch_rng(seed, device):
+            loaders.append(client.train_loader(seed))
+    try:
+        with seeded_torch_rng(seeds[0], device):  # whatever the chunk draws stays out of the global generator
+            results = algorithm.client_updates(model, broadcast, [dict(state or {}) for state in states], loaders, cfgs)
+    except ChunkNonFiniteLoss as error:
+        raise NonFiniteLossError(f"client {clients[error.position].client_id}: {error}") from None
+    for client, result in zip(clients, results):
+        _check_upload(algorithm, result, client.client_id)
+    return results
 
 
 def evaluate_model(model: nn.Module, evaluate_fn: EvaluateFn, loader: Iterable[dict]) -> dict[str, float]:

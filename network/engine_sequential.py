@@ -32,16 +32,17 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from network.aggregation import Weights, client_summary
-from network.algorithms.base import (TRAIN_LOSS, Algorithm, ClientConfig, ClientResult, LossFn, ServerState, Upload,
+from network.algorithms.base import (ALGORITHMS, TRAIN_LOSS, Algorithm, ClientConfig, ClientResult, LossFn, ServerState, Upload,
                                      load_weights)
 from network.client import (CLIENT_TEST_SPLIT, FINETUNED_TEST_SPLIT, GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT,
                             ClientData, ClientFailure, EvaluateFn, Finetune, evaluate_client, evaluate_model,
-                            finetune_seed, train_client)
+                            finetune_seed, train_client, train_clients)
 from network.client_store import ClientStore
 from network.clients_table import CLIENTS_FILE, write_clients_table
 from network.diagnostics import DriftMeter
 from network.local_train import NonFiniteLossError
 from network.sampling import client_seed, sample_clients
+from network.vectorized import require_vectorizable
 from training.metrics import HIGHER_IS_BETTER
 from utils.errors import TaskHetError
 from utils.run_dir import MetricsCSV, atomic_torch_save, load_checkpoint, remove_stale_temporaries
@@ -85,6 +86,8 @@ class EngineConfig:
         tensorboard: also write metrics.csv's rows as TensorBoard scalars under ``out_dir/tensorboard``.
         round_lines: print one console line per round; False keeps them in run.log only and prints one
             summary line at the end (what a pipeline of hundreds of runs wants).
+        vectorize_chunk: 0 trains the sampled clients one after another; C > 0 trains them in
+            lock-step, C at a time (``--vectorize_clients``, network/vectorized.py).
     """
 
     out_dir: Path
@@ -105,6 +108,7 @@ class EngineConfig:
     diagnostics: bool = False
     tensorboard: bool = False
     round_lines: bool = True
+    vectorize_chunk: int = 0
 
 
 class SequentialEngine:
@@ -134,6 +138,8 @@ class SequentialEngine:
         ids = [str(client.client_id) for client in clients]
         if not ids or len(set(ids)) != len(ids):
             raise TaskHetError(f"the engine needs at least one client and unique client ids, got {len(ids)} ids")
+        if config.vectorize_chunk:
+            check_vectorizable(model, algorithm)
         self.model, self.algorithm, self.loss_fn, self.evaluate_fn = model, algorithm, loss_fn, evaluate_fn
         self.clients = {client_id: client for client_id, client in zip(ids, clients)}
         self.test_loader, self.val_loader, self.config, self.device = test_loader, val_loader, config, device
@@ -255,8 +261,14 @@ class SequentialEngine:
     def client_results(self, round_index: int, sampled: list[str], broadcast: dict[str, Weights],
                        lr: float) -> Iterator[tuple[str, ClientResult]]:
         """``(client_id, result)`` of the sampled clients, in the sampled order (the summation order)."""
-        for client_id in sampled:
-            yield client_id, self._train_client(round_index, client_id, broadcast, lr)
+        chunk = self.config.vectorize_chunk
+        if not chunk:
+            for client_id in sampled:
+                yield client_id, self._train_client(round_index, client_id, broadcast, lr)
+            return
+        for start in range(0, len(sampled), chunk):
+            members = sampled[start:start + chunk]
+            yield from zip(members, self._train_chunk(round_index, members, broadcast, lr))
 
     def client_evaluations(self, round_index: int) -> dict[str, dict[str, dict[str, float]]]:
         """split -> client id -> metrics, for every client with test samples (in the engine's client order)."""
@@ -297,6 +309,27 @@ class SequentialEngine:
                                 f"{self._stop_message(round_index)}") from error
         self.store.put(client_id, result.client_state)
         return result
+
+    def _train_chunk(self, round_index: int, client_ids: list[str], broadcast: dict[str, Weights],
+                     lr: float) -> list[ClientResult]:
+        clients = [self.clients[client_id] for client_id in client_ids]
+        if any(self.algorithm.client_broadcast(self.server, broadcast, client_id) is not broadcast
+               for client_id in client_ids):
+            raise TaskHetError(f"--vectorize_clients: {self.algorithm.name} sends each client its own message "
+                               "(client_broadcast), which a lock-step chunk cannot take; run without it")
+        try:
+            results = train_clients(self.algorithm, self.model, broadcast,
+                                    [self.store.get(client_id) for client_id in client_ids], clients,
+                                    [client_seed(self.config.seed, round_index, client_id) for client_id in client_ids],
+                                    [self.client_config(lr, client.num_samples) for client in clients])
+        except NonFiniteLossError as error:
+            raise NonFiniteLossError(f"round {round_index}, {error}; {self._stop_message(round_index)}") from None
+        except Exception as error:  # any failure inside a chunk names its clients
+            raise ClientFailure(f"round {round_index}, the vectorised chunk of clients {', '.join(client_ids)} failed: "
+                                f"{type(error).__name__}: {error}; {self._stop_message(round_index)}") from error
+        for client_id, result in zip(client_ids, results):
+            self.store.put(client_id, result.client_state)
+        return results
 
     def _stop_message(self, round_index: int) -> str:
         return f"the run stopped; the last good checkpoint is {self.checkpoint_path} (round {round_index - 1})"
@@ -339,6 +372,12 @@ class SequentialEngine:
 
     def _fingerprint(self) -> dict[str, Any]:
         return run_fingerprint(self.algorithm, self.config, list(self.clients))
+
+
+def check_vectorizable(model: nn.Module, algorithm: Algorithm) -> None:
+    """One clear error unless ``algorithm`` declares vectorised clients and ``model`` can train vectorised."""
+    require_vectorizable(model, algorithm.name, algorithm.vectorizable,
+                         [name for name in ALGORITHMS.names() if ALGORITHMS.get(name).vectorizable])
 
 
 def run_fingerprint(algorithm: Algorithm, config: EngineConfig, client_ids: list[str]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from datasets.family import load_manifest
 from models import build_task_model, get_task, load_task_model
 from network.algorithms import build_algorithm
 from network.algorithms.base import Algorithm
-from network.engine_sequential import EngineConfig
+from network.engine_sequential import EngineConfig, check_vectorizable
 from network.lr_schedule import make_lr_schedule
 from partitioning.assignments import load_assignments
 from partitioning.groupings import EMBEDDING_BASED, LABEL_BASED
@@ -95,6 +95,8 @@ class RunConfig:
     resume: bool = True
     out: Path | None = None
     engine: str = "sequential"
+    vectorize_clients: bool = False
+    vectorize_chunk: int = 32
     flower_mode: str = "simulation"
     flower_num_cpus: float = 1.0
     flower_num_gpus: float = 0.0
@@ -173,6 +175,8 @@ def prepare(config: RunConfig) -> FedSetup:
     sizes = {str(client_id): int(train_counts.get(client_id, 0)) for client_id in sorted(table["client_id"].unique())}
     algorithm, worker = build_algorithm(config.method, task_model, sizes, config.settings, seed=config.rand_seed,
                                         input_key=input_key)
+    if config.vectorize_clients:  # refused here, before any data is read or folder written
+        check_vectorizable(worker, algorithm)
     engine_config = EngineConfig(
         out_dir=config.out, n_rounds=config.n_rounds,
         lr_schedule=make_lr_schedule(config.lr_schedule, config.init_lr, config.n_rounds),
@@ -181,6 +185,7 @@ def prepare(config: RunConfig) -> FedSetup:
         weight_decay=config.weight_decay, resume=config.resume, progress=config.progress,
         max_state_memory_bytes=int(config.client_state_memory_mb * 2**20), finetune_steps=config.finetune_steps,
         diagnostics=config.diagnostics, tensorboard=config.tensorboard, round_lines=config.round_lines,
+        vectorize_chunk=config.vectorize_chunk if config.vectorize_clients else 0,
         signature={key: str(value) for key, value in dataclasses.asdict(config).items() if key not in NOT_IN_SIGNATURE})
     return FedSetup(
         config=config, task=task, manifest=manifest, table=table, algorithm=algorithm, engine_config=engine_config,
@@ -213,6 +218,11 @@ def resolve(config: RunConfig, meta: dict) -> RunConfig:
     if config.calibration_fraction and config.engine != "sequential":
         raise TaskHetError(f"--calibration_fraction needs --engine sequential (the {config.engine} engine has no "
                            "server-side calibration yet)")
+    if config.vectorize_clients and config.engine != "sequential":
+        raise TaskHetError(f"--vectorize_clients needs --engine sequential (the {config.engine} engine trains each "
+                           "client on its own node)")
+    if config.vectorize_chunk < 1:
+        raise TaskHetError(f"--vectorize_chunk must be >= 1, got {config.vectorize_chunk}")
     if config.finetune_steps < 0:
         raise TaskHetError(f"--finetune_steps must be >= 0, got {config.finetune_steps}")
     if config.out is None:

@@ -41,6 +41,11 @@ def build_parser(method: str | None = None, prog: str = "test_fed.py", descripti
     add("--task", required=method is not None, help="task to train (depth_euclidean, normal, segment_semantic, class_scene, ...)")
     add("--method", default="fedavg", choices=list_algorithms(), help="federated algorithm (default: fedavg)")
     add("--engine", default="sequential", choices=ENGINES, help="round loop (default: sequential)")
+    add("--vectorize_clients", action=argparse.BooleanOptionalAction, default=False,
+        help="train a round's sampled clients in lock-step (torch.func vmap; same results as one after another, "
+             "up to float rounding); algorithms that declare support only (default: no)")
+    add("--vectorize_chunk", type=positive_int, default=defaults.vectorize_chunk,
+        help="--vectorize_clients: clients per lock-step chunk; memory grows with it (default: 32)")
     add("--flower_mode", choices=("simulation",), default="simulation",
         help="--engine flower: Flower's simulation runtime on this machine (a real deployment: docs/FLOWER.md)")
     add("--flower_num_cpus", type=positive_float, default=1.0, help="--engine flower: CPU cores per client (default: 1)")

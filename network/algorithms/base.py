@@ -214,6 +214,8 @@ class Algorithm(ABC):
     name: ClassVar[str] = ""
     Settings: ClassVar[type] = object
     personalized: ClassVar[bool] = False  # True: clients have own models (personal_model), evaluated separately
+    # True: ``client_updates`` trains a chunk of clients in lock-step (--vectorize_clients, network/vectorized.py).
+    vectorizable: ClassVar[bool] = False
 
     def __init__(self, settings: Any, federation: Federation) -> None:
         if not isinstance(settings, self.Settings):
@@ -278,6 +280,15 @@ class Algorithm(ABC):
 
         ``client_state`` is empty in the client's first round.
         """
+
+    def client_updates(self, model: nn.Module, broadcast: Bundle, client_states: list[Weights],
+                       loaders: list[Iterable[dict]], cfgs: list[ClientConfig]) -> list[ClientResult]:
+        """``client_update`` of a chunk of clients trained in lock-step (``vectorizable`` algorithms only).
+
+        Each result must equal (allclose) the client's own ``client_update`` from the same state and
+        loader; ``cfgs`` differ only in ``num_samples``.
+        """
+        raise TaskHetError(f"algorithm {self.name} does not train vectorised")
 
     @abstractmethod
     def aggregate(self, server: ServerState, uploads: Iterable[Upload]) -> ServerState:

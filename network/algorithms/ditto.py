@@ -30,7 +30,7 @@ from torch import nn
 from network.aggregation import ServerOptSettings
 from network.algorithms.base import (ALGORITHMS, GLOBAL_MODEL, LOCAL_STEPS, Bundle, ClientConfig, ClientResult,
                                      Weights, copy_state, load_weights, trainable)
-from network.algorithms.skeleton import ModelAveraging, Phase, proximal_term, run_phases
+from network.algorithms.skeleton import ModelAveraging, Phase, proximal_term, run_phases, run_phases_lockstep
 from network.settings import check, setting
 
 PERSONAL_TRAIN_LOSS = "personal_train_loss"  # client metric: the personal part's mean task loss
@@ -56,6 +56,7 @@ class Ditto(ModelAveraging):
     name = "ditto"
     Settings = DittoSettings
     personalized = True
+    vectorizable = True  # --vectorize_clients: both parts run in lock-step (client_updates below)
 
     def client_update(self, model: nn.Module, broadcast: Bundle, client_state: Weights,
                       loader: Iterable[dict], cfg: ClientConfig) -> ClientResult:
@@ -67,6 +68,20 @@ class Ditto(ModelAveraging):
         result.metrics[LOCAL_STEPS] += personal[LOCAL_STEPS]
         result.client_state = copy_state(model)
         return result
+
+    def client_updates(self, model: nn.Module, broadcast: Bundle, client_states: list[Weights],
+                       loaders: list[Iterable[dict]], cfgs: list[ClientConfig]) -> list[ClientResult]:
+        results = super().client_updates(model, broadcast, [{} for _ in client_states], loaders, cfgs)
+        anchor = broadcast[GLOBAL_MODEL]
+        finals, personal = run_phases_lockstep(model, [state or anchor for state in client_states],
+                                               [self.personal_phase(model, anchor, cfgs[0].lr)], loaders, cfgs[0],
+                                               self.federation.layout.varying_keys)
+        for result, final, metrics in zip(results, finals, personal):
+            result.metrics[PERSONAL_TRAIN_LOSS] = metrics[PERSONAL_TRAIN_LOSS]
+            result.metrics[LOCAL_STEPS] += metrics[LOCAL_STEPS]
+            load_weights(model, final)
+            result.client_state = copy_state(model)
+        return results
 
     def personal_phase(self, model: nn.Module, anchor: Weights, lr: float) -> Phase:
         lam = self.settings.lam
@@ -92,4 +107,9 @@ def proximal_map(model: nn.Module, anchor: Weights, strength: float) -> Callable
             torch._foreach_add_(targets, anchors, alpha=strength)
             torch._foreach_div_(targets, 1.0 + strength)
 
+    def functional(entries: Weights) -> Weights:  # stacked entries of a chunk (vectorised clients)
+        return {name: entries[name].add(anchor, alpha=strength).div(1.0 + strength)
+                for name, anchor in zip(params, anchors)}
+
+    apply.functional = functional  # type: ignore[attr-defined]
     return apply

@@ -24,3 +24,4 @@ class FedAvg(ModelAveraging):
     """Sample-weighted model averaging with a pluggable server optimizer (the skeleton's defaults)."""
 
     name = "fedavg"
+    vectorizable = True  # --vectorize_clients: the skeleton's phases run in lock-step

@@ -29,6 +29,7 @@ class FedBN(ModelAveraging):
     """Model averaging with local BatchNorm."""
 
     name = "fedbn"
+    vectorizable = True  # --vectorize_clients: the skeleton's phases run in lock-step
     Settings = ServerOptSettings
 
     def private_keys(self) -> frozenset[str]:

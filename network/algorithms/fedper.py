@@ -23,6 +23,7 @@ class FedPer(ModelAveraging):
     """Joint local training; the head stays private, the body is averaged."""
 
     name = "fedper"
+    vectorizable = True  # --vectorize_clients: the skeleton's phases run in lock-step
     Settings = ServerOptSettings
 
     def __init__(self, settings: ServerOptSettings, federation: Federation) -> None:

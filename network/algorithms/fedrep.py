@@ -58,6 +58,7 @@ class FedRep(ModelAveraging):
     """Alternating head/body local training; only the body is averaged."""
 
     name = "fedrep"
+    vectorizable = True  # --vectorize_clients: the skeleton's phases run in lock-step
     Settings = FedRepSettings
 
     def __init__(self, settings: FedRepSettings, federation: Federation) -> None:

@@ -33,7 +33,7 @@ from torch import nn
 from network.aggregation import Weights, WeightedMean, apply_update
 from network.algorithms.base import (ALGORITHMS, Algorithm, Bundle, ClientConfig, ClientResult, ServerState, Upload,
                                      load_weights, require)
-from network.algorithms.skeleton import DELTA, Phase, run_phases, training_loss
+from network.algorithms.skeleton import DELTA, Phase, run_phases, run_phases_lockstep, training_loss
 from network.settings import check, setting
 from utils.seeding import torch_generator
 
@@ -62,6 +62,7 @@ class IFCA(Algorithm):
     name = "ifca"
     Settings = IFCASettings
     personalized = True
+    vectorizable = True  # --vectorize_clients: each client's chosen model trains in lock-step (client_updates)
 
     @classmethod
     def check_num_clients(cls, settings: IFCASettings, num_clients: int) -> None:
@@ -96,6 +97,27 @@ class IFCA(Algorithm):
         upload = {DELTA: {key: state[key].detach() - start[key] for key in self.federation.layout.varying_keys},
                   CLUSTER: identity}
         return ClientResult(upload, dict(identity), metrics, cfg.num_samples)
+
+    def client_updates(self, model: nn.Module, broadcast: Bundle, client_states: list[Weights],
+                       loaders: list[Iterable[dict]], cfgs: list[ClientConfig]) -> list[ClientResult]:
+        """``client_update`` of a chunk: each client chooses its cluster alone, then all train in lock-step."""
+        chosen = [self._choose(model, broadcast, loader, cfg) for loader, cfg in zip(loaders, cfgs)]
+        starts = [broadcast[cluster_name(index)] for index in chosen]
+        load_weights(model, starts[0])  # the entries that are not stacked are the same in every cluster model
+        varying = self.federation.layout.varying_keys
+        finals, metrics = run_phases_lockstep(model, starts, [Phase()], loaders, cfgs[0], varying)
+        results = []
+        for index, start, final, client_metrics, cfg in zip(chosen, starts, finals, metrics, cfgs):
+            client_metrics[CLUSTER] = float(index)
+            identity = {"id": torch.tensor(index)}
+            upload = {DELTA: {key: final[key].detach() - start[key] for key in varying}, CLUSTER: identity}
+            results.append(ClientResult(upload, dict(identity), client_metrics, cfg.num_samples))
+        return results
+
+    def _choose(self, model: nn.Module, broadcast: Bundle, loader: Iterable[dict], cfg: ClientConfig) -> int:
+        losses = [self._train_loss(model, broadcast[cluster_name(index)], loader, cfg)
+                  for index in range(self.settings.n_cluster_models)]
+        return min(range(len(losses)), key=lambda index: (losses[index], index))
 
     def aggregate(self, server: ServerState, uploads: Iterable[Upload]) -> ServerState:
         means = [WeightedMean() for _ in range(self.settings.n_cluster_models)]

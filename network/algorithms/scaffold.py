@@ -56,6 +56,7 @@ from network.algorithms.base import (ALGORITHMS, GLOBAL_MODEL, LOCAL_STEPS, TRAI
                                      make_optimizer, require, trainable)
 from network.local_train import local_train
 from network.settings import check, setting
+from network.vectorized import Hooks, stack_weights, train_lockstep, unstack_weights
 from utils.device import autocast, to_device
 
 OPTIONS = ("I", "II")
@@ -82,6 +83,7 @@ class Scaffold(Algorithm):
 
     name = "scaffold"
     Settings = ScaffoldSettings
+    vectorizable = True  # --vectorize_clients: client_updates below
 
     def __init__(self, settings: ScaffoldSettings, federation: Federation) -> None:
         super().__init__(settings, federation)
@@ -123,6 +125,38 @@ class Scaffold(Algorithm):
                   CONTROL_DELTA: {name: new - old for name, new, old in zip(names, c_new, c_old)}}
         return ClientResult(upload, dict(zip(names, c_new)), {TRAIN_LOSS: result.mean_loss, LOCAL_STEPS: result.steps},
                             cfg.num_samples)
+
+    def client_updates(self, model: nn.Module, broadcast: Bundle, client_states: list[Weights],
+                       loaders: list[Iterable[dict]], cfgs: list[ClientConfig]) -> list[ClientResult]:
+        """``client_update`` of a chunk in lock-step: the correction is a stacked gradient map (network/vectorized.py)."""
+        weights = broadcast[GLOBAL_MODEL]
+        load_weights(model, weights)
+        params = trainable(model)
+        names = list(params)
+        c = [_read(broadcast[CONTROL], name, params[name]) for name in names]
+        c_olds = [[_read(state, name, params[name]) for name in names] for state in client_states]
+        c_news = []
+        if self.settings.option == "I":
+            for loader, cfg in zip(loaders, cfgs):
+                c_news.append(_full_gradient(model, list(params.values()), loader, cfg))
+                load_weights(model, weights)
+        corrections = [torch._foreach_sub(c, c_old) for c_old in c_olds]
+        correction = {name: torch.stack([client[index] for client in corrections]) for index, name in enumerate(names)}
+        varying = self.federation.layout.varying_keys
+        trained = train_lockstep(model, stack_weights([weights] * len(loaders), varying), names, loaders, cfgs[0],
+                                 cfgs[0].budget(), Hooks(grad_map=lambda grads: {name: grads[name] + correction[name]
+                                                                                  for name in names}, sum_grads=True))
+        results = []
+        for index, (outcome, c_old, cfg) in enumerate(zip(trained.results, c_olds, cfgs)):
+            require(outcome.steps > 0, "scaffold needs at least one local step (K >= 1) per client")
+            c_new = c_news[index] if c_news else [trained.grad_sums[name][index] / outcome.steps for name in names]
+            load_weights(model, unstack_weights(trained.state, index))
+            fixed = self.federation.layout.fixed_keys
+            upload = {DELTA: subtract(model.state_dict(), weights, [key for key in weights if key not in fixed]),
+                      CONTROL_DELTA: {name: new - old for name, new, old in zip(names, c_new, c_old)}}
+            results.append(ClientResult(upload, dict(zip(names, c_new)),
+                                        {TRAIN_LOSS: outcome.mean_loss, LOCAL_STEPS: outcome.steps}, cfg.num_samples))
+        return results
 
     def aggregate(self, server: ServerState, uploads: Iterable[Upload]) -> ServerState:
         model_mean, control_sum = WeightedMean(), WeightedMean()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Collection, Iterable, Iterator
+from typing import Callable, ClassVar, Collection, Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -27,8 +27,10 @@ from network.aggregation import (ServerOptSettings, Weights, WeightedMean, clien
                                  server_step, subtract, upload_weight)
 from network.algorithms.base import (GLOBAL_MODEL, LOCAL_STEPS, TRAIN_LOSS, Algorithm, Bundle, ClientConfig,
                                      ClientResult, ServerState, Upload, copy_state, load_weights, make_optimizer,
-                                     trainable)
+                                     require, trainable)
 from network.local_train import local_train
+from network.vectorized import Hooks, stack_weights, train_lockstep, unstack_weights
+from utils.errors import TaskHetError
 from utils.device import to_device
 
 DELTA = "delta"  # upload group: the client's change y − x of the shared entries
@@ -88,19 +90,86 @@ def frozen(model: nn.Module, keys: Iterable[str]) -> Iterator[None]:
         load_weights(model, buffers)
 
 
-def proximal_term(model: nn.Module, anchor: Weights, mu: float) -> Callable[[nn.Module], Tensor]:
+def proximal_term(model: nn.Module, anchor: Weights, mu: float) -> "ProximalTerm":
     """``(μ/2)·‖w − anchor‖²`` over the model's trainable parameters (gradient μ·(w − anchor)); anchor held fixed."""
-    params = trainable(model)
-    names = list(params)
-    anchors = [anchor[name].detach() for name in names]
-    weights = [params[name] for name in names]
-    half_mu = mu / 2
+    return ProximalTerm(model, anchor, mu)
 
-    def term(_: nn.Module) -> Tensor:
-        squared = torch._foreach_pow(torch._foreach_sub(weights, anchors), 2)
-        return half_mu * sum(part.sum() for part in squared)
 
-    return term
+class ProximalTerm:
+    """An ``extra_loss`` hook: ``(μ/2)·‖w − anchor‖²`` over the model's trainable parameters at construction.
+
+    ``functional(entries)`` is the same term of one client's entries by name (vectorised clients).
+    """
+
+    def __init__(self, model: nn.Module, anchor: Weights, mu: float) -> None:
+        params = trainable(model)
+        self.names = list(params)
+        self.anchors = [anchor[name].detach() for name in self.names]
+        self.weights = list(params.values())
+        self.half_mu = mu / 2
+
+    def __call__(self, _: nn.Module) -> Tensor:
+        squared = torch._foreach_pow(torch._foreach_sub(self.weights, self.anchors), 2)
+        return self.half_mu * sum(part.sum() for part in squared)
+
+    def functional(self, entries: Weights) -> Tensor:
+        # Plain ops, not _foreach: these run inside vmap.
+        squared = [(entries[name] - anchor).pow(2) for name, anchor in zip(self.names, self.anchors)]
+        return self.half_mu * sum(part.sum() for part in squared)
+
+
+def run_phases_lockstep(model: nn.Module, starts: list[Weights], phases: list[Phase], loaders: list[Iterable[dict]],
+                        cfg: ClientConfig, keys: Sequence[str]) -> tuple[list[Weights], list[dict[str, float]]]:
+    """:func:`run_phases` for a chunk of clients in lock-step (``network.vectorized``), each from its own start.
+
+    Args:
+        starts: each client's weights before the phases (at least ``keys``).
+        phases: the phases (the same for every client); each hook needs its ``functional`` form.
+        loaders: each client's loader.
+        cfg: the round's client config (lr, momentum, weight decay, budget; ``num_samples`` is not read).
+        keys: the entries training can change (the layout's varying keys): they are stacked; the
+            model's own values serve for every other entry (a frozen encoder).
+
+    Returns:
+        Each client's entries ``keys`` after the phases, and its metrics (as :func:`run_phases`).
+    """
+    state = stack_weights(starts, keys)
+    metrics: list[dict[str, float]] = [{LOCAL_STEPS: 0} for _ in starts]
+    params = dict(model.named_parameters())
+    for phase in phases:
+        if phase.multiple == 0:
+            continue
+        train_keys = [key for key in trainable(model, phase.keys) if key in state]
+        phase_keys = set(state) if phase.keys is None else set(phase.keys)
+        kept = {key: value for key, value in state.items() if key not in phase_keys and key not in params}
+        result = train_lockstep(model, state, train_keys, loaders, cfg, cfg.budget(phase.multiple), _hooks(phase))
+        state = {**result.state, **kept}  # frozen buffers restored, as ``frozen`` does
+        for client, outcome in zip(metrics, result.results):
+            client[phase.metric] = outcome.mean_loss
+            client[LOCAL_STEPS] += outcome.steps
+    return [unstack_weights(state, index) for index in range(len(starts))], metrics
+
+
+def _hooks(phase: Phase) -> Hooks:
+    return Hooks(extra_loss=_functional(phase.extra_loss, "extra loss"),
+                 grad_map=_functional(phase.grad_hook, "gradient hook"),
+                 post_step=_functional(phase.post_step, "post-step map"))
+
+
+def _functional(hook: Callable | None, what: str) -> Callable | None:
+    if hook is None:
+        return None
+    functional = getattr(hook, "functional", None)
+    if functional is None:
+        raise TaskHetError(f"a phase's {what} ({hook!r}) has no functional form (.functional): it cannot train "
+                           "vectorised; run without --vectorize_clients")
+    return functional
+
+
+def _outline(phases: list[Phase]) -> list[tuple]:
+    """What must agree between clients for their phases to run in lock-step."""
+    return [(None if phase.keys is None else tuple(phase.keys), phase.multiple, phase.metric, phase.extra_loss is None,
+             phase.grad_hook is None, phase.post_step is None) for phase in phases]
 
 
 class ModelAveraging(Algorithm):
@@ -152,6 +221,25 @@ class ModelAveraging(Algorithm):
         metrics = run_phases(model, self.phases(model, broadcast, client_state, cfg), loader, cfg)
         upload = {DELTA: subtract(model.state_dict(), global_weights, self.shared_keys())}
         return ClientResult(upload, self.next_client_state(model, client_state), metrics, cfg.num_samples)
+
+    def client_updates(self, model: nn.Module, broadcast: Bundle, client_states: list[Weights],
+                       loaders: list[Iterable[dict]], cfgs: list[ClientConfig]) -> list[ClientResult]:
+        """``client_update`` of a chunk of clients in lock-step: the same phases, uploads and client states."""
+        global_weights = broadcast[GLOBAL_MODEL]
+        load_weights(model, global_weights)  # the entries that are not stacked (a frozen encoder) come from the model
+        phases = self.phases(model, broadcast, client_states[0], cfgs[0])
+        require(all(_outline(self.phases(model, broadcast, state, cfg)) == _outline(phases)
+                    for state, cfg in zip(client_states[1:], cfgs[1:])),
+                f"{self.name}: clients of one round have different phases, so they cannot train in lock-step")
+        starts = [{**global_weights, **self.own_entries(state)} for state in client_states]
+        finals, metrics = run_phases_lockstep(model, starts, phases, loaders, cfgs[0],
+                                              self.federation.layout.varying_keys)
+        results = []
+        for final, state, cfg, client_metrics in zip(finals, client_states, cfgs, metrics):
+            load_weights(model, final)  # so the upload and the state come from the very code client_update runs
+            upload = {DELTA: subtract(model.state_dict(), global_weights, self.shared_keys())}
+            results.append(ClientResult(upload, self.next_client_state(model, state), client_metrics, cfg.num_samples))
+        return results
 
     def own_entries(self, client_state: Weights) -> Weights:
         """The entries of the client state loaded over the global model before training (its private entries)."""

@@ -1,0 +1,334 @@
+"""Vectorised clients (issue 23): a chunk of a round's clients trained in lock-step with ``torch.func``.
+
+With a frozen, cached encoder a local step trains a small decoder or head, and most of its
+time is per-step overhead paid once per client (Python, kernel launches, optimizer
+bookkeeping). Here the C clients of a chunk keep their entries *stacked* (``[C, ...]``
+per state-dict entry) and one step of all of them is one ``vmap`` over
+``functional_call`` + ``grad``, each client on its own batch, followed by one SGD
+update of the stacked tensors. What the sequential engine's loop does per client, this
+does per chunk, so a client's trajectory is its sequential one (tested for every
+supporting algorithm, ``tests/test_vectorized.py``):
+
+* **Batches**: each client draws from its own seeded loader through the very generator
+  ``local_train`` uses (``network.local_train.budget_batches``), so it sees the same samples in
+  the same order. Clients whose batches differ in shape at a step (an epoch's short last
+  batch) are stepped in separate calls, one per shape.
+* **Masked steps**: a client without a batch at a step (fewer batches in the round, or
+  a batch of another shape) takes a masked step: its parameters, momentum buffer and
+  buffers (BatchNorm running statistics and ``num_batches_tracked``) keep their values
+  exactly (``torch.where`` on the old tensor), and its loss is not counted.
+* **SGD** (:func:`sgd_step`): ``torch.optim.SGD``'s per-tensor step, every option, as a
+  function of stacked tensors; a client's first *taken* step sets its buffer to the
+  direction, as torch's first step does.
+* **BatchNorm**: each client's buffers are its own vmapped inputs, so batch statistics
+  are per client and the running statistics come back as outputs (cloned before the
+  forward pass, which updates them in place), never shared.
+
+Hand-written on top of ``torch.func`` because no kept library trains many models with
+different data in lock-step under torch's SGD semantics (``torch.func.stack_module_state``
+covers the stacking only, and takes modules where the engine holds weight dicts).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+from network.algorithms.base import ClientConfig, LossFn
+from network.local_train import LocalTrainResult, budget_batches
+from utils.device import autocast, to_device
+from utils.errors import NonFiniteLossError, TaskHetError
+
+Weights = dict[str, Tensor]
+_WORKER = "model."  # entry prefix of the worker inside _Objective
+
+
+@dataclass(frozen=True)
+class SGDOptions:
+    """``torch.optim.SGD``'s hyperparameters (one learning rate for the whole chunk)."""
+
+    lr: float
+    momentum: float = 0.0
+    dampening: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+    maximize: bool = False
+
+
+def sgd_step(params: Sequence[Tensor], grads: Sequence[Tensor], buffers: Sequence[Tensor | None],
+             started: Tensor | bool, options: SGDOptions) -> tuple[list[Tensor], list[Tensor | None]]:
+    """One step of ``torch.optim.SGD`` (its per-tensor code, op for op), as a function: new tensors, inputs untouched.
+
+    Args:
+        params, grads: one tensor each per parameter (stacked ``[C, ...]`` or not).
+        buffers: the momentum buffers (ignored where not ``started``; None with momentum 0).
+        started: whether each buffer exists yet: a bool, or a bool tensor ``[C]`` (one per stacked
+            client). Where False the new buffer is the direction itself, torch's first step.
+        options: lr, momentum, dampening, weight decay, nesterov, maximize.
+
+    Returns:
+        The new parameters and the new momentum buffers (None with momentum 0).
+    """
+    new_params, new_buffers = [], []
+    for param, gradient, buffer in zip(params, grads, buffers):
+        direction = -gradient if options.maximize else gradient
+        if options.weight_decay != 0:
+            direction = direction.add(param, alpha=options.weight_decay)
+        if options.momentum != 0:
+            direction, buffer = _momentum(direction, buffer, started, options)
+        new_params.append(param.add(direction, alpha=-options.lr))
+        new_buffers.append(buffer)
+    return new_params, new_buffers
+
+
+def _momentum(direction: Tensor, buffer: Tensor | None, started: Tensor | bool,
+              options: SGDOptions) -> tuple[Tensor, Tensor]:
+    if isinstance(started, bool):
+        if not started or buffer is None:
+            buffer = direction.detach().clone()
+        else:
+            buffer = buffer.mul(options.momentum).add(direction, alpha=1 - options.dampening)
+    else:
+        continued = buffer.mul(options.momentum).add(direction, alpha=1 - options.dampening)
+        buffer = torch.where(_per_client(started, direction), continued, direction)
+    if options.nesterov:
+        return direction.add(buffer, alpha=options.momentum), buffer
+    return buffer, buffer
+
+
+def _masked(active: Tensor, new: Tensor, old: Tensor, everyone: bool) -> Tensor:
+    """``new`` for the active clients, ``old`` (bit for bit) for the others."""
+    return new if everyone else torch.where(_per_client(active, new), new, old)
+
+
+def _per_client(flags: Tensor, like: Tensor) -> Tensor:
+    """``[C]`` flags shaped to broadcast over a stacked ``[C, ...]`` tensor."""
+    return flags.view(-1, *([1] * (like.dim() - 1)))
+
+
+def stack_weights(weights: Sequence[Weights], keys: Iterable[str]) -> Weights:
+    """The clients' entries ``keys`` stacked along a new first dimension (client order)."""
+    return {key: torch.stack([client[key].detach() for client in weights]) for key in keys}
+
+
+def unstack_weights(stacked: Weights, index: int) -> Weights:
+    """Client ``index``'s entries of a stacked state (views)."""
+    return {key: value[index] for key, value in stacked.items()}
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """The functional forms of a phase's hooks (``network.algorithms.skeleton.Phase``).
+
+    Attributes:
+        extra_loss: one client's entries (parameters and buffers, by name) -> a scalar added to
+            the task loss, inside ``vmap`` (FedProx's and Ditto's proximal terms).
+        grad_map: the chunk's stacked gradients of the trained parameters -> the gradients the
+            optimizer sees (SCAFFOLD's correction).
+        post_step: the chunk's stacked entries after a step -> replaced entries (Ditto's proximal map).
+        sum_grads: also return the sum of each client's raw gradients over its taken steps.
+    """
+
+    extra_loss: Callable[[Weights], Tensor] | None = None
+    grad_map: Callable[[Weights], Weights] | None = None
+    post_step: Callable[[Weights], Weights] | None = None
+    sum_grads: bool = False
+
+
+@dataclass
+class LockstepResult:
+    """What :func:`train_lockstep` returns.
+
+    Attributes:
+        state: the chunk's stacked entries after training.
+        results: each client's steps and mean task loss.
+        grad_sums: with ``Hooks.sum_grads``, each trained parameter's stacked sum of raw gradients.
+    """
+
+    state: Weights
+    results: list[LocalTrainResult]
+    grad_sums: Weights | None = None
+
+
+class ChunkNonFiniteLoss(NonFiniteLossError):
+    """A client of a chunk had a non-finite loss; ``position`` is its index in the chunk."""
+
+    def __init__(self, message: str, position: int) -> None:
+        super().__init__(message)
+        self.position = position
+
+
+class _Objective(nn.Module):
+    """The task loss as a module, so ``functional_call`` can swap the worker's entries for one client's."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, batch: dict) -> Tensor:
+        return self.loss_fn(self.model, batch)
+
+
+def train_lockstep(model: nn.Module, state: Weights, train_keys: Sequence[str], loaders: Sequence[Iterable[dict]],
+                   cfg: ClientConfig, budget: dict[str, int | None], hooks: Hooks = Hooks()) -> LockstepResult:
+    """``local_train`` for a chunk of clients at once (see the module docstring).
+
+    Args:
+        model: the worker model (its entries outside ``state``, e.g. a frozen encoder, are used as they are).
+        state: the chunk's stacked entries ``[C, ...]`` (every entry training can change).
+        train_keys: the parameters this phase trains (the others in ``state`` are held fixed).
+        loaders: one client's loader each, in the order of ``state``.
+        cfg: lr, momentum, weight decay, loss and device (the same for every client of a round).
+        budget: ``local_train``'s ``steps``/``epochs`` keywords.
+        hooks: functional hooks.
+
+    Returns:
+        The stacked entries after training, each client's steps and mean loss, and the gradient sums.
+    """
+    count = len(loaders)
+    options = SGDOptions(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    step = _client_step(model, cfg.loss_fn, [key for key in state if key not in train_keys],
+                        hooks.extra_loss, autocast(cfg.device))
+    state = dict(state)
+    momentum: dict[str, Tensor | None] = {key: torch.zeros_like(state[key]) if options.momentum else None
+                                         for key in train_keys}
+    started = [False] * count  # whether each client's momentum buffer exists (kept in Python: no device sync)
+    step_losses: list[Tensor] = []  # [C] per lock-step call; step_active says whose counted
+    step_active: list[Tensor] = []
+    grad_sums = {key: torch.zeros_like(state[key]) for key in train_keys} if hooks.sum_grads else None
+    model.train()
+    iterators = [budget_batches(loader, budget["steps"], budget["epochs"]) for loader in loaders]
+    while True:
+        batches = [next(iterator, None) for iterator in iterators]
+        if all(batch is None for batch in batches):
+            break
+        for members in _shape_groups(batches):
+            member_set = set(members)
+            active = torch.zeros(count, dtype=torch.bool, device=cfg.device)
+            active[members] = True
+            everyone = len(members) == count
+            stacked = _stack_batches([batches[index] if index in member_set
+                                      else batches[members[0]] for index in range(count)], cfg.device)
+            trained = {key: state[key] for key in train_keys}
+            constants = {key: value for key, value in state.items() if key not in trained}
+            grads, losses, buffers = step(trained, constants, stacked)
+            if grad_sums is not None:
+                grad_sums = {key: grad_sums[key] + _masked(active, grads[key], torch.zeros((), dtype=grads[key].dtype),
+                                                           everyone) for key in train_keys}
+            if hooks.grad_map is not None:
+                grads = hooks.grad_map(grads)
+            flags: Tensor | bool = started[0] if len(set(started)) == 1 else torch.tensor(started, device=cfg.device)
+            params, new_momentum = sgd_step([trained[key] for key in train_keys], [grads[key] for key in train_keys],
+                                            [momentum[key] for key in train_keys], flags, options)
+            updated = {**buffers, **dict(zip(train_keys, params))}
+            if hooks.post_step is not None:
+                updated.update(hooks.post_step({**state, **updated}))
+            new_momentum_by_key = dict(zip(train_keys, new_momentum))
+            for key, value in updated.items():
+                state[key] = _masked(active, value, state[key], everyone)
+            if options.momentum:
+                for key, value in new_momentum_by_key.items():
+                    momentum[key] = _masked(active, value, momentum[key], everyone)
+            started = [was or index in member_set for index, was in enumerate(started)]
+            step_losses.append(losses)
+            step_active.append(active)
+    return LockstepResult(state, _results(step_losses, step_active, count), grad_sums)
+
+
+def _client_step(model: nn.Module, loss_fn: LossFn, constant_keys: Sequence[str],
+                 extra_loss: Callable[[Weights], Tensor] | None, mixed_precision) -> Callable:
+    """``(trained, constants, batch) -> (grads, losses, new buffers)``, vmapped over the chunk."""
+    objective = _Objective(model, loss_fn)
+    buffer_keys = [key for key in constant_keys if key not in dict(model.named_parameters())]
+
+    def one_client(trained: Weights, constants: Weights, batch: dict):
+        def loss_of(trained: Weights):
+            # BatchNorm updates its running statistics in place: the clones become this client's new ones.
+            buffers = {key: constants[key].clone() for key in buffer_keys}
+            entries = {**constants, **trained, **buffers}
+            with mixed_precision:
+                loss = functional_call(objective, {_WORKER + key: value for key, value in entries.items()}, (batch,))
+            total = loss if extra_loss is None else loss.float() + extra_loss(entries)
+            return total, (loss.detach(), buffers)
+
+        grads, (loss, buffers) = grad(loss_of, has_aux=True)(trained)
+        return grads, loss, buffers
+
+    return vmap(one_client)
+
+
+def _results(step_losses: list[Tensor], step_active: list[Tensor], count: int) -> list[LocalTrainResult]:
+    """Each client's steps and mean loss, computed as ``local_train`` computes them (the float32 mean of its losses)."""
+    if not step_losses:
+        return [LocalTrainResult(steps=0, mean_loss=0.0) for _ in range(count)]
+    losses, active = torch.stack(step_losses), torch.stack(step_active)  # [S, C]
+    counts = active.sum(0).tolist()
+    means = torch.stack([losses[:, index][active[:, index]].float().mean() for index in range(count)]).tolist()
+    results = []
+    for position, (taken, mean_loss) in enumerate(zip(counts, means)):
+        mean_loss = mean_loss if taken else 0.0
+        if not math.isfinite(mean_loss):
+            raise ChunkNonFiniteLoss(f"the local training loss is {mean_loss}", position)
+        results.append(LocalTrainResult(steps=taken, mean_loss=mean_loss))
+    return results
+
+
+def _signature(batch: dict) -> tuple:
+    """What must match for batches to be stacked: each tensor's (or tensor list's) key, shapes and dtypes."""
+    parts = []
+    for key, value in batch.items():
+        if torch.is_tensor(value):
+            parts.append((key, tuple(value.shape), value.dtype))
+        elif isinstance(value, list) and value and all(torch.is_tensor(item) for item in value):
+            parts.append((key, tuple((tuple(item.shape), item.dtype) for item in value)))
+    return tuple(parts)
+
+
+def _shape_groups(batches: Sequence[dict | None]) -> list[list[int]]:
+    """Indices of the clients with a batch, grouped by batch signature (first appearance order)."""
+    groups: dict[tuple, list[int]] = {}
+    for index, batch in enumerate(batches):
+        if batch is not None:
+            groups.setdefault(_signature(batch), []).append(index)
+    return list(groups.values())
+
+
+def _stack_batches(batches: Sequence[dict], device: torch.device) -> dict:
+    """One batch dict of ``[C, B, ...]`` tensors (and lists of them); other values (sample ids) are left out:
+    they cannot be vmapped, and no loss reads them."""
+    first = batches[0]
+    stacked = {}
+    for key, value in first.items():
+        if torch.is_tensor(value):
+            stacked[key] = torch.stack([batch[key] for batch in batches])
+        elif isinstance(value, list) and value and all(torch.is_tensor(item) for item in value):
+            stacked[key] = [torch.stack([batch[key][part] for batch in batches]) for part in range(len(value))]
+    return to_device(stacked, device)
+
+
+def vectorization_problem(model: nn.Module) -> str | None:
+    """Why ``model`` cannot train vectorised with results equal to the sequential engine's, or None."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return (f"its module {name or 'model'} ({type(module).__name__}, p={module.p}) draws random numbers, "
+                    "which vmap cannot draw as the sequential engine does")
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats and module.momentum is None:
+            return (f"its BatchNorm {name} keeps a cumulative average (momentum=None), which reads its batch counter "
+                    "as a Python number")
+    return None
+
+
+def require_vectorizable(model: nn.Module, algorithm_name: str, vectorizable: bool, supported: Sequence[str]) -> None:
+    """Raise a TaskHetError naming the algorithm or the model's module when the run cannot train vectorised."""
+    if not vectorizable:
+        raise TaskHetError(f"--vectorize_clients: algorithm {algorithm_name} does not train vectorised "
+                           f"(those that do: {', '.join(supported)}); run it without --vectorize_clients")
+    problem = vectorization_problem(model)
+    if problem is not None:
+        raise TaskHetError(f"--vectorize_clients: the model cannot train vectorised: {problem}; run without it")
