@@ -155,6 +155,8 @@ class ClientConfig:
         local_epochs: E passes over the client's data per round, or None.
         momentum: local SGD momentum (a fresh optimizer each round and phase).
         weight_decay: local SGD weight decay.
+        class_counts: the client's training samples per class (classification data; None otherwise),
+            set by ``network.client.train_client`` from its ClientData (FedRoD's balanced softmax).
     """
 
     lr: float
@@ -165,6 +167,7 @@ class ClientConfig:
     local_epochs: int | None = None
     momentum: float = 0.0
     weight_decay: float = 0.0
+    class_counts: tuple[int, ...] | None = None
 
     def budget(self, multiple: int = 1) -> dict[str, int | None]:
         """``local_train`` keyword arguments for ``multiple`` times the local budget."""
