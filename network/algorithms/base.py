@@ -213,6 +213,7 @@ class Algorithm(ABC):
     name: ClassVar[str] = ""
     Settings: ClassVar[type] = object
     personalized: ClassVar[bool] = False  # True: clients have own models (personal_model), evaluated separately
+    needs_classifier: ClassVar[bool] = False  # True: its worker model replaces a Linear classifier head (FedLoGe, FedRoD)
 
     def __init__(self, settings: Any, federation: Federation) -> None:
         if not isinstance(settings, self.Settings):
