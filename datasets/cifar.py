@@ -2,7 +2,9 @@
 
 The files are torchvision's: ``<data_path>/cifar-10-batches-py/`` (``data_batch_1..5``,
 ``test_batch``, ``batches.meta``) and ``<data_path>/cifar-100-python/`` (``train``,
-``test``, ``meta``), read through ``torchvision.datasets.CIFAR10/CIFAR100``.
+``test``, ``meta``). torchvision's ``CIFAR10/CIFAR100`` classes name the files, their md5s and the
+download; the files are read here with a restricted unpickler (:func:`load_split`), never with
+torchvision's reader, which unpickles them with plain ``pickle``.
 The step-1 manifest has columns :data:`MANIFEST_COLUMNS`: ``dataset`` is cifar10 or
 cifar100, ``image_index`` the row of torchvision's train or test array (``split``),
 ``label`` the class, ``val`` 1 for the validation part of the training set (0
@@ -13,6 +15,7 @@ training images set aside for model selection, and the test set only gives final
 from __future__ import annotations
 
 import urllib.error
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,12 +27,13 @@ from torch.utils.data import Dataset
 
 import utils.tv_compat  # noqa: F401  (before torchvision)
 from torchvision.datasets import CIFAR10, CIFAR100
+from torchvision.datasets.utils import check_integrity, download_and_extract_archive
 
-from datasets.family import (DATASETS, FAMILY_COLUMN, SPLITS, VAL_COLUMN, DataFamily, stratified_validation,
-                             with_family_column)
+from datasets.family import (DATASETS, FAMILY_COLUMN, SPLITS, VAL_COLUMN, DataFamily, refuse_repeated_images,
+                             stratified_validation, with_family_column)
 from datasets.long_tail import long_tail_indices
 from utils.errors import TaskHetError
-from utils.loaders import read_csv
+from utils.loaders import load_data_pickle, read_csv
 from utils.seeding import numpy_rng
 
 if TYPE_CHECKING:
@@ -42,35 +46,45 @@ MANIFEST_COLUMNS = (FAMILY_COLUMN, "sample_id", "dataset", "image_index", "label
 FETCH_COMMAND = "make download-cifar DATASET={dataset}"
 
 
-class _CIFAR10Unverified(CIFAR10):
-    """CIFAR10 that skips ONLY torchvision's md5 step: ``check_integrity(path, None)`` checks that the file exists.
+@dataclass(frozen=True)
+class CifarFiles:
+    """One CIFAR's files: torchvision's class supplies the folder, file names, md5s and download URL.
 
-    Used for files whose checksums cannot match (the tests' tiny pickles) and for files
-    step 1 has verified already; torchvision's own pickle-reading code is kept unchanged.
+    Attributes:
+        num_classes: C (CIFAR-100: the fine labels).
+        torchvision_class: ``CIFAR10`` / ``CIFAR100`` (only their class attributes and downloader are used).
+        label_key: the batch entry holding the labels (``labels`` / ``fine_labels``).
     """
 
-    train_list = [[name, None] for name, _ in CIFAR10.train_list]
-    test_list = [[name, None] for name, _ in CIFAR10.test_list]
-    meta = {**CIFAR10.meta, "md5": None}
+    num_classes: int
+    torchvision_class: type[CIFAR10]
+    label_key: str
+
+    @property
+    def folder_name(self) -> str:
+        return self.torchvision_class.base_folder
+
+    def split_files(self, train: bool) -> list[tuple[str, str]]:
+        """``(file name, md5)`` of the batches of one split."""
+        return [(name, md5) for name, md5 in (self.torchvision_class.train_list if train else self.torchvision_class.test_list)]
+
+    @property
+    def meta(self) -> tuple[str, str, str]:
+        """``(file name, md5, key of the class names)`` of the meta file."""
+        meta = self.torchvision_class.meta
+        return meta["filename"], meta["md5"], meta["key"]
 
 
-class _CIFAR100Unverified(CIFAR100):
-    """CIFAR100 without the md5 step (see :class:`_CIFAR10Unverified`)."""
-
-    train_list = [[name, None] for name, _ in CIFAR100.train_list]
-    test_list = [[name, None] for name, _ in CIFAR100.test_list]
-    meta = {**CIFAR100.meta, "md5": None}
-
-
-# dataset name -> (classes, checked torchvision class, unchecked torchvision class)
-DATASET_CLASSES = {"cifar10": (10, CIFAR10, _CIFAR10Unverified), "cifar100": (100, CIFAR100, _CIFAR100Unverified)}
+DATASET_CLASSES = {"cifar10": CifarFiles(10, CIFAR10, "labels"), "cifar100": CifarFiles(100, CIFAR100, "fine_labels")}
+# Pixels of one image in a batch's data rows: 3 channels x 32 x 32, channel-major.
+IMAGE_VALUES = 3 * 32 * 32
 
 
 def expected_files(root: Path, dataset: str) -> list[Path]:
-    """The files torchvision reads for ``dataset`` under ``root``."""
-    _, tv_class, _ = DATASET_CLASSES[_check_dataset(dataset)]
-    names = [name for name, _ in tv_class.train_list + tv_class.test_list] + [tv_class.meta["filename"]]
-    return [Path(root) / tv_class.base_folder / name for name in names]
+    """The files of ``dataset`` under ``root`` (torchvision's names)."""
+    files = DATASET_CLASSES[_check_dataset(dataset)]
+    names = [name for name, _ in files.split_files(True) + files.split_files(False)] + [files.meta[0]]
+    return [Path(root) / files.folder_name / name for name in names]
 
 
 def _check_dataset(dataset: str) -> str:
@@ -80,44 +94,108 @@ def _check_dataset(dataset: str) -> str:
 
 
 def download(root: Path, dataset: str) -> None:
-    """Fetch ``dataset`` into ``root`` with torchvision's downloader (md5-checked); a TaskHetError when it cannot."""
-    _, tv_class, _ = DATASET_CLASSES[_check_dataset(dataset)]
+    """Fetch ``dataset`` into ``root`` with torchvision's downloader (md5-checked); a TaskHetError when it cannot.
+
+    Only torchvision's download-and-extract is used: constructing its dataset class would unpickle the files.
+    """
+    files = DATASET_CLASSES[_check_dataset(dataset)]
+    tv_class = files.torchvision_class
+    if not _failing_md5(Path(root) / files.folder_name, [*files.split_files(True), *files.split_files(False), files.meta[:2]]):
+        return
     try:
-        tv_class(str(root), train=True, download=True)
+        download_and_extract_archive(tv_class.url, str(root), filename=tv_class.filename, md5=tv_class.tgz_md5)
     except (urllib.error.URLError, OSError, RuntimeError) as error:
         raise TaskHetError(f"--download: could not fetch {dataset} from {tv_class.url} into {root} ({error}); "
                            f"without internet, copy torchvision's {tv_class.base_folder}/ folder there") from None
 
 
+def _failing_md5(folder: Path, files: list[tuple[str, str]]) -> list[str]:
+    """Names of the ``(name, md5)`` files under ``folder`` that are missing or fail torchvision's md5 check."""
+    return [name for name, md5 in files if not check_integrity(str(folder / name), md5)]
+
+
 def load_split(root: Path, dataset: str, train: bool, verify_checksums: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """One split of ``dataset`` as torchvision reads it.
+    """One split of ``dataset``, read from torchvision's on-disk files without running any code they carry.
+
+    Torchvision's ``CIFAR10``/``CIFAR100`` classes read the batches with plain ``pickle.load``, which runs
+    whatever a crafted file asks for, and steps 2-4 read files whose md5s step 1 checked long before (or
+    never, with ``--no-verify_checksums``). So the files are read here with
+    :func:`utils.loaders.load_data_pickle` (dicts, lists, strings, numbers and numpy arrays only), and each
+    batch's content is checked as it is read (:func:`_read_batch`).
 
     Args:
         root: the data path holding torchvision's folder (``cifar-10-batches-py`` / ``cifar-100-python``).
         dataset: "cifar10" or "cifar100" (fine labels).
         train: the training set (else the test set).
-        verify_checksums: check torchvision's md5s (False for test fixtures and files step 1 verified).
+        verify_checksums: check torchvision's md5s of the files read (False for test fixtures and files step 1 verified).
 
     Returns:
-        ``(images uint8 [N, 32, 32, 3], labels int64 [N])``.
+        ``(images uint8 [N, 32, 32, 3], labels int64 [N])``, as torchvision's classes give them.
 
     Raises:
-        TaskHetError: files missing (naming them and the command that fetches them) or corrupted.
+        TaskHetError: files missing (naming them and the command that fetches them), failing the md5
+            check, or not CIFAR batches (naming the file: a foreign pickle, truncated, labels that do
+            not match the images in number or lie outside 0..C-1).
     """
-    _, checked, unchecked = DATASET_CLASSES[_check_dataset(dataset)]
+    files = DATASET_CLASSES[_check_dataset(dataset)]
+    folder = Path(root) / files.folder_name
     missing = [path for path in expected_files(root, dataset) if not path.is_file()]
     if missing:
-        raise TaskHetError(f"{dataset} files missing under {Path(root) / checked.base_folder}: "
-                           f"{', '.join(path.name for path in missing)}; fetch them with "
-                           f"`{FETCH_COMMAND.format(dataset=dataset)}` (step 1 with --download)")
-    try:
-        data = (checked if verify_checksums else unchecked)(str(root), train=train)
-    except RuntimeError as error:  # torchvision: "Dataset not found or corrupted"
-        raise TaskHetError(f"{dataset} files under {Path(root) / checked.base_folder} fail torchvision's md5 check "
-                           f"({error}); delete them and rerun `{FETCH_COMMAND.format(dataset=dataset)}`") from None
-    except (EOFError, KeyError, ValueError, TypeError) as error:
-        raise TaskHetError(f"{dataset} files under {Path(root) / checked.base_folder} are not CIFAR pickles ({error!r})") from None
-    return np.asarray(data.data, dtype=np.uint8), np.asarray(data.targets, dtype=np.int64)
+        raise TaskHetError(f"{dataset} files missing under {folder}: {', '.join(path.name for path in missing)}; fetch them "
+                           f"with `{FETCH_COMMAND.format(dataset=dataset)}` (step 1 with --download)")
+    meta_name, meta_md5, names_key = files.meta
+    batches = files.split_files(train)
+    if verify_checksums:
+        failing = _failing_md5(folder, [*batches, (meta_name, meta_md5)])
+        if failing:
+            raise TaskHetError(f"{dataset} file(s) {', '.join(failing)} under {folder} fail torchvision's md5 check; "
+                               f"delete them and rerun `{FETCH_COMMAND.format(dataset=dataset)}`")
+    _read_meta(folder / meta_name, dataset, names_key, files.num_classes)
+    parts = [_read_batch(folder / name, dataset, files.label_key, files.num_classes) for name, _ in batches]
+    images = np.concatenate([data for data, _ in parts]).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+    return images, np.concatenate([labels for _, labels in parts])
+
+
+def _read_meta(path: Path, dataset: str, names_key: str, num_classes: int) -> None:
+    """Check the meta file: a dict whose ``names_key`` lists ``num_classes`` class names."""
+    meta = load_data_pickle(path, f"{dataset} file")
+    names = meta.get(names_key) if isinstance(meta, dict) else None
+    if not isinstance(names, list) or len(names) != num_classes or not all(isinstance(name, str) for name in names):
+        raise TaskHetError(f"{dataset} file {path} is not {dataset}'s meta file: expected a dict whose {names_key!r} "
+                           f"lists {num_classes} class names")
+
+
+def _read_batch(path: Path, dataset: str, label_key: str, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """One batch file: ``(data uint8 [n, 3072], labels int64 [n])``, each label in 0..C-1.
+
+    Checked here, at the step that reads the file: torchvision stacks the images and the labels of all
+    batches separately, so a batch with one label too many would shift every later label silently.
+    """
+    what = f"{dataset} file {path}"
+    batch = load_data_pickle(path, f"{dataset} file")
+    if not isinstance(batch, dict) or "data" not in batch or label_key not in batch:
+        raise TaskHetError(f"{what} is not a CIFAR batch: expected a dict with 'data' and {label_key!r} entries")
+    data = batch["data"]
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != IMAGE_VALUES:
+        found = f"{data.dtype} {list(data.shape)}" if isinstance(data, np.ndarray) else type(data).__name__
+        raise TaskHetError(f"{what}: 'data' is {found}, expected a uint8 array [images, {IMAGE_VALUES}]")
+    labels = _labels(batch[label_key], what, label_key)
+    if len(labels) != len(data):
+        raise TaskHetError(f"{what} has {len(labels)} labels for {len(data)} images: every image needs exactly one label")
+    outside = [index for index, label in enumerate(labels) if not 0 <= label < num_classes]
+    if outside:
+        raise TaskHetError(f"{what}: label {labels[outside[0]]} of image {outside[0]} is outside 0..{num_classes - 1} "
+                           f"({len(outside)} labels in all)")
+    return data, np.array(labels, dtype=np.int64)
+
+
+def _labels(raw: object, what: str, label_key: str) -> list[int]:
+    """A batch's labels as Python ints (any size, so a huge one is reported as out of range, not as an overflow)."""
+    if isinstance(raw, np.ndarray) and raw.ndim == 1 and raw.dtype.kind in "iu":
+        return raw.tolist()
+    if isinstance(raw, list) and all(type(label) is int for label in raw):  # bool is no label
+        return raw
+    raise TaskHetError(f"{what}: {label_key!r} is not a list of integer labels")
 
 
 def validation_rows(labels: np.ndarray, val_fraction: float, seed: int) -> np.ndarray:
@@ -147,7 +225,10 @@ def select_cifar(data_path: Path, dataset: str, imbalance_factor: float, val_fra
     _, test_labels = load_split(data_path, dataset, False, verify_checksums)
     kept = np.arange(len(train_labels))
     if imbalance_factor < 1.0:
-        kept = long_tail_indices(train_labels, imbalance_factor, seed)
+        files = DATASET_CLASSES[dataset]
+        source = (f"{dataset} training files {', '.join(name for name, _ in files.split_files(True))} under "
+                  f"{Path(data_path) / files.folder_name}")
+        kept = long_tail_indices(train_labels, imbalance_factor, seed, files.num_classes, source)
     val = validation_rows(train_labels[kept], val_fraction, seed)
     test = np.arange(len(test_labels))
     frames = [_rows(dataset, "train", kept, train_labels[kept], val), _rows(dataset, "test", test, test_labels, np.zeros(len(test), bool))]
@@ -173,7 +254,7 @@ def validate_manifest(manifest: pd.DataFrame, source: str = "manifest") -> pd.Da
         raise TaskHetError(f"{source}: has no rows")
     manifest = with_family_column(manifest.reset_index(drop=True), FAMILY, source)
     dataset = str(manifest["dataset"].iloc[0])
-    num_classes = DATASET_CLASSES[dataset][0] if dataset in DATASET_CLASSES else 0
+    num_classes = DATASET_CLASSES[dataset].num_classes if dataset in DATASET_CLASSES else 0
     numbers = {column: pd.to_numeric(manifest[column], errors="coerce") for column in ("image_index", "label", VAL_COLUMN)}
 
     def integral(values: pd.Series, upper: float) -> pd.Series:
@@ -192,7 +273,10 @@ def validate_manifest(manifest: pd.DataFrame, source: str = "manifest") -> pd.Da
             value = manifest.at[row, column]
             shown = repr(value) if isinstance(value, str) else value  # 1, not np.int64(1)
             raise TaskHetError(f"{source}: row {row + 2} has {column} {shown}, expected {expected[column]}")
-    return manifest.astype({"image_index": np.int64, "label": np.int64, VAL_COLUMN: np.int64})
+    manifest = manifest.astype({"image_index": np.int64, "label": np.int64, VAL_COLUMN: np.int64})
+    # train and test are separate arrays in the files: the image is its split's row
+    refuse_repeated_images(manifest[["dataset", "split", "image_index"]], manifest["sample_id"], source)
+    return manifest
 
 
 def read_manifest(path: Path) -> pd.DataFrame:
@@ -275,7 +359,7 @@ class CifarFamily(DataFamily):
 
     def num_classes(self, manifest: pd.DataFrame) -> int:
         # The dataset's full class count, so a long tail or a client's share never shrinks the head.
-        return DATASET_CLASSES[str(manifest["dataset"].iloc[0])][0]
+        return DATASET_CLASSES[str(manifest["dataset"].iloc[0])].num_classes
 
     def dataset(self, root: Path, rows: pd.DataFrame, task: TaskSpec | None, image_size: int,
                 cache_dir: Path | None = None) -> Dataset:

@@ -22,8 +22,8 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch.utils.data import Dataset
 
-from datasets.family import (DATASETS, FAMILY_COLUMN, SPLITS, VAL_COLUMN, DataFamily, stratified_validation,
-                             with_family_column)
+from datasets.family import (DATASETS, FAMILY_COLUMN, SPLITS, VAL_COLUMN, DataFamily, refuse_repeated_images,
+                             stratified_validation, with_family_column)
 from datasets.long_tail import long_tail_indices
 from utils.errors import TaskHetError
 from utils.loaders import read_csv
@@ -130,7 +130,10 @@ def validate_manifest(manifest: pd.DataFrame, source: str = "manifest") -> pd.Da
             value = manifest.at[row, column]
             shown = repr(value) if isinstance(value, str) else value  # 1, not np.int64(1)
             raise TaskHetError(f"{source}: row {row + 2} has {column} {shown}, expected {expected[column]}")
-    return manifest.astype({"image_index": np.int64, "label": np.int64, VAL_COLUMN: np.int64})
+    manifest = manifest.astype({"image_index": np.int64, "label": np.int64, VAL_COLUMN: np.int64})
+    # one array holds every digit, whatever the split: the image is its row
+    refuse_repeated_images(manifest[["image_index"]], manifest["sample_id"], source)
+    return manifest
 
 
 def read_manifest(path: Path) -> pd.DataFrame:

@@ -149,6 +149,35 @@ def validation_mask(manifest: pd.DataFrame) -> np.ndarray:
     return ((manifest["split"] == "train") & (pd.to_numeric(manifest[VAL_COLUMN], errors="coerce") == 1)).to_numpy()
 
 
+def refuse_repeated_images(identity: pd.DataFrame, sample_ids: pd.Series, source: str) -> None:
+    """Refuse a manifest in which two rows name the same image file, naming both rows.
+
+    Two sample ids for one image would let it sit in train and in test (or in two clients),
+    and no later step could tell. Each family says what identifies its image file.
+
+    Args:
+        identity: one row per manifest row (index 0..N-1, row r is line r + 2 of the file, the
+            header being line 1), one column per part of the image's identity, already
+            normalised by the family (Taskonomy: ``rgb_path`` as a normalised path; cifar:
+            ``dataset, split, image_index``; digits: ``image_index``).
+        sample_ids: the manifest's ``sample_id`` column (for the message).
+        source: the file, for the message.
+
+    Raises:
+        TaskHetError: naming the first repeated image's two rows and their sample ids.
+    """
+    repeated = identity.duplicated(keep="first").to_numpy()
+    if not repeated.any():
+        return
+    second = int(np.flatnonzero(repeated)[0])
+    first = int(np.flatnonzero((identity == identity.iloc[second]).all(axis=1).to_numpy())[0])
+    image = ", ".join(f"{column} {value!r}" if isinstance(value, str) else f"{column} {value}"
+                      for column, value in identity.iloc[second].items())
+    raise TaskHetError(f"{source}: rows {first + 2} and {second + 2} (sample_id {sample_ids.iloc[first]!r} and "
+                       f"{sample_ids.iloc[second]!r}) name the same image ({image}); each image may have one row "
+                       "only, else it could sit in train and in test")
+
+
 def with_family_column(manifest: pd.DataFrame, family: str, source: str) -> pd.DataFrame:
     """``manifest`` with a ``family`` column first (added for legacy files); every row must name ``family``."""
     if FAMILY_COLUMN not in manifest.columns:

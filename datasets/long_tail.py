@@ -33,10 +33,29 @@ def long_tail_counts(n_max: int, num_classes: int, imbalance_factor: float) -> n
     return np.array([math.floor(n_max * imbalance_factor ** exponent) for exponent in exponents], dtype=np.int64)
 
 
-def long_tail_indices(labels: np.ndarray, imbalance_factor: float, seed: int) -> np.ndarray:
-    """Sorted indices of a long-tailed subset of ``labels`` (classes 0..C−1, n_max = the smallest class's size)."""
+def long_tail_indices(labels: np.ndarray, imbalance_factor: float, seed: int, num_classes: int | None = None,
+                      source: str = "labels") -> np.ndarray:
+    """Sorted indices of a long-tailed subset of ``labels`` (classes 0..C−1, n_max = the smallest class's size).
+
+    Args:
+        labels: int class of every image.
+        imbalance_factor: n_min / n_max.
+        seed: root seed of the draw.
+        num_classes: C; default the largest label + 1 (a dataset should pass its own, so that a
+            missing last class is not silently dropped from the profile).
+        source: what ``labels`` come from, for the message (the data files).
+
+    Raises:
+        TaskHetError: a class with no images (named, with ``source``): the profile is defined over
+            every class, with n_max the smallest class's size.
+    """
     labels = np.asarray(labels)
-    classes = np.bincount(labels)
+    classes = np.bincount(labels, minlength=num_classes or 0)
+    empty = np.flatnonzero(classes == 0)
+    if empty.size:
+        which = f"class {empty[0]} has" if empty.size == 1 else f"classes {', '.join(map(str, empty[:10].tolist()))} have"
+        raise TaskHetError(f"{source}: {which} no images, but a long-tailed profile (imbalance factor "
+                           f"{imbalance_factor}) needs images of all {classes.size} classes")
     counts = long_tail_counts(int(classes.min()), classes.size, imbalance_factor)
     rng = numpy_rng(seed, "long_tail")
     kept = [rng.choice(np.flatnonzero(labels == label), size=count, replace=False)

@@ -15,6 +15,7 @@ decoder (file type, units, scale, invalid code, returned tensor, mask).
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from datasets.cache import DecodedSampleCache, cache_key, cache_rows
-from datasets.family import DATASETS, FAMILY_COLUMN, DataFamily, with_family_column
+from datasets.family import DATASETS, FAMILY_COLUMN, DataFamily, refuse_repeated_images, with_family_column
 from datasets.taskonomy_domains import DOMAIN_SPECS, NUM_SCENE_SCORES, TASKS, get_domain
 from utils import loaders
 from utils.errors import TaskHetError
@@ -144,6 +145,11 @@ def validate_manifest(manifest: pd.DataFrame, source: str = "manifest") -> pd.Da
         manifest[column] = loaders.int_column(manifest, column, source, low=0)  # inf or 1e30 never wrap around
     for row, building in enumerate(manifest["building"]):  # a building names a folder: no path may hide in it
         loaders.plain_name(building, f"{source}: row {row + 2}, column 'building',")
+    # The input is the rgb_path file (one file under two spellings, ./ or //, is one image); the targets
+    # are found by building, point and view: either repeated means one image under two sample ids.
+    rgb_files = manifest["rgb_path"].astype(str).map(posixpath.normpath)
+    refuse_repeated_images(pd.DataFrame({"rgb_path": rgb_files}), manifest["sample_id"], source)
+    refuse_repeated_images(manifest[["building", "point", "view"]], manifest["sample_id"], source)
     return manifest
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from utils.errors import TaskHetError
+from utils.loaders import error_summary
 
 
 @dataclass(frozen=True)
@@ -139,21 +140,25 @@ def read_weights_file(path: Path, torchscript: bool = False) -> dict[str, torch.
     ``torch.load(weights_only=True)`` never runs code from the file. A TorchScript archive
     can, so it is read only with ``torchscript=True``: the caller passes that for the CLIP
     files the clip package names, after checking their published SHA-256, never for a PATH.
+
+    Raises:
+        TaskHetError: naming the file: missing, empty, truncated or not a weights file.
     """
     path = Path(path)
     if not path.is_file():
         raise TaskHetError(f"--weights {path}: no such file (expected none, imagenet, clip or a path to a weights file)")
+    if path.stat().st_size == 0:
+        raise TaskHetError(f"--weights {path} is empty (0 bytes): expected a safetensors file or a torch state dict")
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
+        return _read_safetensors(path)
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # noqa: BLE001 - not a plain pickle of tensors
+    except Exception as error:  # noqa: BLE001 - truncated, not a torch file, or a pickle needing more than tensors
         if not torchscript:
-            raise TaskHetError(f"--weights {path}: not a safetensors file or a torch state dict that loads with "
-                               "weights_only=True; TorchScript archives are read only for the CLIP files the clip "
-                               "package names (after checking their published SHA-256)") from error
+            raise TaskHetError(f"--weights {path} is not a torch state dict that loads with weights_only=True "
+                               f"({error_summary(error)}): expected a safetensors file or such a state dict; a truncated "
+                               "download reads so too. TorchScript archives are read only for the CLIP files the clip "
+                               "package names (after checking their published SHA-256)") from None
         loaded = torch.jit.load(str(path), map_location="cpu").state_dict()
     for key in ("model", "state_dict"):
         if isinstance(loaded, dict) and isinstance(loaded.get(key), dict):
@@ -161,3 +166,15 @@ def read_weights_file(path: Path, torchscript: bool = False) -> dict[str, torch.
     if not isinstance(loaded, dict) or not all(torch.is_tensor(value) for value in loaded.values()):
         raise TaskHetError(f"--weights {path}: expected a dict of tensors (a state dict)")
     return {key.removeprefix("module."): value for key, value in loaded.items()}
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors; a garbage, truncated or foreign file is a TaskHetError naming it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, ValueError, TypeError, OSError) as error:
+        raise TaskHetError(f"--weights {path} is not a readable safetensors file ({error_summary(error)}); "
+                           "a truncated download reads so too") from None

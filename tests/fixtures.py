@@ -55,10 +55,12 @@ def tiny_manifest(tiny_data_root: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 class _Py2Pickler(pickle._Pickler):
-    """Pickles bytes as Python 2 ``str`` (the BINSTRING opcodes), as the CIFAR files were written.
+    """Pickles as Python 2's cPickle wrote the CIFAR files (protocol 2): bytes as Python 2 ``str`` (the
+    BINSTRING opcodes), numpy arrays through ``numpy.core.multiarray._reconstruct`` (numpy 1.x's name).
 
     The real files load as dicts with b"data" keys under ``encoding="bytes"`` and "data" keys under
-    torchvision's ``encoding="latin1"``; Python 3's own bytes pickling would load as bytes under both.
+    torchvision's ``encoding="latin1"``; Python 3's own bytes pickling would load as bytes under both
+    (and at protocol 2 it needs ``_codecs.encode``, which the files never name).
     """
 
     dispatch = dict(pickle._Pickler.dispatch)
@@ -69,6 +71,22 @@ class _Py2Pickler(pickle._Pickler):
         self.memoize(obj)
 
     dispatch[bytes] = save_py2_str
+
+    def save_global(self, obj, name=None) -> None:
+        if obj is _NUMPY_RECONSTRUCT:
+            self.write(pickle.GLOBAL + b"numpy.core.multiarray\n_reconstruct\n")
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+
+_NUMPY_RECONSTRUCT = np.ndarray.__reduce__(np.zeros(1))[0]
+
+
+def dump_py2_pickle(path: Path, content: object) -> None:
+    """Write ``content`` to ``path`` as the official CIFAR files are written (see :class:`_Py2Pickler`)."""
+    with open(path, "wb") as file:
+        _Py2Pickler(file, protocol=2).dump(content)
 
 
 def write_tiny_cifar(root: Path, dataset: str, train_per_class: Sequence[int], test_per_class: int = 2, seed: int = 0,
@@ -90,27 +108,23 @@ def write_tiny_cifar(root: Path, dataset: str, train_per_class: Sequence[int], t
             pixels = np.clip(brightness + (pixels - 128) // 8, 0, 255)
         return pixels.astype(np.uint8), labels
 
-    def dump(path: Path, content: dict) -> None:
-        with open(path, "wb") as file:
-            _Py2Pickler(file, protocol=2).dump(content)
-
     names = [f"class_{label}".encode() for label in range(num_classes)]
     if dataset == "cifar10":
         folder = Path(root) / "cifar-10-batches-py"
         folder.mkdir(parents=True, exist_ok=True)
         data, labels = batch(train_per_class)
         for part, chunk in enumerate(np.array_split(np.arange(len(labels)), 5), start=1):
-            dump(folder / f"data_batch_{part}", {b"batch_label": b"training batch", b"labels": [labels[i] for i in chunk],
+            dump_py2_pickle(folder / f"data_batch_{part}", {b"batch_label": b"training batch", b"labels": [labels[i] for i in chunk],
                                                  b"data": data[chunk], b"filenames": [b"x.png"] * len(chunk)})
         data, labels = batch([test_per_class] * num_classes)
-        dump(folder / "test_batch", {b"batch_label": b"testing batch", b"labels": labels, b"data": data})
-        dump(folder / "batches.meta", {b"label_names": names, b"num_cases_per_batch": 10000, b"num_vis": 3072})
+        dump_py2_pickle(folder / "test_batch", {b"batch_label": b"testing batch", b"labels": labels, b"data": data})
+        dump_py2_pickle(folder / "batches.meta", {b"label_names": names, b"num_cases_per_batch": 10000, b"num_vis": 3072})
     else:
         folder = Path(root) / "cifar-100-python"
         folder.mkdir(parents=True, exist_ok=True)
         for name, counts in (("train", train_per_class), ("test", [test_per_class] * num_classes)):
             data, labels = batch(counts)
-            dump(folder / name, {b"filenames": [b"x.png"] * len(labels), b"batch_label": name.encode(),
+            dump_py2_pickle(folder / name, {b"filenames": [b"x.png"] * len(labels), b"batch_label": name.encode(),
                                  b"fine_labels": labels, b"coarse_labels": [label // 5 for label in labels], b"data": data})
-        dump(folder / "meta", {b"fine_label_names": names, b"coarse_label_names": [f"super_{i}".encode() for i in range(20)]})
+        dump_py2_pickle(folder / "meta", {b"fine_label_names": names, b"coarse_label_names": [f"super_{i}".encode() for i in range(20)]})
     return Path(root)

@@ -198,6 +198,20 @@ def case_step1_data(chain, tmp, domain: str, content: bytes | np.ndarray) -> Cas
     return Case(select.main, argv, (target.name,), [tmp / "out"])
 
 
+def case_step2_weights(chain, tmp, name: str, content: bytes, names: tuple[str, ...]) -> Case:
+    path = write(tmp / "weights" / name, content)
+    return Case(train_centralized.main, step2_argv(chain, tmp / "out", "--weights", str(path)), ("--weights", name, *names),
+                [tmp / "out", path])
+
+
+def truncated_pth() -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save({"weight": torch.ones(64, 8)}, buffer)
+    return buffer.getvalue()[: len(buffer.getvalue()) // 2]
+
+
 def case_step2_png(chain, tmp) -> Case:
     root = data_copy(chain, tmp)
     target = root / pd.read_csv(chain.manifest)["rgb_path"].iloc[0]
@@ -300,6 +314,11 @@ CASES = {
     "1 step1 zero-byte class_scene .npy": lambda c, t: case_step1_data(c, t, "class_scene", b""),
     "1 step1 class_scene .npy of the wrong shape": lambda c, t: case_step1_data(c, t, "class_scene", np.zeros(3)),
     "1 step2 truncated rgb PNG": lambda c, t: case_step2_png(c, t),
+    "1 step2 --weights zero-byte .safetensors": lambda c, t: case_step2_weights(c, t, "w.safetensors", b"", ("empty",)),
+    "1 step2 --weights garbage .safetensors": lambda c, t: case_step2_weights(
+        c, t, "w.safetensors", b"\x00not weights" * 20, ("not a readable safetensors file",)),
+    "1 step2 --weights truncated .pth": lambda c, t: case_step2_weights(c, t, "w.pth", truncated_pth(),
+                                                                         ("weights_only=True",)),
     "1 step4 empty assignments.csv": lambda c, t: case_assignments_file(c, t, "", ("empty",)),
     "1 step4 assignments.csv header only": lambda c, t: case_assignments_file(c, t, "sample_id,client_id,group,subset\n",
                                                                                 ("no rows",)),

@@ -37,7 +37,7 @@ def test_fixture_files_are_the_real_pickle_format(root):
 
 
 @pytest.mark.parametrize("dataset, num_train, num_test", [("cifar10", 300, 30), ("cifar100", 600, 100)])
-def test_files_load_through_torchvision(root, dataset, num_train, num_test):
+def test_files_load_as_torchvision_reads_them(root, dataset, num_train, num_test):
     images, labels = load_split(root, dataset, True, verify_checksums=False)
     assert images.shape == (num_train, 32, 32, 3) and images.dtype == np.uint8 and labels.dtype == np.int64
     with open(next((root / ("cifar-100-python" if dataset == "cifar100" else "cifar-10-batches-py")).glob("*test*")), "rb") as file:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -116,3 +117,60 @@ def test_unknown_family_and_legacy_manifest(manifests, tmp_path):
     manifest.drop(columns=[FAMILY_COLUMN]).to_csv(tmp_path / "legacy.csv", index=False)
     family, legacy = load_manifest(tmp_path / "legacy.csv")
     assert family.name == "taskonomy" and (legacy[FAMILY_COLUMN] == "taskonomy").all()
+
+
+# Per family: how row 5 (a test row) is edited to name the image of row 2 (a train row) under its own sample_id,
+# and what the error shows of that image. Every registered family must have an entry.
+def same_rgb_file(manifest: pd.DataFrame) -> str:
+    manifest.loc[3, "rgb_path"] = "./" + manifest.loc[0, "rgb_path"].replace("/", "//", 1)  # same file, other spelling
+    return f"rgb_path {manifest.loc[0, 'rgb_path']!r}"
+
+
+def same_cifar_image(manifest: pd.DataFrame) -> str:
+    manifest.loc[3, ["split", "image_index", "label", "val"]] = manifest.loc[0, ["split", "image_index", "label", "val"]]
+    return f"dataset 'cifar10', split 'train', image_index {manifest.loc[0, 'image_index']}"
+
+
+def same_digit(manifest: pd.DataFrame) -> str:
+    manifest.loc[3, ["image_index", "label"]] = manifest.loc[0, ["image_index", "label"]]
+    return f"image_index {manifest.loc[0, 'image_index']}"
+
+
+REPEAT_AN_IMAGE = {"taskonomy": same_rgb_file, "cifar": same_cifar_image, "digits": same_digit}
+
+
+def test_every_family_says_how_an_image_repeats():
+    assert sorted(REPEAT_AN_IMAGE) == list_families()
+
+
+@pytest.mark.parametrize("name", list_families())
+def test_two_sample_ids_for_one_image_name_both_rows(name, manifests, tmp_path):
+    manifest = pd.read_csv(manifests[name], dtype=str, keep_default_na=False)
+    manifest = pd.concat([manifest[manifest["split"] == "train"].head(3), manifest[manifest["split"] == "test"]],
+                         ignore_index=True)
+    load_manifest_from(manifest, tmp_path / "before.csv")  # the rows are a valid manifest before the edit
+    image = REPEAT_AN_IMAGE[name](manifest)
+    first, second = manifest.loc[0, "sample_id"], manifest.loc[3, "sample_id"]
+    with pytest.raises(TaskHetError, match=f"repeated.csv: rows 2 and 5 \\(sample_id '{first}' and '{second}'\\) name the "
+                                           f"same image \\({re.escape(image)}\\)"):
+        load_manifest_from(manifest, tmp_path / "repeated.csv")
+
+
+def load_manifest_from(manifest: pd.DataFrame, path: Path):
+    manifest.to_csv(path, index=False)
+    return load_manifest(path)
+
+
+def test_taskonomy_one_view_under_two_sample_ids(manifests, tmp_path):
+    """The targets are found by building, point and view: a repeated triple is one sample's files twice."""
+    manifest = pd.read_csv(manifests["taskonomy"], dtype=str, keep_default_na=False)
+    manifest.loc[4, ["building", "point", "view"]] = manifest.loc[1, ["building", "point", "view"]]
+    building, point, view = manifest.loc[1, ["building", "point", "view"]]
+    with pytest.raises(TaskHetError, match=f"rows 3 and 6 .* name the same image \\(building '{building}', point {point}, "
+                                           f"view {view}\\)"):
+        load_manifest_from(manifest, tmp_path / "m.csv")
+
+
+def test_cifar_train_and_test_images_of_one_index_are_different_images(manifests, tmp_path):
+    _, manifest = load_manifest(manifests["cifar"])
+    assert set(manifest.loc[manifest["split"] == "train", "image_index"]) & set(manifest.loc[manifest["split"] == "test", "image_index"])

@@ -23,6 +23,7 @@ THIN_SCRIPTS = {
     "measure_heterogeneity.py": "Step 3c:",
     "merge_task_vectors.py": "Task arithmetic (TaLoS, issue 15)",
     "search_centralized_hparams.py": "Search the centralized baseline",
+    "explain_heterogeneity.py": "The quadratic explainer",
 }
 
 

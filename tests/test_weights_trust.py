@@ -45,3 +45,49 @@ def test_published_hashes_are_checked(tmp_path):
     with pytest.raises(TaskHetError, match="is not the published resnet file"):
         WeightSource("resnet", "torchvision", url="https://example.org/models/resnet50-00000000.pth").verify(path)
     assert WeightSource("DINO", "timm", repo_id="timm/x").published_sha256() is None
+
+
+def safetensors_file(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "whole.safetensors"
+    save_file({"weight": torch.ones(64, 8)}, str(path))
+    return path
+
+
+def truncated(path, name):
+    target = path.with_name(name)
+    target.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return target
+
+
+def beside(path, name, content: bytes):
+    target = path.with_name(name)
+    target.write_bytes(content)
+    return target
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda p: beside(p, "zero.safetensors", b""), "zero.safetensors is empty \\(0 bytes\\)"),
+    (lambda p: beside(p, "garbage.safetensors", b"\x00garbage" * 40),
+     "garbage.safetensors is not a readable safetensors file \\(SafetensorError: "),
+    (lambda p: truncated(p, "half.safetensors"), "half.safetensors is not a readable safetensors file \\(SafetensorError: "),
+])
+def test_a_broken_safetensors_file_is_one_named_error(tmp_path, damage, message):
+    path = damage(safetensors_file(tmp_path))
+    with pytest.raises(TaskHetError, match=f"--weights .*{message}"):
+        read_weights_file(path)
+    with pytest.raises(TaskHetError, match=message):
+        build_encoder("small_cnn", str(path))
+
+
+@pytest.mark.parametrize("zipped", [True, False])
+def test_a_truncated_pth_is_one_named_error_that_says_why(tmp_path, zipped):
+    whole = tmp_path / "whole.pth"
+    torch.save({"weight": torch.ones(64, 8)}, whole, _use_new_zipfile_serialization=zipped)
+    with pytest.raises(TaskHetError, match="--weights .*half.pth is not a torch state dict that loads with "
+                                           "weights_only=True \\(RuntimeError: "):
+        read_weights_file(truncated(whole, "half.pth"))
+    (tmp_path / "zero.pth").write_bytes(b"")
+    with pytest.raises(TaskHetError, match="zero.pth is empty \\(0 bytes\\)"):
+        read_weights_file(tmp_path / "zero.pth")

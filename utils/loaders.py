@@ -10,6 +10,9 @@ and in range (:func:`int_column`, :func:`finite_column`), and paths must stay in
 (:func:`inside_root`; names are plain names, :func:`plain_name`). Each error names the file, the
 row (header = line 1) and the column.
 
+Pickles are never read with plain :mod:`pickle`: :func:`load_data_pickle` admits only plain data and
+numpy arrays (dataset files such as CIFAR's), and checkpoints go through ``torch.load(weights_only=True)``.
+
 Folders of steps that did not finish hold an ``INCOMPLETE`` marker (utils/run_dir.py):
 ``finished=True`` makes a loader refuse a file from such a folder.
 """
@@ -25,6 +28,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
+from numpy._core.multiarray import _reconstruct  # numpy >= 2 (requirements.txt)
 
 from utils.errors import TaskHetError
 
@@ -34,6 +38,13 @@ INCOMPLETE = "INCOMPLETE"
 PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 # An error message lists at most this many bad rows.
 MAX_LISTED = 10
+# The only globals a pickle of plain data and numpy arrays needs, and the objects they are: what ``ndarray`` and
+# ``dtype`` reduce to. Python 2 and numpy 1.x wrote numpy.core.multiarray (the official CIFAR files), numpy 2 writes
+# numpy._core.multiarray; both name the one function. Looked up here, never imported by the name a file gives.
+# Dicts, lists, tuples, str, bytes, ints, floats, bools and None need no global: they are pickle opcodes.
+ARRAY_PICKLE_GLOBALS = {("numpy.core.multiarray", "_reconstruct"): _reconstruct,
+                        ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
+                        ("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype}
 
 
 def require_file(path: Path, what: str, hint: str = "") -> Path:
@@ -86,6 +97,51 @@ def load_checkpoint(path: Path, what: str = "checkpoint", keys: Sequence[str] = 
         if missing:
             raise TaskHetError(f"{what} {path} lacks {', '.join(map(repr, missing))}: not the checkpoint expected")
     return loaded
+
+
+class _RefusedGlobal(pickle.UnpicklingError):
+    """A pickle asked for a global outside :data:`ARRAY_PICKLE_GLOBALS`."""
+
+
+class _DataUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` whose :meth:`find_class` admits only :data:`ARRAY_PICKLE_GLOBALS`.
+
+    A pickle runs code only through the globals it names (any callable, reached by GLOBAL /
+    STACK_GLOBAL / INST / OBJ / EXT opcodes, all of which go through ``find_class``); with these four
+    it can only build numpy arrays. Persistent ids stay refused (pickle's default).
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in ARRAY_PICKLE_GLOBALS:
+            raise _RefusedGlobal(f"{module}.{name}")
+        return ARRAY_PICKLE_GLOBALS[module, name]
+
+
+def load_data_pickle(path: Path, what: str, encoding: str = "latin1") -> Any:
+    """A pickle of plain data and numpy arrays (a dataset file), read without running any code it carries.
+
+    Args:
+        path: the file.
+        what: what the file is, for the message (``"cifar10 file"``).
+        encoding: how Python 2 ``str`` objects decode; ``latin1`` keeps numpy's raw array bytes
+            exact (the reading the CIFAR page and torchvision use).
+
+    Raises:
+        TaskHetError: missing, empty, truncated or not a pickle, or needing any global beyond
+            :data:`ARRAY_PICKLE_GLOBALS` (named; nothing of the file has run).
+    """
+    path = require_file(path, what)
+    if path.stat().st_size == 0:
+        raise TaskHetError(f"{what} {path} is empty (0 bytes): expected a pickle of data")
+    try:
+        with open(path, "rb") as file:
+            return _DataUnpickler(file, encoding=encoding).load()
+    except _RefusedGlobal as error:
+        raise TaskHetError(f"{what} {path} asks for the Python object {error} while loading; a data file needs only "
+                           "dicts, lists, strings, numbers and numpy arrays, so it is refused unread (a pickle can "
+                           "run code)") from None
+    except Exception as error:  # noqa: BLE001 - nothing of the file can run here, so any failure means a malformed file
+        raise TaskHetError(f"{what} {path} is truncated or not a pickle of data ({error_summary(error)})") from None
 
 
 def read_csv(path: Path, what: str, columns: Sequence[str] = (), finished: bool = False, hint: str = "",
@@ -262,6 +318,11 @@ def _raise_rows(table: pd.DataFrame, column: str, bad: pd.Series, source: str, r
     listed = ", ".join(f"row {line} ({cell!r})" for line, cell in list(zip(lines, cells))[:MAX_LISTED])
     more = f" ... ({int(bad.sum())} rows in all)" if bad.sum() > MAX_LISTED else ""
     raise TaskHetError(f"{source}: column {column!r} must be {expected}: {listed}{more}")
+
+
+def error_summary(error: BaseException) -> str:
+    """``"TypeName: first line of the message"``: what a one-line error says about a library's exception."""
+    return f"{type(error).__name__}: {_first_line(error)}"
 
 
 def _first_line(error: BaseException) -> str:
