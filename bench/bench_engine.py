@@ -7,6 +7,8 @@
    grow linearly: constant time per client), and the process RSS after each round
    (it should stay flat: no per-client leak). SCAFFOLD's per-client c_i are state the
    algorithm needs (N × model size, spillable); they are reported separately.
+3. Methods (issue 21): each algorithm's round time ÷ FedAvg's on the small-CNN case, measured
+   interleaved in one run, with the factor its design predicts beside it (``--methods``).
 
 Run: ``.venv/bin/python bench/bench_engine.py`` (``--help`` for sizes).
 """
@@ -44,12 +46,27 @@ class TensorDicts(Dataset):
         return len(self.y)
 
     def __getitem__(self, index: int) -> dict:
-        return {"x": self.x[index], "y": self.y[index]}
+        return {"x": self.x[index], "y": self.y[index], "sample_id": index}  # ids, as a data family's (FedEM)
+
+
+class SmallCNN(nn.Module):
+    """Two conv blocks and a linear classifier head (``head_keys``, as a TaskModel: FedRep, MOCHA)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                  nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten())
+        self.head = nn.Linear(64 * 8 * 8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+    def head_keys(self) -> list[str]:
+        return ["head.weight", "head.bias"]
 
 
 def small_cnn() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(32, 64, 3, padding=1),
-                         nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(64 * 8 * 8, 10))
+    return SmallCNN()
 
 
 def tiny_mlp() -> nn.Module:
@@ -72,10 +89,11 @@ def make_clients(count: int, samples: int, shape: tuple[int, ...], batch_size: i
 
 
 def make_engine(model: nn.Module, name: str, clients: list[ClientData], steps: int, out_dir: Path,
-                device: torch.device) -> SequentialEngine:
+                device: torch.device, settings: dict | None = None) -> SequentialEngine:
     config = EngineConfig(out_dir=out_dir, n_rounds=1000, lr_schedule=make_lr_schedule("constant", 0.01, 1),
                           local_steps=steps, progress=False)
-    algorithm, worker = build_algorithm(name, model, {client.client_id: client.num_samples for client in clients})
+    algorithm, worker = build_algorithm(name, model, {client.client_id: client.num_samples for client in clients},
+                                        settings)
     return SequentialEngine(worker, algorithm, clients, loss_fn, lambda net, loader: {"loss": 0.0}, [], config, device)
 
 
@@ -148,6 +166,39 @@ def scaling(device: torch.device, counts: list[int], steps: int, rounds: int) ->
               f"{per_client[(name, largest)] / per_client[(name, smallest)]:.3f} (1.0 = linear)")
 
 
+# What each method's design predicts for its round time over FedAvg's (J local steps of one model):
+# Ditto and FedRep train twice; pFedMe takes K = 5 inner steps per local step; FedEM trains M = 3
+# components plus an E-step (M forward passes over the client's rows); q-FedAvg adds one forward pass.
+EXPECTED_FACTORS = {"fedavg": "1", "fedprox": "≈ 1", "scaffold": "≈ 1", "fedrep": "≈ 2", "fedper": "≈ 1",
+                    "fedbn": "≈ 1", "ditto": "≈ 2", "ifca": "≈ 1 + k forward passes", "local": "≈ 1",
+                    "pfedme": "≈ K = 5", "fedem": "≈ M = 3 (+ E-step)", "qfedavg": "≈ 1 (+ 1 forward pass)",
+                    "fedamp": "≈ 1 (+ server mixing, N·model)", "mocha": "≈ 1", "cfl": "≈ 1", "sparse_ft": "≈ 1"}
+
+
+def methods(device: torch.device, names: list[str], clients: int, steps: int, repeats: int) -> None:
+    """Each method's round time over FedAvg's, interleaved round by round so background load hits all alike."""
+    data = make_clients(clients, 256, (3, 32, 32), 32)
+    engines, times = {}, {}
+    with tempfile.TemporaryDirectory() as folder:
+        for name in ["fedavg", *[name for name in names if name != "fedavg"]]:
+            torch.manual_seed(0)
+            engines[name] = make_engine(prepare_model(small_cnn(), device), name, data, steps, Path(folder) / name,
+                                        device)
+            engines[name].train_round(1)  # warm-up
+            times[name] = []
+        for round_index in range(2, 2 + repeats):
+            for name, engine in engines.items():
+                times[name].append(timed(lambda: (engine.train_round(round_index),
+                                                  device.type == "cuda" and torch.cuda.synchronize())))
+    base = statistics.median(times["fedavg"])
+    print(f"methods: {clients} clients × {steps} steps (small CNN, 32×32, batch 32) on {device}; "
+          f"fedavg {base:.3f} s/round")
+    for name in engines:
+        ratio = statistics.median(times[name]) / base
+        print(f"methods: {name:10s} {statistics.median(times[name]):.3f} s/round, ÷ fedavg = {ratio:.2f} "
+              f"(expected {EXPECTED_FACTORS.get(name, '?')})")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=10, help="K of the overhead comparison (default: 10)")
@@ -159,10 +210,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default: 1, steadier timings on a shared machine)")
     parser.add_argument("--use_accelerator", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--methods", default="",
+                        help="comma-separated algorithms to time against fedavg instead of the default benchmarks "
+                             "(e.g. local,pfedme,fedem,qfedavg,fedamp,mocha,cfl,ditto)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = pick_device(args.use_accelerator)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}")
+    if args.methods:
+        methods(device, args.methods.split(","), args.clients, args.steps, args.repeats)
+        return
     overhead(device, args.clients, args.steps, args.repeats)
     overhead(device, 100, 5, args.repeats, tiny=True)
     scaling(device, [int(count) for count in args.counts.split(",")], args.scaling_steps, args.rounds)

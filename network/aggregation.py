@@ -13,7 +13,7 @@ rounded back, since a counter has no meaningful fractional mean.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 from torch import Tensor
@@ -24,6 +24,7 @@ from utils.errors import TaskHetError
 Weights = dict[str, Tensor]
 
 SERVER_OPTIMIZERS = ("sgd", "momentum", "adam")
+WEIGHTINGS = ("samples", "uniform", "capped")
 # Keys of the server optimizer's state, prefixed to the weight names they belong to.
 MOMENTUM_PREFIX = "server_momentum/"
 ADAM_M_PREFIX = "server_adam_m/"
@@ -100,7 +101,63 @@ def apply_update(weights: Weights, update: Weights, scale: float = 1.0) -> Weigh
 
 
 @dataclass(frozen=True)
-class ServerOptSettings:
+class WeightingSettings:
+    """How much each client's upload counts in the server's mean (shared by every model-averaging algorithm)."""
+
+    weighting: str = setting("samples", "client weights in the server mean: samples (p_i = n_i/n), uniform (1/N), "
+                                        "capped (n_i/n with no client above cap)", choices=WEIGHTINGS)
+    cap: float = setting(1.0, "capped weighting: the largest share one client may have (>= 1/N)")
+
+    def __post_init__(self) -> None:
+        check(self.weighting in WEIGHTINGS, "weighting", f"one of {', '.join(WEIGHTINGS)}", self.weighting)
+        check(0 < self.cap <= 1, "cap", "in (0, 1]", self.cap)
+
+
+def client_weights(client_sizes: Mapping[str, int], weighting: str, cap: float = 1.0) -> dict[str, float]:
+    """Each client's share p_i of the server mean (shares sum to 1 over the whole federation).
+
+    ``samples``: p_i = n_i/n; ``uniform``: p_i = 1/N; ``capped``: p_i = n_i/n, but a client above
+    ``cap`` gets exactly ``cap`` and the excess goes to the others in proportion to their sizes,
+    repeated (water-filling) until no share exceeds the cap. A round's mean over the sampled clients
+    S is Σ_S p_i·Δ_i / Σ_S p_i. Hand-written: no library offers capped proportional shares.
+
+    Raises:
+        TaskHetError: ``cap < 1/N`` (no shares can sum to 1), naming the setting.
+    """
+    ids = list(client_sizes)
+    if weighting == "uniform" or not ids:
+        return {client_id: 1.0 / len(ids) for client_id in ids}
+    total = sum(client_sizes.values())
+    if total <= 0:  # a federation without training rows (a check-only build): every client counts the same
+        return {client_id: 1.0 / len(ids) for client_id in ids}
+    shares = {client_id: client_sizes[client_id] / total for client_id in ids}
+    if weighting != "capped":
+        return shares
+    if cap * len(ids) < 1 - 1e-12:
+        raise TaskHetError(f"setting cap must be >= 1/N = {1 / len(ids):.6g} for N = {len(ids)} clients (capped "
+                           f"shares must sum to 1), got {cap!r}")
+    capped: set[str] = set()
+    while True:
+        free = [client_id for client_id in ids if client_id not in capped]
+        free_size = sum(client_sizes[client_id] for client_id in free)
+        left = 1.0 - cap * len(capped)
+        for client_id in free:
+            shares[client_id] = left * client_sizes[client_id] / free_size if free_size else left / len(free)
+        over = {client_id for client_id in free if shares[client_id] > cap}
+        if not over:
+            return shares
+        capped |= over
+        for client_id in over:
+            shares[client_id] = cap
+
+
+def upload_weight(weighting: str, shares: Mapping[str, float], client_id: str, num_samples: int) -> float:
+    """An upload's weight in a round's mean: its sample count (``samples``, exactly n_i) or its client's share."""
+    return num_samples if weighting == "samples" else shares[client_id]
+
+
+@dataclass(frozen=True)
+class ServerOptSettings(WeightingSettings):
     """Settings of the server step that applies the mean client update (shared by every model-averaging algorithm)."""
 
     server_opt: str = setting("sgd", "server optimizer: sgd (FedAvg; η_g = 1 is plain averaging), momentum (FedAvgM), "
@@ -112,6 +169,7 @@ class ServerOptSettings:
     server_tau: float = setting(1e-3, "FedAdam's adaptivity τ in m / (√v + τ)")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check(self.server_opt in SERVER_OPTIMIZERS, "server_opt", f"one of {', '.join(SERVER_OPTIMIZERS)}", self.server_opt)
         check(self.server_lr > 0, "server_lr", "> 0", self.server_lr)
         check(0 <= self.server_momentum < 1, "server_momentum", "in [0, 1)", self.server_momentum)
@@ -167,17 +225,26 @@ def server_step(global_weights: Weights, mean_delta: Weights, server_state: Weig
     return new_weights, new_state
 
 
-def client_summary(values: list[float]) -> dict[str, float]:
-    """Mean, population std and worst decile of per-client values (higher = worse, as for a loss).
+def client_summary(values: list[float], higher_is_better: bool = False) -> dict[str, float]:
+    """How a metric spreads over clients: its mean and the fairness measures of q-FFL (Li et al. 2020) and Jain.
 
-    The worst decile is the mean of the ceil(10 %) highest values (q-FFL's "worst 10 % of
-    devices"), so with fewer than 10 clients it is the single worst one.
+    ``mean``, population ``std`` and ``variance``; ``worst`` and ``best`` (the single worst and best
+    client); ``worst_decile`` and ``best_decile`` (the mean of the ceil(10 %) worst or best clients,
+    q-FFL's "worst/best 10 % of devices": with fewer than 10 clients, one client); ``jain``, Jain's
+    index (Σx)²/(N·Σx²) in [1/N, 1] (1: every client equal), only for non-negative values not all 0.
+    ``higher_is_better`` says which end is worst (False for a loss, True for an accuracy).
     """
     if not values:
         raise ValueError("client_summary needs at least one value")
-    ordered = torch.tensor(sorted(values, reverse=True), dtype=torch.float64)
-    worst = ordered[: max(1, -(-len(values) // 10))]
-    return {"mean": float(ordered.mean()), "std": float(ordered.std(unbiased=False)), "worst_decile": float(worst.mean())}
+    ordered = torch.tensor(sorted(values, reverse=not higher_is_better), dtype=torch.float64)  # worst first
+    decile = max(1, -(-len(values) // 10))
+    summary = {"mean": float(ordered.mean()), "std": float(ordered.std(unbiased=False)),
+               "variance": float(ordered.var(unbiased=False)), "worst": float(ordered[0]), "best": float(ordered[-1]),
+               "worst_decile": float(ordered[:decile].mean()), "best_decile": float(ordered[-decile:].mean())}
+    squares = float((ordered * ordered).sum())
+    if bool((ordered >= 0).all()) and squares > 0:
+        summary["jain"] = float(ordered.sum()) ** 2 / (len(values) * squares)
+    return summary
 
 
 def _work_dtype(reference: Tensor) -> torch.dtype:

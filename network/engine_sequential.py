@@ -41,6 +41,7 @@ from network.client_store import ClientStore
 from network.diagnostics import DriftMeter
 from network.local_train import NonFiniteLossError
 from network.sampling import client_seed, sample_clients
+from training.metrics import HIGHER_IS_BETTER
 from utils.errors import TaskHetError
 from utils.run_dir import MetricsCSV, atomic_torch_save, load_checkpoint, remove_stale_temporaries
 
@@ -51,7 +52,8 @@ GLOBAL_CLIENT = "global"  # the global model's rows of the global test split
 GLOBAL_VAL_SPLIT = "val"
 MODEL_CLIENT_PREFIX = "model:"  # rows of each server model, when an algorithm has several
 SKIPPED_CLIENT = "skipped"  # personal split: clients without a personal model (metric "clients")
-SUMMARY_CLIENTS = ("mean", "std", "worst_decile")
+# Per-client splits: summary rows of every metric (network.aggregation.client_summary; jain only when defined).
+SUMMARY_CLIENTS = ("mean", "std", "variance", "worst", "best", "worst_decile", "best_decile", "jain")
 CLIENT_SPLITS = tuple(split + suffix for split in (CLIENT_TEST_SPLIT, PERSONAL_TEST_SPLIT, FINETUNED_TEST_SPLIT)
                       for suffix in ("", MASKED_SUFFIX))
 METRICS_COLUMNS = ("round", "split", "client", "metric", "value")
@@ -263,7 +265,9 @@ class SequentialEngine:
     def _train_client(self, round_index: int, client_id: str, broadcast: dict[str, Weights], lr: float) -> ClientResult:
         client = self.clients[client_id]
         try:
-            result = train_client(self.algorithm, self.model, broadcast, self.store.get(client_id), client,
+            result = train_client(self.algorithm, self.model,
+                                  self.algorithm.client_broadcast(self.server, broadcast, client_id),
+                                  self.store.get(client_id), client,
                                   client_seed(self.config.seed, round_index, client_id),
                                   self.client_config(lr, client.num_samples))
         except NonFiniteLossError as error:
@@ -341,13 +345,13 @@ def _row(round_index: int, split: str, client: str, metric: str, value: float) -
 
 
 def _client_rows(round_index: int, split: str, per_client: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
-    """Per-client rows plus mean and std of every metric (and the worst decile of the loss)."""
+    """Per-client rows plus each metric's summary over clients: mean, spread and fairness (``SUMMARY_CLIENTS``)."""
     rows = [_row(round_index, split, client_id, metric, value)
             for client_id, metrics in per_client.items() for metric, value in metrics.items()]
     for metric in dict.fromkeys(metric for metrics in per_client.values() for metric in metrics):
-        summary = client_summary([metrics[metric] for metrics in per_client.values() if metric in metrics])
-        for name in SUMMARY_CLIENTS if metric == "loss" else SUMMARY_CLIENTS[:2]:
-            rows.append(_row(round_index, split, name, metric, summary[name]))
+        summary = client_summary([metrics[metric] for metrics in per_client.values() if metric in metrics],
+                                 higher_is_better=metric in HIGHER_IS_BETTER)
+        rows += [_row(round_index, split, name, metric, summary[name]) for name in SUMMARY_CLIENTS if name in summary]
     return rows
 
 

@@ -64,7 +64,7 @@ def local_train(model: nn.Module, loader: Iterable[dict], loss_fn: LossFn, optim
     model.train()
     mixed_precision = autocast(device)  # one context object, re-entered every step
     losses = []  # kept on the device and summed once: no per-step sync, no per-step add kernel
-    for batch in _batches(loader, steps, epochs):
+    for batch in budget_batches(loader, steps, epochs):
         batch = to_device(batch, device)
         optimizer.zero_grad(set_to_none=True)
         with mixed_precision:
@@ -84,7 +84,8 @@ def local_train(model: nn.Module, loader: Iterable[dict], loss_fn: LossFn, optim
     return LocalTrainResult(steps=taken, mean_loss=mean_loss)
 
 
-def _batches(loader: Iterable[dict], steps: int | None, epochs: int | None) -> Iterator[dict]:
+def budget_batches(loader: Iterable[dict], steps: int | None, epochs: int | None) -> Iterator[dict]:
+    """The batches of a local budget: ``epochs`` passes over ``loader``, or ``steps`` batches cycling it."""
     if epochs is not None:
         for _ in range(epochs):
             yield from loader

@@ -24,6 +24,7 @@ from typing import Any
 
 import pandas as pd
 
+from network.engine_sequential import SKIPPED_CLIENT, SUMMARY_CLIENTS
 from pipeline.statistics import mean_interval, paired_difference
 from utils.run_dir import atomic_write_text
 
@@ -54,7 +55,7 @@ def local_accuracy(final: pd.DataFrame, split: str) -> dict[str, float]:
     result = {}
     for suffix, name in (("", "local"), ("_masked", "local_masked")):
         rows = final[(final.split == split + suffix) & (final.metric == "top1")]
-        per_client = rows[~rows.client.isin(("mean", "std", "worst_decile", "skipped"))]["value"].sort_values()
+        per_client = rows[~rows.client.isin((*SUMMARY_CLIENTS, SKIPPED_CLIENT))]["value"].sort_values()
         worst = per_client.iloc[:max(1, math.ceil(len(per_client) / 10))] if len(per_client) else per_client
         result[name] = float(per_client.mean()) if len(per_client) else math.nan
         result[f"{name}_std"] = float(per_client.std(ddof=0)) if len(per_client) else math.nan

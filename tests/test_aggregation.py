@@ -8,6 +8,9 @@ import torch
 from network.aggregation import (ADAM_M_PREFIX, ADAM_V_PREFIX, MOMENTUM_PREFIX, ServerOptSettings, WeightedMean,
                                  apply_update, client_summary, init_server_optimizer, server_step, subtract,
                                  weighted_average)
+from network.algorithms import build_algorithm
+from network.algorithms.base import Upload
+from tests.tiny_models import TinyNet
 from utils.errors import TaskHetError
 
 
@@ -155,3 +158,95 @@ def test_server_step_moves_parameters_that_follow_a_buffer():
         new, _ = server_step(weights, mean_delta, init_server_optimizer(settings, weights, ["body", "head"]), settings,
                              param_keys=["body", "head"])
         assert new["body"].item() == 1.5 and new["head"].item() == 2.5 and new["running_mean"].item() == 1.0
+
+
+# ----- aggregation weighting (issue 21) -----
+def test_capped_shares_water_fill_to_hand_computed_values():
+    from network.aggregation import client_weights
+
+    # n = (70, 20, 6, 4): 0.7 > 0.4 is capped; 0.6 left in proportion 20:6:4 gives 0.4, 0.12, 0.08 (0.4 is not above).
+    shares = client_weights({"a": 70, "b": 20, "c": 6, "d": 4}, "capped", cap=0.4)
+    assert shares == pytest.approx({"a": 0.4, "b": 0.4, "c": 0.12, "d": 0.08}, abs=1e-15)
+    # Two rounds of water-filling: (50, 30, 15, 5) with cap 0.3: a capped, 0.7·30/50 = 0.42 > 0.3 caps b,
+    # then 0.4 in proportion 15:5 = 0.3, 0.1.
+    shares = client_weights({"a": 50, "b": 30, "c": 15, "d": 5}, "capped", cap=0.3)
+    assert shares == pytest.approx({"a": 0.3, "b": 0.3, "c": 0.3, "d": 0.1}, abs=1e-15)
+    assert sum(shares.values()) == pytest.approx(1.0, abs=1e-15) and max(shares.values()) <= 0.3 + 1e-15
+    assert client_weights({"a": 3, "b": 1}, "uniform") == {"a": 0.5, "b": 0.5}
+    assert client_weights({"a": 3, "b": 1}, "samples") == {"a": 0.75, "b": 0.25}
+    assert client_weights({"a": 3, "b": 1}, "capped", cap=0.9) == {"a": 0.75, "b": 0.25}  # no one above: samples
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_capped_shares_sum_to_one_with_none_above_the_cap_on_random_federations(seed):
+    from network.aggregation import client_weights
+
+    generator = torch.Generator().manual_seed(seed)
+    count = int(torch.randint(2, 30, (1,), generator=generator))
+    sizes = {str(index): int(value) for index, value in enumerate(torch.randint(1, 1000, (count,), generator=generator)
+                                                                   ** 2)}
+    cap = 1 / count + float(torch.rand(1, generator=generator)) * (1 - 1 / count)
+    shares = client_weights(sizes, "capped", cap)
+    assert sum(shares.values()) == pytest.approx(1.0, abs=1e-12) and max(shares.values()) <= cap + 1e-12
+    uncapped = [client for client in sizes if shares[client] < cap - 1e-12]
+    ratios = {shares[client] / sizes[client] for client in uncapped}  # the others keep proportional shares
+    assert max(ratios) - min(ratios) <= 1e-12 * max(ratios) if ratios else True
+
+
+def test_an_infeasible_cap_is_one_error_naming_the_setting():
+    from network.aggregation import client_weights
+
+    with pytest.raises(TaskHetError, match=r"^setting cap must be >= 1/N = 0.25 for N = 4 clients .*got 0.2$"):
+        client_weights({"a": 1, "b": 1, "c": 1, "d": 1}, "capped", cap=0.2)
+    with pytest.raises(TaskHetError, match="setting cap must be >= 1/N"):
+        build_algorithm("fedavg", TinyNet(), {str(index): 10 for index in range(5)}, {"weighting": "capped", "cap": 0.1})
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedprox", "ditto", "fedrep", "fedper", "fedbn", "scaffold", "sparse_ft"])
+def test_every_model_averaging_method_takes_the_uniform_and_capped_means(name):
+    sizes = {"0": 70, "1": 20, "2": 6, "3": 4}
+    deltas = {"0": 1.0, "1": 2.0, "2": 4.0, "3": 8.0}
+    expected = {"samples": 0.7 * 1 + 0.2 * 2 + 0.06 * 4 + 0.04 * 8, "uniform": (1 + 2 + 4 + 8) / 4,
+                "capped": 0.4 * 1 + 0.4 * 2 + 0.12 * 4 + 0.08 * 8}
+    sampled = ["0", "2", "3"]  # partial participation: the mean over S of the shares, renormalised
+    expected_partial = {"samples": (70 * 1 + 6 * 4 + 4 * 8) / 80, "uniform": (1 + 4 + 8) / 3,
+                        "capped": (0.4 * 1 + 0.12 * 4 + 0.08 * 8) / 0.6}
+    for weighting in ("samples", "uniform", "capped"):
+        algorithm, worker = build_algorithm(name, TinyNet(), sizes, {"weighting": weighting, "cap": 0.4})
+        server = algorithm.init_server({key: value.clone() for key, value in worker.state_dict().items()})
+        key = "body.0.weight"
+        for clients, value in ((list(sizes), expected[weighting]), (sampled, expected_partial[weighting])):
+            uploads = [Upload(client, _uniform_upload(algorithm, server, deltas[client]), sizes[client])
+                       for client in clients]
+            new = algorithm.aggregate(server, uploads).models["global"][key]
+            assert torch.allclose(new - server.models["global"][key], torch.full_like(new, value), rtol=1e-6), \
+                (weighting, clients)
+
+
+def _uniform_upload(algorithm, server, value):
+    """An upload of the algorithm's own shape whose every Δ entry equals ``value`` (masks: all trained)."""
+    weights = server.models["global"]
+    params = algorithm.federation.layout.param_keys
+    delta = {key: torch.full_like(weights[key], value) for key in params if key in weights}
+    if algorithm.name == "scaffold":
+        return {"delta": delta, "control_delta": {key: torch.zeros_like(tensor) for key, tensor in delta.items()}}
+    if algorithm.name == "sparse_ft":
+        keys = algorithm.maskable
+        return {"delta": {key: delta[key] for key in keys}, "mask": {key: torch.ones_like(delta[key]) for key in keys}}
+    shared = set(algorithm.shared_keys())
+    return {"delta": {key: tensor for key, tensor in delta.items() if key in shared}}
+
+
+def test_client_summary_gives_the_fairness_measures_by_hand():
+    losses = [1.0, 2.0, 3.0, 6.0]
+    summary = client_summary(losses)
+    assert summary["worst"] == 6.0 and summary["best"] == 1.0
+    assert summary["worst_decile"] == 6.0 and summary["best_decile"] == 1.0
+    assert summary["variance"] == pytest.approx(3.5)  # mean 3: (4 + 1 + 0 + 9) / 4
+    assert summary["jain"] == pytest.approx(12 ** 2 / (4 * 50))  # (Σx)² / (N·Σx²) = 144 / 200
+    accuracies = [float(value) / 20 for value in range(1, 21)]
+    summary = client_summary(accuracies, higher_is_better=True)
+    assert summary["worst"] == 0.05 and summary["best"] == 1.0
+    assert summary["worst_decile"] == pytest.approx(0.075) and summary["best_decile"] == pytest.approx(0.975)
+    assert client_summary([0.5, 0.5, 0.5])["jain"] == 1.0
+    assert "jain" not in client_summary([-1.0, 1.0]) and "jain" not in client_summary([0.0, 0.0])

@@ -349,6 +349,19 @@ CASES = {
                                                ("--init_lr",), [t / "out"]),
     "2 step4 --momentum inf": lambda c, t: Case(federated.main, step4_argv(c, t / "out", "--momentum", "inf"),
                                                 ("--momentum",), [t / "out"]),
+    # issue 21's settings: each refused before anything is written, naming the setting
+    **{f"2 step4 --method {method} {' '.join(flags)}": (
+        lambda c, t, method=method, flags=flags, names=names: Case(
+            federated.main, step4_argv(c, t / "out", "--method", method, *flags), names, [t / "out"]))
+       for method, flags, names in [
+           ("fedem", ("--n_components", "0"), ("n_components",)),
+           ("qfedavg", ("--q", "-1"), ("setting q ",)),
+           ("fedavg", ("--weighting", "capped", "--cap", "0.01"), ("setting cap", "1/N")),
+           ("cfl", ("--eps1", "2", "--eps2", "1"), ("eps1", "eps2")),
+           ("pfedme", ("--lam", "-1"), ("setting lam",)),
+           ("fedamp", ("--sigma", "0"), ("setting sigma",)),
+           ("cfl", ("--min_size", "1"), ("min_size",)),
+           ("fedem", ("--mix", "probabilities"), ("mix probabilities", "classifier head"))]},
     # root 3: experiment files, all checked before step 0
     "3 n_rounds: ten": lambda c, t: pipeline_case(t, ("federated.n_rounds",), set_key("federated", "n_rounds", "ten")),
     "3 n_rounds: 0": lambda c, t: pipeline_case(t, ("federated.n_rounds",), set_key("federated", "n_rounds", 0)),

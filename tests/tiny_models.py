@@ -77,7 +77,9 @@ def client_samples(index: int, count: int) -> list[dict]:
     x = torch.randn(count, 4, generator=generator) + index
     y = x @ weights + 0.1 * torch.randn(count, generator=generator)
     # Labels for TinyClassifier: y cut at the terciles of the client's training part (all but the last 6 samples,
-    # as the engine tests split them), so every client trains on every class.
+    # as the engine tests split them), so every client trains on every class. Each sample carries its id, as a
+    # real data family's do (FedEM keys its E-step by it).
     cuts = torch.quantile(y[:max(count - 6, 1)], torch.tensor([1 / 3, 2 / 3]))
     labels = torch.bucketize(y, cuts)
-    return [{"x": row, "y": target, "label": label} for row, target, label in zip(x, y, labels)]
+    return [{"x": row, "y": target, "label": label, "sample_id": f"{index}-{row_index}"}
+            for row_index, (row, target, label) in enumerate(zip(x, y, labels))]

@@ -23,6 +23,9 @@ from losses import channel_cosine, valid_pixels
 # of pixels then needs 18,000 counters instead of every pixel's error.
 ANGLE_BIN_DEGREES = 0.01
 ANGLE_BINS = int(round(180 / ANGLE_BIN_DEGREES))
+# Metrics (keys of the classes' compute()) for which a larger value is better; every other metric is an error
+# (loss, l1, abs_rel, rmse, angles), lower being better. Client summaries read it to know which client is worst.
+HIGHER_IS_BETTER = frozenset({"delta1", "within_11_25", "miou", "pixel_acc", "top1", "top5"})
 
 
 def _valid_values(prediction: torch.Tensor, batch: dict, domain: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -253,6 +253,15 @@ class Algorithm(ABC):
         """What the server sends to every sampled client (the global model by default)."""
         return {GLOBAL_MODEL: server.models[GLOBAL_MODEL]}
 
+    def client_broadcast(self, server: ServerState, broadcast: Bundle, client_id: str) -> Bundle:
+        """What one sampled client receives: ``broadcast`` itself by default.
+
+        Algorithms whose message differs per client (FedAMP's u_i, a CFL client's cluster model,
+        MOCHA's Ω row) return it here; engines call it for each sampled client, with the server
+        state the round's ``broadcast`` was made from.
+        """
+        return broadcast
+
     @abstractmethod
     def client_update(self, model: nn.Module, broadcast: Bundle, client_state: Weights,
                       loader: Iterable[dict], cfg: ClientConfig) -> ClientResult:

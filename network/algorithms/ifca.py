@@ -33,9 +33,8 @@ from torch import nn
 from network.aggregation import Weights, WeightedMean, apply_update
 from network.algorithms.base import (ALGORITHMS, Algorithm, Bundle, ClientConfig, ClientResult, ServerState, Upload,
                                      load_weights)
-from network.algorithms.skeleton import DELTA, Phase, run_phases
+from network.algorithms.skeleton import DELTA, Phase, run_phases, training_loss
 from network.settings import check, setting
-from utils.device import to_device
 from utils.seeding import torch_generator
 
 CLUSTER = "cluster"  # upload group {"id": ĵ}; client state {"id": ĵ}; client metric ``cluster``
@@ -112,14 +111,7 @@ class IFCA(Algorithm):
     def _train_loss(self, model: nn.Module, weights: Weights, loader: Iterable[dict], cfg: ClientConfig) -> float:
         """F_i(θ): the mean per-sample loss over one pass of the client's training batches."""
         load_weights(model, weights)
-        model.eval()
-        total, count = 0.0, 0
-        with torch.no_grad():
-            for batch in loader:
-                per_sample = cfg.loss_fn(model, to_device(batch, cfg.device), reduction="none")
-                total += float(per_sample.double().sum())
-                count += per_sample.numel()
-        return total / max(count, 1)
+        return training_loss(model, loader, cfg)
 
 
 def _perturbed(value: torch.Tensor, std: float, generator: torch.Generator) -> torch.Tensor:

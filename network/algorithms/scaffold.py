@@ -31,32 +31,29 @@ from typing import Iterable
 import torch
 from torch import Tensor, nn
 
-from network.aggregation import Weights, WeightedMean, apply_update, subtract
+from network.aggregation import Weights, WeightedMean, WeightingSettings, apply_update, client_weights, subtract
 from network.algorithms.base import (ALGORITHMS, GLOBAL_MODEL, LOCAL_STEPS, TRAIN_LOSS, Algorithm, Bundle,
-                                     ClientConfig, ClientResult, ServerState, Upload, load_weights, make_optimizer,
-                                     require, trainable)
+                                     ClientConfig, ClientResult, Federation, ServerState, Upload, load_weights,
+                                     make_optimizer, require, trainable)
 from network.local_train import local_train
 from network.settings import check, setting
 from utils.device import autocast, to_device
 
 OPTIONS = ("I", "II")
-WEIGHTINGS = ("samples", "uniform")
 CONTROL = "control"  # broadcast group: the server control variate c, by parameter name
 DELTA = "delta"  # upload group: Δy_i
 CONTROL_DELTA = "control_delta"  # upload group: Δc_i
 
 
 @dataclass(frozen=True)
-class ScaffoldSettings:
+class ScaffoldSettings(WeightingSettings):
     server_lr: float = setting(1.0, "server learning rate η_g on the parameters")
     option: str = setting("II", "c_i update: II (mean local gradient) or I (full gradient at x)", choices=OPTIONS)
-    weighting: str = setting("samples", "server means: samples (p_i = n_i/n) or uniform (the paper's)",
-                             choices=WEIGHTINGS)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check(self.server_lr > 0, "server_lr", "> 0", self.server_lr)
         check(self.option in OPTIONS, "option", "I or II", self.option)
-        check(self.weighting in WEIGHTINGS, "weighting", "samples or uniform", self.weighting)
 
 
 @ALGORITHMS.register("scaffold")
@@ -65,6 +62,10 @@ class Scaffold(Algorithm):
 
     name = "scaffold"
     Settings = ScaffoldSettings
+
+    def __init__(self, settings: ScaffoldSettings, federation: Federation) -> None:
+        super().__init__(settings, federation)
+        self.shares = client_weights(federation.client_sizes, settings.weighting, settings.cap)
 
     def broadcast(self, server: ServerState) -> Bundle:
         return {GLOBAL_MODEL: server.models[GLOBAL_MODEL], CONTROL: server.tensors}
@@ -120,9 +121,7 @@ class Scaffold(Algorithm):
         return ServerState({GLOBAL_MODEL: weights}, {**server.tensors, **control})
 
     def _share(self, upload: Upload) -> float:
-        if self.settings.weighting == "uniform":
-            return 1.0 / self.federation.num_clients
-        return upload.num_samples / self.federation.total_samples
+        return self.shares[upload.client_id]
 
 
 def _read(state: Weights, key: str, like: Tensor) -> Tensor:

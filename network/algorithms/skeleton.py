@@ -23,12 +23,13 @@ from typing import Callable, ClassVar, Collection, Iterable, Iterator
 import torch
 from torch import Tensor, nn
 
-from network.aggregation import (ServerOptSettings, Weights, WeightedMean, init_server_optimizer, server_step,
-                                 subtract)
+from network.aggregation import (ServerOptSettings, Weights, WeightedMean, client_weights, init_server_optimizer,
+                                 server_step, subtract, upload_weight)
 from network.algorithms.base import (GLOBAL_MODEL, LOCAL_STEPS, TRAIN_LOSS, Algorithm, Bundle, ClientConfig,
                                      ClientResult, ServerState, Upload, copy_state, load_weights, make_optimizer,
                                      trainable)
 from network.local_train import local_train
+from utils.device import to_device
 
 DELTA = "delta"  # upload group: the client's change y − x of the shared entries
 
@@ -108,12 +109,18 @@ class ModelAveraging(Algorithm):
     Client: load the global model, then the client's private entries (from its state,
     once it has trained); run ``phases``; upload Δ = y − x of every shared entry; keep
     the private entries as the client state. Server: the mean of the Δs weighted by
-    the clients' numbers of training samples, applied by the server optimizer
+    the clients' shares (``weighting``: samples, uniform or capped; see
+    :func:`network.aggregation.client_weights`), applied by the server optimizer
     (parameters) or as the plain mean (buffers): :func:`network.aggregation.server_step`.
     Private entries of the global model are never updated.
     """
 
     Settings: ClassVar[type] = ServerOptSettings
+
+    def __init__(self, settings: ServerOptSettings, federation) -> None:
+        super().__init__(settings, federation)
+        # Fixed for the run, and checked here so an infeasible cap stops the run before it starts.
+        self.shares = client_weights(federation.client_sizes, settings.weighting, settings.cap)
 
     def phases(self, model: nn.Module, broadcast: Bundle, client_state: Weights, cfg: ClientConfig) -> list[Phase]:
         """The local training of one round (one phase over every parameter by default)."""
@@ -157,10 +164,14 @@ class ModelAveraging(Algorithm):
     def aggregate(self, server: ServerState, uploads: Iterable[Upload]) -> ServerState:
         mean = WeightedMean()
         for upload in uploads:
-            mean.add(upload.tensors[DELTA], upload.num_samples)
+            mean.add(upload.tensors[DELTA], self.upload_weight(upload))
         weights, tensors = server_step(server.models[GLOBAL_MODEL], mean.mean(), server.tensors, self.settings,
                                        self._averaged_params)
         return ServerState({GLOBAL_MODEL: weights}, tensors)
+
+    def upload_weight(self, upload: Upload) -> float:
+        """The upload's weight in the server mean: its sample count (samples) or its client's share."""
+        return upload_weight(self.settings.weighting, self.shares, upload.client_id, upload.num_samples)
 
     def personal_model(self, models: dict[str, Weights], client_state: Weights) -> Weights | None:
         own = self.own_entries(client_state)
@@ -170,3 +181,17 @@ class ModelAveraging(Algorithm):
     def _averaged_params(self) -> tuple[str, ...]:
         params = self.federation.layout.param_keys
         return tuple(key for key in self.shared_keys() if key in params)
+
+
+def training_loss(model: nn.Module, loader: Iterable[dict], cfg: ClientConfig) -> float:
+    """F_i(θ): the model's mean per-sample loss over one pass of ``loader`` (eval mode, no gradient; IFCA, q-FedAvg)."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for batch in loader:
+            per_sample = cfg.loss_fn(model, to_device(batch, cfg.device), reduction="none")
+            total += float(per_sample.double().sum())
+            count += per_sample.numel()
+    model.train(was_training)
+    return total / max(count, 1)

@@ -38,9 +38,10 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from network.aggregation import ServerOptSettings, Weights, init_server_optimizer, server_step, subtract
+from network.aggregation import (ServerOptSettings, Weights, client_weights, init_server_optimizer, server_step,
+                                 subtract, upload_weight)
 from network.algorithms.base import (ALGORITHMS, GLOBAL_MODEL, LOCAL_STEPS, TRAIN_LOSS, Algorithm, Bundle,
-                                     ClientConfig, ClientResult, ServerState, Upload, load_weights, require)
+                                     ClientConfig, ClientResult, Federation, ServerState, Upload, load_weights, require)
 from network.algorithms.skeleton import frozen
 from network.local_train import local_train
 from network.settings import check, setting
@@ -90,6 +91,10 @@ class SparseFinetune(Algorithm):
 
     name = "sparse_ft"
     Settings = SparseFinetuneSettings
+
+    def __init__(self, settings: SparseFinetuneSettings, federation: Federation) -> None:
+        super().__init__(settings, federation)
+        self.shares = client_weights(federation.client_sizes, settings.weighting, settings.cap)
 
     @functools.cached_property
     def maskable(self) -> tuple[str, ...]:
@@ -167,7 +172,8 @@ class SparseFinetune(Algorithm):
     def aggregate(self, server: ServerState, uploads: Iterable[Upload]) -> ServerState:
         mean = MaskedMean()
         for upload in uploads:
-            mean.add(upload.tensors[DELTA], upload.tensors[MASK], upload.num_samples)
+            mean.add(upload.tensors[DELTA], upload.tensors[MASK],
+                     upload_weight(self.settings.weighting, self.shares, upload.client_id, upload.num_samples))
         weights, tensors = server_step(server.models[GLOBAL_MODEL], mean.mean(), server.tensors, self.settings,
                                        self.maskable)
         return ServerState({GLOBAL_MODEL: weights}, tensors)

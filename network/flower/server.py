@@ -89,13 +89,16 @@ class FlowerEngine(SequentialEngine):
         A failed client is left out while ``min_available_clients`` can still answer; below
         that the round stops with :class:`ClientFailure` naming every failed client.
         """
-        records, groups = P.bundle_records(P.BROADCAST_PREFIX, broadcast)
         training = P.local_training(lr, self.config.local_steps, self.config.local_epochs, self.config.momentum,
                                     self.config.weight_decay)
-        messages = {client_id: self._message(client_id, MessageType.TRAIN, round_index, records,
-                                             {**training, P.BUNDLE_GROUPS: groups,
-                                              P.SEED: client_seed(self.config.seed, round_index, client_id)})
-                    for client_id in sampled}
+        shared = P.bundle_records(P.BROADCAST_PREFIX, broadcast)
+        messages = {}
+        for client_id in sampled:  # the algorithm may tailor each client's message (Algorithm.client_broadcast)
+            tailored = self.algorithm.client_broadcast(self.server, broadcast, client_id)
+            records, groups = shared if tailored is broadcast else P.bundle_records(P.BROADCAST_PREFIX, tailored)
+            messages[client_id] = self._message(client_id, MessageType.TRAIN, round_index, records,
+                                                {**training, P.BUNDLE_GROUPS: groups,
+                                                 P.SEED: client_seed(self.config.seed, round_index, client_id)})
         failed: dict[str, str] = {}
         for client_id, reply in self._exchange(messages):
             reason = _failure(reply, self.reply_timeout_s)

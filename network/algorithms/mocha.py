@@ -1,0 +1,159 @@
+"""MOCHA's multi-task relationship regulariser (Smith, Chiang, Sanjabi, Talwalkar, "Federated Multi-Task
+Learning", NeurIPS 2017) for neural networks: the primal form on the classifier layer.
+
+The authors' code is convex (hinge loss, SDCA on the dual). For a network, TaskHet keeps the
+paper's objective in its primal form, on the head:
+
+    min Σ_k F_k(body, w_k) + (λ/2)·tr(W Ω Wᵀ),   W = [w_1 … w_m] (one flattened head per client),
+
+* The body is shared and averaged (the model-averaging server: ``weighting``, server optimiser).
+* Each client keeps its own head w_k, but uploads its change: the server stores every client's
+  head (server tensors ``head/<id>/<entry>``) to learn the task relationships.
+* Ω = Σ⁻¹ with Σ = (WᵀW)^{1/2} / tr((WᵀW)^{1/2}) (the closed-form minimiser of the objective in Σ,
+  Zhang & Yeung 2010), recomputed on the server after every round from the stored heads, by an
+  eigendecomposition; Σ's eigenvalues are floored at ``eps`` so Ω stays finite when heads are
+  (nearly) collinear. Before round 1 it is Σ = I/m (Ω = m·I).
+* Client k's regulariser is (λ/2)·(Ω_kk·‖w_k‖² + 2·w_k·c_k) with c_k = Σ_{j≠k} Ω_kj·w_j, which the
+  server sends it (``Algorithm.client_broadcast``): its gradient λ·(Ω W)_k is the full
+  regulariser's gradient in w_k. It is computed on the live head parameters, so it has a
+  gradient (checked by finite differences).
+
+Two public implementations build Ω from a matrix of ones (so they penalise ‖Σ_k w_k‖², not the
+learned relationships) and compute the regulariser on detached tensors (so it never acts);
+both are tested against here. A model without a head (``head_keys()``) is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from network.aggregation import ServerOptSettings, Weights, WeightedMean, apply_update, server_step, subtract
+from network.algorithms.base import (ALGORITHMS, GLOBAL_MODEL, Bundle, ClientConfig, ClientResult, Federation,
+                                     ServerState, Upload, copy_state, load_weights, require, trainable)
+from network.algorithms.skeleton import DELTA, ModelAveraging, Phase, run_phases
+from network.settings import check, setting
+from utils.errors import TaskHetError
+
+HEAD_DELTA = "head_delta"  # upload group: w_k(new) − w_k(old)
+COUPLING = "coupling"  # broadcast group: c_k = Σ_{j≠k} Ω_kj·w_j, by head entry
+OMEGA_KK = "omega_kk"  # broadcast group {"value": Ω_kk}
+OMEGA = "omega"  # server tensor: Ω, m × m in the federation's client order
+HEAD_PREFIX = "head/{}/"  # server tensors: client k's head
+
+
+@dataclass(frozen=True)
+class MochaSettings(ServerOptSettings):
+    lam: float = setting(0.01, "λ of the regulariser (λ/2)·tr(W Ω Wᵀ) over the clients' heads")
+    eps: float = setting(1e-3, "floor of Σ's eigenvalues (Ω's are at most 1/eps)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.lam >= 0, "lam", ">= 0", self.lam)
+        check(0 < self.eps < 1, "eps", "in (0, 1)", self.eps)
+
+
+def task_covariance(heads: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(Σ, Ω) from the heads as columns of ``heads`` (d × m): Σ = (WᵀW)^{1/2}/tr(·), eigenvalues floored at ``eps``."""
+    gram = heads.T.double() @ heads.double()
+    values, vectors = torch.linalg.eigh(gram)
+    roots = values.clamp(min=0).sqrt()
+    total = roots.sum()
+    shares = roots / total if total > 0 else torch.full_like(roots, 1.0 / len(roots))
+    shares = shares.clamp(min=eps)
+    sigma = vectors @ torch.diag(shares) @ vectors.T
+    omega = vectors @ torch.diag(1.0 / shares) @ vectors.T
+    return sigma, omega
+
+
+@ALGORITHMS.register("mocha")
+class Mocha(ModelAveraging):
+    """Shared body; personal heads coupled by a learned task-relationship regulariser (λ/2)·tr(W Ω Wᵀ)."""
+
+    name = "mocha"
+    Settings = MochaSettings
+    personalized = True
+
+    def __init__(self, settings: MochaSettings, federation: Federation) -> None:
+        super().__init__(settings, federation)
+        if not self._head:
+            raise TaskHetError("mocha couples the clients' classifier heads: the model needs a head (head_keys()), "
+                               "and this one declares none")
+        self.order = list(federation.client_sizes)  # Ω's rows and columns, by client id
+
+    @functools.cached_property
+    def _head(self) -> tuple[str, ...]:
+        layout = self.federation.layout
+        return tuple(key for key in layout.state_keys if key in layout.head_keys and key in layout.param_keys
+                     and key not in layout.fixed_keys)
+
+    def shared_keys(self) -> tuple[str, ...]:
+        return tuple(key for key in self.federation.layout.varying_keys if key not in self._head)
+
+    def init_server(self, weights: Weights) -> ServerState:
+        server = super().init_server(weights)
+        heads = {HEAD_PREFIX.format(client_id) + key: weights[key].clone() for client_id in self.order
+                 for key in self._head}
+        count = len(self.order)
+        omega = count * torch.eye(count, dtype=torch.float64)
+        return ServerState(server.models, {**server.tensors, **heads, OMEGA: omega})
+
+    def client_broadcast(self, server: ServerState, broadcast: Bundle, client_id: str) -> Bundle:
+        index = self.order.index(client_id)
+        row = server.tensors[OMEGA][index]
+        coupling = {}
+        for key in self._head:
+            stored = [server.tensors[HEAD_PREFIX.format(other) + key].double() for other in self.order]
+            coupling[key] = sum(row[j] * value for j, value in enumerate(stored) if j != index).to(stored[0].dtype)
+        return {**broadcast, COUPLING: coupling, OMEGA_KK: {"value": row[index].clone()}}
+
+    def client_update(self, model: nn.Module, broadcast: Bundle, client_state: Weights,
+                      loader: Iterable[dict], cfg: ClientConfig) -> ClientResult:
+        global_weights = broadcast[GLOBAL_MODEL]
+        load_weights(model, global_weights)
+        load_weights(model, client_state)
+        old_head = copy_state(model, self._head)
+        term = regulariser(model, broadcast[COUPLING], float(broadcast[OMEGA_KK]["value"]), self.settings.lam)
+        metrics = run_phases(model, [Phase(extra_loss=term if self.settings.lam else None)], loader, cfg)
+        state = model.state_dict()
+        upload = {DELTA: subtract(state, global_weights, self.shared_keys()),
+                  HEAD_DELTA: subtract(state, old_head, self._head)}
+        return ClientResult(upload, copy_state(model, self._head), metrics, cfg.num_samples)
+
+    def aggregate(self, server: ServerState, uploads: Iterable[Upload]) -> ServerState:
+        mean, tensors = WeightedMean(), dict(server.tensors)
+        for upload in uploads:
+            mean.add(upload.tensors[DELTA], self.upload_weight(upload))
+            prefix = HEAD_PREFIX.format(upload.client_id)
+            stored = {key: tensors[prefix + key] for key in self._head}
+            tensors.update({prefix + key: value for key, value in apply_update(stored, upload.tensors[HEAD_DELTA]).items()})
+        weights, tensors = server_step(server.models[GLOBAL_MODEL], mean.mean(), tensors, self.settings,
+                                       self._averaged_params)
+        _, tensors[OMEGA] = task_covariance(self.head_matrix(tensors), self.settings.eps)
+        return ServerState({GLOBAL_MODEL: weights}, tensors)
+
+    def head_matrix(self, tensors: Weights) -> Tensor:
+        """W: one column per client (its flattened head), in ``self.order``."""
+        return torch.stack([torch.cat([tensors[HEAD_PREFIX.format(client_id) + key].double().flatten()
+                                       for key in self._head]) for client_id in self.order], dim=1)
+
+
+def regulariser(model: nn.Module, coupling: Weights, omega_kk: float, lam: float):
+    """``extra_loss``: (λ/2)·(Ω_kk·‖w_k‖² + 2·w_k·c_k) over the live head parameters (gradient λ·(Ω W)_k)."""
+    params = trainable(model, coupling)
+    require(set(params) == set(coupling), f"mocha: the coupling names {sorted(coupling)}, the head trains "
+                                          f"{sorted(params)}")
+    names = list(params)
+
+    def term(_: nn.Module) -> Tensor:
+        total = 0.0
+        for name in names:
+            weight = params[name]
+            total = total + omega_kk * weight.pow(2).sum() + 2 * (weight * coupling[name].to(weight)).sum()
+        return 0.5 * lam * total
+
+    return term
