@@ -25,7 +25,7 @@ from typing import Any
 import pandas as pd
 
 from network.engine_sequential import SKIPPED_CLIENT, SUMMARY_CLIENTS
-from pipeline.statistics import mean_interval, paired_difference
+from utils.statistics import UNIT, mean_interval, paired_difference
 from utils.run_dir import atomic_write_text
 
 FEDLOGE = "fedloge"
@@ -94,7 +94,7 @@ def report_table(runs: pd.DataFrame) -> pd.DataFrame:
         row = {"partition": partition, "method": method, "seeds": len(group)}
         for column in (*GLOBAL_COLUMNS, *LOCAL_COLUMNS):
             values = group[column].dropna().tolist()
-            mean, low, high = mean_interval(values) if values else (math.nan, math.nan, math.nan)
+            mean, low, high = mean_interval(values, UNIT) if values else (math.nan, math.nan, math.nan)
             row.update({f"{column}_mean": mean, f"{column}_low": low, f"{column}_high": high})
         rows.append(row)
     return pd.DataFrame(rows)
@@ -127,8 +127,9 @@ def claim_lines(runs: pd.DataFrame) -> list[str]:
                         continue
                     difference = paired_difference([b for b, _ in pairs], [o for _, o in pairs])
                     text = f"{baseline} ({100 * difference.mean:+.1f} pts"
-                    text += ")" if math.isnan(difference.low) else f", [{100 * difference.low:+.1f}, {100 * difference.high:+.1f}])"
-                    (beaten if difference.low > 0 else lost if difference.high < 0 else unclear).append(text)
+                    text += "" if math.isnan(difference.low) else f", [{100 * difference.low:+.1f}, {100 * difference.high:+.1f}]"
+                    text += ")" if difference.testable else f"; {difference.explain()})"
+                    (beaten if difference.sign > 0 else lost if difference.sign < 0 else unclear).append(text)
                 if not (lost or unclear):
                     verdict = "**holds**: better than every baseline"
                 elif lost:
@@ -153,7 +154,7 @@ def write_report(config: dict[str, Any], out_dir: Path, run_dirs: dict, centrali
              f"Data: {config['data']['source']} (imbalance factor {config['data'].get('imbalance_factor') or 1.0}), "
              f"task {config['task']}, {federated['n_clients']} clients, {100 * federated['client_fraction']:g}% per round, "
              f"local test sets: {federated['local_test']}, evaluation-time fine-tuning: {federated['finetune_steps']} "
-             f"steps; seeds {config['seeds']}. Numbers are top-1 in % at the final round, mean [95% t interval] over "
+             f"steps; seeds {config['seeds']}. Numbers are top-1 in % at the final round, mean [95% interval, t on the logit scale (utils/statistics.py)] over "
              "seeds.", "",
              "## Summary (computed: FedLoGe against every baseline, paired by seed)", "", *claim_lines(runs), "",
              "## Global accuracy (balanced test split)", "",

@@ -66,8 +66,9 @@ def test_the_summary_verdicts_are_paired_by_seed():
     # Global: vs fedavg the differences are +0.10, +0.09, +0.10 (interval above 0); vs fedrod −0.01, +0.02, −0.06.
     assert lines[0].startswith("- p, fedloge-etf_steps20, global accuracy: **not shown**: no clear difference from "
                                "fedrod") and "better than fedavg (+9.7 pts" in lines[0]
-    # Local: vs fedrod exactly +0.10 each seed (a zero-width interval above 0); vs fedavg −0.01, +0.01, −0.01.
-    assert "**not shown**" in lines[1] and "better than fedrod (+10.0 pts" in lines[1]
+    # Local: vs fedrod exactly +0.10 each seed (zero variance: undecided, utils/statistics.py); vs fedavg −0.01, +0.01, −0.01.
+    assert "**not shown**" in lines[1] and "fedrod (+10.0 pts; undecided: zero variance" in lines[1]
+    assert "better than" not in lines[1]
     table = report_table(runs.assign(**{column: float("nan") for column in
                                         ("global_head", "global_middle", "global_tail", "global_many", "global_medium",
                                          "global_few", "local_std", "local_worst10", "local_masked_std",
@@ -89,12 +90,12 @@ def test_the_embedded_study_file_is_valid_and_asks_for_the_protocol():
 
 def test_write_report_writes_the_tables_and_the_summary(tmp_path):
     run_dirs = {}
-    for seed in range(2):
-        for algorithm, value in (("fedloge", 0.7 + seed / 100), ("fedavg", 0.5)):
+    for seed in range(3):
+        for algorithm, value in (("fedloge", 0.7 + seed / 100), ("fedavg", 0.5 + seed % 2 / 100)):
             run_dirs[run(algorithm, seed)] = metrics(tmp_path / f"{algorithm}{seed}", [
                 ("test", "global", "top1", value), ("test", "model:universal", "top1", 0.6),
                 ("client_test_personal" if algorithm == "fedloge" else "client_test", "c1", "top1", value)])
-    config = {"name": "t", "task": "digit_class", "seeds": [0, 1], "data": {"source": "digits", "imbalance_factor": 0.1},
+    config = {"name": "t", "task": "digit_class", "seeds": [0, 1, 2], "data": {"source": "digits", "imbalance_factor": 0.1},
               "federated": {"n_clients": 2, "client_fraction": 1.0, "local_test": "proportional", "finetune_steps": 0}}
     write_report(config, tmp_path, run_dirs, {}, "cmd")
     text = (tmp_path / "report.md").read_text()
