@@ -365,7 +365,7 @@ def test_a_private_entry_makes_every_tensor_of_its_layer_and_of_the_head_private
 
 
 def personalised_algorithms() -> list[str]:
-    return [name for name in list_algorithms() if build_algorithm(name, TinyNet(), {"0": 1})[0].personalized]
+    return [name for name in list_algorithms() if build_algorithm(name, tiny_model_for(name), {"0": 1, "1": 1})[0].personalized]
 
 
 @pytest.mark.parametrize("name", personalised_algorithms())
