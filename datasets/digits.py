@@ -24,6 +24,7 @@ from torch.utils.data import Dataset
 
 from datasets.family import (DATASETS, FAMILY_COLUMN, SPLITS, VAL_COLUMN, DataFamily, refuse_repeated_images,
                              stratified_validation, with_family_column)
+from datasets.long_tail import long_tail_indices
 from utils.errors import TaskHetError
 from utils.loaders import read_csv
 from utils.seeding import derive_seed, numpy_rng
@@ -45,7 +46,8 @@ def load_arrays() -> tuple[np.ndarray, np.ndarray]:
     return bunch.images, bunch.target.astype(np.int64)
 
 
-def select_digits(test_fraction: float, seed: int, n_samples: int | None = None, val_fraction: float = 0.1) -> pd.DataFrame:
+def select_digits(test_fraction: float, seed: int, n_samples: int | None = None, val_fraction: float = 0.1,
+                  imbalance_factor: float = 1.0) -> pd.DataFrame:
     """Step 1 for digits: a seeded, label-stratified sample of the images, split into train/test, with a validation part.
 
     Args:
@@ -56,6 +58,9 @@ def select_digits(test_fraction: float, seed: int, n_samples: int | None = None,
         val_fraction: share of each digit's training images marked ``val`` = 1, in [0, 1)
             (:func:`datasets.family.stratified_validation`); drawn after the train/test split,
             which it leaves unchanged.
+        imbalance_factor: digits-LT: after the split, the training images keep CIFAR-LT's profile
+            n_c = ⌊n_max·IF^{c/9}⌋ (``datasets.long_tail``, n_max the smallest digit's training count; a
+            seeded draw per digit), the test split stays balanced; 1.0 keeps every image.
 
     Returns:
         The manifest: :data:`MANIFEST_COLUMNS`, rows sorted by ``image_index``.
@@ -65,6 +70,8 @@ def select_digits(test_fraction: float, seed: int, n_samples: int | None = None,
     """
     if not 0.0 < test_fraction < 1.0:
         raise TaskHetError(f"--test_fraction must be in (0, 1), got {test_fraction}")
+    if not 0.0 < imbalance_factor <= 1.0:
+        raise TaskHetError(f"--imbalance_factor must be in (0, 1], got {imbalance_factor}")
     _, labels = load_arrays()
     kept = np.arange(len(labels))
     if n_samples is not None and not NUM_CLASSES * 2 <= n_samples <= len(labels):
@@ -76,6 +83,10 @@ def select_digits(test_fraction: float, seed: int, n_samples: int | None = None,
     except ValueError as error:
         raise TaskHetError(f"--test_fraction {test_fraction} with {len(kept)} samples: no stratified split over "
                            f"{NUM_CLASSES} digits ({error})") from None
+    if imbalance_factor < 1.0:
+        train_rows = np.setdiff1d(kept, test)
+        train_rows = train_rows[long_tail_indices(labels[train_rows], imbalance_factor, seed)]
+        kept = np.concatenate([train_rows, test])
     kept = np.sort(kept)
     split = np.where(np.isin(kept, test), "test", "train")
     val = np.zeros(len(kept), dtype=np.int64)

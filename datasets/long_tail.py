@@ -84,3 +84,46 @@ def groups_by_mass(counts: np.ndarray, head_mass: float = 0.75, middle_mass: flo
     for label, share in zip(order.tolist(), start):
         groups[HEAD if share < head_mass else MIDDLE if share < middle_mass else TAIL].append(label)
     return groups
+
+
+# Metric names of the six class groups (training.metrics.ClassificationMetrics reports top1_<name>).
+MASS_GROUPS = {HEAD: "head", MIDDLE: "middle", TAIL: "tail"}
+SHOT_GROUPS = {HEAD: "many", MIDDLE: "medium", TAIL: "few"}
+
+
+def class_groups(counts: np.ndarray) -> dict[str, list[int]]:
+    """The classes of both conventions, keyed by metric name: head/middle/tail (cumulative mass 75/95%,
+    FedLoGe) and many/medium/few (shots, OLTR); empty groups are left out (e.g. no class with > 100 images)."""
+    named = {MASS_GROUPS[group]: classes for group, classes in groups_by_mass(counts).items()}
+    named.update({SHOT_GROUPS[group]: classes for group, classes in groups_by_shots(counts).items()})
+    return {name: classes for name, classes in named.items() if classes}
+
+
+def proportional_test_indices(train_counts: np.ndarray, test_labels: np.ndarray, rng: np.random.Generator,
+                              client: str = "") -> np.ndarray:
+    """FedLoGe's local test set: ⌊n_c/N·|test|⌋ images of each class c from the (balanced) test set.
+
+    ``train_counts`` is the client's training histogram (n_c, summing to N); ``test_labels`` the labels of
+    the global test set. Clients draw independently, so their sets may overlap. Within a class the
+    images are a seeded draw without replacement; a class asked for more images than the test set has
+    (a client that is nearly all one class) takes every image of it, repeated, plus a draw for the rest,
+    so the proportions still equal the training ones up to rounding.
+
+    Raises:
+        TaskHetError: the client has no training rows (its proportions are undefined).
+    """
+    train_counts = np.asarray(train_counts, dtype=np.int64)
+    test_labels = np.asarray(test_labels)
+    total = int(train_counts.sum())
+    if total == 0:
+        raise TaskHetError(f"client {client}: a local test set drawn in its training class proportions needs "
+                           "training rows, and it has none")
+    wanted = (train_counts * test_labels.size) // total  # ⌊n_c/N·|test|⌋ in exact integer arithmetic
+    chosen = []
+    for label in np.flatnonzero(wanted):
+        pool = np.flatnonzero(test_labels == label)
+        if pool.size == 0:
+            raise TaskHetError(f"client {client}: trains on class {label}, which the test set does not have")
+        repeats, rest = divmod(int(wanted[label]), pool.size)
+        chosen += [np.tile(pool, repeats), rng.choice(pool, size=rest, replace=False)]
+    return np.sort(np.concatenate(chosen)) if chosen else np.empty(0, dtype=np.int64)

@@ -240,6 +240,19 @@ class ResNet18(ResNetEncoder):
         return {"imagenet": _torchvision_sources(torchvision.models.ResNet18_Weights.IMAGENET1K_V1)}
 
 
+@ENCODERS.register("resnet34")
+class ResNet34(ResNetEncoder):
+    """ResNet-34 with torchvision's IMAGENET1K_V1 weights; FedLoGe's CIFAR-100-LT backbone."""
+
+    arch = "resnet34"
+    channels = (64, 64, 128, 256, 512)
+    decoder_width = 96
+
+    @property
+    def pretrained(self) -> dict[str, list[WeightSource]]:
+        return {"imagenet": _torchvision_sources(torchvision.models.ResNet34_Weights.IMAGENET1K_V1)}
+
+
 @ENCODERS.register("small_cnn")
 class SmallCNN(Encoder):
     """Four stride-2 stages of two 3x3 conv-GroupNorm-ReLU blocks (~0.2 M parameters): for CPU runs and tests."""

@@ -59,9 +59,9 @@ class TaskSpec:
         """The task's (masked) loss of a prediction against a batch: a scalar, or ``[B]`` with ``reduction="none"``."""
         return self.loss_fn(prediction, batch, self.domain, reduction)
 
-    def new_metrics(self) -> TaskMetrics:
-        """A fresh accumulator of the task's metrics."""
-        return self.metrics_factory()
+    def new_metrics(self, **options) -> TaskMetrics:
+        """A fresh accumulator of the task's metrics (``options``: e.g. a classifier's ``class_groups``)."""
+        return self.metrics_factory(**options)
 
 
 TASKS: Registry[TaskSpec] = Registry("task")

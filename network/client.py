@@ -11,11 +11,19 @@ Evaluation of one client (:func:`evaluate_client`) gives up to three splits:
 * ``client_test_finetuned``: with ``finetune_steps > 0``, its own model (or the global
   model) after that many local SGD steps on its training rows: the "local fine-tuning"
   baseline and FedBABU's protocol, for every algorithm. Nothing it trains is kept.
+
+For a classifier whose client knows its training class counts (``ClientData.class_counts``), each
+split is also evaluated under the one absent-class rule of the Fed-LT protocol (issue 20): a class
+the client never trained on gets a −∞ logit, so it is never predicted. Those rows are the split's
+name plus ``_masked`` (``client_test_masked``, ``client_test_personal_masked``,
+``client_test_finetuned_masked``); the unmasked rows stay as they are, so every method is reported
+both ways by the same code. A test sample of a masked class counts as wrong and its loss is +∞.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
@@ -33,6 +41,7 @@ GLOBAL_TEST_SPLIT = "test"  # the global model on the manifest's test split
 CLIENT_TEST_SPLIT = "client_test"  # the global model on each client's held-out samples
 PERSONAL_TEST_SPLIT = "client_test_personal"  # each client's own model on them
 FINETUNED_TEST_SPLIT = "client_test_finetuned"  # after --finetune_steps local steps
+MASKED_SUFFIX = "_masked"  # the same split with the client's absent classes masked (−∞ logit)
 
 EvaluateFn = Callable[[nn.Module, Iterable[dict]], dict[str, float]]
 
@@ -50,12 +59,15 @@ class ClientData:
         num_samples: size of its training split (its FedAvg weight).
         train_loader: ``train_loader(seed) -> iterable of batch dicts``; the seed fixes the order.
         test_loader: its held-out client-test batches, or None.
+        class_counts: its number of training samples per class (classification tasks), or None:
+            the absent-class mask of the evaluation, and what FedRoD's balanced softmax reads.
     """
 
     client_id: str
     num_samples: int
     train_loader: Callable[[int], Iterable[dict]]
     test_loader: Iterable[dict] | None = None
+    class_counts: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,8 @@ def train_client(algorithm: Algorithm, model: nn.Module, broadcast: dict[str, We
 
     The upload is checked against the algorithm's private entries: one in an upload is an error.
     """
+    if client.class_counts is not None:
+        cfg = dataclasses.replace(cfg, class_counts=client.class_counts)
     with seeded_torch_rng(seed, cfg.device):
         result = algorithm.client_update(model, broadcast, dict(state or {}), client.train_loader(seed), cfg)
     _check_upload(algorithm, result, client.client_id)
@@ -129,12 +143,21 @@ def evaluate_client(algorithm: Algorithm, model: nn.Module, evaluate_fn: Evaluat
     """
     if client.test_loader is None:
         return {}
+    absent = absent_classes(client.class_counts)
+
+    def evaluate_as(split: str) -> dict[str, dict[str, float]]:
+        result = {split: evaluate_model(model, evaluate_fn, client.test_loader)}
+        if absent is not None:
+            result[split + MASKED_SUFFIX] = evaluate_model(AbsentClassMask(model, absent), evaluate_fn,
+                                                           client.test_loader)
+        return result
+
     load_weights(model, global_weights)
-    splits = {CLIENT_TEST_SPLIT: evaluate_model(model, evaluate_fn, client.test_loader)}
+    splits = evaluate_as(CLIENT_TEST_SPLIT)
     own = algorithm.personal_model(models, dict(state or {})) if algorithm.personalized else None
     if own is not None:
         load_weights(model, own)
-        splits[PERSONAL_TEST_SPLIT] = evaluate_model(model, evaluate_fn, client.test_loader)
+        splits.update(evaluate_as(PERSONAL_TEST_SPLIT))
     if finetune is not None and finetune.steps > 0:
         load_weights(model, own if own is not None else global_weights)
         with seeded_torch_rng(seed, device):
@@ -142,8 +165,39 @@ def evaluate_client(algorithm: Algorithm, model: nn.Module, evaluate_fn: Evaluat
                                momentum=finetune.momentum, weight_decay=finetune.weight_decay)
             local_train(model, client.train_loader(seed), loss_fn, make_optimizer(model.parameters(), cfg), device,
                         steps=finetune.steps)
-        splits[FINETUNED_TEST_SPLIT] = evaluate_model(model, evaluate_fn, client.test_loader)
+        splits.update(evaluate_as(FINETUNED_TEST_SPLIT))
     return splits
+
+
+def absent_classes(class_counts: Iterable[int] | None) -> torch.Tensor | None:
+    """Bool ``[K]``: the classes a client has no training sample of (None without counts or with none absent)."""
+    if class_counts is None:
+        return None
+    absent = torch.tensor([count == 0 for count in class_counts], dtype=torch.bool)
+    return absent if bool(absent.any()) else None
+
+
+class AbsentClassMask(nn.Module):
+    """The Fed-LT protocol's absent-class rule around any classifier: logits of ``absent`` classes become −∞.
+
+    Applied by :func:`evaluate_client` to every client split of every algorithm (never inside one
+    algorithm), so no method is masked where another is not. Wraps a model returning logits ``[B, K]``
+    or ``(logits, embedding)``.
+    """
+
+    def __init__(self, model: nn.Module, absent: torch.Tensor) -> None:
+        super().__init__()
+        self.model = model
+        self.register_buffer("absent", absent, persistent=False)
+
+    def forward(self, inputs):
+        output = self.model(inputs)
+        logits = output[0] if isinstance(output, tuple) else output
+        if logits.dim() != 2 or logits.shape[1] != self.absent.numel():
+            raise TaskHetError(f"the absent-class mask needs logits [B, {self.absent.numel()}], got "
+                               f"{tuple(logits.shape)}")
+        masked = logits.masked_fill(self.absent.to(logits.device), float("-inf"))
+        return (masked, *output[1:]) if isinstance(output, tuple) else masked
 
 
 def finetune_seed(seed: int, round_index: int, client_id: str) -> int:

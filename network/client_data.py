@@ -15,10 +15,19 @@ from functools import partial
 import pandas as pd
 from torch.utils.data import DataLoader, Dataset, Subset
 
+import numpy as np
+
 from datasets.encoded import encoded_dataset
 from datasets.family import family_of, validation_mask
+from datasets.long_tail import proportional_test_indices
 from network.client import ClientData
 from training.loop import make_loader
+from utils.errors import TaskHetError
+from utils.seeding import numpy_rng
+
+LOCAL_TEST_ASSIGNED = "assigned"  # each client's own held-out test rows of assignments.csv
+LOCAL_TEST_PROPORTIONAL = "proportional"  # FedLoGe's: drawn from the test split in the client's train proportions
+LOCAL_TESTS = (LOCAL_TEST_ASSIGNED, LOCAL_TEST_PROPORTIONAL)
 
 
 def task_dataset(args: argparse.Namespace, manifest: pd.DataFrame, task, sample_ids, feature_model=None) -> Dataset:
@@ -37,15 +46,38 @@ def make_clients(args: argparse.Namespace, manifest: pd.DataFrame, table: pd.Dat
     """The clients of ``table`` (all of the assignments, or a Flower node's share): train rows train, test rows evaluate.
 
     Only the files of these clients are opened, in the same sample order and with the same loader seeds
-    whichever rows of the assignments ``table`` holds.
+    whichever rows of the assignments ``table`` holds. For a classification task each client carries its
+    training class counts (the evaluation's absent-class mask). With ``args.local_test == "proportional"``
+    (the Fed-LT protocol) a client's test set is drawn from the manifest's test split in its training class
+    proportions (``datasets.long_tail.proportional_test_indices``) instead of its own test rows.
     """
     table = table.reset_index(drop=True)
     assigned, clients = task_dataset(args, manifest, task, table["sample_id"], feature_model), []
+    family = family_of(manifest)
+    classifier = task.kind == "classification"
+    labels = manifest.set_index("sample_id")[family.label_column] if classifier else None
+    num_classes = family.num_classes(manifest) if classifier else 0
+    proportional = getattr(args, "local_test", LOCAL_TEST_ASSIGNED) == LOCAL_TEST_PROPORTIONAL
+    if proportional and not classifier:
+        raise TaskHetError(f"--local_test {LOCAL_TEST_PROPORTIONAL} draws test sets by class proportions; "
+                           f"--task {task.name} is not a classification task")
+    test_ids = manifest.loc[manifest["split"] == "test", "sample_id"].tolist() if proportional else []
+    global_test = task_dataset(args, manifest, task, test_ids, feature_model) if proportional else None
     for client_id, rows in table.groupby("client_id", sort=True):
         train, test = (rows.index[rows["subset"] == subset].tolist() for subset in ("train", "test"))
+        counts = None
+        if classifier:
+            counts = tuple(np.bincount(labels.loc[table.loc[train, "sample_id"]].to_numpy(dtype=np.int64),
+                                       minlength=num_classes).tolist())
         train_loader = partial(make_loader, Subset(assigned, train), args.batch_size, True, num_workers=args.num_workers)
-        test_loader = make_loader(Subset(assigned, test), args.batch_size, False, 0, args.num_workers) if test else None
-        clients.append(ClientData(str(client_id), len(train), train_loader, test_loader))
+        if proportional:
+            picked = proportional_test_indices(np.array(counts), labels.loc[test_ids].to_numpy(),
+                                               numpy_rng(args.rand_seed, "local_test", str(client_id)), str(client_id))
+            test_set = Subset(global_test, picked.tolist())
+        else:
+            test_set = Subset(assigned, test)
+        test_loader = make_loader(test_set, args.batch_size, False, 0, args.num_workers) if len(test_set) else None
+        clients.append(ClientData(str(client_id), len(train), train_loader, test_loader, counts))
     return clients
 
 

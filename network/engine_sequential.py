@@ -34,7 +34,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from network.aggregation import Weights, client_summary
 from network.algorithms.base import (ALGORITHMS, TRAIN_LOSS, Algorithm, ClientConfig, ClientResult, LossFn, ServerState, Upload,
                                      load_weights)
-from network.client import (CLIENT_TEST_SPLIT, FINETUNED_TEST_SPLIT, GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT,
+from network.client import (CLIENT_TEST_SPLIT, FINETUNED_TEST_SPLIT, GLOBAL_TEST_SPLIT, MASKED_SUFFIX, PERSONAL_TEST_SPLIT,
                             ClientData, ClientFailure, EvaluateFn, Finetune, evaluate_client, evaluate_model,
                             finetune_seed, train_client, train_clients)
 from network.client_store import ClientStore
@@ -57,7 +57,8 @@ MODEL_CLIENT_PREFIX = "model:"  # rows of each server model, when an algorithm h
 SKIPPED_CLIENT = "skipped"  # personal split: clients without a personal model (metric "clients")
 # Per-client splits: summary rows of every metric (network.aggregation.client_summary; jain only when defined).
 SUMMARY_CLIENTS = ("mean", "std", "variance", "worst", "best", "worst_decile", "best_decile", "jain")
-CLIENT_SPLITS = (CLIENT_TEST_SPLIT, PERSONAL_TEST_SPLIT, FINETUNED_TEST_SPLIT)
+CLIENT_SPLITS = tuple(split + suffix for split in (CLIENT_TEST_SPLIT, PERSONAL_TEST_SPLIT, FINETUNED_TEST_SPLIT)
+                      for suffix in ("", MASKED_SUFFIX))
 METRICS_COLUMNS = ("round", "split", "client", "metric", "value")
 CHECKPOINT_FILE, BEST_FILE, METRICS_FILE, CURVES_FILE = "checkpoint.pt", "best.pt", "metrics.csv", "curves.png"
 

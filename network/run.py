@@ -17,14 +17,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import pandas as pd
 import torch
 
 from datasets.encoded import model_input_key
-from datasets.family import load_manifest
+from datasets.family import load_manifest, validation_mask
+from datasets.long_tail import class_groups
 from models import build_task_model, get_task, load_task_model
 from network.algorithms import build_algorithm
 from network.algorithms.base import Algorithm
+from network.client_data import LOCAL_TESTS
 from network.engine_sequential import EngineConfig, check_vectorizable
 from network.lr_schedule import make_lr_schedule
 from partitioning.assignments import load_assignments
@@ -80,6 +83,7 @@ class RunConfig:
     client_fraction: float = 1.0
     calibration_fraction: float = 0.0
     finetune_steps: int = 0
+    local_test: str = "assigned"
     diagnostics: bool = False
     eval_every: int = 1
     rand_seed: int = 42
@@ -169,6 +173,7 @@ def prepare(config: RunConfig) -> FedSetup:
     set_deterministic(config.deterministic)
     num_classes = family.num_classes(manifest) if task.kind == "classification" else None
     input_key = model_input_key(family, config.cache_features)
+    groups = train_class_groups(family, manifest) if task.kind == "classification" else None
     device = pick_device(config.use_accelerator)
     task_model = initial_model(config, num_classes)
     train_counts = table[table["subset"] == "train"].groupby("client_id").size()
@@ -193,8 +198,16 @@ def prepare(config: RunConfig) -> FedSetup:
         loss_fn=lambda net, batch, reduction="mean": task.loss(net(batch[input_key])[0].float(), batch, reduction),
         # The model's own device, not the server's: Flower nodes may train on another device.
         evaluate_fn=lambda net, loader: evaluate(net, loader, task, next(net.parameters()).device, input_key=input_key,
-                                                 progress=False),
+                                                 progress=False, class_groups=groups),
         feature_model=task_model if config.cache_features else None)
+
+
+def train_class_groups(family, manifest: pd.DataFrame) -> dict[str, list[int]]:
+    """Head/middle/tail classes by both conventions (datasets.long_tail.class_groups) of the manifest's training
+    rows (validation rows left out): every classifier's evaluation reports each group's top-1."""
+    train = manifest[(manifest["split"] == "train") & ~validation_mask(manifest)]
+    counts = np.bincount(train[family.label_column].to_numpy(dtype=np.int64), minlength=family.num_classes(manifest))
+    return class_groups(counts)
 
 
 def resolve(config: RunConfig, meta: dict) -> RunConfig:
@@ -223,6 +236,8 @@ def resolve(config: RunConfig, meta: dict) -> RunConfig:
                            "client on its own node)")
     if config.vectorize_chunk < 1:
         raise TaskHetError(f"--vectorize_chunk must be >= 1, got {config.vectorize_chunk}")
+    if config.local_test not in LOCAL_TESTS:
+        raise TaskHetError(f"--local_test must be one of {', '.join(LOCAL_TESTS)}, got {config.local_test!r}")
     if config.finetune_steps < 0:
         raise TaskHetError(f"--finetune_steps must be >= 0, got {config.finetune_steps}")
     if config.out is None:

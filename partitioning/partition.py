@@ -254,6 +254,35 @@ class DirichletSplitPartitioner(DirichletBase):
         return Partition(assign_counts(group_codes, counts, rng), self.n_clients)
 
 
+@SCHEMES.register("dirichlet_per_class")
+class DirichletPerClassPartitioner(DirichletBase):
+    """FedLoGe's Fed-LT split (Xiao et al. 2024; also FedRoD's and CReFF's): for each group
+    (class) c, client shares p_c ~ Dir(α·1) and each of the group's n_c samples goes to a
+    client drawn from p_c independently, so the counts are Multinomial(n_c, p_c). Unlike
+    ``dirichlet_split`` (cut points at ⌊cumsum(p)·n_c⌋) the counts carry the multinomial
+    noise, and there is no FedAvg-style minimum size beyond ``min_client_size`` (1 by
+    default: an empty client would be refused by the assignments check). With
+    ``size_skew`` the shares are reweighted by each client's size weight and renormalised.
+    Uses every sample; a draw leaving a client below ``min_client_size`` is repeated at
+    most ``MAX_DRAWS`` times, then it fails."""
+
+    name = "dirichlet_per_class"
+
+    def _assign(self, group_codes: np.ndarray, sources: np.ndarray | None, rng: np.random.Generator) -> Partition:
+        group_sizes = np.bincount(group_codes)
+        client_weights = size_weights(self.size_skew, self.n_clients, rng)
+        for _ in range(MAX_DRAWS):
+            shares = dirichlet(rng, np.full(self.n_clients, float(self.alpha)), group_sizes.size) * client_weights
+            shares /= shares.sum(axis=1, keepdims=True)
+            counts = np.stack([rng.multinomial(size, share) for size, share in zip(group_sizes, shares)], axis=1)
+            if counts.sum(axis=1).min() >= self.min_client_size:
+                break
+        else:
+            self._check_min_size(counts.sum(axis=1), f"after {MAX_DRAWS} draws at alpha={self.alpha}; raise --alpha or "
+                                                     "lower --n_clients / --min_client_size")
+        return Partition(assign_counts(group_codes, counts, rng), self.n_clients)
+
+
 @SCHEMES.register("natural")
 class NaturalPartitioner(Partitioner):
     """Feature skew: one client per source (the data family's source column: a Taskonomy

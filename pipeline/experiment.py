@@ -23,7 +23,7 @@ from utils.loaders import load_yaml
 # data.source -> the data family that reads it (synthetic buildings are written in the Taskonomy layout).
 DATA_SOURCES = {"synthetic": "taskonomy", "taskonomy": "taskonomy", "digits": "digits", "cifar10": "cifar", "cifar100": "cifar"}
 # Keys of the data section that only some sources read (a key set for another source is an error).
-SOURCE_KEYS = {"imbalance_factor": ("cifar10", "cifar100"), "val_fraction": ("cifar10", "cifar100"),
+SOURCE_KEYS = {"imbalance_factor": ("cifar10", "cifar100", "digits"), "val_fraction": ("cifar10", "cifar100"),
                "verify_checksums": ("cifar10", "cifar100")}
 
 # Every key an experiment file may set, with its default. Nested dicts are sections;
@@ -40,7 +40,7 @@ SCHEMA: dict[str, Any] = {
         "test_fraction": 0.2,
         "split_by": "building",  # taskonomy/synthetic only
         "n_samples": None,  # digits only: samples kept, stratified by digit (None: all 1,797)
-        "imbalance_factor": None,  # cifar only: n_min / n_max of the long-tailed training set (None: 1.0, balanced)
+        "imbalance_factor": None,  # cifar and digits: n_min / n_max of the long-tailed training set (None: 1.0, balanced)
         "val_fraction": None,  # cifar only: stratified share of the training set kept for validation (None: 0.1)
         "verify_checksums": None,  # cifar only: torchvision's md5 check (None: on; off only for hand-made files)
     },

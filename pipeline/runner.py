@@ -109,6 +109,8 @@ class Pipeline:
                          if data[key] is not None}}
         elif family == "digits":
             params["n_samples"] = data["n_samples"]
+            if data["imbalance_factor"] is not None:
+                params["imbalance_factor"] = data["imbalance_factor"]
         else:
             params.update(data_path=str(root), tasks=self.config["tasks"], top_k_classes=data["top_k_classes"],
                           split_by=data["split_by"])

@@ -54,7 +54,8 @@ from utils.loaders import load_yaml
 
 # study name -> the module whose ``write_report(config, out_dir, run_dirs, centralized, command)`` writes its report
 # (imported when the study runs: the report modules import matplotlib and pandas).
-STUDY_REPORTS = {"fedavg_sharding": "pipeline.study_report", "sparse_finetuning": "pipeline.sparse_report"}
+STUDY_REPORTS = {"fedavg_sharding": "pipeline.study_report", "sparse_finetuning": "pipeline.sparse_report",
+                 "fed_lt": "pipeline.fedlt_report"}
 INIT_FROM = ("scratch", "centralized", "head")
 
 # Every key of a study file with its default (the sections shared with the main job have its defaults).
@@ -78,6 +79,8 @@ STUDY_SCHEMA: dict[str, Any] = {
         "client_test_fraction": 0.0,  # the study reads the global test and validation splits only
         "init_from": "scratch",  # scratch | centralized (step 2's model) | head (step 2's head, encoder unfrozen)
         "calibration_fraction": 0.0,  # held-out train rows for sparse_ft's server masks (step 4's --calibration_fraction)
+        "local_test": "assigned",  # client test sets: assigned | proportional (Fed-LT; step 4's --local_test)
+        "finetune_steps": 0,  # evaluation-time fine-tuning of every client's model (step 4's --finetune_steps)
     },
     "grid": [],  # blocks: {partitions: [{scheme, ...}], local_steps: [J, ...], algorithms: {name: settings}}
     "seeds": [0, 1, 2],
@@ -91,7 +94,8 @@ STUDY_TYPES = {**{key: check for key, check in TYPES.items() if key.split(".")[0
                "federated.batch_size": Int(1), "federated.init_lr": Float(0, low_open=True),
                "federated.lr_schedule": Str(), "federated.momentum": Float(0), "federated.weight_decay": Float(0),
                "federated.client_test_fraction": Float(0, 1, high_open=True),
-               "federated.init_from": Str(INIT_FROM), "federated.calibration_fraction": Float(0, 1, high_open=True)}
+               "federated.init_from": Str(INIT_FROM), "federated.calibration_fraction": Float(0, 1, high_open=True),
+               "federated.local_test": Str(("assigned", "proportional")), "federated.finetune_steps": Int(0)}
 BLOCK_KEYS = ("partitions", "local_steps", "algorithms")
 # Short names of scheme parameters in folder names and report rows (nc_shards-nc5, dirichlet_split-a0.1).
 PARAM_LABELS = {"groups_per_client": "nc", "alpha": "a"}
@@ -422,6 +426,10 @@ class Study:
             params.update(init_from="centralized", centralized_checkpoint=str(model_dir / "best.pt"))
         if federated["calibration_fraction"]:
             params["calibration_fraction"] = federated["calibration_fraction"]
+        if federated["local_test"] != "assigned":
+            params["local_test"] = federated["local_test"]
+        if federated["finetune_steps"]:
+            params["finetune_steps"] = federated["finetune_steps"]
         inputs = [manifest, assignments / "assignments.csv"]
         stage_dir = (self.out_dir / "federated" / run.partition.label / f"J{run.local_steps}" / run.variant.label
                      / f"s{run.seed}-{stage_key(params, inputs, self.out_dir)}")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from network.algorithms import describe_algorithms, list_algorithms
 from network.algorithms.base import get_settings_class
+from network.client_data import LOCAL_TESTS
 from network.run import ENGINES, RunConfig, prepare
 from partitioning.groupings import GROUPINGS, canonical_grouping
 from network.settings import add_settings_arguments, describe
@@ -90,6 +91,10 @@ def build_parser(method: str | None = None, prog: str = "test_fed.py", descripti
              "(sparse_ft --mask_source server; default: 0, none)")
     add("--finetune_steps", type=cli.nonnegative_int, default=0,
         help="also evaluate each client's model after this many local SGD steps on its train rows (default: 0, off)")
+    add("--local_test", choices=LOCAL_TESTS, default="assigned",
+        help="client test sets: assigned (each client's test rows of assignments.csv) or proportional (the Fed-LT "
+             "protocol: drawn from the manifest's test split in the client's training class proportions, "
+             "⌊n_c/N·|test|⌋ images of class c; clients may overlap) (default: assigned)")
     add("--diagnostics", action=argparse.BooleanOptionalAction, default=False,
         help="per round: client drift ‖y_k − x‖, mean/max update norm (metrics.csv) and the update-cosine matrix "
              "(diagnostics/round_<r>_cosine.npy, heatmap on evaluation rounds)")

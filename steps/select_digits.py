@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--n_samples", type=positive_int, default=None, help="samples to keep, stratified by digit (default: all 1,797)")
     parser.add_argument("--val_fraction", type=float, default=0.1,
                         help="share of each digit's training images set aside for validation, in [0, 1) (default: 0.1)")
+    parser.add_argument("--imbalance_factor", type=float, default=1.0,
+                        help="digits-LT: n_min / n_max of the training images, in (0, 1] (CIFAR-LT's exponential profile; "
+                             "the test split stays balanced; default: 1.0, every image)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the subsample, the split and the validation part (default: 0)")
     parser.add_argument("--out", type=Path, default=Path("results/datapoints"), help="output folder (default: results/datapoints)")
     cli.add_runtime_flags(parser)
@@ -52,7 +55,7 @@ def main(argv: list[str] | None = None) -> Path:
 def select_and_write(args: argparse.Namespace) -> Path:
     """Select and write, holding the lock of ``args.out`` (see :func:`main`)."""
     claim_step1_folder(args.out)
-    manifest = select_digits(args.test_fraction, args.seed, args.n_samples, args.val_fraction)
+    manifest = select_digits(args.test_fraction, args.seed, args.n_samples, args.val_fraction, args.imbalance_factor)
     path = write_step1_outputs(args, manifest, class_counts(manifest))
     logger = setup_logging(args.out)
     num_test = int((manifest["split"] == "test").sum())

@@ -22,7 +22,7 @@ from network.local_train import NonFiniteLossError, local_train
 from network.settings import describe
 from steps.federated import build_parser
 from tests.test_engine import NUM_CLIENTS, make_clients, make_engine
-from tests.tiny_models import TinyNet
+from tests.tiny_models import TinyNet, tiny_model_for
 from utils.errors import TaskHetError
 
 CPU = torch.device("cpu")
@@ -35,7 +35,7 @@ def test_settings_are_a_frozen_documented_dataclass_whose_defaults_build(name):
     assert dataclasses.is_dataclass(settings_class) and settings_class.__dataclass_params__.frozen
     for info in describe(settings_class):
         assert info.help and info.type in (int, float, str, bool), info.name
-    build_algorithm(name, TinyNet(), {"a": 1, "b": 1})  # IFCA's default k = 2 needs two clients
+    build_algorithm(name, tiny_model_for(name), {"a": 1, "b": 1})  # IFCA's default k = 2 needs two clients
 
 
 @pytest.mark.parametrize("name", list_algorithms())
@@ -101,6 +101,12 @@ REFUSED = {
                 ({"density": 1.5}, "setting density must be in (0, 1], got 1.5")],
     "calibration_rounds": [({"calibration_rounds": 0}, "setting calibration_rounds must be >= 1, got 0")],
     "calibration_batches": [({"calibration_batches": 0}, "setting calibration_batches must be >= 1, got 0")],
+    "beta": [({"beta": 1.0}, "setting beta must be in [0, 1), got 1.0"),
+             ({"beta": -0.1}, "setting beta must be in [0, 1), got -0.1")],
+    "tau": [({"tau": 0.0}, "setting tau must be > 0, got 0.0"), ({"tau": -1.7}, "setting tau must be > 0, got -1.7")],
+    "etf_steps": [({"etf_steps": -1}, "setting etf_steps must be >= 0, got -1")],
+    "etf_lr": [({"etf_lr": 0.0}, "setting etf_lr must be > 0, got 0.0")],
+    "gamma": [({"gamma": -1.0}, "setting gamma must be >= 0, got -1.0")],
 }
 # Settings no __post_init__ check guards: their choices are enforced when the settings are built from a run's
 # values (build_settings), or any value is valid.
@@ -113,7 +119,8 @@ ACCEPTED_EDGES = {"server_lr": [{"server_lr": 1e-9}], "server_momentum": [{"serv
                   "inner_steps": [{"inner_steps": 1}], "n_components": [{"n_components": 1}],
                   "self_weight": [{"self_weight": 0.0}, {"self_weight": 1.0}],
                   "min_size": [{"min_size": 2}], "start_round": [{"start_round": 0}], "personal_lr": [{"personal_lr": 1e-9}],
-                  "calibration_rounds": [{"calibration_rounds": 1}], "calibration_batches": [{"calibration_batches": 1}]}
+                  "calibration_rounds": [{"calibration_rounds": 1}], "calibration_batches": [{"calibration_batches": 1}],
+                  "beta": [{"beta": 0.0}, {"beta": 0.99}], "etf_steps": [{"etf_steps": 0}], "gamma": [{"gamma": 0.0}]}
 
 
 @pytest.mark.parametrize("name", list_algorithms())

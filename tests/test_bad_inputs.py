@@ -414,6 +414,24 @@ CASES = {
         ["-m", "network.flower.app", "--task", "normal", "--method", "fedavg", "--mu", "0.1"], ("--mu",)),
     "flower app: --client_fraction nan": lambda c, t: Case(flower_app.main, ["--task", "normal", "--client_fraction", "nan"],
                                                            ("--client_fraction",)),
+    # issue 20: Fed-LT settings and methods
+    "2 step4 fedloge --tau 0": lambda c, t: Case(federated.main, step4_argv(c, t / "out", "--method", "fedloge", "--tau", "0"),
+                                                 ("setting tau must be > 0",), [t / "out"]),
+    "2 step4 fedloge --beta 1": lambda c, t: Case(federated.main, step4_argv(c, t / "out", "--method", "fedloge", "--beta",
+                                                                             "1"), ("setting beta must be in [0, 1)",), [t / "out"]),
+    **{f"3 step4 {method} on a dense task": (lambda method: lambda c, t: Case(
+        federated.main, step4_argv(c, t / "out", "--method", method),
+        (f"{method} trains classifier heads", "depth_euclidean is a dense task"), [t / "out"]))(method)
+       for method in ("fedloge", "fedrod", "fedbabu")},
+    "3 step4 --local_test proportional on a dense task": lambda c, t: Case(
+        federated.main, step4_argv(c, t / "out", "--local_test", "proportional"), ("--local_test proportional",),
+        [t / "out"]),
+    "2 step1 cifar --imbalance_factor 0": lambda c, t: Case(
+        select.main, ["--family", "cifar", "--dataset", "cifar10", "--data_path", str(t / "cifar"), "--imbalance_factor",
+                      "0", "--out", str(t / "out")], ("--imbalance_factor", "(0, 1]"), [t / "out"]),
+    "2 step1 cifar --imbalance_factor 1.5": lambda c, t: Case(
+        select.main, ["--family", "cifar", "--dataset", "cifar10", "--data_path", str(t / "cifar"), "--imbalance_factor",
+                      "1.5", "--out", str(t / "out")], ("--imbalance_factor", "(0, 1]"), [t / "out"]),
     "run_pipeline.py: experiment file missing": lambda c, t: case_subprocess(
         ["run_pipeline.py", str(t / "none.yaml"), "--results", str(t / "results")], ("none.yaml", "does not exist")),
 }

@@ -144,3 +144,20 @@ def test_shipped_digits_experiment_is_valid():
     config = load_experiment(Path(__file__).resolve().parent.parent / "experiments" / "digits.yaml")
     assert config["data"]["source"] == "digits" and config["tasks"] == ["digit_class"]
     assert set(config["partition"]["groupings"]) == {"label_based", "embedding_based"} and len(config["seeds"]) == 2
+
+
+def test_digits_lt_keeps_the_cifar_lt_profile_on_train_and_a_balanced_test_split():
+    import numpy as np
+
+    from datasets.digits import select_digits
+    from datasets.long_tail import long_tail_counts
+
+    full = select_digits(0.2, seed=0)
+    manifest = select_digits(0.2, seed=0, imbalance_factor=0.1)
+    full_train = np.bincount(full.loc[full.split == "train", "label"], minlength=10)
+    counts = np.bincount(manifest.loc[manifest.split == "train", "label"], minlength=10)
+    assert counts.tolist() == long_tail_counts(int(full_train.min()), 10, 0.1).tolist()  # ⌊n_max·0.1^{c/9}⌋
+    assert manifest.loc[manifest.split == "test", "sample_id"].tolist() == \
+        full.loc[full.split == "test", "sample_id"].tolist()  # the same balanced test split
+    with pytest.raises(TaskHetError, match=r"--imbalance_factor must be in \(0, 1\], got 0"):
+        select_digits(0.2, seed=0, imbalance_factor=0)

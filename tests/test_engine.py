@@ -20,7 +20,7 @@ from network.local_train import NonFiniteLossError
 from network.sampling import client_seed, clients_per_round, sample_clients
 from utils.errors import TaskHetError
 from utils.run_dir import load_checkpoint
-from tests.tiny_models import TinyNet, client_samples, evaluate, loss_fn
+from tests.tiny_models import FAST_SETTINGS, class_counts, client_samples, evaluate, loss_fn, tiny_model_for
 
 CPU = torch.device("cpu")
 NUM_CLIENTS = 5
@@ -50,7 +50,7 @@ def make_clients(poison_after_calls: int | None = None, kill_after_calls: int | 
             return batches
 
         test = list(DataLoader(samples[-6:], batch_size=6))
-        clients.append(ClientData(str(index), len(samples) - 6, train_loader, test))
+        clients.append(ClientData(str(index), len(samples) - 6, train_loader, test, class_counts(samples[:-6])))
     return clients
 
 
@@ -62,10 +62,10 @@ def global_test() -> list[dict]:
 def make_engine(out_dir, name="scaffold", rounds=5, clients=None, algorithm_class=None, settings=None,
                 **overrides) -> SequentialEngine:
     torch.manual_seed(0)
-    task_model = TinyNet()  # before make_clients: iterating a DataLoader draws from the global RNG
+    task_model = tiny_model_for(name)  # before make_clients: iterating a DataLoader draws from the global RNG
     clients = clients or make_clients()
     algorithm, model = build_algorithm(name, task_model, {client.client_id: client.num_samples for client in clients},
-                                       settings, seed=7)
+                                       settings if settings is not None else FAST_SETTINGS.get(name), seed=7)
     if algorithm_class is not None:  # a spy subclass of the same algorithm
         algorithm = algorithm_class(algorithm.settings, algorithm.federation)
     engine_settings = dict(out_dir=out_dir, n_rounds=rounds, lr_schedule=make_lr_schedule("cosine", 0.05, rounds), seed=7,
@@ -176,7 +176,7 @@ def test_non_finite_aggregate_stops_before_its_checkpoint(tmp_path):
     assert load_checkpoint(tmp_path / "checkpoint.pt")["round"] == 0
 
 
-STATEFUL = [name for name in list_algorithms() if name not in ("fedavg", "fedprox", "qfedavg")]  # the others keep client state
+STATEFUL = [name for name in list_algorithms() if name not in ("fedavg", "fedprox", "qfedavg", "fedbabu")]  # the others keep client state
 
 
 @pytest.mark.parametrize("name, limit", [*((name, 0) for name in STATEFUL), ("scaffold", 700)])

@@ -45,7 +45,7 @@ from network.flower.server import FlowerEngine  # noqa: E402
 from network.flower.simulation import FlowerOptions, node_share, run_flower  # noqa: E402
 from network.sampling import client_seed, sample_clients  # noqa: E402
 from tests.fixtures import tiny_data_root, tiny_manifest  # noqa: E402,F401  (session fixtures)
-from tests.tiny_models import TinyNet, client_samples, evaluate, loss_fn  # noqa: E402
+from tests.tiny_models import FAST_SETTINGS, class_counts, client_samples, evaluate, loss_fn, tiny_model_for  # noqa: E402
 from utils.errors import TaskHetError  # noqa: E402
 from utils.run_dir import load_checkpoint  # noqa: E402
 
@@ -118,7 +118,7 @@ def make_clients(failing: dict[str, frozenset[int]] | None = None, only: list[st
         data = client_samples(index, 20 + 4 * index)
         loader = partial(train_batches, data[:-6], fail_seeds=(failing or {}).get(client_id, frozenset()))
         test = None if client_id == NO_TEST_CLIENT else list(DataLoader(data[-6:], batch_size=6))
-        clients.append(ClientData(client_id, len(data) - 6, loader, test))
+        clients.append(ClientData(client_id, len(data) - 6, loader, test, class_counts(data[:-6])))
     return [client for client in clients if only is None or client.client_id in only]
 
 
@@ -131,8 +131,8 @@ def engine_inputs(out_dir: Path, name: str, rounds: int, clients: list[ClientDat
                   finetune_steps: int = 2) -> tuple:
     """The sequential engine's arguments: TinyNet (BatchNorm, dropout), momentum, fine-tuning at evaluation."""
     torch.manual_seed(0)
-    algorithm, model = build_algorithm(name, TinyNet(), {client.client_id: client.num_samples for client in clients},
-                                       seed=SEED)
+    algorithm, model = build_algorithm(name, tiny_model_for(name), {client.client_id: client.num_samples for client in clients},
+                                       FAST_SETTINGS.get(name), seed=SEED)
     config = EngineConfig(out_dir=out_dir, n_rounds=rounds, lr_schedule=make_lr_schedule("constant", 0.05, rounds),
                           seed=SEED, local_steps=3, client_fraction=fraction, momentum=0.5, progress=False,
                           signature={"test": name}, finetune_steps=finetune_steps)

@@ -131,6 +131,17 @@ def test_classification_top5_with_fewer_than_five_classes():
     assert metric.compute() == {"top1": 0.0, "top5": 1.0}
 
 
+def test_classification_group_top1_pools_the_groups_samples_over_batches():
+    metric = ClassificationMetrics("scene_class", class_groups={"head": [0], "tail": [1, 2], "empty": [3]})
+    logits = torch.eye(4) * 5  # predicts its own row index
+    metric.update(logits[[0, 0, 1]], {"scene_class": torch.tensor([0, 1, 1])})  # hit, miss (pred 0), hit
+    metric.update(logits[[2, 0]], {"scene_class": torch.tensor([2, 0])})  # hit, hit
+    result = metric.compute()
+    assert result["top1_head"] == 1.0  # 2 of 2 samples of class 0
+    assert result["top1_tail"] == pytest.approx(2 / 3)  # classes 1, 2: 3 samples, 2 hits
+    assert math.isnan(result["top1_empty"]) and result["top1"] == pytest.approx(4 / 5)
+
+
 def test_l1_metric_over_valid_pixels_and_channels():
     metric = L1Metric("principal_curvature")
     target = torch.zeros(1, 2, 1, 2)

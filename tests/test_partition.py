@@ -240,3 +240,45 @@ def test_paper_scale_partition_is_fast():
     partition = build("dirichlet_split", n_clients=1000, alpha=0.5).split(groups)
     assert time.perf_counter() - start < 10
     assert partition.sizes.sum() == 1_000_000
+
+
+# ----- dirichlet_per_class (FedLoGe's Fed-LT split, issue 20) -----
+def per_class_counts(alpha: float, seed: int, n_clients: int = 5, n_per_class: int = 20000) -> np.ndarray:
+    """[n_clients, 2] counts of a two-class set split by dirichlet_per_class."""
+    groups = np.repeat([0, 1], n_per_class)
+    partition = get_partitioner("dirichlet_per_class", n_clients, alpha=alpha, seed=seed).split(groups)
+    return np.stack([np.bincount(partition.client_of[groups == label], minlength=n_clients) for label in (0, 1)], axis=1)
+
+
+def test_dirichlet_per_class_assigns_every_sample_exactly_once():
+    groups, _ = data()
+    partition = get_partitioner("dirichlet_per_class", 10, alpha=0.1, seed=3).split(groups)
+    assert partition.unused.size == 0
+    flat = np.concatenate(partition.client_indices())
+    assert np.array_equal(np.sort(flat), np.arange(groups.size))  # each sample once, none left over
+
+
+@pytest.mark.parametrize("alpha", [0.1, 0.5, 2.0])
+def test_dirichlet_per_class_shares_follow_the_dirichlet_marginal_over_seeds(alpha):
+    from scipy import stats
+
+    n_clients, n = 5, 20000
+    shares = np.concatenate([per_class_counts(alpha, seed, n_clients, n)[0] / n for seed in range(200)])
+    # A client's share of a class is Beta(α, (K−1)α) (the Dir(α·1) marginal) plus multinomial noise of
+    # variance ≤ 1/(4n) = 1.25e-5, negligible next to the Beta's variance (1/K)(1 − 1/K)/(Kα + 1).
+    marginal = stats.beta(alpha, (n_clients - 1) * alpha)
+    assert abs(shares.mean() - 1 / n_clients) < 4 * marginal.std() / np.sqrt(shares.size)
+    assert shares.var() == pytest.approx(0.2 * 0.8 / (n_clients * alpha + 1), rel=0.15)
+    tail = marginal.sf(0.5)  # P(one client holds more than half of a class)
+    assert abs((shares > 0.5).mean() - tail) < 4 * np.sqrt(tail * (1 - tail) / shares.size)
+    if alpha >= 0.5:  # at α = 0.1 a third of the shares lie below 1/n, where counts cannot follow a density
+        assert stats.kstest(shares, marginal.cdf).pvalue > 1e-3
+
+
+def test_dirichlet_per_class_counts_are_multinomial_not_floored_cut_points():
+    # At α → ∞ every share is 1/K: dirichlet_split then cuts each class into exact ⌊n/K⌋ blocks,
+    # while the per-sample multinomial draw has Var(count) = n·(1/K)(1 − 1/K) = 1000·0.2·0.8 = 160.
+    counts = np.concatenate([per_class_counts(1e9, seed, 5, 1000)[:, 0] for seed in range(300)])
+    assert 130 < counts.var() < 190
+    split = get_partitioner("dirichlet_split", 5, alpha=1e9, seed=0).split(np.zeros(1000, dtype=int))
+    assert np.abs(split.sizes - 200).max() <= 1  # cut points: no sampling noise at all

@@ -90,11 +90,12 @@ def train_one_batch(model: nn.Module, batch: dict, task: TaskSpec | str, optimiz
 
 @torch.inference_mode()
 def evaluate(model: nn.Module, loader: DataLoader, task: TaskSpec | str, device: torch.device, *,
-             input_key: str, progress: bool = True) -> dict[str, float]:
+             input_key: str, progress: bool = True, class_groups: dict[str, list[int]] | None = None) -> dict[str, float]:
     """Loss and task metrics over a whole split (the model's train/eval mode is restored afterwards).
 
     ``input_key`` is the batch key of the model input (the data family's); ``progress=False``
-    hides the bar (the federated engine evaluates every client per round).
+    hides the bar (the federated engine evaluates every client per round). ``class_groups`` (a classifier's
+    head/middle/tail classes, ``datasets.long_tail.class_groups``) adds each group's top-1.
 
     Returns:
         ``{"loss": ..., **task metrics}``. The loss is the mean of the batch
@@ -104,7 +105,7 @@ def evaluate(model: nn.Module, loader: DataLoader, task: TaskSpec | str, device:
     spec = _spec(task)
     was_training = model.training
     model.eval()
-    metrics = spec.new_metrics()
+    metrics = spec.new_metrics(class_groups=class_groups) if class_groups else spec.new_metrics()
     loss_sum, count = 0.0, 0
     for batch in tqdm(loader, desc="evaluate", leave=False, dynamic_ncols=True, disable=not progress):
         batch = to_device(batch, device)

@@ -164,13 +164,21 @@ class SegmentationMetrics:
 
 
 class ClassificationMetrics:
-    """Top-1 and top-5 accuracy of logits ``[B, K]`` against labels ``batch[domain]`` ([B])."""
+    """Top-1 and top-5 accuracy of logits ``[B, K]`` against labels ``batch[domain]`` ([B]).
 
-    def __init__(self, domain: str) -> None:
+    With ``class_groups`` (metric name -> class ids, e.g. ``datasets.long_tail.class_groups``), also
+    ``top1_<name>``: the top-1 accuracy over the samples whose label is in the group (NaN when the
+    split has none of them).
+    """
+
+    def __init__(self, domain: str, class_groups: dict[str, list[int]] | None = None) -> None:
         self.domain = domain
+        self.class_groups = dict(class_groups or {})
         self.top1 = 0
         self.top5 = 0
         self.count = 0
+        self.class_hits: dict[int, int] = {}
+        self.class_count: dict[int, int] = {}
 
     def update(self, prediction: torch.Tensor, batch: dict) -> None:
         """Add a batch of logits and labels."""
@@ -181,9 +189,20 @@ class ClassificationMetrics:
         self.top1 += int(hits[:, 0].sum())
         self.top5 += int(hits.any(dim=1).sum())
         self.count += target.numel()
+        if self.class_groups:
+            size = prediction.shape[1]
+            for store, values in ((self.class_count, torch.bincount(target, minlength=size)),
+                                  (self.class_hits, torch.bincount(target, weights=hits[:, 0].double(), minlength=size))):
+                for label, value in enumerate(values.tolist()):
+                    store[label] = store.get(label, 0) + int(value)
 
     def compute(self) -> dict[str, float]:
-        """``top1`` and ``top5`` as fractions (top-5 is top-K when there are K < 5 classes)."""
+        """``top1`` and ``top5`` as fractions (top-5 is top-K when there are K < 5 classes), then each group's top-1."""
         if not self.count:
-            return {"top1": math.nan, "top5": math.nan}
-        return {"top1": self.top1 / self.count, "top5": self.top5 / self.count}
+            result = {"top1": math.nan, "top5": math.nan}
+        else:
+            result = {"top1": self.top1 / self.count, "top5": self.top5 / self.count}
+        for name, classes in self.class_groups.items():
+            count = sum(self.class_count.get(label, 0) for label in classes)
+            result[f"top1_{name}"] = sum(self.class_hits.get(label, 0) for label in classes) / count if count else math.nan
+        return result

@@ -10,8 +10,8 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from network.algorithms import (ditto, fedavg, fedbn, fedper, fedprox, fedrep, ifca, scaffold,  # noqa: F401  (registration)
-                                sparse_finetune)
+from network.algorithms import (ditto, fedavg, fedbabu, fedbn, fedloge, fedper, fedprox, fedrep, fedrod,  # noqa: F401
+                                ifca, scaffold, sparse_finetune)  # (registration)
 from network.algorithms import cfl, fedamp, fedem, local, mocha, pfedme, qfedavg  # noqa: F401  (registration; issue 21 toolbox)
 from network.algorithms.base import (ALGORITHMS, Algorithm, ClientConfig, ClientResult, Federation, ModelLayout,
                                      ServerState, Upload)

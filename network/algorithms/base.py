@@ -159,6 +159,8 @@ class ClientConfig:
         local_epochs: E passes over the client's data per round, or None.
         momentum: local SGD momentum (a fresh optimizer each round and phase).
         weight_decay: local SGD weight decay.
+        class_counts: the client's training samples per class (classification data; None otherwise),
+            set by ``network.client.train_client`` from its ClientData (FedRoD's balanced softmax).
     """
 
     lr: float
@@ -169,6 +171,7 @@ class ClientConfig:
     local_epochs: int | None = None
     momentum: float = 0.0
     weight_decay: float = 0.0
+    class_counts: tuple[int, ...] | None = None
 
     def budget(self, multiple: int = 1) -> dict[str, int | None]:
         """``local_train`` keyword arguments for ``multiple`` times the local budget."""
@@ -216,6 +219,7 @@ class Algorithm(ABC):
     personalized: ClassVar[bool] = False  # True: clients have own models (personal_model), evaluated separately
     # True: ``client_updates`` trains a chunk of clients in lock-step (--vectorize_clients, network/vectorized.py).
     vectorizable: ClassVar[bool] = False
+    needs_classifier: ClassVar[bool] = False  # True: its worker model replaces a Linear classifier head (FedLoGe, FedRoD)
 
     def __init__(self, settings: Any, federation: Federation) -> None:
         if not isinstance(settings, self.Settings):
