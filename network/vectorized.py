@@ -131,7 +131,9 @@ class Hooks:
         grad_map: the chunk's stacked gradients of the trained parameters -> the gradients the
             optimizer sees (SCAFFOLD's correction).
         post_step: the chunk's stacked entries after a step -> replaced entries (Ditto's proximal map).
-        sum_grads: also return the sum of each client's raw gradients over its taken steps.
+        sum_grads: also return, per client, the sum over its taken steps of the optimizer's step direction
+            replayed on the raw gradients alone (before ``grad_map`` and weight decay; with momentum 0 the
+            raw gradients themselves): SCAFFOLD's option II.
     """
 
     extra_loss: Callable[[Weights], Tensor] | None = None
@@ -147,7 +149,7 @@ class LockstepResult:
     Attributes:
         state: the chunk's stacked entries after training.
         results: each client's steps and mean task loss.
-        grad_sums: with ``Hooks.sum_grads``, each trained parameter's stacked sum of raw gradients.
+        grad_sums: with ``Hooks.sum_grads``, each trained parameter's stacked sum of replayed step directions.
     """
 
     state: Weights
@@ -202,6 +204,7 @@ def train_lockstep(model: nn.Module, state: Weights, train_keys: Sequence[str], 
     step_losses: list[Tensor] = []  # [C] per lock-step call; step_active says whose counted
     step_active: list[Tensor] = []
     grad_sums = {key: torch.zeros_like(state[key]) for key in train_keys} if hooks.sum_grads else None
+    raw_buffers = {key: torch.zeros_like(state[key]) for key in train_keys}  # momentum replayed on raw gradients
     model.train()
     iterators = [budget_batches(loader, budget["steps"], budget["epochs"]) for loader in loaders]
     while True:
@@ -218,12 +221,17 @@ def train_lockstep(model: nn.Module, state: Weights, train_keys: Sequence[str], 
             trained = {key: state[key] for key in train_keys}
             constants = {key: value for key, value in state.items() if key not in trained}
             grads, losses, buffers = step(trained, constants, stacked)
+            flags: Tensor | bool = started[0] if len(set(started)) == 1 else torch.tensor(started, device=cfg.device)
             if grad_sums is not None:
-                grad_sums = {key: grad_sums[key] + _masked(active, grads[key], torch.zeros((), dtype=grads[key].dtype),
-                                                           everyone) for key in train_keys}
+                for key in train_keys:  # the step direction replayed on the raw gradient (SCAFFOLD's option II)
+                    direction = grads[key]
+                    if options.momentum:
+                        direction, raw_buffer = _momentum(grads[key], raw_buffers[key], flags, options)
+                        raw_buffers[key] = _masked(active, raw_buffer, raw_buffers[key], everyone)
+                    grad_sums[key] = grad_sums[key] + _masked(active, direction, torch.zeros((), dtype=direction.dtype),
+                                                              everyone)
             if hooks.grad_map is not None:
                 grads = hooks.grad_map(grads)
-            flags: Tensor | bool = started[0] if len(set(started)) == 1 else torch.tensor(started, device=cfg.device)
             params, new_momentum = sgd_step([trained[key] for key in train_keys], [grads[key] for key in train_keys],
                                             [momentum[key] for key in train_keys], flags, options)
             updated = {**buffers, **dict(zip(train_keys, params))}

@@ -149,7 +149,8 @@ class Scaffold(Algorithm):
         results = []
         for index, (outcome, c_old, cfg) in enumerate(zip(trained.results, c_olds, cfgs)):
             require(outcome.steps > 0, "scaffold needs at least one local step (K >= 1) per client")
-            c_new = c_news[index] if c_news else [trained.grad_sums[name][index] / outcome.steps for name in names]
+            total = _total_step_size(outcome.steps, cfgs[0].momentum)  # S of _StepDirections (no dampening here)
+            c_new = c_news[index] if c_news else [trained.grad_sums[name][index] / total for name in names]
             load_weights(model, unstack_weights(trained.state, index))
             fixed = self.federation.layout.fixed_keys
             upload = {DELTA: subtract(model.state_dict(), weights, [key for key in weights if key not in fixed]),
@@ -223,6 +224,15 @@ class _StepDirections:
     def mean(self) -> list[Tensor]:
         """c_i⁺ = Σ_k d_k(g) / S."""
         return torch._foreach_div(self.sums, self.total)
+
+
+def _total_step_size(steps: int, momentum: float) -> float:
+    """S = Σ_k s_k over ``steps`` steps, s_1 = 1, s_k = μ·s_{k−1} + 1: _StepDirections' total for torch SGD."""
+    total, scalar = 0.0, 0.0
+    for step in range(steps):
+        scalar = 1.0 if step == 0 else momentum * scalar + 1.0
+        total += scalar
+    return total
 
 
 def _read(state: Weights, key: str, like: Tensor) -> Tensor:
