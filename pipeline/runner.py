@@ -209,6 +209,8 @@ class Pipeline:
                 self.step(stage.name, stage.stage_dir, stage.params, step4, stage.argv)
             return
         pending = [stage for stage in stages if not is_done(stage.stage_dir)]
+        # Said once on the console too: with no bars (--no-progress, or stdout not a terminal) nothing else shows it.
+        print(f"step 4: {len(pending)} runs, {self.jobs} at a time in worker processes")
         if self.progress is not None:
             self.progress.update(len(stages) - len(pending))
             self.progress.set_description(f"step 4: {len(pending)} runs, {self.jobs} at a time")

@@ -25,14 +25,14 @@ from torch.utils.data import DataLoader
 from network.algorithms import build_algorithm, list_algorithms
 from network.algorithms.base import ALGORITHMS
 from network.client import ClientData, ClientFailure
-from network.engine_sequential import EngineConfig, SequentialEngine
+from network.engine_sequential import EngineConfig, SequentialEngine, check_vectorizable
 from network.lr_schedule import make_lr_schedule
 from network.algorithms.base import ClientConfig
 from network.vectorized import SGDOptions, sgd_step, train_lockstep
 import test_fed
 from tests.fixtures import tiny_data_root, tiny_manifest  # noqa: F401  (session fixtures)
 from tests.test_step4 import argv as step4_argv, assignments  # noqa: F401  (the step-4 fixture)
-from tests.tiny_models import client_samples, evaluate, loss_fn
+from tests.tiny_models import client_samples, evaluate, loss_fn, tiny_model_for
 from utils.errors import NonFiniteLossError, TaskHetError
 from utils.run_dir import load_checkpoint
 
@@ -144,6 +144,9 @@ def test_every_supporting_algorithm_trains_vectorised_as_it_trains_sequentially(
 @pytest.mark.parametrize("name", REFUSED)
 def test_an_algorithm_that_does_not_declare_support_is_refused_by_name(tmp_path, name):
     with pytest.raises(TaskHetError, match=rf"algorithm {name} does not train vectorised \(those that do: "):
+        if ALGORITHMS.get(name).needs_classifier:  # the BatchNorm regressor below has no classifier head for them
+            algorithm, worker = build_algorithm(name, tiny_model_for(name), {"a": 1, "b": 1})
+            check_vectorizable(worker, algorithm)
         make_engine(tmp_path, name, {}, chunk=4)
 
 
