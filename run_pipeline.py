@@ -17,6 +17,7 @@ from pathlib import Path
 from pipeline.experiment import load_experiment
 from utils import cli
 from utils.cli import positive_int, run_main
+from utils.locks import folder_lock
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -27,8 +28,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="torch CPU threads (default: torch's own choice); floating-point results differ in the "
                              "last digits with it, the report's verdicts do not (tests/test_pipeline.py)")
     parser.add_argument("--jobs", type=positive_int, default=1,
-                        help="federated runs at once, each in its own process (default: 1, in this process); "
-                             "with --jobs 2 on 2 cores pass --threads 1")
+                        help="federated runs at once, each in its own process (default: 1, in this process), for "
+                             "experiment and study files alike; with --jobs 2 on 2 cores pass --threads 1")
     return parser.parse_args(argv)
 
 
@@ -44,13 +45,14 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
 
     out_dir = args.results / config["name"]
-    if "study" in config:  # a study file (pipeline/study.py): centralized → federated grid → study report
-        from pipeline.study import Study
+    with folder_lock(out_dir, f"experiment {config['name']!r} in --results"):  # a second run of it is refused
+        if "study" in config:  # a study file (pipeline/study.py): centralized → federated grid → study report
+            from pipeline.study import Study
 
-        table = Study(config, out_dir, command_line([str(args.experiment)])).run()
-        print(f"report: {out_dir / 'report.md'} ({len(table)} rows: partition × J × algorithm, and centralized)")
-        return
-    table = Pipeline(config, out_dir, command_line([str(args.experiment)]), jobs=args.jobs, threads=args.threads).run()
+            table = Study(config, out_dir, command_line([str(args.experiment)]), jobs=args.jobs, threads=args.threads).run()
+            print(f"report: {out_dir / 'report.md'} ({len(table)} rows: partition × J × algorithm, and centralized)")
+            return
+        table = Pipeline(config, out_dir, command_line([str(args.experiment)]), jobs=args.jobs, threads=args.threads).run()
     print(f"report: {out_dir / 'report.md'} ({len(table)} task × algorithm × α rows)")
 
 

@@ -13,6 +13,10 @@ runs) copy the row from the map, which the OS keeps in its page cache.
 A row is marked filled only after its arrays are written, so a run killed mid-row
 decodes that row again next time. Workers write disjoint rows of shared maps;
 two workers that decode the same row write the same bytes.
+
+The maps' disk space is reserved when they are made (``posix_fallocate``): a write through a
+memory map into a file the disk cannot hold kills the process with SIGBUS, so a full disk must
+fail up front, as one error naming the cache folder.
 """
 
 from __future__ import annotations
@@ -28,8 +32,12 @@ from typing import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
+from utils.errors import DiskFullError, disk_full_names, is_disk_full
+
 # Bump when decoders change what a cached row holds, so old caches are not reused.
-CACHE_FORMAT_VERSION = 3  # 2: segment_semantic as class = raw - 1, unlabelled = 255; 3: rows sorted by sample id
+# 2: segment_semantic as class = raw - 1, unlabelled = 255; 3: rows sorted by sample id;
+# 4: disk space reserved when the maps are made (older, sparse maps could die of SIGBUS on a full disk)
+CACHE_FORMAT_VERSION = 4
 FILLED = "_filled"
 
 
@@ -72,22 +80,55 @@ class DecodedSampleCache:
 
     def _create(self, key: str) -> None:
         """Allocate the (sparse) maps in a temp folder, then rename: readers never see half a cache."""
-        self.directory.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=self.directory.parent, prefix=f".{self.directory.name}_tmp_"))
+        with disk_full_names(self.directory, exact=True):
+            self.directory.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(dir=self.directory.parent, prefix=f".{self.directory.name}_tmp_"))
         try:
             for name, (shape, dtype) in self.layout.items():
                 np.lib.format.open_memmap(staging / f"{name}.npy", mode="w+", dtype=dtype, shape=(self.num_samples, *shape)).flush()
             np.lib.format.open_memmap(staging / f"{FILLED}.npy", mode="w+", dtype=np.uint8, shape=(self.num_samples,)).flush()
+            self._reserve(staging)
             layout = {name: [list(shape), dtype.str] for name, (shape, dtype) in self.layout.items()}
             (staging / "key.json").write_text(json.dumps({"key": key, "num_samples": self.num_samples, "layout": layout}, indent=2))
             os.rename(staging, self.directory)
-        except OSError:
+        except DiskFullError:
+            raise
+        except OSError as error:
             # Another process created the same cache first; its copy is equivalent.
             if not self.directory.is_dir():
+                if is_disk_full(error):
+                    raise self._full_disk(error) from error
                 raise
         finally:
             if staging.exists():
                 shutil.rmtree(staging)
+
+    def _reserve(self, folder: Path) -> None:
+        """Give every map of ``folder`` its disk blocks now.
+
+        The maps are sparse files: without this, the disk filling up while a row is written through
+        the map kills the process with SIGBUS (exit -7) instead of raising. posix_fallocate fails
+        with ENOSPC up front instead; where it is missing (macOS) the maps stay sparse.
+        """
+        if not hasattr(os, "posix_fallocate"):
+            return
+        for name in [*self.layout, FILLED]:
+            path = folder / f"{name}.npy"
+            handle = os.open(path, os.O_RDWR)
+            try:
+                os.posix_fallocate(handle, 0, os.fstat(handle).st_size)
+            except OSError as error:
+                if is_disk_full(error):
+                    raise self._full_disk(error) from error
+                raise
+            finally:
+                os.close(handle)
+
+    def _full_disk(self, error: OSError) -> DiskFullError:
+        size = sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for shape, dtype in self.layout.values())
+        return DiskFullError(f"{self.directory}: no space left on device for the memory-mapped cache "
+                             f"({size * self.num_samples / 2**20:.1f} MiB; {os.strerror(error.errno)}): free some space "
+                             "or pass a --cache_dir on a disk with room, then rerun")
 
     def _open(self) -> dict[str, np.memmap]:
         # Opened lazily so each DataLoader worker maps the files itself.

@@ -36,7 +36,7 @@ from datasets.cache import DecodedSampleCache, cache_rows
 from utils.errors import TaskHetError
 
 ENCODED_KEY = "encoded"
-FEATURE_FORMAT_VERSION = 1
+FEATURE_FORMAT_VERSION = 2  # 2: disk space reserved when the maps are made (datasets/cache.py, no SIGBUS on a full disk)
 ENCODE_BATCH = 64
 
 

@@ -42,6 +42,7 @@ from datasets.taskonomy import domain_dir, read_scene_names
 from datasets.taskonomy_domains import (DEPTH_INVALID, DEPTH_UNITS_PER_METRE, DOMAINS, NORMAL_INVALID,
                                         NUM_SCENE_SCORES, get_domain)
 from utils.errors import TaskHetError
+from utils.locks import folder_entries
 from utils.run_dir import atomic_write_text
 from utils.seeding import numpy_rng
 
@@ -369,7 +370,7 @@ def _prepare_out_dir(out_dir: Path, config: RenderConfig) -> bool:
             return True
         for domain in DOMAINS:
             shutil.rmtree(out_dir / domain, ignore_errors=True)
-    elif out_dir.exists() and any(out_dir.iterdir()):
+    elif out_dir.exists() and folder_entries(out_dir):  # a folder holding only its lock is empty
         raise TaskHetError(f"{out_dir} is not empty and holds no {META_FILE}: refusing to render into it; choose another --out")
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_meta(out_dir, config, complete=False)

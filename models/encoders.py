@@ -128,21 +128,34 @@ def match_state_dict(encoder: Encoder, name: str, tensors: dict[str, torch.Tenso
     return tensors
 
 
+def check_weights_name(encoder: Encoder, name: str, weights: str) -> None:
+    """What :func:`load_encoder_weights` refuses before it reads a byte: a weight name the encoder does not offer, or
+    a path that is no file. The pipeline calls it before step 0 (:func:`check_weights`)."""
+    if weights == "none" or weights in encoder.pretrained:
+        return
+    if weights in NAMED_WEIGHTS:
+        offered = ", ".join(["none", *encoder.pretrained, "PATH"])
+        raise TaskHetError(f"--weights {weights}: encoder {name} has no {weights} weights; choose one of: {offered}")
+    if not Path(weights).is_file():
+        raise TaskHetError(missing_file_message(encoder, name, Path(weights)))
+
+
+def check_weights(name: str, weights: str) -> None:
+    """:func:`check_weights_name` for the registered encoder ``name`` (built once, without weights)."""
+    check_weights_name(ENCODERS.get(name)(), name, weights)
+
+
 def load_encoder_weights(encoder: Encoder, name: str, weights: str) -> None:
     """Load ``weights`` (a name from ``encoder.pretrained`` or a file path) into ``encoder`` in place."""
+    check_weights_name(encoder, name, weights)
     torchscript = False
     if weights in encoder.pretrained:
         path, source = fetch_weights(name, weights, encoder.pretrained[weights])
         source.verify(path)
         torchscript = source.library == "clip"  # OpenAI ships CLIP as TorchScript; its hash was just checked
         LOGGER.info("encoder %s: %s weights from %s", name, source.description, path)
-    elif weights in NAMED_WEIGHTS:
-        offered = ", ".join(["none", *encoder.pretrained, "PATH"])
-        raise TaskHetError(f"--weights {weights}: encoder {name} has no {weights} weights; choose one of: {offered}")
     else:
         path = Path(weights)
-        if not path.is_file():
-            raise TaskHetError(missing_file_message(encoder, name, path))
     tensors = match_state_dict(encoder, name, read_weights_file(path, torchscript), path)
     encoder.load_state_dict(tensors, strict=True)
 

@@ -12,10 +12,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import torch
 from torch import Tensor
 
-from utils.run_dir import load_checkpoint
+from utils.run_dir import atomic_torch_save, load_checkpoint
 
 State = dict[str, Tensor]
 
@@ -61,8 +60,7 @@ class ClientStore:
             self._memory[key] = state
             self._memory_bytes += size
         else:
-            self._path(key).parent.mkdir(parents=True, exist_ok=True)
-            torch.save(state, self._path(key))
+            atomic_torch_save(state, self._path(key))  # a full disk is an error naming the file, not a torch traceback
             self._spilled.add(key)
 
     def snapshot(self) -> dict[str, State]:

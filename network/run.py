@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -96,6 +97,21 @@ class RunConfig:
     flower_num_gpus: float = 0.0
     min_available_clients: int | None = None
 
+    def __post_init__(self) -> None:
+        """Every RunConfig is checked where it is made (test_fed.py, the pipeline, a Flower deployment's JSON): its
+        numbers are finite and its algorithm's settings pass that algorithm's own ``Settings``, so both engines and
+        the Flower app refuse the same values with the same message."""
+        from network.algorithms.base import get_settings_class
+        from network.settings import build_settings
+
+        for item in dataclasses.fields(self):
+            value = getattr(self, item.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise TaskHetError(f"--{item.name} must be a finite number, got {value!r}")
+        if not isinstance(self.settings, dict):
+            raise TaskHetError(f"the run's settings must map setting names to values, got {self.settings!r}")
+        build_settings(get_settings_class(self.method), self.settings, self.method)
+
     def to_json(self) -> str:
         """Every field as JSON (paths as strings): what a Flower deployment's run config carries."""
         return json.dumps(dataclasses.asdict(self), default=str, sort_keys=True)
@@ -152,7 +168,8 @@ def prepare(config: RunConfig) -> FedSetup:
     task_model = initial_model(config, num_classes)
     train_counts = table[table["subset"] == "train"].groupby("client_id").size()
     sizes = {str(client_id): int(train_counts.get(client_id, 0)) for client_id in sorted(table["client_id"].unique())}
-    algorithm, worker = build_algorithm(config.method, task_model, sizes, config.settings, seed=config.rand_seed)
+    algorithm, worker = build_algorithm(config.method, task_model, sizes, config.settings, seed=config.rand_seed,
+                                        input_key=input_key)
     engine_config = EngineConfig(
         out_dir=config.out, n_rounds=config.n_rounds,
         lr_schedule=make_lr_schedule(config.lr_schedule, config.init_lr, config.n_rounds),

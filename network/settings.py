@@ -77,10 +77,18 @@ def convert(info: SettingInfo, value: Any, owner: str) -> Any:
     try:
         converted = _convert(info.type, value)
     except (TypeError, ValueError):
-        raise TaskHetError(f"{owner} setting {info.name} must be a {info.type.__name__}, got {value!r}") from None
+        kind = "finite float" if info.type is float and _is_non_finite(value) else info.type.__name__
+        raise TaskHetError(f"{owner} setting {info.name} must be a {kind}, got {value!r}") from None
     if info.choices is not None and converted not in info.choices:
         raise TaskHetError(f"{owner} setting {info.name} must be one of {', '.join(info.choices)}, got {value!r}")
     return converted
+
+
+def _is_non_finite(value: Any) -> bool:
+    try:
+        return not isinstance(value, bool) and not math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
 
 
 def _convert(kind: type, value: Any) -> Any:

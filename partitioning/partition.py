@@ -15,6 +15,7 @@ could not be met and which flag to change.
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +107,11 @@ class Partitioner:
         _, group_codes = np.unique(groups, return_inverse=True)
         rng = numpy_rng(self.seed, "partition", self.name)
         return self._assign(group_codes.astype(np.int64), sources, rng)
+
+    def check_parameters(self, n_samples: int | None = None) -> None:
+        """The checks :meth:`split` makes before drawing, without data (an experiment file is checked with them before
+        step 0); with ``n_samples`` None, those that need the number of samples pass."""
+        self._validate(sys.maxsize if n_samples is None else n_samples)
 
     def _validate(self, n_samples: int) -> None:
         if not isinstance(self.n_clients, (int, np.integer)) or self.n_clients < 1:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from partitioning.groupings import GROUPINGS, IID_REFERENCE, canonical_grouping
+from pipeline.checks import check_config
 from pipeline.schema import check_types
 from utils.errors import TaskHetError
 from utils.loaders import load_yaml
@@ -91,6 +92,11 @@ SCHEMA: dict[str, Any] = {
     "use_accelerator": True,
 }
 
+# The most federated runs one experiment or study file may ask for. The grid is counted from its list lengths
+# before anything expands it, so a typo such as five 60-value lists (7.8e8 runs) is one error line, not a
+# MemoryError; 10,000 is 12 times paper.yaml's 840 runs, and at ~2 s per tiny digits run already 5.5 hours.
+MAX_RUNS = 10_000
+
 # Sections whose values are free-form mappings (algorithm name -> its hyperparameters).
 FREE_FORM = {"federated.algorithms", "federated.task_init_lr"}
 
@@ -131,7 +137,25 @@ def load_experiment(path: Path) -> dict[str, Any]:
     # Old names (class_based) are replaced before anything reads them: folders and the report use one name.
     config["partition"]["groupings"] = [canonical_grouping(name) for name in config["partition"]["groupings"]]
     validate_names(config, path)
+    check_run_count(count_combinations(config), path, "tasks × partition.groupings × partition.alphas × "
+                    "federated.algorithms × seeds (+ the iid reference)")
+    check_config(config, path)  # what steps 1-4 would refuse from their arguments, before step 0 (pipeline/checks.py)
     return config
+
+
+def check_run_count(count: int, source: Path, product: str) -> None:
+    """Refuse a grid of more than :data:`MAX_RUNS` federated runs, printing the count (issue 19)."""
+    if count > MAX_RUNS:
+        raise TaskHetError(f"{source}: the grid asks for {count:,} federated runs ({product}), above the limit of "
+                           f"{MAX_RUNS:,} runs per file (pipeline/experiment.py MAX_RUNS); split it into several files")
+
+
+def count_combinations(config: dict[str, Any]) -> int:
+    """How many runs :func:`combinations` will list, from the list lengths alone (nothing is expanded)."""
+    partition = config["partition"]
+    per_partition = len(config["federated"]["algorithms"]) * len(config["seeds"])
+    grid = len(config["tasks"]) * len(partition["groupings"]) * len(partition["alphas"]) * per_partition
+    return grid + (len(config["tasks"]) * per_partition if partition["iid_reference"] else 0)
 
 
 def _merge(defaults: dict[str, Any], given: dict[str, Any], prefix: str, source: Path) -> dict[str, Any]:
@@ -192,9 +216,6 @@ def validate_names(config: dict[str, Any], source: Path) -> None:
             raise TaskHetError(f"{source}: federated.task_init_lr names task {task!r}, which is not in tasks {config['tasks']}")
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
             raise TaskHetError(f"{source}: federated.task_init_lr.{task} must be a number > 0, got {lr!r}")
-    if config["model"]["cache_features"] and not config["model"]["freeze_encoder"]:
-        raise TaskHetError(f"{source}: model.cache_features needs model.freeze_encoder: true (a trained encoder's maps "
-                           "change every step)")
 
 
 def validate_split_csv(data: dict[str, Any], source: Path) -> None:

@@ -21,6 +21,7 @@ Layout under ``results/<experiment name>/``::
 from __future__ import annotations
 
 import multiprocessing
+import os
 import shlex
 import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -35,6 +36,7 @@ from models.tasks import get_task
 from network.client import GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT
 from network.engine_sequential import GLOBAL_CLIENT, METRICS_COLUMNS
 from partitioning.groupings import EMBEDDING_BASED, GROUPINGS, IID_REFERENCE
+from pipeline.checks import check_input_files
 from pipeline.experiment import DATA_SOURCES, Combination, combinations, split_csv_path
 from pipeline.report import write_report
 from pipeline.stages import is_done, run_stage, stage_key
@@ -47,8 +49,8 @@ from steps import render
 from steps import select as step1
 from steps import train_centralized as step2
 from training.selection import selected_test_metrics
-from utils.errors import TaskHetError
 from utils.loaders import load_json, read_csv
+from utils.parent_death import die_with_parent
 
 
 @dataclass
@@ -201,7 +203,10 @@ class Pipeline:
             self.progress.set_description(f"step 4: {len(pending)} runs, {self.jobs} at a time")
         # spawn, not fork: a forked child of a process that already ran OpenMP threads (steps 2-3) can hang.
         context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(self.jobs, mp_context=context, initializer=use_threads, initargs=(self.threads,)) as pool:
+        # Workers die with this process, even when it is killed with SIGKILL (utils/parent_death.py). The death
+        # signal follows the thread that started a worker: submit() starts them, from this (the main) thread.
+        with ProcessPoolExecutor(self.jobs, mp_context=context, initializer=init_worker,
+                                 initargs=(self.threads, os.getpid())) as pool:
             futures = [pool.submit(run_federated_stage, stage.stage_dir, stage.params,
                                    [*stage.argv, *self.shared_flags(step4), "--no-progress"]) for stage in pending]
             try:
@@ -228,14 +233,9 @@ class Pipeline:
         return list(dict.fromkeys((c.task, c.grouping, c.alpha, c.seed) for c in runs if c.grouping in GROUPINGS))
 
     def check_inputs(self) -> None:
-        """Inputs the experiment names but no step makes: checked before any step runs, errors name the key."""
-        data = self.config["data"]
-        if data["source"] == "taskonomy":
-            if not Path(data["root"]).is_dir():
-                raise TaskHetError(f"data.root {data['root']} does not exist (download Taskonomy first: download_taskonomy.py)")
-            if not split_csv_path(data).is_file():
-                raise TaskHetError(f"data.split_csv: {split_csv_path(data)} does not exist (download_taskonomy.py writes "
-                                   "train_val_test_<subset>.csv into data.root)")
+        """Inputs the experiment names but no step makes: checked before any step runs, errors name the key
+        (pipeline/checks.py; the file's other checks ran when it was loaded)."""
+        check_input_files(self.config)
 
     def run(self) -> pd.DataFrame:
         """Every step for every combination, then the report; returns the report table."""
@@ -302,8 +302,9 @@ class FederatedStage:
     argv: list[str]
 
 
-def use_threads(threads: int | None) -> None:
-    """A worker process's torch thread count (None: torch's own choice)."""
+def init_worker(threads: int | None, parent_pid: int) -> None:
+    """A step-4 worker process: dies with the pipeline (``parent_pid``); ``threads`` torch threads (None: torch's choice)."""
+    die_with_parent(parent_pid)
     if threads is not None:
         import torch
 

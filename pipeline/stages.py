@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
+from utils.locks import LOCK_FILE
 from utils.run_dir import atomic_write_text
 
 MARKER = "stage.json"
@@ -52,10 +53,10 @@ def _relative(value: Any, root: Path | None) -> Any:
 
 
 def output_sizes(stage_dir: Path) -> dict[str, int]:
-    """Every file under ``stage_dir`` except the marker: relative path -> size in bytes."""
+    """Every file under ``stage_dir`` except the marker and lock files: relative path -> size in bytes."""
     stage_dir = Path(stage_dir)
     return {path.relative_to(stage_dir).as_posix(): path.stat().st_size
-            for path in sorted(stage_dir.rglob("*")) if path.is_file() and path.name != MARKER}
+            for path in sorted(stage_dir.rglob("*")) if path.is_file() and path.name not in (MARKER, LOCK_FILE)}
 
 
 def is_done(stage_dir: Path) -> bool:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,8 +44,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pipeline.experiment import (DATA_SOURCES, SCHEMA, _merge, validate_family_tasks, validate_source_keys,
-                                 validate_split_csv)
+from pipeline.experiment import (DATA_SOURCES, SCHEMA, _merge, check_run_count, validate_family_tasks,
+                                 validate_source_keys, validate_split_csv)
+from pipeline.checks import check_config
 from pipeline.schema import TYPES, Float, Int, ListOf, Str, check_types
 from pipeline.stages import stage_key
 from utils.errors import TaskHetError
@@ -146,6 +148,9 @@ def load_study(path: Path) -> dict[str, Any]:
     if config["federated"]["init_from"] == "head" and not config["model"]["freeze_encoder"]:
         raise TaskHetError(f"{path}: federated.init_from head needs model.freeze_encoder: true (step 2 then trains the "
                            "head on the frozen encoder's features, which the federated runs start from)")
+    size = grid_size(config["grid"], len(config["seeds"]))
+    if size is not None:  # a malformed grid is reported key by key by validate_grid
+        check_run_count(size, path, "Σ over grid blocks of partitions × local_steps × algorithm variants × seeds")
     config["grid"] = validate_grid(config["grid"], path)
     budget = config["federated"]["rounds_x_local_steps"]
     for index, block in enumerate(config["grid"]):
@@ -153,6 +158,7 @@ def load_study(path: Path) -> dict[str, Any]:
             if budget % local_steps:
                 raise TaskHetError(f"{path}: grid[{index}].local_steps[{position}] = {local_steps} does not divide "
                                    f"federated.rounds_x_local_steps {budget}: rounds × J could not stay constant")
+    check_config(config, path)  # what steps 1-4 would refuse from their arguments, before step 0 (pipeline/checks.py)
     return config
 
 
@@ -218,6 +224,24 @@ def validate_grid(grid: Any, source: Path) -> list[dict[str, Any]]:
     return blocks
 
 
+def grid_size(grid: Any, n_seeds: int) -> int | None:
+    """The number of runs the grid asks for (duplicates across blocks counted), from list lengths alone; None when
+    the grid is not shaped as blocks of lists (validate_grid then names the key)."""
+    if not isinstance(grid, list):
+        return None
+    total = 0
+    for block in grid:
+        if not isinstance(block, dict) or not all(isinstance(block.get(key), list) for key in ("partitions", "local_steps")):
+            return None
+        algorithms = block.get("algorithms")
+        if not isinstance(algorithms, dict):
+            return None
+        variants = sum(math.prod(len(value) if isinstance(value, list) else 1 for value in settings.values())
+                       if isinstance(settings, dict) else 1 for settings in algorithms.values())
+        total += len(block["partitions"]) * len(block["local_steps"]) * variants * n_seeds
+    return total
+
+
 def _partition_check(schemes: list[str], parameters):
     def check(value: Any, key: str) -> Partition:
         if not isinstance(value, dict) or "scheme" not in value:
@@ -232,22 +256,41 @@ def _partition_check(schemes: list[str], parameters):
             if name not in accepted:
                 raise TaskHetError(f"{key}.{name}: scheme {scheme} does not take it; it takes: {', '.join(accepted) or 'nothing'}")
             checked = Float(0, low_open=True) if name == "alpha" else Int(1)
-            checked(item, f"{key}.{name}")
+            params[name] = checked(item, f"{key}.{name}")  # '0.1' and 0.1 are one partition, never two
         return Partition(scheme, tuple(sorted(params.items())))
     return check
 
 
 def expand_settings(algorithm: str, settings: Any, key: str) -> list[Variant]:
-    """One variant per combination of the list-valued settings (scalars stay fixed)."""
+    """One variant per combination of the list-valued settings (scalars stay fixed).
+
+    A list that holds one value twice after conversion to the setting's type (``['0.1', 0.1]``) is an error naming
+    the key: it would run the same variant twice and count one seed as two.
+    """
+    from network.algorithms.base import get_settings_class
+    from network.settings import convert, describe
+
     if settings is None:
         settings = {}
     if not isinstance(settings, dict):
         raise TaskHetError(f"{key} must be a mapping of its settings (a list value is a grid over that setting)")
+    infos = {info.name: info for info in describe(get_settings_class(algorithm))}
     names = sorted(settings)
     values = [settings[name] if isinstance(settings[name], list) else [settings[name]] for name in names]
     for name, options in zip(names, values):
         if not options:
             raise TaskHetError(f"{key}.{name} is an empty list")
+        if name not in infos:
+            continue  # an unknown setting: build_settings names it with the algorithm's settings
+        try:
+            converted = [convert(infos[name], option, algorithm) for option in options]
+        except TaskHetError as error:
+            raise TaskHetError(f"{key}.{name}: {error}") from None
+        repeated = [value for index, value in enumerate(converted) if value in converted[:index]]
+        if repeated:
+            raise TaskHetError(f"{key}.{name} lists the value {repeated[0]!r} twice "
+                               f"({options!r}); each value of a grid must be distinct after conversion to "
+                               f"{infos[name].type.__name__}")
     return [Variant(algorithm, tuple(zip(names, combination))) for combination in itertools.product(*values)]
 
 
@@ -272,16 +315,19 @@ def rounds_for(config: dict[str, Any], local_steps: int) -> int:
 class Study:
     """Runs one study (a config from :func:`load_study`) into ``out_dir``, reusing the main job's steps."""
 
-    def __init__(self, config: dict[str, Any], out_dir: Path, command: str) -> None:
+    def __init__(self, config: dict[str, Any], out_dir: Path, command: str, jobs: int = 1,
+                 threads: int | None = None) -> None:
         from pipeline.runner import Pipeline
 
         self.config, self.out_dir, self.command = config, Path(out_dir), command
-        self.pipeline = Pipeline(config, self.out_dir, command)
+        # jobs > 1: the grid's federated runs go through the main job's worker pool (Pipeline.run_federated)
+        self.pipeline = Pipeline(config, self.out_dir, command, jobs=jobs, threads=threads)
 
     def run(self):
         """Step 1, step 2 per seed, step 3b per partition and seed, step 4 per run, then the report; returns its table."""
         import importlib
 
+        self.pipeline.check_inputs()  # every input file the study names, before step 0
         runs = study_runs(self.config)
         seeds = [int(seed) for seed in self.config["seeds"]]
         partitions = list(dict.fromkeys((run.partition, run.seed) for run in runs))
@@ -293,8 +339,10 @@ class Study:
             starts = {seed: self.start_model(seed, centralized[seed]) for seed in seeds}
             clients = {seed: self.client_manifest(seed, manifest) for seed in seeds}
             assignments = {key: self.assignments(*key, clients[key[1]]) for key in partitions}
-            run_dirs = {run: self.federated(run, root, manifest, assignments[(run.partition, run.seed)],
-                                            starts[run.seed]) for run in runs}
+            stages = {run: self.federated(run, root, manifest, assignments[(run.partition, run.seed)],
+                                          starts[run.seed]) for run in runs}
+            self.pipeline.run_federated(list(stages.values()))  # one by one, or --jobs at a time
+            run_dirs = {run: stage.stage_dir for run, stage in stages.items()}
         report = importlib.import_module(STUDY_REPORTS[self.config["study"]])
         return report.write_report(self.config, self.out_dir, run_dirs, centralized, self.command)
 
@@ -352,9 +400,9 @@ class Study:
         return self.pipeline.step(f"step 3b: {partition.label} seed {seed}", stage_dir, params, step3b,
                                   ["--out", str(stage_dir), *flags(params)])
 
-    def federated(self, run: StudyRun, root: Path, manifest: Path, assignments: Path, model_dir: Path) -> Path:
-        from pipeline.runner import flags
-        from steps import federated as step4
+    def federated(self, run: StudyRun, root: Path, manifest: Path, assignments: Path, model_dir: Path):
+        """Step 4's stage of one run (a ``pipeline.runner.FederatedStage``, run by ``Pipeline.run_federated``)."""
+        from pipeline.runner import FederatedStage, flags
 
         federated, model = dict(self.config["federated"]), self.config["model"]
         rounds = rounds_for(self.config, run.local_steps)
@@ -377,14 +425,14 @@ class Study:
         stage_dir = (self.out_dir / "federated" / run.partition.label / f"J{run.local_steps}" / run.variant.label
                      / f"s{run.seed}-{stage_key(params, inputs, self.out_dir)}")
         label = f"step 4: {run.partition.label} · J={run.local_steps} · {run.variant.label} · seed {run.seed}"
-        return self.pipeline.step(label, stage_dir, params, step4, ["--out", str(stage_dir), "--resume", *flags(params)])
+        return FederatedStage(label, stage_dir, params, ["--out", str(stage_dir), "--resume", *flags(params)])
 
 
 def unfrozen_copy(checkpoint: Path, out: Path) -> None:
     """Write step 2's checkpoint with ``freeze_encoder`` off in its model config (the weights unchanged)."""
-    import torch
-
     from utils.loaders import load_checkpoint
+    from utils.run_dir import atomic_torch_save
 
     loaded = load_checkpoint(checkpoint, "step-2 best.pt", keys=("model", "model_config"), finished=True)
-    torch.save({"model": loaded["model"], "model_config": {**loaded["model_config"], "freeze_encoder": False}}, out)
+    # atomic and content-only bytes: the federated runs' stage keys hash this file
+    atomic_torch_save({"model": loaded["model"], "model_config": {**loaded["model_config"], "freeze_encoder": False}}, out)

@@ -21,7 +21,9 @@ from network.algorithms.sparse_finetune import BASE_PREFIX, LOCAL_PREFIX, MASK_P
 from utils.errors import TaskHetError
 from utils.run_dir import load_checkpoint
 
-VAL_SPLITS = ("held_out", "client_test")  # manifest train rows no client holds, or the clients' test rows pooled
+# λ's validation data: auto (manifest_val when the manifest has val rows, else held_out), the manifest's own val = 1
+# rows (cifar's, digits'), a seeded share of the manifest train rows no client holds, or the clients' test rows pooled.
+VAL_SPLITS = ("auto", "manifest_val", "held_out", "client_test")
 
 
 @dataclass
@@ -74,26 +76,44 @@ def read_run(run_dir: Path, use_accelerator: bool = False) -> RunModels:
     return RunModels(base, dict(sorted(local.items())), masks, setup, loaders)
 
 
-def validation_loader(run: RunModels, split: str, fraction: float) -> Iterable[dict]:
-    """The λ-search batches: ``held_out`` (a seeded ``fraction`` of the manifest's train rows no client holds)
-    or ``client_test`` (every client's test rows: the data the per-client comparison also uses)."""
+def validation_loader(run: RunModels, split: str, fraction: float) -> tuple[Iterable[dict], str]:
+    """The λ-search batches and the split they come from (``auto`` resolved).
+
+    ``manifest_val``: the manifest's validation rows (``val = 1``; step 3b gives them to no client, so every
+    run of such a manifest has them); ``held_out``: a seeded ``fraction`` of the manifest's train rows no client
+    holds; ``client_test``: every client's test rows (the data the per-client comparison also uses); ``auto``:
+    ``manifest_val`` when the manifest has validation rows, else ``held_out``.
+    """
+    from datasets.family import validation_mask
     from network.calibration_split import calibration_ids
     from network.client_data import task_dataset
     from training.loop import make_loader
 
-    config, table = run.setup.config, run.setup.table
-    if split == "held_out":
-        ids = calibration_ids(run.setup.manifest, table, fraction, config.rand_seed, "merge_validation", "--val_fraction")
+    config, table, manifest = run.setup.config, run.setup.table, run.setup.manifest
+    if split not in VAL_SPLITS:
+        raise TaskHetError(f"--val_split must be one of {', '.join(VAL_SPLITS)}, got {split}")
+    val_ids = manifest.loc[validation_mask(manifest), "sample_id"].tolist()
+    if split == "auto":
+        split = "manifest_val" if val_ids else "held_out"
+    if split == "manifest_val":
+        ids = val_ids
+        if not ids:
+            raise TaskHetError(f"--val_split manifest_val: manifest {config.manifest} has no validation rows (val = 1); "
+                               "use --val_split held_out or client_test")
+    elif split == "held_out":
+        try:
+            ids = calibration_ids(manifest, table, fraction, config.rand_seed, "merge_validation", "--val_fraction")
+        except TaskHetError as error:
+            raise TaskHetError(f"--val_split held_out: {error}; or pass --val_split client_test") from None
         if not ids:
             raise TaskHetError("--val_split held_out needs --val_fraction > 0")
-    elif split == "client_test":
+    else:
         ids = table.loc[table["subset"] == "test", "sample_id"].tolist()
         if not ids:
             raise TaskHetError(f"--val_split client_test: {config.assignments} has no client-test rows")
-    else:
-        raise TaskHetError(f"--val_split must be one of {', '.join(VAL_SPLITS)}, got {split}")
-    return make_loader(task_dataset(config, run.setup.manifest, run.setup.task, ids), config.batch_size, False, 0,
-                       config.num_workers)
+    loader = make_loader(task_dataset(config, manifest, run.setup.task, ids), config.batch_size, False, 0,
+                         config.num_workers)
+    return loader, split
 
 
 def _read_config(run_dir: Path) -> dict:

@@ -6,12 +6,16 @@ aims at task vectors that interfere little: nearly orthogonal (pairwise cosine) 
 with little overlap of their supports (Jaccard of the masks).
 
 Only floating-point entries form a task vector; integer buffers (BatchNorm's counter)
-keep the base's value in a merge.
+keep the base's value in a merge. Each entry is computed in its own dtype, widened to at
+least float32 (:func:`working_dtype`), and stored back in the base's dtype, so a float64
+entry is merged in float64 and λ = 0 returns θ_0 bit for bit for every dtype.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Iterable, Sequence
+
+import math
 
 import torch
 from torch import Tensor
@@ -20,39 +24,84 @@ from network.aggregation import Weights
 from utils.errors import TaskHetError
 
 
-def task_vector(base: Weights, finetuned: Weights) -> Weights:
-    """τ = θ_k − θ_0 over the base's floating-point entries (the fine-tuned model must have them all)."""
-    missing = [key for key in base if key not in finetuned]
-    if missing:
-        raise TaskHetError(f"the fine-tuned model lacks {len(missing)} entries of the base, e.g. {missing[:3]}")
-    return {key: finetuned[key].detach().float() - value.detach().float()
-            for key, value in base.items() if value.is_floating_point()}
+def working_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype an entry's arithmetic runs in: its own, widened to at least float32 (float16 -> float32,
+    float64 stays float64). Either cast back is exact, so λ = 0 gives the base entry bit for bit."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def check_compatible(base: Weights, finetuned: Weights, base_name: str = "the base",
+                     finetuned_name: str = "the fine-tuned model") -> None:
+    """Refuse two state dicts that do not share every key with the same shape, naming both and the entry."""
+    for key in sorted(set(base) ^ set(finetuned)):
+        holder, other = (base_name, finetuned_name) if key in base else (finetuned_name, base_name)
+        raise TaskHetError(f"{holder} has entry {key!r} and {other} has not: task arithmetic needs checkpoints of "
+                           "one architecture")
+    for key, value in base.items():
+        if tuple(value.shape) != tuple(finetuned[key].shape):
+            raise TaskHetError(f"entry {key!r} has shape {list(value.shape)} in {base_name} but "
+                               f"{list(finetuned[key].shape)} in {finetuned_name}: task arithmetic needs checkpoints "
+                               "of one architecture")
+
+
+def task_vector(base: Weights, finetuned: Weights, base_name: str = "the base",
+                finetuned_name: str = "the fine-tuned model") -> Weights:
+    """τ = θ_k − θ_0 over the base's floating-point entries, each in its :func:`working_dtype`.
+
+    The two state dicts must have the same keys and shapes (:func:`check_compatible`; the names go into its error).
+    """
+    check_compatible(base, finetuned, base_name, finetuned_name)
+    vectors = {}
+    for key, value in base.items():
+        if value.is_floating_point():
+            dtype = working_dtype(value.dtype)
+            vectors[key] = finetuned[key].detach().to(dtype) - value.detach().to(dtype)
+    return vectors
 
 
 def merge(base: Weights, vectors: Sequence[Weights], lam: float) -> Weights:
-    """θ_0 + λ Σ_k τ_k (entries without a task vector, and the dtype of each entry, as in the base)."""
+    """θ_0 + λ Σ_k τ_k (entries without a task vector, and the dtype of each entry, as in the base).
+
+    ``lam`` must be finite: a NaN or infinite λ would write a model of NaNs.
+    """
+    check_lambda(lam)
     merged = {}
     for key, value in base.items():
         if not value.is_floating_point() or not vectors:
             merged[key] = value.clone()
             continue
         total = torch.stack([vector[key] for vector in vectors]).sum(0)
-        merged[key] = (value.float() + lam * total).to(value.dtype)
+        merged[key] = (value.to(total.dtype) + lam * total).to(value.dtype)
     return merged
+
+
+def check_lambda(lam: float, what: str = "λ") -> float:
+    """``lam`` as a float, or a TaskHetError when it is not a finite number."""
+    if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not math.isfinite(lam):
+        raise TaskHetError(f"{what} must be a finite number, got {lam!r}")
+    return float(lam)
 
 
 def choose_lambda(base: Weights, vectors: Sequence[Weights], loss: Callable[[Weights], float],
                   grid: Iterable[float]) -> tuple[float, dict[float, float]]:
-    """The λ of ``grid`` whose merged model has the lowest ``loss`` (first on ties), and every λ's loss."""
-    losses = {float(lam): float(loss(merge(base, vectors, lam))) for lam in grid}
+    """The λ of ``grid`` whose merged model has the lowest ``loss`` (first on ties), and every λ's loss.
+
+    Every λ must be finite. A λ whose loss is NaN or infinite (a diverged merge) is never chosen over one
+    with a finite loss; when no λ has a finite loss, that is an error naming the losses.
+    """
+    grid = [check_lambda(lam) for lam in grid]
+    losses = {lam: float(loss(merge(base, vectors, lam))) for lam in grid}
     if not losses:
         raise TaskHetError("the λ grid is empty")
-    return min(losses, key=losses.get), losses
+    finite = [lam for lam in losses if math.isfinite(losses[lam])]
+    if not finite:
+        raise TaskHetError(f"no λ of the grid gives a finite validation loss: {losses}")
+    return min(finite, key=losses.get), losses
 
 
 def flatten(vector: Weights, keys: Sequence[str]) -> Tensor:
-    """One flat float vector of the named entries, in ``keys`` order."""
-    return torch.cat([vector[key].reshape(-1).float() for key in keys])
+    """One flat float64 vector of the named entries, in ``keys`` order."""
+    return torch.cat([vector[key].reshape(-1).double() for key in keys])
 
 
 def cosine_matrix(vectors: Sequence[Weights]) -> Tensor:

@@ -22,6 +22,7 @@ from partitioning.partition_stats import client_stats, plot_heatmap
 from utils import cli
 from utils.cli import positive_float, positive_int
 from utils.errors import TaskHetError
+from utils.locks import folder_lock
 from utils.run_dir import claim_folder, setup_logging, unfinished, write_config
 
 STEP = "step 3b"
@@ -56,6 +57,12 @@ def main(argv: list[str] | None = None) -> Path:
         The path of the assignments.csv written.
     """
     args = build_parser().parse_args(argv)
+    with folder_lock(args.out):  # one run at a time writes the folder
+        return assign_clients(args)
+
+
+def assign_clients(args: argparse.Namespace) -> Path:
+    """Partition and write, holding the lock of ``args.out`` (see :func:`main`)."""
     claim_folder(args.out, STEP)
     family, manifest = load_manifest(args.manifest)
     # Validation rows (cifar's val = 1) select models: no client trains on them.

@@ -23,6 +23,7 @@ from datasets.taskonomy_domains import DOMAINS, get_domain
 from utils import cli
 from utils.cli import positive_float
 from utils.errors import TaskHetError
+from utils.locks import folder_lock
 
 DATA_SERVER = ("datasets.epfl.ch", 443)
 SUBSETS = ("debug", "tiny", "medium", "full", "fullplus")
@@ -93,7 +94,12 @@ def main(argv: list[str] | None = None) -> Path:
     check_online(*DATA_SERVER, args.timeout_s)
     if shutil.which("aria2c") is None:
         raise TaskHetError("omnitools.download needs the aria2c program: install it (e.g. apt-get install aria2) and retry")
-    args.dest.mkdir(parents=True, exist_ok=True)
+    with folder_lock(args.dest, "--dest"):  # one run at a time writes the data root
+        return download_into(args)
+
+
+def download_into(args: argparse.Namespace) -> Path:
+    """Run the downloader and write the split CSV and the Places365 names, holding the lock of ``args.dest``."""
     # No standard input: a prompt of the downloader fails at once instead of waiting for an answer.
     result = subprocess.run(downloader_command(args), check=False, stdin=subprocess.DEVNULL)
     if result.returncode != 0:

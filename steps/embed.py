@@ -29,6 +29,7 @@ from utils.cli import positive_int
 from utils.device import pick_device, prepare_model
 from utils.errors import TaskHetError
 from utils.loaders import load_json, load_npy, require_file, require_finished
+from utils.locks import folder_lock
 from utils.run_dir import atomic_write_text, claim_folder, setup_logging, unfinished, write_config
 
 STEP = "step 3"
@@ -109,6 +110,12 @@ def main(argv: list[str] | None = None) -> Path:
         The path of the clusters.csv written.
     """
     args = build_parser().parse_args(argv)
+    with folder_lock(args.out):  # one run at a time writes the folder
+        return embed_and_cluster(args)
+
+
+def embed_and_cluster(args: argparse.Namespace) -> Path:
+    """Embed, cluster and write, holding the lock of ``args.out`` (see :func:`main`)."""
     claim_folder(args.out, STEP)
     trained_model_checkpoint(args.checkpoint)
     args.image_size = args.image_size or training_image_size(args.checkpoint)

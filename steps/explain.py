@@ -23,6 +23,7 @@ from network.quadratic_explainer import (QuadraticFederation, fixed_point, globa
                                          iid_control, run_fedavg, worked_example)
 from utils import cli
 from utils.errors import TaskHetError
+from utils.locks import folder_lock
 from utils.plots import plt, save_figure
 from utils.run_dir import MetricsCSV, atomic_write_text, claim_folder, setup_logging, unfinished, write_config
 
@@ -56,11 +57,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         if len(set(values)) != len(values):
             raise TaskHetError(f"--{flag} lists a value twice: {values}")
     check_stable(worked_example(max(args.scales)), args.etas)
-    claim_folder(args.out, STEP)
-    write_config(args.out, vars(args), step=STEP)
-    logger = setup_logging(args.out, "explain")
-    with unfinished(args.out, STEP):
-        return explain(args, logger)
+    with folder_lock(args.out):  # one run at a time writes the folder
+        claim_folder(args.out, STEP)
+        write_config(args.out, vars(args), step=STEP)
+        logger = setup_logging(args.out, "explain")
+        with unfinished(args.out, STEP):
+            return explain(args, logger)
 
 
 def check_stable(federation: QuadraticFederation, etas: list[float]) -> None:

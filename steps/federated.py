@@ -19,6 +19,7 @@ from network.settings import add_settings_arguments, describe
 from utils import cli
 from utils.cli import positive_float, positive_int
 from utils.errors import TaskHetError
+from utils.locks import folder_lock
 
 DESCRIPTION = """Step 4 of TaskHet: federated training of one task's model (--list_methods shows the algorithms).
 Inputs: the step-1 manifest (--manifest), the data under --data_path and a step-3b assignments.csv (--assignments;
@@ -129,4 +130,5 @@ def main(argv: list[str] | None = None) -> dict | None:
         return None
     from network.run import run  # the heavy part: models, data, engines
 
-    return run(prepare(config))
+    with folder_lock(config.out):  # one run at a time writes the folder
+        return run(prepare(config))

@@ -9,6 +9,7 @@ fixed λ, the interference diagnostics only). The work is :func:`run_merge`.
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -16,11 +17,14 @@ import numpy as np
 import pandas as pd
 
 from network.aggregation import Weights
-from sparse.merge import (choose_lambda, cosine_matrix, jaccard_matrix, merge, plot_matrix, support, task_vector)
+from sparse.merge import (check_lambda, choose_lambda, cosine_matrix, jaccard_matrix, merge, plot_matrix, support,
+                          task_vector)
+from sparse.from_run import VAL_SPLITS
 from utils import cli
 from utils.errors import TaskHetError
+from utils.locks import folder_lock
 from utils.run_dir import (MetricsCSV, atomic_torch_save, atomic_write_text, claim_folder, load_checkpoint,
-                           setup_logging, write_config)
+                           setup_logging, unfinished, write_config)
 
 STEP = "merge"
 COLUMNS = ("split", "model", "other", "metric", "value")
@@ -45,28 +49,46 @@ def load_model_weights(path: Path) -> Weights:
 def run_merge(base: Weights, finetuned: Mapping[str, Weights], out_dir: Path, lambdas: Sequence[float],
               validation_loss: Callable[[Weights], float] | None = None,
               client_loss: Callable[[str, Weights], float] | None = None, config: dict | None = None,
-              masks: Mapping[str, Weights] | None = None) -> Weights:
+              masks: Mapping[str, Weights] | None = None, sources: Mapping[str, str] | None = None) -> Weights:
     """Merge ``finetuned`` into ``base``, write the run folder, return the merged weights.
+
+    Every input is checked before the folder is touched (finite λ, same keys and shapes); the folder
+    holds ``INCOMPLETE`` from its first file until merged.pt is written, so a killed merge never looks done.
 
     Args:
         base: θ_0. finetuned: name (a client id) -> θ_k.
-        lambdas: the λ grid; with no ``validation_loss`` it must hold exactly one λ.
-        validation_loss: merged weights -> loss on validation data (chooses λ: the lowest, first on ties).
+        lambdas: the λ grid (finite numbers); with no ``validation_loss`` it must hold exactly one λ.
+        validation_loss: merged weights -> loss on validation data (chooses λ: the lowest finite loss, first on ties).
         client_loss: (name, weights) -> loss on that client's data: θ_k, the merged model and θ_0 (merge.csv).
         config: extra entries for config.json.
         masks: name -> the client's trained-entry masks (Jaccard); default: the supports of the τ_k.
+        sources: ``"base"`` and each name -> where that model came from (a file), for error messages.
     """
     if len(lambdas) != 1 and validation_loss is None:
         raise TaskHetError("choosing λ from a grid needs validation data; give one λ")
+    lambdas = [check_lambda(lam, "--lam/--lambdas value") for lam in lambdas]
+    sources = dict(sources or {})
+    names = list(finetuned)
+    vectors = [task_vector(base, finetuned[name], sources.get("base", "the base model"),
+                           sources.get(name, f"fine-tuned model {name}")) for name in names]
     out_dir = Path(out_dir)
     claim_folder(out_dir, STEP)
     out_dir.mkdir(parents=True, exist_ok=True)
+    with unfinished(out_dir, STEP):  # first and last: a killed merge leaves INCOMPLETE beside its partial files
+        merged = _write_merge(base, finetuned, out_dir, lambdas, vectors, validation_loss, client_loss, config, masks)
+    return merged
+
+
+def _write_merge(base: Weights, finetuned: Mapping[str, Weights], out_dir: Path, lambdas: list[float],
+                 vectors: list[Weights], validation_loss: Callable[[Weights], float] | None,
+                 client_loss: Callable[[str, Weights], float] | None, config: dict | None,
+                 masks: Mapping[str, Weights] | None) -> Weights:
     write_config(out_dir, {**(config or {}), "models": list(finetuned), "lambdas": list(lambdas)}, step=STEP)
     log = setup_logging(out_dir, "merge")
+    (out_dir / "merged.pt").unlink(missing_ok=True)  # a rerun's old result must not sit beside new tables
     (out_dir / "metrics.csv").unlink(missing_ok=True)  # a rerun into the same folder starts the table afresh
     metrics = MetricsCSV(out_dir / "metrics.csv", COLUMNS)
     names = list(finetuned)
-    vectors = [task_vector(base, finetuned[name]) for name in names]
     lam, losses = (lambdas[0], {}) if validation_loss is None else choose_lambda(base, vectors, validation_loss, lambdas)
     metrics.write({"split": "val", "model": "merged", "other": f"lambda={key}", "metric": "loss", "value": value}
                   for key, value in losses.items())
@@ -106,14 +128,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = cli.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", type=Path, default=None, help="step-4 sparse_ft run folder (--keep_local_models true)")
     parser.add_argument("--base", type=Path, default=None, help="θ_0: a state dict or a best.pt (without --run)")
-    parser.add_argument("--finetuned", nargs="+", default=None, metavar="NAME=PATH", help="fine-tuned checkpoints")
-    parser.add_argument("--lam", type=float, default=None, help="one fixed λ, no search (default without --run: 1.0)")
+    parser.add_argument("--finetuned", nargs="+", default=None, metavar="NAME=PATH",
+                        help="fine-tuned checkpoints, each NAME once")
+    parser.add_argument("--lam", type=cli.finite_float, default=None,
+                        help="one fixed λ, no search (default without --run: 1.0)")
     parser.add_argument("--lambdas", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1",
-                        help="--run: the λ grid searched on the validation split (comma-separated)")
-    parser.add_argument("--val_split", choices=("held_out", "client_test"), default="held_out",
-                        help="--run: λ's validation data: held_out (manifest train rows no client holds, "
-                             "--val_fraction of the train rows) or client_test (the clients' test rows)")
-    parser.add_argument("--val_fraction", type=cli.nonnegative_float, default=0.1, help="--run: see --val_split")
+                        help="--run: the λ grid searched on the validation split (comma-separated finite numbers)")
+    parser.add_argument("--val_split", choices=VAL_SPLITS, default="auto",
+                        help="--run: λ's validation data: manifest_val (the manifest's val = 1 rows, which no client "
+                             "holds), held_out (--val_fraction of the manifest's train rows no client holds), "
+                             "client_test (the clients' test rows), or auto (default: manifest_val when the manifest "
+                             "has val rows, else held_out)")
+    parser.add_argument("--val_fraction", type=cli.nonnegative_float, default=0.1,
+                        help="--val_split held_out: the share of the train rows to hold out (default: 0.1)")
     parser.add_argument("--use_accelerator", action=argparse.BooleanOptionalAction, default=False,
                         help="--run: evaluate on CUDA/MPS when present (default: CPU)")
     parser.add_argument("--out", type=Path, required=True, help="the merge's run folder")
@@ -122,36 +149,58 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> Weights:
     args = build_parser().parse_args(argv)
+    with folder_lock(args.out):  # one run at a time writes the folder
+        return merge_locked(args)
+
+
+def merge_locked(args: argparse.Namespace) -> Weights:
+    """:func:`main`'s work, holding the lock of ``args.out``."""
     if (args.run is None) == (args.base is None and args.finetuned is None):
         raise TaskHetError("pass --run RUN_DIR, or --base and --finetuned (not both)")
     if args.run is None:
         return _merge_checkpoints(args)
     from sparse.from_run import read_run, validation_loader  # only here: builds models and data
 
-    run = read_run(args.run, args.use_accelerator)
     grid = [args.lam] if args.lam is not None else _grid(args.lambdas)
-    validation = run.loss_on(validation_loader(run, args.val_split, args.val_fraction))
+    run = read_run(args.run, args.use_accelerator)
+    loader, args.val_split = validation_loader(run, args.val_split, args.val_fraction)
+    validation = run.loss_on(loader)
     return run_merge(run.base, run.local, args.out, grid, validation_loss=validation,
                      client_loss=lambda name, weights: run.loss_on(run.client_loaders[name])(weights),
-                     config=vars(args), masks=run.masks)
+                     config=vars(args), masks=run.masks,
+                     sources={"base": f"{args.run}/checkpoint.pt (θ_0)",
+                              **{name: f"{args.run}/checkpoint.pt (client {name})" for name in run.local}})
 
 
 def _merge_checkpoints(args: argparse.Namespace) -> Weights:
     if args.base is None or not args.finetuned:
         raise TaskHetError("--base needs --finetuned NAME=PATH (and --finetuned needs --base)")
     pairs = [item.split("=", 1) for item in args.finetuned]
-    if any(len(pair) != 2 or not pair[0] for pair in pairs):
+    if any(len(pair) != 2 or not pair[0] or not pair[1] for pair in pairs):
         raise TaskHetError(f"--finetuned takes NAME=PATH items, got {args.finetuned}")
+    names = [name for name, _ in pairs]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise TaskHetError(f"--finetuned names {', '.join(repeated)} more than once ({' '.join(args.finetuned)}); "
+                           "give each fine-tuned model its own NAME")
     finetuned = {name: load_model_weights(Path(path)) for name, path in pairs}
     lam = 1.0 if args.lam is None else args.lam
-    return run_merge(load_model_weights(args.base), finetuned, args.out, [lam], config=vars(args))
+    return run_merge(load_model_weights(args.base), finetuned, args.out, [lam], config=vars(args),
+                     sources={"base": f"--base {args.base}", **{name: f"--finetuned {name}={path}" for name, path in pairs}})
 
 
 def _grid(text: str) -> list[float]:
+    """--lambdas as finite numbers, each once."""
+    items = [item.strip() for item in str(text).split(",") if item.strip()]
     try:
-        grid = [float(item) for item in str(text).split(",") if item.strip()]
+        grid = [float(item) for item in items]
     except ValueError:
         raise TaskHetError(f"--lambdas takes comma-separated numbers, got {text!r}") from None
     if not grid:
         raise TaskHetError("--lambdas is empty")
+    bad = [item for item, value in zip(items, grid) if not math.isfinite(value)]
+    if bad:
+        raise TaskHetError(f"--lambdas must hold finite numbers, got {', '.join(bad)} in {text!r}")
+    if len(set(grid)) != len(grid):
+        raise TaskHetError(f"--lambdas repeats a value: {text!r}")
     return grid

@@ -31,6 +31,7 @@ from steps.embed import add_model_input_arguments, trained_model_checkpoint, tra
 from training.loop import make_loader
 from utils import cli
 from utils.device import pick_device, prepare_model
+from utils.locks import folder_lock
 from utils.run_dir import MetricsCSV, atomic_write_text, claim_folder, setup_logging, unfinished, write_config
 
 METER_FILE = "meter.json"
@@ -50,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     """Measure one partition; returns what meter.json holds."""
     args = build_parser().parse_args(argv)
+    with folder_lock(args.out):  # one run at a time writes the folder
+        return meter(args)
+
+
+def meter(args: argparse.Namespace) -> dict:
+    """Measure and write, holding the lock of ``args.out`` (see :func:`main`)."""
     claim_folder(args.out, STEP)
     trained_model_checkpoint(args.checkpoint)
     family, manifest = load_manifest(args.manifest)

@@ -14,6 +14,7 @@ from utils import cli
 from utils.cli import positive_int
 from utils.errors import TaskHetError
 from utils.loaders import load_json
+from utils.locks import folder_lock
 
 DESCRIPTION = f"""Step 0 (data): render synthetic buildings in the Taskonomy/omnidata layout.
 Inputs: none (a seed and sizes). Outputs under --out: <domain>/taskonomy/<building>/point_<p>_view_<v>_domain_<d>.<ext>
@@ -66,9 +67,10 @@ def main(argv: list[str] | None = None) -> Path:
     args = build_parser().parse_args(argv)
     config = RenderConfig(args.n_buildings, args.n_views, args.views_per_point, args.image_size, args.seed)
     config.validate()
-    check_out(args.out, config, args.replace)
-    start = time.perf_counter()
-    out = render_dataset(args.out, config, workers=args.workers, progress=args.progress)
+    with folder_lock(args.out):  # one run at a time writes the folder
+        check_out(args.out, config, args.replace)
+        start = time.perf_counter()
+        out = render_dataset(args.out, config, workers=args.workers, progress=args.progress)
     seconds = time.perf_counter() - start
     sizes = f"{config.num_buildings} buildings x {config.views_per_building} views at {config.image_size}px"
     print(f"synthetic data: {sizes} in {out} ({seconds:.1f} s)")

@@ -21,6 +21,7 @@ from training.search import (DONE, RUN_COLUMNS, Config, aggregate, best_record, 
 from training.selection import centralized_splits, selected_test_metrics
 from utils import cli
 from utils.errors import NonFiniteLossError, TaskHetError
+from utils.locks import folder_lock
 from utils.run_dir import atomic_write_text, claim_folder, setup_logging, unfinished, write_config
 
 STEP = "centralized search"
@@ -99,6 +100,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         raise TaskHetError(f"manifest {args.manifest} has no validation part (no train row with val = 1); the search "
                            "scores on it: rerun step 1 with --val_fraction > 0 (cifar, digits)")
     configs = grid(args.lrs, args.weight_decays, args.schedulers)
+    with folder_lock(args.out):  # one run at a time writes the folder
+        return search(args, configs)
+
+
+def search(args: argparse.Namespace, configs: list[Config]) -> pd.DataFrame:
+    """Train every config and write the search's outputs, holding the lock of ``args.out`` (see :func:`main`)."""
     claim_folder(args.out, STEP)
     args.out.mkdir(parents=True, exist_ok=True)
     write_config(args.out, vars(args), step=STEP)

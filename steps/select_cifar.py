@@ -11,6 +11,7 @@ from datasets.cifar import DATASET_CLASSES, VAL_COLUMN, download, select_cifar
 from datasets.family import class_counts
 from steps.manifest_output import claim_step1_folder, write_step1_outputs
 from utils import cli
+from utils.locks import folder_lock
 from utils.run_dir import setup_logging
 
 DESCRIPTION = """Step 1 (--family cifar): extract the datapoints used by the experiments.
@@ -47,6 +48,12 @@ def main(argv: list[str] | None = None) -> Path:
         The path of the manifest.csv written.
     """
     args = build_parser().parse_args(argv)
+    with folder_lock(args.out):  # one run at a time writes the folder
+        return select_and_write(args)
+
+
+def select_and_write(args: argparse.Namespace) -> Path:
+    """Select and write, holding the lock of ``args.out`` (see :func:`main`)."""
     claim_step1_folder(args.out)
     if args.download:
         download(args.data_path, args.dataset)

@@ -11,6 +11,7 @@ from datasets.digits import select_digits
 from datasets.family import class_counts
 from steps.manifest_output import claim_step1_folder, write_step1_outputs
 from utils import cli
+from utils.locks import folder_lock
 from utils.cli import positive_int
 from utils.run_dir import setup_logging
 
@@ -43,6 +44,12 @@ def main(argv: list[str] | None = None) -> Path:
         The path of the manifest.csv written.
     """
     args = build_parser().parse_args(argv)
+    with folder_lock(args.out):  # one run at a time writes the folder
+        return select_and_write(args)
+
+
+def select_and_write(args: argparse.Namespace) -> Path:
+    """Select and write, holding the lock of ``args.out`` (see :func:`main`)."""
     claim_step1_folder(args.out)
     manifest = select_digits(args.test_fraction, args.seed, args.n_samples, args.val_fraction)
     path = write_step1_outputs(args, manifest, class_counts(manifest))

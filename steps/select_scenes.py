@@ -13,6 +13,7 @@ from datasets.taskonomy_domains import DOMAINS
 from datasets.taskonomy_domains import TASKS as TASKONOMY_TASKS
 from utils import cli
 from utils.errors import TaskHetError
+from utils.locks import folder_lock
 from utils.run_dir import claim_folder, setup_logging, unfinished, write_config
 
 STEP = "step 1"
@@ -93,6 +94,12 @@ def main(argv: list[str] | None = None) -> Path:
         The path of the manifest.csv written.
     """
     args = build_parser().parse_args(argv)
+    with folder_lock(args.out):  # one run at a time writes the folder
+        return select_scenes(args)
+
+
+def select_scenes(args: argparse.Namespace) -> Path:
+    """Select and write, holding the lock of ``args.out`` (see :func:`main`)."""
     claim_folder(args.out, STEP)
     config = SelectionConfig(
         data_path=args.data_path,

@@ -21,6 +21,7 @@ from utils import cli
 from utils.cli import positive_float, positive_int
 from utils.device import prepare_model
 from utils.errors import TaskHetError
+from utils.locks import folder_lock
 from utils.run_dir import claim_folder, setup_logging, unfinished, write_config
 from utils.seeding import derive_seed, set_deterministic
 
@@ -135,6 +136,12 @@ def train(args: argparse.Namespace) -> dict:
     Returns:
         The summary of :func:`training.loop.fit` (``best_epoch``, ``best_val_loss``, ``selected_on``, ...).
     """
+    with folder_lock(args.out):  # one run at a time writes the folder
+        return train_locked(args)
+
+
+def train_locked(args: argparse.Namespace) -> dict:
+    """:func:`train`'s work, holding the lock of ``args.out``."""
     if args.warmup_epochs >= args.n_epochs:
         raise TaskHetError(f"--warmup_epochs {args.warmup_epochs} must be below --n_epochs {args.n_epochs}")
     if args.cache_features and not args.freeze_encoder:

@@ -35,7 +35,7 @@ def test_settings_are_a_frozen_documented_dataclass_whose_defaults_build(name):
     assert dataclasses.is_dataclass(settings_class) and settings_class.__dataclass_params__.frozen
     for info in describe(settings_class):
         assert info.help and info.type in (int, float, str, bool), info.name
-    build_algorithm(name, TinyNet(), {"a": 1})
+    build_algorithm(name, TinyNet(), {"a": 1, "b": 1})  # IFCA's default k = 2 needs two clients
 
 
 @pytest.mark.parametrize("name", list_algorithms())

@@ -64,3 +64,21 @@ def test_a_finished_stage_whose_output_was_deleted_or_truncated_is_redone(tmp_pa
     assert not is_done(tmp_path / "stage")
     (tmp_path / "stage" / MARKER).write_text(json.dumps({"params": {"a": 1}}))  # an old-format marker
     assert not is_done(tmp_path / "stage")
+
+
+def test_a_checkpoint_s_bytes_depend_on_its_content_only(tmp_path):
+    """Issue 19 item 13: torch.save named the archive after the random temp file, so equal states gave other bytes."""
+    import zipfile
+
+    import torch
+
+    from utils.run_dir import atomic_torch_save
+
+    state = {"model": {"weight": torch.arange(6.0).reshape(2, 3), "steps": torch.tensor(4)}, "epoch": 3}
+    atomic_torch_save(state, tmp_path / "a" / "best.pt")
+    atomic_torch_save({"model": {key: value.clone() for key, value in state["model"].items()}, "epoch": 3},
+                      tmp_path / "b" / "other_name.pt")
+    assert (tmp_path / "a" / "best.pt").read_bytes() == (tmp_path / "b" / "other_name.pt").read_bytes()
+    assert {name.split("/")[0] for name in zipfile.ZipFile(tmp_path / "a" / "best.pt").namelist()} == {"archive"}
+    loaded = torch.load(tmp_path / "b" / "other_name.pt", weights_only=True)
+    assert torch.equal(loaded["model"]["weight"], state["model"]["weight"]) and loaded["epoch"] == 3

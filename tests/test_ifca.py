@@ -11,9 +11,11 @@ from torch import nn
 from network.algorithms import build_algorithm
 from network.algorithms.base import ServerState, Upload
 from network.algorithms.skeleton import DELTA
+from utils.errors import TaskHetError
 from tests.oracles import DIM, least_squares_clients, linear_model, max_curvature, pooled_optimum, run_oracle
 
 SHIFT = 4.0
+THREE_CLIENTS = {"0": 1, "1": 1, "2": 1}  # IFCA refuses more cluster models than clients
 
 
 def two_cluster_data():
@@ -40,7 +42,8 @@ def test_recovers_the_clusters_and_reaches_each_clusters_optimum(tmp_path):
 
 def test_a_client_picks_the_model_with_the_lowest_loss_on_its_data():
     data = two_cluster_data()
-    algorithm, model = build_algorithm("ifca", linear_model(), {"0": 20}, {"n_cluster_models": 3, "init_noise": 0.0})
+    algorithm, model = build_algorithm("ifca", linear_model(), {"0": 20, "1": 20, "2": 20},
+                                       {"n_cluster_models": 3, "init_noise": 0.0})
     a, b = data[4]
     models = {f"cluster{j}": {"weight": torch.full((1, DIM), value, dtype=torch.float64)}
               for j, value in enumerate((SHIFT, -SHIFT, 0.0))}
@@ -55,7 +58,7 @@ def test_initial_cluster_models_differ_only_in_parameters_and_are_seeded():
     from tests.tiny_models import TinyNet
 
     torch.manual_seed(0)
-    algorithm, model = build_algorithm("ifca", TinyNet(), {"0": 1}, {"n_cluster_models": 3}, seed=5)
+    algorithm, model = build_algorithm("ifca", TinyNet(), THREE_CLIENTS, {"n_cluster_models": 3}, seed=5)
     weights = {key: value.clone() for key, value in model.state_dict().items()}
     server, again = algorithm.init_server(weights), algorithm.init_server(weights)
     assert torch.equal(server.models["cluster0"]["body.0.weight"], weights["body.0.weight"])
@@ -68,7 +71,7 @@ def test_initial_cluster_models_are_the_model_plus_noise_of_std_init_noise_and_d
     model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64))  # 4,160 parameter entries, BatchNorm buffers
     weights = {key: value.clone() for key, value in model.state_dict().items()}
     for std in (0.5, 1.0):
-        algorithm, _ = build_algorithm("ifca", model, {"0": 1}, {"n_cluster_models": 3, "init_noise": std}, seed=5)
+        algorithm, _ = build_algorithm("ifca", model, THREE_CLIENTS, {"n_cluster_models": 3, "init_noise": std}, seed=5)
         server = algorithm.init_server(weights)
         for j in (1, 2):
             cluster = server.models[f"cluster{j}"]
@@ -78,7 +81,7 @@ def test_initial_cluster_models_are_the_model_plus_noise_of_std_init_noise_and_d
             assert abs(noise.std().item() - std) < 0.05 * std and abs(noise.mean().item()) < 0.05 * std
             for key in ("1.running_mean", "1.running_var", "1.num_batches_tracked"):
                 assert torch.equal(cluster[key], weights[key])  # buffers are copied
-        other_seed, _ = build_algorithm("ifca", model, {"0": 1}, {"n_cluster_models": 3, "init_noise": std}, seed=6)
+        other_seed, _ = build_algorithm("ifca", model, THREE_CLIENTS, {"n_cluster_models": 3, "init_noise": std}, seed=6)
         assert not torch.equal(other_seed.init_server(weights).models["cluster1"]["0.weight"],
                                server.models["cluster1"]["0.weight"])
 
@@ -98,7 +101,7 @@ def test_cluster_choice_uses_the_mean_per_sample_loss_over_all_batches():
     x_a = torch.randn(1, DIM, generator=generator, dtype=torch.float64)
     x_a[:, 0] = 2.0
     loader = [{"x": x_b, "y": torch.zeros(9, dtype=torch.float64)}, {"x": x_a, "y": torch.full((1,), 2.0, dtype=torch.float64)}]
-    algorithm, model = build_algorithm("ifca", linear_model(), {"0": 10}, {"n_cluster_models": 2})
+    algorithm, model = build_algorithm("ifca", linear_model(), {"0": 10, "1": 10}, {"n_cluster_models": 2})
     e1 = torch.zeros(1, DIM, dtype=torch.float64)
     e1[0, 0] = 1.0
     models = {"cluster0": {"weight": torch.zeros(1, DIM, dtype=torch.float64)}, "cluster1": {"weight": e1}}
@@ -168,3 +171,18 @@ def test_the_cluster_is_chosen_with_the_model_in_eval_mode(dropout, models, eval
     result = algorithm.client_update(model, models, {}, loader,
                                      client_config(400, steps=1, loss_fn=half_squared_error))
     assert int(result.client_state["id"]) == eval_choice
+
+
+def test_more_cluster_models_than_clients_is_refused_before_any_model_is_allocated(monkeypatch):
+    from network.algorithms import ifca
+
+    def never(*args, **kwargs):
+        raise AssertionError("a cluster model was allocated")
+
+    monkeypatch.setattr(ifca, "_perturbed", never)
+    for k in (4, 100_000_000):
+        with pytest.raises(TaskHetError, match=rf"ifca setting n_cluster_models must be <= the number of clients \(3\), "
+                                              rf"got {k}"):
+            build_algorithm("ifca", linear_model(), THREE_CLIENTS, {"n_cluster_models": k})
+    algorithm, _ = build_algorithm("ifca", linear_model(), THREE_CLIENTS, {"n_cluster_models": 3})  # k = clients is fine
+    assert algorithm.settings.n_cluster_models == 3

@@ -60,7 +60,16 @@ def grid(lrs: list[float], weight_decays: list[float], schedulers: list[str]) ->
     for flag, values in (("--lrs", lrs), ("--weight_decays", weight_decays), ("--schedulers", schedulers)):
         if len(set(values)) != len(values):
             raise TaskHetError(f"{flag} repeats a value: {', '.join(map(str, values))}")
-    return [Config(lr, wd, scheduler) for lr, wd, scheduler in itertools.product(lrs, weight_decays, schedulers)]
+    configs = [Config(lr, wd, scheduler) for lr, wd, scheduler in itertools.product(lrs, weight_decays, schedulers)]
+    names: dict[str, Config] = {}
+    for config in configs:  # %g keeps 6 significant digits: 0.1 and 0.1000001 would share one run folder
+        if config.name in names:
+            first = names[config.name]
+            raise TaskHetError(f"lr {first.lr!r}, weight decay {first.weight_decay!r} and lr {config.lr!r}, weight decay "
+                               f"{config.weight_decay!r} both map to the run folder {config.name}; give --lrs and "
+                               "--weight_decays values that differ in 6 significant digits")
+        names[config.name] = config
+    return configs
 
 
 def summarize(config: Config, seed: int, run_dir: Path, tolerance: float) -> dict:

@@ -7,14 +7,14 @@ import math
 import sys
 from typing import Callable
 
-from utils.errors import TaskHetError
+from utils.errors import TaskHetError, is_disk_full
 
 
 def run_main(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:
     """Run a script's ``main``; bad input becomes one ``error:`` line on stderr and exit code 2.
 
     Bad input is a :class:`TaskHetError`, or an ``OSError`` about a path (an ``--out`` that is a
-    file, a read-only folder, a missing file): the line names the path and the reason. Open
+    file, a read-only folder, a missing file) or a full disk: the line names the path and the reason. Open
     progress bars are closed first, so the error never shares a line with a bar.
     """
     try:
@@ -22,6 +22,8 @@ def run_main(main: Callable[[list[str] | None], object], argv: list[str] | None 
     except TaskHetError as error:
         fail(str(error))
     except OSError as error:
+        if is_disk_full(error):  # a full disk is the user's to fix, named path or not (writes in utils/ name it)
+            fail(f"{error.filename or 'a write'}: {error.strerror}; free some space (or write elsewhere) and rerun")
         if error.filename is None:
             raise  # not about a path the user gave: a real bug, keep the traceback
         fail(f"{error.filename}: {error.strerror or type(error).__name__}")

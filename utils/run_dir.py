@@ -12,12 +12,13 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, BinaryIO, Iterable, Iterator
 
 import torch
 
 from utils import loaders
-from utils.errors import TaskHetError
+from utils.errors import TaskHetError, disk_full_names, is_disk_full
+from utils.locks import folder_entries
 
 LIBRARIES = ("torch", "torchvision", "numpy", "scikit-learn", "pandas", "accelerate", "timm", "flwr")
 
@@ -62,9 +63,41 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
-    """torch.save via a temp file and rename: a crash never leaves a truncated checkpoint."""
-    with _atomic_target(path) as temp_name:
-        torch.save(obj, temp_name)
+    """torch.save via a temp file and rename: a crash never leaves a truncated checkpoint.
+
+    The bytes depend on ``obj`` only: given a path, torch.save names the archive's records after
+    the file (here the temp file's random name), so two identical runs wrote different bytes and
+    the stage folders hashed from them differed; given an open file it names them ``archive``.
+    Streaming into the file (not into memory first) keeps a large checkpoint's peak memory.
+    A full disk is a :class:`utils.errors.DiskFullError` naming ``path``, not torch's
+    ``inline_container.cc`` RuntimeError, and leaves no temp file.
+    """
+    with _atomic_target(path) as temp_name, open(temp_name, "wb") as handle:
+        writer = _KeepWriteError(handle)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError:
+            if writer.error is not None:
+                raise writer.error from None
+            raise
+
+
+class _KeepWriteError:
+    """A file's ``write``/``flush`` that keeps the OSError torch.save's C++ writer turns into a bare RuntimeError."""
+
+    def __init__(self, handle: BinaryIO) -> None:
+        self.handle = handle
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.handle.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+
+    def flush(self) -> None:
+        self.handle.flush()
 
 
 # Temporary files of atomic writes: a kill between writing and renaming leaves one behind,
@@ -87,15 +120,27 @@ def remove_stale_temporaries(folder: Path) -> int:
 def _atomic_target(path: Path) -> Iterator[str]:
     """A temp file next to ``path`` to write; renamed onto ``path`` on success, removed on failure."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp_name = tempfile.mkstemp(dir=path.parent, prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX)
-    os.close(handle)
+    with disk_full_names(path, exact=True):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temp_name = tempfile.mkstemp(dir=path.parent, prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX)
+        os.close(handle)
+        try:
+            yield temp_name
+            _fsync(temp_name)
+            os.replace(temp_name, path)
+        finally:
+            if os.path.exists(temp_name):
+                os.remove(temp_name)
+
+
+def _fsync(name: str) -> None:
+    # The data must be on disk before the rename: after a power cut the new name must not point at an empty
+    # file. The folder is not synced: losing the rename then leaves the old whole file, which is still consistent.
+    handle = os.open(name, os.O_RDONLY)
     try:
-        yield temp_name
-        os.replace(temp_name, path)
+        os.fsync(handle)
     finally:
-        if os.path.exists(temp_name):
-            os.remove(temp_name)
+        os.close(handle)
 
 
 def load_checkpoint(path: Path, what: str = "checkpoint", keys: tuple[str, ...] = (), finished: bool = False) -> Any:
@@ -116,7 +161,7 @@ def claim_folder(out_dir: Path, step: str, flag: str = "--out") -> None:
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise TaskHetError(f"{flag} {out_dir} is a file, not a folder")
-    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+    if not out_dir.is_dir() or not folder_entries(out_dir):  # a folder holding only its lock is empty
         return
     owner = folder_step(out_dir)
     if owner != step:
@@ -155,13 +200,28 @@ def setup_logging(out_dir: Path, name: str = "taskhet") -> logging.Logger:
     logger.propagate = False
     if not logger.handlers:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-        file_handler = logging.FileHandler(Path(out_dir) / "run.log")
+        file_handler = _RunLog(Path(out_dir) / "run.log")
         file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         console = logging.StreamHandler()
         console.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(file_handler)
         logger.addHandler(console)
     return logger
+
+
+class _RunLog(logging.FileHandler):
+    """run.log's handler: a full disk stops the run with one error line naming run.log.
+
+    logging's default prints a "--- Logging error ---" traceback for every record it cannot write
+    and goes on; a run whose log cannot be written must stop like one whose metrics cannot.
+    """
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        if is_disk_full(error):
+            with disk_full_names(self.baseFilename, exact=True):
+                raise error
+        super().handleError(record)
 
 
 class MetricsCSV:
@@ -175,16 +235,25 @@ class MetricsCSV:
         self.path = Path(path)
         self.columns = list(columns)
         if not self.path.exists():
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("w", newline="") as handle:
+            with _atomic_target(self.path) as temp_name, open(temp_name, "w", newline="") as handle:
                 csv.writer(handle).writerow(self.columns)
 
     def write(self, rows: Iterable[dict[str, Any]]) -> None:
-        """Append rows (dicts with exactly the columns) and flush."""
-        with self.path.open("a", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=self.columns)
-            for row in rows:
-                writer.writerow({key: _format(value) for key, value in row.items()})
+        """Append rows (dicts with exactly the columns) and flush.
+
+        A full disk cuts the file back to its previous end (no half row for a resume to read) and is a
+        :class:`utils.errors.DiskFullError` naming the file.
+        """
+        with disk_full_names(self.path, exact=True):
+            size = self.path.stat().st_size
+            try:
+                with self.path.open("a", newline="") as handle:
+                    writer = csv.DictWriter(handle, fieldnames=self.columns)
+                    for row in rows:
+                        writer.writerow({key: _format(value) for key, value in row.items()})
+            except OSError:
+                os.truncate(self.path, size)
+                raise
 
     def truncate_after(self, column: str, last_kept: int) -> None:
         """Drop rows whose integer ``column`` is greater than ``last_kept``.

@@ -19,7 +19,7 @@ from network.settings import build_settings, settings_table
 
 
 def build_algorithm(name: str, model: nn.Module, client_sizes: Mapping[str, int], settings: Mapping[str, Any] | None = None,
-                    seed: int = 0) -> tuple[Algorithm, nn.Module]:
+                    seed: int = 0, input_key: str = "x") -> tuple[Algorithm, nn.Module]:
     """The algorithm called ``name`` for a federation of ``client_sizes``, and the worker model it trains.
 
     Args:
@@ -29,11 +29,13 @@ def build_algorithm(name: str, model: nn.Module, client_sizes: Mapping[str, int]
         settings: setting name -> value (strings or YAML scalars are converted); unknown
             or foreign names are an error listing the algorithm's settings.
         seed: the run's root seed.
+        input_key: the batch key of the model input (the data family's; :class:`Federation`).
     """
     algorithm_class = ALGORITHMS.get(name)
     parsed = build_settings(algorithm_class.Settings, settings or {}, name)
     worker = algorithm_class.worker_model(model, parsed)
-    federation = Federation({str(key): int(value) for key, value in client_sizes.items()}, ModelLayout.of(worker), seed)
+    federation = Federation({str(key): int(value) for key, value in client_sizes.items()}, ModelLayout.of(worker), seed,
+                            input_key)
     return algorithm_class(parsed, federation), worker
 
 

@@ -106,11 +106,15 @@ class Federation:
         client_sizes: client id -> number of training samples n_i, for every client.
         layout: the worker model's :class:`ModelLayout`.
         seed: the run's root seed (for an algorithm's own random draws, e.g. IFCA's initial models).
+        input_key: the batch key of the model input: the data family's ``input_key`` (``rgb``, ``image``), or
+            ``encoded`` with cached features (datasets/encoded.py); for an algorithm that feeds batches to the
+            model itself (sparse_ft's mask calibration).
     """
 
     client_sizes: dict[str, int]
     layout: ModelLayout
     seed: int = 0
+    input_key: str = "x"
 
     @property
     def num_clients(self) -> int:
@@ -214,8 +218,17 @@ class Algorithm(ABC):
     def __init__(self, settings: Any, federation: Federation) -> None:
         if not isinstance(settings, self.Settings):
             raise TypeError(f"{self.name} takes {self.Settings.__name__}, got {type(settings).__name__}")
+        self.check_num_clients(settings, federation.num_clients)
         self.settings = settings
         self.federation = federation
+
+    @classmethod
+    def check_num_clients(cls, settings: Any, num_clients: int) -> None:
+        """Refuse settings that cannot serve ``num_clients`` clients (none by default; IFCA: k <= clients).
+
+        Called when the algorithm is built, before it allocates anything, and by the experiment-file
+        checks with the file's number of clients, before step 0.
+        """
 
     @classmethod
     def worker_model(cls, model: nn.Module, settings: Any) -> nn.Module:

@@ -32,7 +32,7 @@ from torch import nn
 
 from network.aggregation import Weights, WeightedMean, apply_update
 from network.algorithms.base import (ALGORITHMS, Algorithm, Bundle, ClientConfig, ClientResult, ServerState, Upload,
-                                     load_weights)
+                                     load_weights, require)
 from network.algorithms.skeleton import DELTA, Phase, run_phases, training_loss
 from network.settings import check, setting
 from utils.seeding import torch_generator
@@ -62,6 +62,12 @@ class IFCA(Algorithm):
     name = "ifca"
     Settings = IFCASettings
     personalized = True
+
+    @classmethod
+    def check_num_clients(cls, settings: IFCASettings, num_clients: int) -> None:
+        # More cluster models than clients leaves some never chosen, and a huge k would allocate k models first.
+        require(settings.n_cluster_models <= num_clients, f"ifca setting n_cluster_models must be <= the number of "
+                f"clients ({num_clients}), got {settings.n_cluster_models}")
 
     def init_server(self, weights: Weights) -> ServerState:
         models = {cluster_name(0): weights}

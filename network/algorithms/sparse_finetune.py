@@ -74,7 +74,8 @@ class SparseFinetuneSettings(ServerOptSettings):
                               choices=("auto", *LIKELIHOODS))
     mask_source: str = setting("client", "who calibrates the mask: client (own data) or server (held-out data)",
                                choices=MASK_SOURCES)
-    input_key: str = setting("rgb,x", "model input: the first of these batch keys the batch has")
+    input_key: str = setting("auto", "model input for calibration: auto (the data family's input key) or the "
+                             "first of these comma-separated batch keys the batch has")
     keep_local_models: bool = setting(False, "keep θ_0 (server) and each client's last local model (client state) "
                                       "in checkpoint.pt, for merge_task_vectors.py --run")
 
@@ -108,7 +109,7 @@ class SparseFinetune(Algorithm):
         settings = self.settings
         data = [to_device(batch, device) for batch in itertools.islice(batches, settings.calibration_batches)]
         require(bool(data), f"{self.name} needs calibration data: the loader gave no batch")
-        output_fn = model_outputs(next((key for key in settings.input_key.split(",") if key in data[0]), "x"))
+        output_fn = model_outputs(self.calibration_input(data[0]))
         likelihood = settings.likelihood
         if likelihood == "auto":
             with torch.no_grad(), evaluating(model):
@@ -119,6 +120,13 @@ class SparseFinetune(Algorithm):
         return calibrate_mask(model, score_fn, density=settings.density, rounds=settings.calibration_rounds,
                               rule=settings.mask_rule, maskable=set(self.maskable).__contains__,
                               generator=torch_generator(seed, "mask_rule"))
+
+    def calibration_input(self, batch: dict) -> str:
+        """The batch key calibration feeds to the model: the run's (the data family's) unless the setting names keys."""
+        if self.settings.input_key == "auto":
+            return self.federation.input_key
+        keys = [key.strip() for key in self.settings.input_key.split(",") if key.strip()]
+        return next((key for key in keys if key in batch), keys[0] if keys else self.federation.input_key)
 
     def calibrate_server(self, server: ServerState, model: nn.Module, batches: Iterable[dict] | None,
                          device: torch.device) -> ServerState:
