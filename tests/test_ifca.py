@@ -164,7 +164,8 @@ def test_the_cluster_is_chosen_with_the_model_in_eval_mode(dropout, models, eval
     x = torch.randn(400, 1, dtype=torch.float64)
     x = (x - x.mean()) / x.std(correction=0)  # mean 0, variance 1: the running statistics of cluster 1 fit exactly
     loader = [{"x": x[:250], "y": x[:250, 0]}, {"x": x[250:], "y": x[250:, 0]}]
-    algorithm, model = build_algorithm("ifca", NormDropLinear(dropout), {"0": 400}, {"n_cluster_models": 2})
+    algorithm, model = build_algorithm("ifca", NormDropLinear(dropout), {"0": 400, "1": 400},
+                                       {"n_cluster_models": 2})
     model.train()  # the engine hands over a model left in training mode
     from tests.oracles import client_config
 
