@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 import utils.tv_compat  # noqa: F401  (before torchvision)
+# Only the classes' attributes (folder and file names, md5s, URL) are used, never an instance: constructing one
+# would unpickle the batches with plain pickle. Every file is read by load_split's restricted unpickler.
 from torchvision.datasets import CIFAR10, CIFAR100
 from torchvision.datasets.utils import check_integrity, download_and_extract_archive
 
