@@ -18,7 +18,6 @@ uninterrupted one on CPU.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -31,36 +30,26 @@ from torch import nn
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from network.aggregation import Weights, client_summary
-from network.algorithms.base import (ALGORITHMS, TRAIN_LOSS, Algorithm, ClientConfig, ClientResult, LossFn, ServerState, Upload,
+from network.aggregation import Weights
+from network.algorithms.base import (ALGORITHMS, Algorithm, ClientConfig, ClientResult, LossFn, ServerState, Upload,
                                      load_weights)
-from network.client import (CLIENT_TEST_SPLIT, FINETUNED_TEST_SPLIT, GLOBAL_TEST_SPLIT, MASKED_SUFFIX, PERSONAL_TEST_SPLIT,
+from network.client import (CLIENT_TEST_SPLIT, GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT,
                             ClientData, ClientFailure, EvaluateFn, Finetune, evaluate_client, evaluate_model,
                             finetune_seed, train_client, train_clients)
+from network.checkpoints import BEST_FILE, CHECKPOINT_FILE, load_resumable, run_fingerprint
 from network.client_store import ClientStore
 from network.clients_table import CLIENTS_FILE, write_clients_table
 from network.diagnostics import DriftMeter
 from network.local_train import NonFiniteLossError
+from network.run_outputs import (CLIENT_SPLITS, CURVES_FILE, GLOBAL_CLIENT, GLOBAL_VAL_SPLIT, METRICS_COLUMNS, METRICS_FILE,
+                                 MODEL_CLIENT_PREFIX, ROUND_LINE, SKIPPED_CLIENT, TRAIN_SPLIT, client_rows,
+                                 mean_train_loss, metric_row, not_a_round_line, plot_curves, run_title)
 from network.sampling import client_seed, sample_clients
 from network.vectorized import require_vectorizable
-from training.metrics import HIGHER_IS_BETTER
 from utils.errors import TaskHetError
-from utils.run_dir import MetricsCSV, atomic_torch_save, load_checkpoint, remove_stale_temporaries
+from utils.run_dir import MetricsCSV, atomic_torch_save, remove_stale_temporaries
 from utils.tensorboard_log import mirror_to_tensorboard
 
-# Names in metrics.csv, shared with every engine and with the report.
-TRAIN_SPLIT = "train"  # the clients' local training metrics
-GLOBAL_CLIENT = "global"  # the global model's rows of the global test split
-# The global model on the manifest's validation rows (when it has them): model selection, never final numbers.
-GLOBAL_VAL_SPLIT = "val"
-MODEL_CLIENT_PREFIX = "model:"  # rows of each server model, when an algorithm has several
-SKIPPED_CLIENT = "skipped"  # personal split: clients without a personal model (metric "clients")
-# Per-client splits: summary rows of every metric (network.aggregation.client_summary; jain only when defined).
-SUMMARY_CLIENTS = ("mean", "std", "variance", "worst", "best", "worst_decile", "best_decile", "jain")
-CLIENT_SPLITS = tuple(split + suffix for split in (CLIENT_TEST_SPLIT, PERSONAL_TEST_SPLIT, FINETUNED_TEST_SPLIT)
-                      for suffix in ("", MASKED_SUFFIX))
-METRICS_COLUMNS = ("round", "split", "client", "metric", "value")
-CHECKPOINT_FILE, BEST_FILE, METRICS_FILE, CURVES_FILE = "checkpoint.pt", "best.pt", "metrics.csv", "curves.png"
 
 
 @dataclass(frozen=True)
@@ -157,7 +146,7 @@ class SequentialEngine:
         if not config.round_lines:
             for handler in self.logger.handlers:
                 if not isinstance(handler, logging.FileHandler):  # the console: run.log keeps every round
-                    handler.addFilter(_not_a_round_line)
+                    handler.addFilter(not_a_round_line)
         self.drift = DriftMeter(self.out_dir, algorithm.federation.layout.param_keys) if config.diagnostics else None
 
     @property
@@ -194,7 +183,7 @@ class SequentialEngine:
         self._finish_round(round_index, rows, test_loss)
         if test_loss is not None:
             bar.set_postfix(test_loss=f"{test_loss:.4g}")
-        self.logger.info("round %d: train loss %.4g%s (%.1fs)", round_index, _mean_train_loss(rows),
+        self.logger.info("round %d: train loss %.4g%s (%.1fs)", round_index, mean_train_loss(rows),
                          "" if test_loss is None else f", test loss {test_loss:.4g}", time.perf_counter() - began,
                          extra={ROUND_LINE: True})
 
@@ -218,11 +207,11 @@ class SequentialEngine:
         if finite and not bool(torch.stack(finite).all()):  # one device sync per round
             raise NonFiniteLossError(f"round {round_index}: the aggregated server models are not finite; "
                                      f"{self._stop_message(round_index)}")
-        rows = [_row(round_index, TRAIN_SPLIT, client_id, metric, value)
+        rows = [metric_row(round_index, TRAIN_SPLIT, client_id, metric, value)
                 for client_id, metrics in results.items() for metric, value in metrics.items()]
         for metric in dict.fromkeys(metric for metrics in results.values() for metric in metrics):
             values = [metrics[metric] for metrics in results.values() if metric in metrics]
-            rows.append(_row(round_index, TRAIN_SPLIT, "mean", metric, sum(values) / len(values)))
+            rows.append(metric_row(round_index, TRAIN_SPLIT, "mean", metric, sum(values) / len(values)))
         if self.drift is not None:
             rows += self.drift.finish(round_index, plot=self._evaluates(round_index))
         return rows
@@ -243,19 +232,19 @@ class SequentialEngine:
             load_weights(self.model, weights)
             test = evaluate_model(self.model, self.evaluate_fn, self.test_loader)
             owners = ([GLOBAL_CLIENT] if index == 0 else []) + ([MODEL_CLIENT_PREFIX + name] if len(models) > 1 else [])
-            rows += [_row(round_index, GLOBAL_TEST_SPLIT, owner, metric, value)
+            rows += [metric_row(round_index, GLOBAL_TEST_SPLIT, owner, metric, value)
                      for owner in owners for metric, value in test.items()]
             if index == 0 and self.val_loader is not None:
-                rows += [_row(round_index, GLOBAL_VAL_SPLIT, GLOBAL_CLIENT, metric, value)
+                rows += [metric_row(round_index, GLOBAL_VAL_SPLIT, GLOBAL_CLIENT, metric, value)
                          for metric, value in evaluate_model(self.model, self.evaluate_fn, self.val_loader).items()]
             global_loss = float(test["loss"]) if index == 0 else global_loss
         per_split = self.client_evaluations(round_index)
         for split in CLIENT_SPLITS:
-            rows += _client_rows(round_index, split, per_split.get(split, {}))
+            rows += client_rows(round_index, split, per_split.get(split, {}))
         if self.algorithm.personalized:
             # Every client with test samples has a client_test row: an engine whose clients are remote counts them so.
             skipped = len(per_split.get(CLIENT_TEST_SPLIT, {})) - len(per_split.get(PERSONAL_TEST_SPLIT, {}))
-            rows.append(_row(round_index, PERSONAL_TEST_SPLIT, SKIPPED_CLIENT, "clients", skipped))
+            rows.append(metric_row(round_index, PERSONAL_TEST_SPLIT, SKIPPED_CLIENT, "clients", skipped))
         return rows, global_loss
 
     # ----- how an engine reaches its clients (the Flower engine overrides these two) -----
@@ -379,86 +368,3 @@ def check_vectorizable(model: nn.Module, algorithm: Algorithm) -> None:
     """One clear error unless ``algorithm`` declares vectorised clients and ``model`` can train vectorised."""
     require_vectorizable(model, algorithm.name, algorithm.vectorizable,
                          [name for name in ALGORITHMS.names() if ALGORITHMS.get(name).vectorizable])
-
-
-def run_fingerprint(algorithm: Algorithm, config: EngineConfig, client_ids: list[str]) -> dict[str, Any]:
-    """What a checkpoint must match to be resumed: algorithm, settings, seed, client ids and the run's signature."""
-    return {"algorithm": algorithm.name, "settings": dataclasses.asdict(algorithm.settings), "seed": config.seed,
-            "clients": list(client_ids), "signature": dict(config.signature or {})}
-
-
-def load_resumable(path: Path, fingerprint: dict[str, Any]) -> dict[str, Any]:
-    """The checkpoint at ``path`` if it is a whole step-4 checkpoint of the run ``fingerprint`` describes.
-
-    Callers check before writing anything into the folder, so a refused resume leaves it as it was.
-    """
-    checkpoint = load_checkpoint(path, "--resume: step-4 checkpoint",
-                                 keys=("run", "round", "server", "client_states", "rng", "best_loss"))
-    if checkpoint["run"] != fingerprint:
-        raise TaskHetError(f"{path} belongs to a different run ({checkpoint['run']}); use --no-resume or another --out")
-    return checkpoint
-
-
-def _row(round_index: int, split: str, client: str, metric: str, value: float) -> dict[str, Any]:
-    return {"round": round_index, "split": split, "client": client, "metric": metric, "value": float(value)}
-
-
-def _client_rows(round_index: int, split: str, per_client: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
-    """Per-client rows plus each metric's summary over clients: mean, spread and fairness (``SUMMARY_CLIENTS``)."""
-    rows = [_row(round_index, split, client_id, metric, value)
-            for client_id, metrics in per_client.items() for metric, value in metrics.items()]
-    for metric in dict.fromkeys(metric for metrics in per_client.values() for metric in metrics):
-        summary = client_summary([metrics[metric] for metrics in per_client.values() if metric in metrics],
-                                 higher_is_better=metric in HIGHER_IS_BETTER)
-        rows += [_row(round_index, split, name, metric, summary[name]) for name in SUMMARY_CLIENTS if name in summary]
-    return rows
-
-
-def _mean_train_loss(rows: list[dict[str, Any]]) -> float:
-    return next((row["value"] for row in rows if row["split"] == TRAIN_SPLIT and row["client"] == "mean"
-                 and row["metric"] == TRAIN_LOSS), math.nan)
-
-
-ROUND_LINE = "round_line"  # log-record attribute of the per-round lines (kept off the console by round_lines=False)
-
-
-def _not_a_round_line(record: logging.LogRecord) -> bool:
-    return not getattr(record, ROUND_LINE, False)
-
-
-def run_title(algorithm: str, out_dir: Path) -> str:
-    """``fedavg: label_based/fedavg/s0-1a2b3c``: the algorithm and the run folder's last three names (in a pipeline,
-    grouping or partition, algorithm, run)."""
-    return f"{algorithm}: {'/'.join(Path(out_dir).resolve().parts[-3:])}"
-
-
-def plot_curves(metrics_csv: Path, out_png: Path, title: str | None = None) -> None:
-    """Loss per round: global test, client-test mean ± std (global and personal models), mean train loss; ``title``
-    names the run."""
-    # Imported here, not at the top: training never needs matplotlib. utils.plots selects Agg first.
-    from utils.plots import plt, save_figure
-    import pandas as pd
-
-    metrics = pd.read_csv(metrics_csv, dtype={"client": str})
-    figure, axis = plt.subplots(figsize=(7, 4))
-    for split, label in ((GLOBAL_TEST_SPLIT, "global test"), (CLIENT_TEST_SPLIT, "client test (global model)"),
-                         (PERSONAL_TEST_SPLIT, "client test (personal models)"),
-                         (FINETUNED_TEST_SPLIT, "client test (after local fine-tuning)")):
-        client = GLOBAL_CLIENT if split == GLOBAL_TEST_SPLIT else "mean"
-        curve = metrics[(metrics.split == split) & (metrics.client == client) & (metrics.metric == "loss")]
-        if curve.empty:
-            continue
-        line, = axis.plot(curve["round"], curve["value"], marker="o", markersize=3, label=label)
-        spread = metrics[(metrics.split == split) & (metrics.client == "std") & (metrics.metric == "loss")]
-        if not spread.empty:
-            axis.fill_between(curve["round"], curve["value"].to_numpy() - spread["value"].to_numpy(),
-                              curve["value"].to_numpy() + spread["value"].to_numpy(), color=line.get_color(), alpha=0.2)
-    train = metrics[(metrics.split == TRAIN_SPLIT) & (metrics.client == "mean") & (metrics.metric == TRAIN_LOSS)]
-    if not train.empty:
-        axis.plot(train["round"], train["value"], linestyle="--", label="local train loss (mean)")
-    axis.set_xlabel("round")
-    axis.set_ylabel("loss")
-    if title:
-        axis.set_title(title, fontsize=9, wrap=True)
-    axis.legend()
-    save_figure(figure, out_png, dpi=120)

@@ -315,7 +315,7 @@ def open_run_folder(setup: FedSetup) -> logging.Logger:
 
     Every check comes first: a refused run leaves the folder exactly as it was.
     """
-    from network.engine_sequential import CHECKPOINT_FILE, load_resumable, run_fingerprint
+    from network.checkpoints import CHECKPOINT_FILE, load_resumable, run_fingerprint
     from utils.run_dir import claim_folder, setup_logging, write_config
 
     config = setup.config

@@ -24,7 +24,7 @@ from typing import Any
 
 import pandas as pd
 
-from network.engine_sequential import SKIPPED_CLIENT, SUMMARY_CLIENTS
+from network.run_outputs import SKIPPED_CLIENT, SUMMARY_CLIENTS
 from utils.statistics import UNIT, mean_interval, paired_difference
 from utils.run_dir import atomic_write_text
 

@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from models.tasks import get_task
 from network.client import GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT
-from network.engine_sequential import GLOBAL_CLIENT, METRICS_COLUMNS
+from network.run_outputs import GLOBAL_CLIENT, METRICS_COLUMNS
 from partitioning.groupings import EMBEDDING_BASED, GROUPINGS, IID_REFERENCE
 from pipeline.checks import check_input_files
 from pipeline.experiment import DATA_SOURCES, Combination, combinations, split_csv_path

@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 
 from models.tasks import get_task
-from network.engine_sequential import GLOBAL_CLIENT, GLOBAL_VAL_SPLIT, METRICS_COLUMNS
+from network.run_outputs import GLOBAL_CLIENT, GLOBAL_VAL_SPLIT, METRICS_COLUMNS
 from network.client import GLOBAL_TEST_SPLIT
 from utils.statistics import UNIT, count, mean_interval, metric_scale, paired_difference
 from utils.loaders import read_csv

@@ -14,7 +14,8 @@ from network import engine_sequential as engine_module
 from network.algorithms.fedavg import FedAvg
 from network.algorithms.scaffold import Scaffold
 from network.client import CLIENT_TEST_SPLIT, GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT, ClientData, ClientFailure
-from network.engine_sequential import GLOBAL_CLIENT, SKIPPED_CLIENT, EngineConfig, SequentialEngine
+from network.engine_sequential import EngineConfig, SequentialEngine
+from network.run_outputs import GLOBAL_CLIENT, SKIPPED_CLIENT
 from network.lr_schedule import make_lr_schedule
 from network.local_train import NonFiniteLossError
 from network.sampling import client_seed, clients_per_round, sample_clients

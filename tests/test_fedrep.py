@@ -9,7 +9,7 @@ import torch
 from network.algorithms import build_algorithm
 from network.algorithms.base import Upload
 from network.algorithms.skeleton import DELTA
-from network.engine_sequential import SUMMARY_CLIENTS
+from network.run_outputs import SUMMARY_CLIENTS
 from tests.oracles import TwoLayer, client_config, least_squares_clients, manual_sgd, run_oracle
 from tests.tiny_models import TinyNet
 from utils.errors import TaskHetError

@@ -11,7 +11,7 @@ from flwr.app import Context, RecordDict  # noqa: E402
 
 from datasets.digits import select_digits  # noqa: E402
 from datasets.family import validation_mask  # noqa: E402
-from network.engine_sequential import GLOBAL_VAL_SPLIT  # noqa: E402
+from network.run_outputs import GLOBAL_VAL_SPLIT  # noqa: E402
 from network.flower import protocol  # noqa: E402
 from partitioning.assignments import write_assignments  # noqa: E402
 from tests.test_engine_flower import InProcessGrid, assert_same_metrics, task_identity  # noqa: E402,F401  (an autouse fixture)

@@ -112,7 +112,7 @@ def test_the_meter_band_is_labelled(tmp_path, figures):
 
 
 def test_a_run_curves_plot_is_titled_with_the_run(tmp_path, figures):
-    from network.engine_sequential import plot_curves, run_title
+    from network.run_outputs import plot_curves, run_title
 
     run_dir = tmp_path / "label_based" / "fedavg" / "s0-abc123"
     run_dir.mkdir(parents=True)

@@ -10,7 +10,7 @@ import torch
 
 import test_fed
 from network.client import GLOBAL_TEST_SPLIT
-from network.engine_sequential import GLOBAL_CLIENT
+from network.run_outputs import GLOBAL_CLIENT
 from datasets.taskonomy import read_manifest
 from models import build_task_model, load_task_model
 from partitioning.assignments import write_assignments

@@ -1,0 +1,34 @@
+"""Step-4 checkpoints: which run a checkpoint belongs to, and loading one for ``--resume``."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from utils.errors import TaskHetError
+from utils.run_dir import load_checkpoint
+
+if TYPE_CHECKING:  # the engine imports this module, so only the type is needed here
+    from network.algorithms.base import Algorithm
+    from network.engine_sequential import EngineConfig
+
+CHECKPOINT_FILE, BEST_FILE = "checkpoint.pt", "best.pt"
+
+
+def run_fingerprint(algorithm: Algorithm, config: EngineConfig, client_ids: list[str]) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed: algorithm, settings, seed, client ids and the run's signature."""
+    return {"algorithm": algorithm.name, "settings": dataclasses.asdict(algorithm.settings), "seed": config.seed,
+            "clients": list(client_ids), "signature": dict(config.signature or {})}
+
+
+def load_resumable(path: Path, fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint at ``path`` if it is a whole step-4 checkpoint of the run ``fingerprint`` describes.
+
+    Callers check before writing anything into the folder, so a refused resume leaves it as it was.
+    """
+    checkpoint = load_checkpoint(path, "--resume: step-4 checkpoint",
+                                 keys=("run", "round", "server", "client_states", "rng", "best_loss"))
+    if checkpoint["run"] != fingerprint:
+        raise TaskHetError(f"{path} belongs to a different run ({checkpoint['run']}); use --no-resume or another --out")
+    return checkpoint
