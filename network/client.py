@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -61,6 +61,8 @@ class ClientData:
         test_loader: its held-out client-test batches, or None.
         class_counts: its number of training samples per class (classification tasks), or None:
             the absent-class mask of the evaluation, and what FedRoD's balanced softmax reads.
+        schedule: a ``network.schedule.ClientSchedule`` when the rows it holds change over rounds (temporal
+            skew); engines then train ``network.schedule.client_at(client, round)``. None: always all its rows.
     """
 
     client_id: str
@@ -68,6 +70,7 @@ class ClientData:
     train_loader: Callable[[int], Iterable[dict]]
     test_loader: Iterable[dict] | None = None
     class_counts: tuple[int, ...] | None = None
+    schedule: Any = None
 
 
 @dataclass(frozen=True)
@@ -158,7 +161,7 @@ def evaluate_client(algorithm: Algorithm, model: nn.Module, evaluate_fn: Evaluat
     if own is not None:
         load_weights(model, own)
         splits.update(evaluate_as(PERSONAL_TEST_SPLIT))
-    if finetune is not None and finetune.steps > 0:
+    if finetune is not None and finetune.steps > 0 and client.num_samples > 0:  # 0: a schedule holds nothing now
         load_weights(model, own if own is not None else global_weights)
         with seeded_torch_rng(seed, device):
             cfg = ClientConfig(lr=finetune.lr, loss_fn=loss_fn, device=device, num_samples=client.num_samples,

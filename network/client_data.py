@@ -21,6 +21,8 @@ from datasets.encoded import encoded_dataset
 from datasets.family import family_of, validation_mask
 from datasets.long_tail import proportional_test_indices
 from network.client import ClientData
+from network.schedule import ClientSchedule
+from partitioning.temporal import FROM_ROUND, TO_ROUND, has_schedule
 from training.loop import make_loader
 from utils.errors import TaskHetError
 from utils.seeding import numpy_rng
@@ -50,9 +52,15 @@ def make_clients(args: argparse.Namespace, manifest: pd.DataFrame, table: pd.Dat
     training class counts (the evaluation's absent-class mask). With ``args.local_test == "proportional"``
     (the Fed-LT protocol) a client's test set is drawn from the manifest's test split in its training class
     proportions (``datasets.long_tail.proportional_test_indices``) instead of its own test rows.
+    With a schedule (``from_round``/``to_round``, temporal skew) each client carries a
+    ``network.schedule.ClientSchedule`` over its train rows; its plain ``train_loader``, ``num_samples`` and
+    class counts then cover each of its train samples once.
     """
     table = table.reset_index(drop=True)
-    assigned, clients = task_dataset(args, manifest, task, table["sample_id"], feature_model), []
+    # One dataset item per sample: a schedule may list a sample on several rows (partitioning/temporal.py).
+    unique_ids = table["sample_id"].drop_duplicates()
+    position = table["sample_id"].map(pd.Series(np.arange(len(unique_ids)), index=unique_ids.to_numpy())).to_numpy()
+    assigned, clients = task_dataset(args, manifest, task, unique_ids, feature_model), []
     family = family_of(manifest)
     classifier = task.kind == "classification"
     labels = manifest.set_index("sample_id")[family.label_column] if classifier else None
@@ -63,11 +71,15 @@ def make_clients(args: argparse.Namespace, manifest: pd.DataFrame, table: pd.Dat
                            f"--task {task.name} is not a classification task")
     test_ids = manifest.loc[manifest["split"] == "test", "sample_id"].tolist() if proportional else []
     global_test = task_dataset(args, manifest, task, test_ids, feature_model) if proportional else None
+    scheduled = has_schedule(table)
     for client_id, rows in table.groupby("client_id", sort=True):
-        train, test = (rows.index[rows["subset"] == subset].tolist() for subset in ("train", "test"))
+        train_rows = rows[rows["subset"] == "train"]
+        distinct = train_rows.index[~train_rows["sample_id"].duplicated()]  # each sample once
+        train = position[distinct].tolist()
+        test = position[rows.index[rows["subset"] == "test"]].tolist()
         counts = None
         if classifier:
-            counts = tuple(np.bincount(labels.loc[table.loc[train, "sample_id"]].to_numpy(dtype=np.int64),
+            counts = tuple(np.bincount(labels.loc[table.loc[distinct, "sample_id"]].to_numpy(dtype=np.int64),
                                        minlength=num_classes).tolist())
         train_loader = partial(make_loader, Subset(assigned, train), args.batch_size, True, num_workers=args.num_workers)
         if proportional:
@@ -77,7 +89,14 @@ def make_clients(args: argparse.Namespace, manifest: pd.DataFrame, table: pd.Dat
         else:
             test_set = Subset(assigned, test)
         test_loader = make_loader(test_set, args.batch_size, False, 0, args.num_workers) if len(test_set) else None
-        clients.append(ClientData(str(client_id), len(train), train_loader, test_loader, counts))
+        schedule = None
+        if scheduled:
+            schedule = ClientSchedule(
+                train_rows[FROM_ROUND].to_numpy(np.int64), train_rows[TO_ROUND].to_numpy(np.int64),
+                Subset(assigned, position[train_rows.index].tolist()),
+                labels.loc[train_rows["sample_id"]].to_numpy(dtype=np.int64) if classifier else None, num_classes,
+                args.batch_size, args.num_workers)
+        clients.append(ClientData(str(client_id), len(train), train_loader, test_loader, counts, schedule))
     return clients
 
 

@@ -45,6 +45,7 @@ from network.run_outputs import (CLIENT_SPLITS, CURVES_FILE, GLOBAL_CLIENT, GLOB
                                  MODEL_CLIENT_PREFIX, ROUND_LINE, SKIPPED_CLIENT, TRAIN_SPLIT, client_rows,
                                  mean_train_loss, metric_row, not_a_round_line, plot_curves, run_title)
 from network.sampling import client_seed, sample_clients
+from network.schedule import client_at, evaluation_view, holding_clients
 from network.vectorized import require_vectorizable
 from utils.errors import TaskHetError
 from utils.run_dir import MetricsCSV, atomic_torch_save, remove_stale_temporaries
@@ -189,7 +190,9 @@ class SequentialEngine:
 
     def train_round(self, round_index: int) -> list[dict[str, Any]]:
         """Sample, train and aggregate one round; returns its training metric rows."""
-        sampled = sample_clients(list(self.clients), self.config.client_fraction, self.config.seed, round_index)
+        # Temporal skew: only clients holding rows in this round are drawn (network/schedule.py).
+        sampled = sample_clients(holding_clients(self.clients, round_index), self.config.client_fraction,
+                                 self.config.seed, round_index)
         broadcast = self.algorithm.broadcast(self.server)
         lr = float(self.config.lr_schedule(round_index))
         results: dict[str, dict[str, float]] = {}
@@ -265,7 +268,8 @@ class SequentialEngine:
         per_split: dict[str, dict[str, dict[str, float]]] = {}
         for client_id, client in self.clients.items():
             splits = evaluate_client(self.algorithm, self.model, self.evaluate_fn, self.server.models,
-                                     self.global_weights, self.store.get(client_id), client, self.loss_fn,
+                                     self.global_weights, self.store.get(client_id),
+                                     evaluation_view(client, round_index), self.loss_fn,
                                      self.device, self.finetune(round_index), finetune_seed(self.config.seed,
                                                                                             round_index, client_id))
             for split, metrics in splits.items():
@@ -284,7 +288,7 @@ class SequentialEngine:
 
     # ----- pieces -----
     def _train_client(self, round_index: int, client_id: str, broadcast: dict[str, Weights], lr: float) -> ClientResult:
-        client = self.clients[client_id]
+        client = client_at(self.clients[client_id], round_index)
         try:
             result = train_client(self.algorithm, self.model,
                                   self.algorithm.client_broadcast(self.server, broadcast, client_id),
@@ -302,7 +306,7 @@ class SequentialEngine:
 
     def _train_chunk(self, round_index: int, client_ids: list[str], broadcast: dict[str, Weights],
                      lr: float) -> list[ClientResult]:
-        clients = [self.clients[client_id] for client_id in client_ids]
+        clients = [client_at(self.clients[client_id], round_index) for client_id in client_ids]
         if any(self.algorithm.client_broadcast(self.server, broadcast, client_id) is not broadcast
                for client_id in client_ids):
             raise TaskHetError(f"--vectorize_clients: {self.algorithm.name} sends each client its own message "

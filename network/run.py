@@ -31,6 +31,7 @@ from network.client_data import LOCAL_TESTS
 from network.engine_sequential import EngineConfig, check_vectorizable
 from network.lr_schedule import make_lr_schedule
 from partitioning.assignments import load_assignments
+from partitioning.temporal import check_horizon
 from partitioning.groupings import EMBEDDING_BASED, LABEL_BASED
 from training.loop import evaluate
 from utils.device import pick_device, prepare_model
@@ -170,13 +171,15 @@ def prepare(config: RunConfig) -> FedSetup:
     family.check_task(config.task, f"--task (manifest {config.manifest})")
     table, meta = load_assignments(config.assignments, manifest)
     config = resolve(config, meta)
+    check_horizon(table, config.n_rounds, str(config.assignments))  # temporal skew: a schedule fits the run
     set_deterministic(config.deterministic)
     num_classes = family.num_classes(manifest) if task.kind == "classification" else None
     input_key = model_input_key(family, config.cache_features)
     groups = train_class_groups(family, manifest) if task.kind == "classification" else None
     device = pick_device(config.use_accelerator)
     task_model = initial_model(config, num_classes)
-    train_counts = table[table["subset"] == "train"].groupby("client_id").size()
+    # A schedule may list a sample on several rows of a client (temporal skew); it counts once in n_i.
+    train_counts = table[table["subset"] == "train"].drop_duplicates(["client_id", "sample_id"]).groupby("client_id").size()
     sizes = {str(client_id): int(train_counts.get(client_id, 0)) for client_id in sorted(table["client_id"].unique())}
     algorithm, worker = build_algorithm(config.method, task_model, sizes, config.settings, seed=config.rand_seed,
                                         input_key=input_key)

@@ -1,7 +1,8 @@
 """assignments.csv and its assignments.json sidecar (DESIGN.md §3): write, read, validate.
 
 assignments.csv has one row per assigned sample: ``sample_id, client_id, group, subset``
-(``subset`` is ``train`` or ``test``: the client-train / client-test split). The sidecar
+(``subset`` is ``train`` or ``test``: the client-train / client-test split), plus the optional
+schedule columns ``from_round, to_round`` of temporal skew (``partitioning/temporal.py``). The sidecar
 records how the file was made (scheme, alpha, seed, n_clients, source files and their
 sha256). A user may edit the CSV between steps; :func:`load_assignments` checks an
 edited file against the manifest and names every problem row.
@@ -16,6 +17,7 @@ from typing import Any, Iterable
 import numpy as np
 import pandas as pd
 
+from partitioning.temporal import FROM_ROUND, SCHEDULE_COLUMNS, overlapping, parse_windows
 from pipeline.stages import file_sha256
 from utils.errors import TaskHetError
 from utils.loaders import int_column, load_json, read_csv
@@ -50,7 +52,8 @@ def write_assignments(csv_path: Path, table: pd.DataFrame, meta: dict[str, Any])
     missing = [c for c in COLUMNS if c not in table.columns]
     if missing:
         raise ValueError(f"assignments table lacks columns {missing}")
-    ordered = table[list(COLUMNS)].sort_values(["client_id", "sample_id"], kind="stable")
+    schedule = [column for column in SCHEDULE_COLUMNS if column in table.columns]  # partitioning/temporal.py
+    ordered = table[list(COLUMNS) + schedule].sort_values(["client_id", "sample_id", *schedule[:1]], kind="stable")
     atomic_write_text(Path(csv_path), ordered.to_csv(index=False))
     atomic_write_text(sidecar_path(csv_path), json.dumps(meta, indent=2, sort_keys=True, default=str))
 
@@ -59,8 +62,9 @@ def read_assignments(csv_path: Path) -> pd.DataFrame:
     """Read assignments.csv, checking columns and cell formats.
 
     Returns:
-        DataFrame with :data:`COLUMNS` (``client_id`` int64, the others str) and a
-        ``row`` column: the line number in the file (the header is line 1).
+        DataFrame with :data:`COLUMNS` (``client_id`` int64, the others str), the schedule's ``from_round`` and
+        ``to_round`` (int64; blank or absent: 1 and ``partitioning.temporal.NO_END``) and a ``row`` column: the
+        line number in the file (the header is line 1).
 
     Raises:
         TaskHetError: a missing file or column, or rows with a bad cell (all named).
@@ -70,7 +74,7 @@ def read_assignments(csv_path: Path) -> pd.DataFrame:
                      dtype=str, keep_default_na=False)
     if table.empty:
         raise TaskHetError(f"assignments file {csv_path} has a header but no rows")
-    table = table[list(COLUMNS)].copy()
+    table = table[list(COLUMNS) + [column for column in SCHEDULE_COLUMNS if column in table.columns]].copy()
     table["row"] = np.arange(len(table)) + 2
     problems = []
     blank_id = table["sample_id"].str.strip() == ""
@@ -82,7 +86,7 @@ def read_assignments(csv_path: Path) -> pd.DataFrame:
     problems.append(_describe(table, ~table["subset"].isin(SUBSETS), f"subset not in {SUBSETS}"))
     _raise_if_any(csv_path, problems)
     table["client_id"] = client.astype(np.int64)
-    return table
+    return parse_windows(table, str(csv_path))
 
 
 def read_meta(csv_path: Path) -> dict[str, Any]:
@@ -118,7 +122,9 @@ def validate_assignments(table: pd.DataFrame, manifest: pd.DataFrame, n_clients:
     split_of = manifest.set_index("sample_id")["split"]
     known = table["sample_id"].isin(split_of.index)
     problems = [_describe(table, ~known, "unknown sample id (not in the manifest)")]
-    problems.append(_describe(table, table["sample_id"].duplicated(keep=False), "duplicated sample id"))
+    # A schedule may hold a sample again in a later, disjoint window (partitioning/temporal.py); never twice at once.
+    repeated = overlapping(table) if FROM_ROUND in table.columns else table["sample_id"].duplicated(keep=False)
+    problems.append(_describe(table, repeated, "duplicated sample id (held twice in one round)"))
     in_test = known & (table["sample_id"].map(split_of) == "test")
     problems.append(_describe(table, in_test, "sample from the manifest's test split"))
     expected = int(table["client_id"].max()) + 1 if n_clients is None else int(n_clients)

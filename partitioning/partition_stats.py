@@ -77,3 +77,62 @@ def plot_heatmap(stats: pd.DataFrame, path: Path, title: str) -> None:
     axis.set_title(title)
     figure.colorbar(image, ax=axis, label="fraction of the client's samples")
     save_figure(figure, path, dpi=120)
+
+
+def phase_stats(table: pd.DataFrame, phases: np.ndarray, n_clients: int) -> pd.DataFrame:
+    """Schedule columns of client_stats.csv (temporal skew, ``partitioning/temporal.py``): one row per client.
+
+    Args:
+        table: scheduled assignments rows (``sample_id, client_id, group, subset``, one row per window).
+        phases: int [rows] the phase of each row, -1 for client-test rows.
+        n_clients: number of clients.
+
+    Returns:
+        ``client_id``, ``n_phases`` (non-empty phases), ``phase_sizes`` (train samples per phase, ``;``-joined,
+        phase 0 first), ``phase_js_divergence`` (each phase's group mixture against the global mixture of every
+        assigned sample, base-2 JS divergence, ``;``-joined; blank for an empty phase) and
+        ``mean_phase_js_divergence`` (over the non-empty phases).
+    """
+    names, codes = np.unique(table["group"].to_numpy(), return_inverse=True)
+    once = ~table.duplicated(["client_id", "sample_id"]).to_numpy()  # a cycled sample counts once
+    global_mixture = np.bincount(codes[once], minlength=names.size) / once.sum()
+    train = once & (phases >= 0)
+    n_phases = int(phases.max(initial=-1)) + 1
+    clients = table["client_id"].to_numpy()[train]
+    cell = (clients * n_phases + phases[train]) * names.size + codes[train]
+    counts = np.bincount(cell, minlength=n_clients * n_phases * names.size).reshape(n_clients, n_phases, names.size)
+    sizes = counts.sum(axis=2)
+    with np.errstate(invalid="ignore"):
+        divergence = jensenshannon(counts / sizes[..., None], global_mixture[None, None, :], axis=2, base=2) ** 2
+    divergence = np.where(sizes > 0, divergence, np.nan)
+    filled = (sizes > 0).sum(axis=1)
+    joined = lambda values, form: ";".join("" if np.isnan(v) else format(v, form) for v in values)  # noqa: E731
+    return pd.DataFrame({
+        "client_id": np.arange(n_clients),
+        "n_phases": filled,
+        "phase_sizes": [";".join(map(str, row)) for row in sizes],
+        "phase_js_divergence": [joined(row, ".4f") for row in divergence],
+        "mean_phase_js_divergence": np.where(filled > 0, np.nansum(divergence, axis=1) / np.maximum(filled, 1), np.nan),
+    })
+
+
+def plot_schedule(starts: np.ndarray, ends: np.ndarray, client_of: np.ndarray, n_clients: int, last_round: int,
+                  path: Path, title: str) -> None:
+    """Save a clients × rounds heatmap of how many train rows each client holds in each round 1..last_round.
+
+    Args:
+        starts, ends: int [rows] each train row's window (inclusive; ends beyond ``last_round`` are cut).
+        client_of: int [rows] the client of each row.
+    """
+    held = np.zeros((n_clients, last_round + 2), dtype=np.int64)  # +1 at a start, -1 after an end, then cumsum
+    np.add.at(held, (client_of, np.minimum(starts, last_round + 1)), 1)
+    np.add.at(held, (client_of, np.minimum(ends, last_round) + 1), -1)
+    held = np.cumsum(held, axis=1)[:, 1:last_round + 1]
+    figure, axis = plt.subplots(figsize=(np.clip(3 + 0.2 * last_round, 6, 16), np.clip(2 + 0.25 * n_clients, 4, 12)))
+    image = axis.imshow(held, aspect="auto", interpolation="nearest", cmap="viridis",
+                        extent=(0.5, last_round + 0.5, n_clients - 0.5, -0.5))
+    axis.set_xlabel("round")
+    axis.set_ylabel("client")
+    axis.set_title(title)
+    figure.colorbar(image, ax=axis, label="train rows held")
+    save_figure(figure, path, dpi=120)

@@ -71,6 +71,7 @@ SCHEMA: dict[str, Any] = {
         "n_clients": 10,
         "client_test_fraction": 0.2,
         "size_skew": None,
+        "temporal": None,  # temporal skew (step 3b's --temporal, scheduled up to federated.n_rounds)
         "iid_reference": False,  # also run every algorithm and seed on an iid partition (the report's reference)
     },
     "heterogeneity_meter": True,  # step 3c: G² and B² of every label/embedding partition at the centralized model
@@ -180,6 +181,12 @@ def validate_names(config: dict[str, Any], source: Path) -> None:
     from network.algorithms import list_algorithms
     from network.lr_schedule import make_lr_schedule
     from partitioning.allocation import parse_size_skew
+    from partitioning.temporal import parse_temporal, phase_windows
+
+    def temporal_fits(config: dict[str, Any]) -> None:
+        spec = parse_temporal(config["partition"]["temporal"])
+        if spec is not None:
+            phase_windows(spec, config["federated"]["n_rounds"])
     from partitioning.partition import list_schemes
 
     def check(key: str, values: list[str], known: list[str]) -> None:
@@ -201,7 +208,8 @@ def validate_names(config: dict[str, Any], source: Path) -> None:
     validate_algorithm_settings(algorithms, source)
     check("partition.scheme", [config["partition"]["scheme"]], list_schemes())
     flag_checks = (("federated.lr_schedule", "--lr_schedule", lambda: make_lr_schedule(config["federated"]["lr_schedule"], 1.0, 1)),
-                   ("partition.size_skew", "--size_skew", lambda: parse_size_skew(config["partition"]["size_skew"])))
+                   ("partition.size_skew", "--size_skew", lambda: parse_size_skew(config["partition"]["size_skew"])),
+                   ("partition.temporal", "--temporal", lambda: temporal_fits(config)))
     for key, flag, parse in flag_checks:  # the step's own parser, its message re-addressed to the YAML key
         try:
             parse()

@@ -153,6 +153,8 @@ class Pipeline:
             "alpha": None if iid else alpha, "n_clients": partition["n_clients"],
             "client_test_fraction": partition["client_test_fraction"], "size_skew": partition["size_skew"], "seed": seed,
         }
+        if partition.get("temporal") and not iid:  # only then: the stage keys of static partitions stay as they were
+            params.update(temporal=partition["temporal"], n_rounds=self.config["federated"]["n_rounds"])
         inputs = [manifest] + ([Path(groups)] if grouping == EMBEDDING_BASED else [])
         name = f"{grouping}-s{seed}" if iid else f"{grouping}-a{alpha:g}-s{seed}"
         stage_dir = self.out_dir / "assignments" / owner / f"{name}-{stage_key(params, inputs, self.out_dir)}"

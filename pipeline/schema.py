@@ -196,6 +196,7 @@ TYPES: dict[str, Check] = {
     "partition.n_clients": Int(1),
     "partition.client_test_fraction": Float(0, 1, high_open=True),
     "partition.size_skew": Optional(Str()),
+    "partition.temporal": Optional(Str()),
     "partition.iid_reference": Bool(),
     "federated.algorithms": Mapping(),
     "federated.n_rounds": Int(1),

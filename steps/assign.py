@@ -3,9 +3,10 @@
 Inputs: manifest.csv (step 1) and the groups to skew: a manifest column (by
 default the data family's label column, e.g. ``scene_class``: label-based) or a
 clusters.csv (step 3: embedding-based).
-Outputs in --out: assignments.csv (sample_id, client_id, group, subset) with its
-assignments.json sidecar, client_stats.csv, client_group_heatmap.png,
-unused_samples.csv, metrics.csv, config.json, run.log.
+Outputs in --out: assignments.csv (sample_id, client_id, group, subset; with
+--temporal also from_round, to_round) with its assignments.json sidecar,
+client_stats.csv, client_group_heatmap.png (and client_schedule_heatmap.png with
+--temporal), unused_samples.csv, metrics.csv, config.json, run.log.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from datasets.family import load_manifest, validation_mask
 from partitioning.assignments import assignments_table, resolve_groups, source_record, write_assignments
 from partitioning.partition import client_test_mask, get_partitioner, list_schemes, scheme_parameters
-from partitioning.partition_stats import client_stats, plot_heatmap
+from partitioning.partition_stats import client_stats, phase_stats, plot_heatmap, plot_schedule
+from partitioning.temporal import FROM_ROUND, NO_END, TO_ROUND, TemporalSpec, parse_temporal, phase_windows, schedule_table
 from utils import cli
 from utils.cli import positive_float, positive_int
 from utils.errors import TaskHetError
@@ -42,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--groups_per_client", type=positive_int, default=None, help="shards: groups per client (scheme default 2)")
     parser.add_argument("--client_test_fraction", type=cli.nonnegative_float, default=0.2, help="share of each client's samples held out as client-test")
     parser.add_argument("--min_client_size", type=cli.nonnegative_int, default=1, help="fewest samples a client may hold")
+    parser.add_argument("--temporal", default=None,
+                        help="temporal skew (a schedule in assignments.csv): rotate:PHASES:ROUNDS_PER_PHASE or abrupt:ROUND "
+                             "(default: none, every row held every round)")
+    parser.add_argument("--n_rounds", type=positive_int, default=None,
+                        help="with --temporal: the step-4 run's rounds; rotate repeats its phases up to it (default: "
+                             "each phase once, the last one to the end)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     cli.add_runtime_flags(parser)
@@ -58,6 +67,9 @@ def main(argv: list[str] | None = None) -> Path:
         The path of the assignments.csv written.
     """
     args = cli.apply_runtime_flags(build_parser().parse_args(argv))
+    spec = parse_temporal(args.temporal)  # refused before the folder is touched
+    if spec is not None:
+        phase_windows(spec, args.n_rounds)
     with folder_lock(args.out):  # one run at a time writes the folder
         return assign_clients(args)
 
@@ -96,6 +108,11 @@ def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, group
     is_test = client_test_mask(partition.client_of, args.client_test_fraction, numpy_rng(args.seed, "client_test"))
 
     table = assignments_table(train["sample_id"].to_numpy(), groups.to_numpy(), partition.client_of, is_test)
+    spec, phases = parse_temporal(args.temporal), None
+    if spec is None and args.n_rounds is not None:
+        logger.warning("--n_rounds only shapes a --temporal schedule; ignored")
+    if spec is not None:  # after the label and quantity skew: one compound partition
+        table, phases = schedule_table(table, spec, args.n_rounds, numpy_rng(args.seed, "temporal"))
     sources = {"manifest": source_record(args.manifest)}
     if groups_file is not None:
         sources["groups"] = source_record(groups_file)
@@ -104,11 +121,15 @@ def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, group
         "groups": args.groups, "parameters": partitioner.get_params(), "client_test_fraction": args.client_test_fraction,
         "sources": sources, "n_train_samples": len(train), "n_assigned": int(len(table)),
         "n_unused": int(partition.unused.size), "client_labels": partition.client_labels,
+        "temporal": None if spec is None else {**spec.as_dict(), "n_rounds": args.n_rounds},
     }
     write_assignments(args.out / "assignments.csv", table, meta)
     train.loc[partition.unused, ["sample_id"]].assign(group=groups.to_numpy()[partition.unused]).to_csv(args.out / "unused_samples.csv", index=False)
 
     stats = client_stats(partition.client_of, groups.to_numpy(), args.n_clients)
+    if spec is not None:
+        stats = stats.merge(phase_stats(table, phases, args.n_clients), on="client_id")
+        write_schedule_plot(args, table, spec)
     stats.to_csv(args.out / "client_stats.csv", index=False)
     plot_heatmap(stats, args.out / "client_group_heatmap.png", f"{args.scheme}, α={meta['alpha']}; groups: {Path(args.groups).name}")
     summary = {
@@ -121,3 +142,14 @@ def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, group
                 "mean effective groups %.2f; wrote %s", len(train), args.n_clients, summary["n_unused"],
                 summary["mean_js_divergence"], summary["mean_effective_groups"], args.out / "assignments.csv")
     return args.out / "assignments.csv"
+
+
+def write_schedule_plot(args: argparse.Namespace, table: pd.DataFrame, spec: TemporalSpec) -> None:
+    """client_schedule_heatmap.png: train rows held per client and round, up to --n_rounds (or one phase past the
+    last change)."""
+    train = table[table["subset"] == "train"]
+    starts = train[FROM_ROUND].fillna(1).to_numpy(dtype=np.int64)
+    ends = train[TO_ROUND].fillna(NO_END).to_numpy(dtype=np.int64)
+    last = args.n_rounds or int(starts.max() + max(spec.phase_rounds, 1))
+    plot_schedule(starts, ends, train["client_id"].to_numpy(dtype=np.int64), args.n_clients, last,
+                  args.out / "client_schedule_heatmap.png", f"--temporal {args.temporal}")

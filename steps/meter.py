@@ -85,7 +85,8 @@ def measure(args: argparse.Namespace, family: DataFamily, manifest: pd.DataFrame
         return task.loss(net(batch[input_key])[0].float(), batch, reduction)
 
     gradients, sizes, metrics = [], [], []
-    train = table[table["subset"] == "train"]
+    # Over each client's whole schedule (temporal skew lists a sample once per window): every sample once.
+    train = table[table["subset"] == "train"].drop_duplicates(["client_id", "sample_id"])
     for client_id, client_rows in train.groupby("client_id", sort=True):
         rows = rows_by_id.loc[list(client_rows["sample_id"])].reset_index()
         dataset = family.dataset(args.data_path, rows, task, image_size, args.cache_dir)

@@ -61,6 +61,7 @@ def client_ids(table) -> list[str]:
 def build_engine(grid: Grid, context: Context) -> FlowerEngine:
     """The server side: the engine over every client of the assignments, writing the run folder."""
     from network.client_data import global_test_loader, global_val_loader
+    from network.schedule import table_schedules
 
     setup = prepare(run_config(context))
     config, flower = setup.config, context.run_config
@@ -70,7 +71,8 @@ def build_engine(grid: Grid, context: Context) -> FlowerEngine:
                         test_loader, setup.engine_config, setup.device, setup.model_config, logger,
                         config.min_available_clients, float(flower.get(REPLY_TIMEOUT, 0)) or None,
                         float(flower.get(NODE_WAIT, DEFAULT_NODE_WAIT_S)),
-                        val_loader=global_val_loader(config, setup.manifest, setup.task, setup.feature_model))
+                        val_loader=global_val_loader(config, setup.manifest, setup.task, setup.feature_model),
+                        schedules=table_schedules(setup.table))
 
 
 def build_node(context: Context) -> NodeHost:

@@ -29,6 +29,7 @@ from torch import nn
 from network.aggregation import Weights
 from network.algorithms.base import Algorithm, Bundle, ClientConfig, ClientResult, LossFn
 from network.client import ClientData, EvaluateFn, evaluate_client, train_client
+from network.schedule import client_at, evaluation_view
 from network.flower import protocol as P
 from utils.errors import TaskHetError
 from utils.run_dir import atomic_torch_save, load_checkpoint
@@ -114,7 +115,8 @@ class NodeHost:
 
     def train(self, orders: ConfigRecord, broadcast: Bundle) -> ClientResult:
         """``train_client`` for one client and round, with the server's seed; saves the client's new state."""
-        client, round_index = self.client(orders), int(orders[P.ROUND])
+        round_index = int(orders[P.ROUND])
+        client = client_at(self.client(orders), round_index)  # the rows its schedule holds now (temporal skew)
         store = self.store(orders)
         cfg = ClientConfig(loss_fn=self.loss_fn, device=self.device, num_samples=client.num_samples,
                            **P.read_local_training(orders))
@@ -129,7 +131,7 @@ class NodeHost:
         Returns:
             split -> metric -> value (see ``network.client.evaluate_client``); empty without test samples.
         """
-        client = self.client(orders)
+        client = evaluation_view(self.client(orders), int(orders[P.ROUND]))
         finetune, seed = P.read_finetuning(orders)
         state = self.store(orders).latest(client.client_id, int(orders[P.ROUND]))
         return evaluate_client(self.algorithm, self.model, self.evaluate_fn, models,

@@ -35,6 +35,7 @@ from network.client import ClientData, ClientFailure, EvaluateFn, finetune_seed
 from network.engine_sequential import EngineConfig, SequentialEngine
 from network.flower import protocol as P
 from network.sampling import client_seed, clients_per_round
+from network.schedule import ClientSchedule
 from utils.errors import TaskHetError
 
 POLL_INTERVAL_S = 0.05  # between pulls of replies from the SuperLink
@@ -57,14 +58,18 @@ class FlowerEngine(SequentialEngine):
         node_wait_s: how long to wait for nodes that host every client before giving up.
         val_loader: the manifest's validation rows, evaluated on the server as the sequential engine does
             (split ``val``), or None.
+        schedules: client id -> its counting-only ``network.schedule.ClientSchedule`` (temporal skew), or None.
     """
 
     def __init__(self, grid: Grid, model: nn.Module, algorithm: Algorithm, client_ids: Iterable[str],
                  evaluate_fn: EvaluateFn, test_loader: Iterable[dict], config: EngineConfig, device: torch.device,
                  model_config: dict[str, Any] | None = None, logger: logging.Logger | None = None,
                  min_available_clients: int | None = None, reply_timeout_s: float | None = None,
-                 node_wait_s: float = 120.0, val_loader: Iterable[dict] | None = None) -> None:
-        clients = [ClientData(str(client_id), 0, _remote_loader) for client_id in client_ids]
+                 node_wait_s: float = 120.0, val_loader: Iterable[dict] | None = None,
+                 schedules: Mapping[str, ClientSchedule] | None = None) -> None:
+        # With temporal skew the server samples among the clients holding rows in a round: it needs their windows.
+        clients = [ClientData(str(client_id), 0, _remote_loader, schedule=(schedules or {}).get(str(client_id)))
+                   for client_id in client_ids]
         super().__init__(model, algorithm, clients, _remote_loss, evaluate_fn, test_loader, config, device,
                          model_config, logger, val_loader=val_loader)
         per_round = check_min_available(min_available_clients, len(clients), config.client_fraction)

@@ -28,6 +28,7 @@ from network.engine_sequential import EngineConfig
 from network.flower.node import NodeHost, make_client_app
 from network.flower.protocol import NUM_PARTITIONS, PARTITION_ID
 from network.flower.server import FlowerEngine, check_min_available, make_server_app
+from network.schedule import schedules_of
 from utils.device import pick_device, prepare_model
 from utils.errors import TaskHetError
 
@@ -124,7 +125,7 @@ def run_flower(model: nn.Module, algorithm: Algorithm, clients: list[ClientData]
     def build_engine(grid: Grid, context: Context) -> FlowerEngine:
         engines.append(FlowerEngine(grid, model, algorithm, ids, evaluate_fn, test_loader, config, device,
                                     model_config, logger, options.min_available_clients, options.reply_timeout_s,
-                                    options.node_wait_s, val_loader=val_loader))
+                                    options.node_wait_s, val_loader=val_loader, schedules=schedules_of(clients)))
         return engines[-1]
 
     import ray
