@@ -116,23 +116,30 @@ def phase_stats(table: pd.DataFrame, phases: np.ndarray, n_clients: int) -> pd.D
     })
 
 
-def plot_schedule(starts: np.ndarray, ends: np.ndarray, client_of: np.ndarray, n_clients: int, last_round: int,
-                  path: Path, title: str) -> None:
-    """Save a clients × rounds heatmap of how many train rows each client holds in each round 1..last_round.
+def plot_schedule(starts: np.ndarray, ends: np.ndarray, client_of: np.ndarray, phase: np.ndarray, n_clients: int,
+                  last_round: int, path: Path, title: str) -> None:
+    """Save a clients × rounds map of the schedule: the colour is the phase a client holds in each round 1..last_round
+    (white: none), the number its train rows then (written when the grid is small enough to read).
 
     Args:
         starts, ends: int [rows] each train row's window (inclusive; ends beyond ``last_round`` are cut).
-        client_of: int [rows] the client of each row.
+        client_of, phase: int [rows] the client and the phase of each row.
     """
-    held = np.zeros((n_clients, last_round + 2), dtype=np.int64)  # +1 at a start, -1 after an end, then cumsum
-    np.add.at(held, (client_of, np.minimum(starts, last_round + 1)), 1)
-    np.add.at(held, (client_of, np.minimum(ends, last_round) + 1), -1)
-    held = np.cumsum(held, axis=1)[:, 1:last_round + 1]
-    figure, axis = plt.subplots(figsize=(np.clip(3 + 0.2 * last_round, 6, 16), np.clip(2 + 0.25 * n_clients, 4, 12)))
-    image = axis.imshow(held, aspect="auto", interpolation="nearest", cmap="viridis",
-                        extent=(0.5, last_round + 0.5, n_clients - 0.5, -0.5))
+    n_phases = int(phase.max(initial=0)) + 1
+    held = np.zeros((n_phases, n_clients, last_round + 2), dtype=np.int64)  # +1 at a start, -1 after an end, cumsum
+    np.add.at(held, (phase, client_of, np.minimum(starts, last_round + 1)), 1)
+    np.add.at(held, (phase, client_of, np.minimum(ends, last_round) + 1), -1)
+    held = np.cumsum(held, axis=2)[:, :, 1:last_round + 1]
+    rows = held.sum(axis=0)
+    shown = np.ma.masked_where(rows == 0, held.argmax(axis=0))
+    figure, axis = plt.subplots(figsize=(np.clip(3 + 0.35 * last_round, 6, 16), np.clip(2 + 0.3 * n_clients, 4, 12)))
+    image = axis.imshow(shown, aspect="auto", interpolation="nearest", cmap=plt.get_cmap("tab10", n_phases),
+                        vmin=-0.5, vmax=n_phases - 0.5, extent=(0.5, last_round + 0.5, n_clients - 0.5, -0.5))
+    if n_clients <= 40 and last_round <= 40:
+        for client, round_index in zip(*np.nonzero(rows)):
+            axis.text(round_index + 1, client, str(rows[client, round_index]), ha="center", va="center", fontsize=7)
     axis.set_xlabel("round")
     axis.set_ylabel("client")
     axis.set_title(title)
-    figure.colorbar(image, ax=axis, label="train rows held")
+    figure.colorbar(image, ax=axis, label="phase held (number: its train rows)", ticks=range(n_phases))
     save_figure(figure, path, dpi=120)

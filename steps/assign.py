@@ -129,7 +129,7 @@ def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, group
     stats = client_stats(partition.client_of, groups.to_numpy(), args.n_clients)
     if spec is not None:
         stats = stats.merge(phase_stats(table, phases, args.n_clients), on="client_id")
-        write_schedule_plot(args, table, spec)
+        write_schedule_plot(args, table, phases, spec)
     stats.to_csv(args.out / "client_stats.csv", index=False)
     plot_heatmap(stats, args.out / "client_group_heatmap.png", f"{args.scheme}, α={meta['alpha']}; groups: {Path(args.groups).name}")
     summary = {
@@ -144,12 +144,13 @@ def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, group
     return args.out / "assignments.csv"
 
 
-def write_schedule_plot(args: argparse.Namespace, table: pd.DataFrame, spec: TemporalSpec) -> None:
-    """client_schedule_heatmap.png: train rows held per client and round, up to --n_rounds (or one phase past the
-    last change)."""
-    train = table[table["subset"] == "train"]
+def write_schedule_plot(args: argparse.Namespace, table: pd.DataFrame, phases: np.ndarray, spec: TemporalSpec) -> None:
+    """client_schedule_heatmap.png: the phase and train rows each client holds per round, up to --n_rounds (or one
+    phase past the last change)."""
+    is_train = (table["subset"] == "train").to_numpy()
+    train = table[is_train]
     starts = train[FROM_ROUND].fillna(1).to_numpy(dtype=np.int64)
     ends = train[TO_ROUND].fillna(NO_END).to_numpy(dtype=np.int64)
     last = args.n_rounds or int(starts.max() + max(spec.phase_rounds, 1))
-    plot_schedule(starts, ends, train["client_id"].to_numpy(dtype=np.int64), args.n_clients, last,
+    plot_schedule(starts, ends, train["client_id"].to_numpy(dtype=np.int64), phases[is_train], args.n_clients, last,
                   args.out / "client_schedule_heatmap.png", f"--temporal {args.temporal}")
