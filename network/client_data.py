@@ -81,19 +81,22 @@ def make_clients(args: argparse.Namespace, manifest: pd.DataFrame, table: pd.Dat
         if classifier:
             counts = tuple(np.bincount(labels.loc[table.loc[distinct, "sample_id"]].to_numpy(dtype=np.int64),
                                        minlength=num_classes).tolist())
-        train_loader = partial(make_loader, Subset(assigned, train), args.batch_size, True, num_workers=args.num_workers)
+        # Every loader of this client, its schedule's included, reads its rows from ``source`` (per-client skews wrap it).
+        source = assigned
+        train_loader = partial(make_loader, Subset(source, train), args.batch_size, True,
+                               num_workers=args.num_workers)
         if proportional:
             picked = proportional_test_indices(np.array(counts), labels.loc[test_ids].to_numpy(),
                                                numpy_rng(args.rand_seed, "local_test", str(client_id)), str(client_id))
             test_set = Subset(global_test, picked.tolist())
         else:
-            test_set = Subset(assigned, test)
+            test_set = Subset(source, test)
         test_loader = make_loader(test_set, args.batch_size, False, 0, args.num_workers) if len(test_set) else None
         schedule = None
         if scheduled:
             schedule = ClientSchedule(
                 train_rows[FROM_ROUND].to_numpy(np.int64), train_rows[TO_ROUND].to_numpy(np.int64),
-                Subset(assigned, position[train_rows.index].tolist()),
+                Subset(source, position[train_rows.index].tolist()),
                 labels.loc[train_rows["sample_id"]].to_numpy(dtype=np.int64) if classifier else None, num_classes,
                 args.batch_size, args.num_workers)
         clients.append(ClientData(str(client_id), len(train), train_loader, test_loader, counts, schedule))
