@@ -63,8 +63,8 @@ def read_assignments(csv_path: Path) -> pd.DataFrame:
 
     Returns:
         DataFrame with :data:`COLUMNS` (``client_id`` int64, the others str), the schedule's ``from_round`` and
-        ``to_round`` (int64; blank or absent: 1 and ``partitioning.temporal.NO_END``) and a ``row`` column: the
-        line number in the file (the header is line 1).
+        ``to_round`` when the file has either (int64; a blank cell: 1 and ``partitioning.temporal.NO_END``) and a
+        ``row`` column: the line number in the file (the header is line 1).
 
     Raises:
         TaskHetError: a missing file or column, or rows with a bad cell (all named).
