@@ -15,7 +15,9 @@ OPTIONS = [dict(momentum=0.9, weight_decay=0.1),
            dict(momentum=0.9, weight_decay=0.1, nesterov=True),
            dict(momentum=0.9, weight_decay=0.1, dampening=0.3),
            dict(momentum=0.0, weight_decay=0.1),
-           dict(momentum=0.9, weight_decay=0.0, maximize=True)]
+           dict(momentum=0.9, weight_decay=0.0, maximize=True),
+           # Boundary values a mistyped comparison would treat as 0: full decay, full dampening.
+           dict(momentum=0.9, weight_decay=1.0), dict(momentum=0.9, dampening=1.0)]
 
 
 def model_and_masks(seed: int = 0, density: float = 0.4) -> tuple[nn.Module, list[torch.Tensor]]:
