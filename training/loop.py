@@ -44,11 +44,13 @@ def _spec(task: TaskSpec | str) -> TaskSpec:
     return get_task(task) if isinstance(task, str) else task
 
 
-def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, seed: int, num_workers: int = 0) -> DataLoader:
+def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, seed: int, num_workers: int = 0,
+                collate_fn=None) -> DataLoader:
     """A DataLoader whose order comes from its own generator derived from ``seed`` (never the global RNG).
 
     The generator is ``loader.generator``: its state after an epoch decides the
-    next epoch's order, which is what a checkpoint saves.
+    next epoch's order, which is what a checkpoint saves. ``collate_fn`` (default: torch's)
+    builds a batch from items: a client's skews (partitioning/skews.py) transform it there.
     """
     return DataLoader(
         dataset,
@@ -58,6 +60,7 @@ def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, seed: int, num
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
         pin_memory=torch.cuda.is_available(),
+        collate_fn=collate_fn,
     )
 
 
