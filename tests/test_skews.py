@@ -340,3 +340,53 @@ def test_cached_features_get_the_noise_before_encoding(manifest_path, tmp_path):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     run = federated.main(step4_argv(manifest_path, path, tmp_path / "run", "--freeze_encoder", "--cache_features"))
     assert np.isfinite(run["best_test_loss"])
+
+
+# ----- target_variant: dense concept shift on the synthetic Taskonomy family -----
+from tests.fixtures import tiny_data_root, tiny_manifest  # noqa: E402,F401  (session fixtures)
+
+
+def test_variant_clients_train_on_the_variant_targets_and_the_global_test_keeps_the_task(tiny_data_root, tiny_manifest,  # noqa: F811
+                                                                                        tmp_path):
+    from datasets.taskonomy import TaskonomyDataset
+    from models import get_task
+
+    out = tmp_path / "a"
+    assign.main(["--manifest", str(tiny_manifest), "--n_clients", "2", "--out", str(out), "--scheme", "iid",
+                 "--target_variant", "depth_euclidean:depth_zbuffer", "--concept_fraction", "0.5"])
+    record = json.loads((out / "assignments.json").read_text())["skews"]["target_variant"]["clients"]
+    assert list(record.values()) == [{"task": "depth_euclidean", "variant": "depth_zbuffer"}]
+    stats = pd.read_csv(out / "client_stats.csv", keep_default_na=False)
+    assert stats["target_variant"].tolist() == ["depth_zbuffer" if str(i) in record else "" for i in range(2)]
+    manifest = pd.read_csv(tiny_manifest)
+    task = get_task("depth_euclidean")
+    args = SimpleNamespace(data_path=tiny_data_root, image_size=16, cache_dir=None, batch_size=1000, num_workers=0,
+                           rand_seed=0, assignments=out / "assignments.csv", local_test="assigned", cache_features=False)
+    clients = make_clients(args, manifest, pd.read_csv(out / "assignments.csv"), task)
+    by_id = manifest.set_index("sample_id")
+
+    def truth(domain: str, ids) -> torch.Tensor:
+        dataset = TaskonomyDataset(tiny_data_root, by_id.loc[list(ids)].reset_index(), [domain], 16, None)
+        return torch.stack([dataset[i][domain] for i in range(len(dataset))])
+
+    for client in clients:
+        batch = one_batch(client.train_loader(0))
+        domain = "depth_zbuffer" if client.client_id in record else "depth_euclidean"
+        assert torch.equal(batch["depth_euclidean"], truth(domain, batch["sample_id"]))
+        assert "depth_zbuffer" not in batch
+    zbuffer = truth("depth_zbuffer", manifest["sample_id"][:4])
+    assert not torch.equal(zbuffer, truth("depth_euclidean", manifest["sample_id"][:4]))  # really two concepts
+    test = torch.cat([b["depth_euclidean"] for b in global_test_loader(args, manifest, task)])
+    assert torch.equal(test, truth("depth_euclidean", manifest.loc[manifest["split"] == "test", "sample_id"]))
+
+
+def test_a_variant_recorded_for_another_task_is_refused(tiny_data_root, tiny_manifest, tmp_path):  # noqa: F811
+    from models import get_task
+
+    out = tmp_path / "a"
+    assign.main(["--manifest", str(tiny_manifest), "--n_clients", "2", "--out", str(out), "--scheme", "iid",
+                 "--target_variant", "depth_euclidean:depth_zbuffer", "--concept_fraction", "1"])
+    args = SimpleNamespace(data_path=tiny_data_root, image_size=16, cache_dir=None, batch_size=1000, num_workers=0,
+                           rand_seed=0, assignments=out / "assignments.csv", local_test="assigned", cache_features=False)
+    with pytest.raises(TaskHetError, match="--task normal has no recorded variant"):
+        make_clients(args, pd.read_csv(tiny_manifest), pd.read_csv(out / "assignments.csv"), get_task("normal"))
