@@ -70,7 +70,9 @@ def encoded_client_dataset(args, manifest: pd.DataFrame, rows: pd.DataFrame, tas
     recorded skew share it and a changed record can never reuse stale maps.
     """
     target_task = get_task(skew.variant) if skew.variant else task
-    base = SkewedImages(family.dataset(args.data_path, rows, target_task, args.image_size, args.cache_dir), skew.feature,
+    # EncodedDataset reads its base item at every access (for the targets): the skew's memo keeps the
+    # transform to one computation per image.
+    base = SkewedImages(family.dataset(args.data_path, rows, target_task, args.image_size, args.cache_dir), skew,
                         family.input_key)
     fingerprint = hashlib.sha256(repr(skew.feature).encode()).hexdigest()[:16]
     sample_ids = rows["sample_id"].astype(str).tolist()
@@ -82,18 +84,15 @@ def encoded_client_dataset(args, manifest: pd.DataFrame, rows: pd.DataFrame, tas
 class SkewedImages(Dataset):
     """``base``'s items with a client's feature transforms applied to the image (the cached-feature path)."""
 
-    def __init__(self, base: Dataset, feature: tuple, input_key: str) -> None:
-        self.base, self.feature, self.input_key = base, feature, input_key
+    def __init__(self, base: Dataset, skew: ClientSkew, input_key: str) -> None:
+        self.base, self.skew, self.input_key = base, skew, input_key
 
     def __len__(self) -> int:
         return len(self.base)
 
     def __getitem__(self, index: int) -> dict:
         item = dict(self.base[index])
-        batch = {self.input_key: item[self.input_key][None], "sample_id": [item["sample_id"]]}
-        for step in self.feature:
-            batch = step(batch)
-        item[self.input_key] = batch[self.input_key][0]
+        item[self.input_key] = self.skew.image(item[self.input_key], item["sample_id"])
         return item
 
 

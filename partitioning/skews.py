@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -57,6 +57,9 @@ TARGET_VARIANTS = {"depth_euclidean": ("depth_zbuffer",), "depth_zbuffer": ("dep
 # feature_shift's transforms: name -> (largest magnitude a flag may ask, what the magnitude means).
 SHIFT_LIMITS = {"brightness": 1.0, "contrast": 1.0, "saturation": 1.0, "hue": 0.5, "blur": 10.0, "rotation": 180.0}
 SHIFT_ORDER = tuple(SHIFT_LIMITS)  # the order the transforms apply in
+# Transformed images a client keeps (bytes): a digits or CIFAR client's whole share at 32 px is a few MB; a
+# Taskonomy client at 224 px fills it after ~400 images and recomputes the rest at every access.
+MEMO_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -546,26 +549,50 @@ def _client_id(key: str, n_clients: int, where: str) -> int:
 class ClientSkew:
     """Everything one client's batches go through, in order (feature transforms first, then the concept).
 
+    A sample's transformed image never changes (fixed parameters, noise seeded by its sample id), so
+    it is computed once, one image at a time, and kept in :attr:`memo` (up to :data:`MEMO_BYTES` per
+    client; beyond that it is recomputed). One image at a time makes the pixels independent of which
+    batch a sample first came in, so a resumed run and the cached-feature path see the same values.
+
     Attributes:
         feature: transforms of the input image (the cached-feature path applies them before encoding).
         concept: transforms of the targets.
+        input_key: the batch key of the image.
         pairs: label_swap's class pairs (empty when none).
         variant: target_variant's domain, or None.
+        memo: sample id -> its transformed image (filled as samples are first seen).
     """
 
     feature: tuple[Callable[[dict], dict], ...]
     concept: tuple[Callable[[dict], dict], ...]
+    input_key: str = "image"
     pairs: tuple[tuple[int, int], ...] = ()
     variant: str | None = None
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __call__(self, items: list[dict]) -> dict:
         """A DataLoader ``collate_fn``: the default collation, then every transform."""
         return self.apply(default_collate(items))
 
     def apply(self, batch: dict, feature: bool = True) -> dict:
-        for step in (self.feature if feature else ()) + self.concept:
+        if feature and self.feature:
+            batch = {**batch, self.input_key: torch.stack([self.image(image, sample_id) for image, sample_id
+                                                           in zip(batch[self.input_key], batch["sample_id"])])}
+        for step in self.concept:
             batch = step(batch)
         return batch
+
+    def image(self, image: torch.Tensor, sample_id: str) -> torch.Tensor:
+        """One sample's transformed image ``[3, H, W]`` (from :attr:`memo` when it was seen before)."""
+        if sample_id in self.memo:
+            return self.memo[sample_id]
+        batch = {self.input_key: image[None], "sample_id": [sample_id]}
+        for step in self.feature:
+            batch = step(batch)
+        result = batch[self.input_key][0]
+        if (len(self.memo) + 1) * result.numel() * result.element_size() <= MEMO_BYTES:
+            self.memo[sample_id] = result
+        return result
 
     def counts(self, counts: Sequence[int]) -> tuple[int, ...]:
         """A client's training class counts as the client labels them (swapped classes swap counts)."""
@@ -590,5 +617,5 @@ def client_skews(skews: dict[str, dict[int, dict]], keys: BatchKeys) -> dict[int
                 extras.setdefault(client, {})["pairs"] = tuple(tuple(pair) for pair in params["pairs"])
             if name == "target_variant":
                 extras.setdefault(client, {})["variant"] = params["variant"]
-    return {client: ClientSkew(tuple(kinds[FEATURE]), tuple(kinds[CONCEPT]), **extras.get(client, {}))
+    return {client: ClientSkew(tuple(kinds[FEATURE]), tuple(kinds[CONCEPT]), keys.input_key, **extras.get(client, {}))
             for client, kinds in sorted(steps.items())}
