@@ -25,7 +25,7 @@ from typing import Callable
 import pandas as pd
 from torch.utils.data import Dataset
 
-from datasets.encoded import EncodedDataset
+from datasets.encoded import EncodedDataset, encoded_dataset
 from datasets.family import DataFamily
 from models.tasks import get_task
 from partitioning.assignments import read_meta, sidecar_path
@@ -99,3 +99,21 @@ class SkewedImages(Dataset):
 def without_features(skew: ClientSkew) -> ClientSkew:
     """The collate of a client whose images were transformed before encoding: its concept steps only."""
     return dataclasses.replace(skew, feature=())
+
+
+def client_rows_dataset(args, manifest: pd.DataFrame, rows: pd.DataFrame, task, family: DataFamily, skew: ClientSkew | None,
+                        feature_model=None) -> tuple[Dataset, ClientSkew | None]:
+    """One client's ``rows`` as a dataset plus the collate its loader needs (step 3c's per-client gradients).
+
+    Returns:
+        ``(dataset, collate_fn)``: the family's dataset (for the variant's domain under target_variant; the encoder's
+        maps with ``feature_model``, of the transformed images under a feature skew) and the client's skew (None: torch's).
+    """
+    if skew is not None and feature_model is not None and skew.feature:
+        return encoded_client_dataset(args, manifest, rows, task, skew, family, feature_model), without_features(skew)
+    target = get_task(skew.variant) if skew is not None and skew.variant else task
+    dataset = family.dataset(args.data_path, rows, target, args.image_size, args.cache_dir)
+    if feature_model is not None:
+        dataset = encoded_dataset(dataset, rows, family, feature_model, args.data_path, args.image_size, args.cache_dir,
+                                  manifest)
+    return dataset, skew

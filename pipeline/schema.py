@@ -196,6 +196,7 @@ TYPES: dict[str, Check] = {
     "partition.n_clients": Int(1),
     "partition.client_test_fraction": Float(0, 1, high_open=True),
     "partition.size_skew": Optional(Str()),
+    "partition.skews": Mapping("map step 3b's skew flags to values", "{feature_noise: 0.2, label_swap: 1}", allow_empty=True),
     "partition.iid_reference": Bool(),
     "federated.algorithms": Mapping(),
     "federated.n_rounds": Int(1),

@@ -9,6 +9,10 @@ from utils import cli
 from utils.errors import TaskHetError
 
 
+# The flags below, by argparse dest: what an experiment file's partition.skews may set.
+SKEW_FLAGS = ("feature_noise", "feature_shift", "label_swap", "target_variant", "concept_fraction")
+
+
 def add_skew_flags(parser: argparse.ArgumentParser) -> None:
     """The skew flags of make_client_assignments.py (any combination, with any --scheme and --size_skew)."""
     group = parser.add_argument_group("per-client skews (recorded per client in assignments.json, applied by step 4)")

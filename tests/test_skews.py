@@ -390,3 +390,70 @@ def test_a_variant_recorded_for_another_task_is_refused(tiny_data_root, tiny_man
                            rand_seed=0, assignments=out / "assignments.csv", local_test="assigned", cache_features=False)
     with pytest.raises(TaskHetError, match="--task normal has no recorded variant"):
         make_clients(args, pd.read_csv(tiny_manifest), pd.read_csv(out / "assignments.csv"), get_task("normal"))
+
+
+# ----- step 3c: the meter measures the clients as step 4 trains them -----
+def test_the_meter_takes_each_clients_gradient_on_its_skewed_rows(manifest_path, tmp_path):
+    from models import load_task_model
+    from network.heterogeneity import full_gradient
+    from steps import meter, train_centralized
+    from training.loop import make_loader
+
+    train_centralized.main(["--task", "digit_class", "--encoder", "small_cnn", "--weights", "none", "--manifest",
+                            str(manifest_path), "--image_size", str(IMAGE_SIZE), "--batch_size", "16", "--n_epochs", "1",
+                            "--optimizer", "adamw", "--no-use_accelerator", "--out", str(tmp_path / "step2")])
+    path = step3b(manifest_path, tmp_path / "a", "--label_swap", "1-7,2-3", "--concept_fraction", "0.5")
+    meter.main(["--checkpoint", str(tmp_path / "step2" / "best.pt"), "--manifest", str(manifest_path), "--assignments",
+                str(path), "--data_path", str(manifest_path.parent), "--no-use_accelerator", "--out", str(tmp_path / "m")])
+    measured = pd.read_csv(tmp_path / "m" / "metrics.csv").query("metric == 'grad_norm2' and client != 'all'")
+    swapped = json.loads(path.with_suffix(".json").read_text())["skews"]["label_swap"]["clients"]
+    model = load_task_model(tmp_path / "step2" / "best.pt")
+    manifest, table = pd.read_csv(manifest_path), pd.read_csv(path)
+    mapping = torch.tensor(swap_mapping([[1, 7], [2, 3]], 10))
+
+    def loss_fn(net, batch, reduction="mean"):
+        return torch.nn.functional.cross_entropy(net(batch["image"])[0].float(), batch["digit_class"], reduction=reduction)
+
+    for client, norm in zip(measured["client"].astype(str), measured["value"]):
+        ids = table.query(f"client_id == {client} and subset == 'train'")["sample_id"]
+        dataset = plain(manifest, ids)
+        items = [dataset[i] for i in range(len(dataset))]
+        if client in swapped:
+            items = [{**item, "digit_class": mapping[item["digit_class"]]} for item in items]
+        gradient = full_gradient(model, make_loader(items, 16, False, 0), loss_fn, torch.device("cpu"))
+        assert float(gradient @ gradient) == pytest.approx(norm, rel=1e-5)
+
+
+# ----- experiment files: partition.skews passes step 3b's skew flags -----
+def test_an_experiment_file_partitions_with_skews(tmp_path):
+    import yaml
+
+    import run_pipeline
+    from tests.test_digits import tiny_digits_experiment
+
+    config = tiny_digits_experiment(tmp_path)
+    config["partition"]["skews"] = {"feature_noise": 0.2, "label_swap": "1-7", "concept_fraction": 0.34}
+    config["heterogeneity_meter"] = False
+    experiment = tmp_path / "skews.yaml"
+    experiment.write_text(yaml.safe_dump(config))
+    run_pipeline.main([str(experiment), "--results", str(tmp_path / "results")])
+    sidecars = sorted((tmp_path / "results").rglob("assignments/**/assignments.json"))
+    assert len(sidecars) == 2  # label-based and embedding-based
+    for sidecar in sidecars:
+        record = json.loads(sidecar.read_text())["skews"]
+        assert [record["feature_noise"]["clients"][str(i)]["sigma"] for i in range(3)] == pytest.approx([0.0, 0.1, 0.2])
+        assert list(record["label_swap"]["clients"].values()) == [{"pairs": [[1, 7]]}]  # round(0.34 · 3) = 1 client
+
+
+def test_an_unknown_skew_key_in_an_experiment_file_is_refused(tmp_path):
+    import yaml
+
+    from pipeline.experiment import load_experiment
+    from tests.test_digits import tiny_digits_experiment
+
+    config = tiny_digits_experiment(tmp_path)
+    config["partition"]["skews"] = {"feature_blur": 1.0}
+    experiment = tmp_path / "bad.yaml"
+    experiment.write_text(yaml.safe_dump(config))
+    with pytest.raises(TaskHetError, match=r"bad.yaml: partition.skews 'feature_blur' is unknown; choose from: feature_noise"):
+        load_experiment(experiment)
