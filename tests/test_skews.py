@@ -457,3 +457,27 @@ def test_an_unknown_skew_key_in_an_experiment_file_is_refused(tmp_path):
     experiment.write_text(yaml.safe_dump(config))
     with pytest.raises(TaskHetError, match=r"bad.yaml: partition.skews 'feature_blur' is unknown; choose from: feature_noise"):
         load_experiment(experiment)
+
+
+def test_dense_tasks_refuse_rotation_and_label_swap_but_take_photometric_shifts():
+    from partitioning.skews import BatchKeys, client_skews
+
+    dense = BatchKeys("rgb", "depth_euclidean", "depth_euclidean", "dense", "scene_class", 4)
+    with pytest.raises(TaskHetError, match="rotates client images by 5°, but --task depth_euclidean is dense"):
+        client_skews({"feature_shift": {0: {"rotation": 5.0}}}, dense)
+    with pytest.raises(TaskHetError, match="label_swap is a classification concept shift; --task depth_euclidean"):
+        client_skews({"label_swap": {0: {"pairs": [[0, 1]]}}}, dense)
+    skew = client_skews({"feature_shift": {0: {"brightness": 0.5}}}, dense)[0]
+    batch = skew.apply({"rgb": torch.full((2, 3, 4, 4), 0.8), "sample_id": ["a", "b"], "depth_euclidean": torch.ones(2, 1, 4, 4)})
+    assert torch.allclose(batch["rgb"], torch.full((2, 3, 4, 4), 0.4)) and torch.equal(batch["depth_euclidean"], torch.ones(2, 1, 4, 4))
+
+
+def test_the_heatmap_rows_say_what_each_client_gets():
+    from partitioning.skews import skew_summary
+
+    record = {"feature_noise": {"clients": {"0": {"sigma": 0.0, "seed": 1}, "1": {"sigma": 0.1, "seed": 2}}},
+              "label_swap": {"clients": {"1": {"pairs": [[1, 7], [2, 3]]}}},
+              "feature_shift": {"clients": {"0": {"blur": 0.5}}}}
+    assert skew_summary(record, 0) == "shift blu=0.5"
+    assert skew_summary(record, 1) == "σ=0.1; swap 1↔7,2↔3"
+    assert skew_summary(record, 2) == ""
