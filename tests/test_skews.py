@@ -481,3 +481,18 @@ def test_the_heatmap_rows_say_what_each_client_gets():
     assert skew_summary(record, 0) == "shift blu=0.5"
     assert skew_summary(record, 1) == "σ=0.1; swap 1↔7,2↔3"
     assert skew_summary(record, 2) == ""
+
+
+def test_the_flower_engine_applies_the_same_skews(manifest_path, tmp_path):
+    from utils.loaders import load_checkpoint
+
+    path = step3b(manifest_path, tmp_path / "a", "--feature_noise", "0.3", "--feature_shift", "contrast=0.3",
+                  "--label_swap", "1", "--concept_fraction", "0.5")
+    federated.main(step4_argv(manifest_path, path, tmp_path / "sequential"))
+    federated.main(step4_argv(manifest_path, path, tmp_path / "flower", "--engine", "flower"))
+    runs = [pd.read_csv(tmp_path / name / "metrics.csv", dtype={"client": str}) for name in ("sequential", "flower")]
+    pd.testing.assert_frame_equal(runs[0][["round", "split", "client", "metric"]], runs[1][["round", "split", "client", "metric"]])
+    assert (runs[0].value - runs[1].value).abs().max() < 1e-5
+    weights = [load_checkpoint(tmp_path / name / "checkpoint.pt")["model"] for name in ("sequential", "flower")]
+    for key, value in weights[0].items():
+        torch.testing.assert_close(weights[1][key], value, rtol=1e-5, atol=1e-6)
