@@ -22,7 +22,7 @@ from network.local_train import NonFiniteLossError, local_train
 from network.settings import describe
 from steps.federated import build_parser
 from tests.test_engine import NUM_CLIENTS, make_clients, make_engine
-from tests.tiny_models import TinyNet, tiny_model_for
+from tests.tiny_models import TinyNet, loss_fn, tiny_model_for
 from utils.errors import TaskHetError
 
 CPU = torch.device("cpu")
@@ -416,3 +416,23 @@ def test_training_loss_is_the_per_sample_mean_over_unequal_batches_in_eval_mode(
     assert training_loss(model, batches, cfg) == pytest.approx(expected, rel=1e-12)
     assert training_loss(model, batches[2:], cfg) == pytest.approx(4 * 64.0)  # one sample: divided by 1
     assert model.training  # the caller's mode is restored
+
+
+class _PhasesByClient(FedAvg):
+    """A client with state trains only the weight: its phases differ from a fresh client's in their keys alone."""
+
+    def phases(self, model, broadcast, client_state, cfg):
+        from network.algorithms.skeleton import Phase
+
+        return [Phase(keys=["weight"] if client_state else None)]
+
+
+def test_lockstep_refuses_clients_whose_phases_train_different_entries():
+    from network.algorithms.base import ClientConfig
+
+    fedavg, model = build_algorithm("fedavg", nn.Linear(2, 1), {"0": 4, "1": 4}, {}, seed=0)
+    spy = _PhasesByClient(fedavg.settings, fedavg.federation)
+    broadcast = spy.broadcast(spy.init_server({key: value.clone() for key, value in model.state_dict().items()}))
+    cfgs = [ClientConfig(lr=0.1, loss_fn=loss_fn, device=torch.device("cpu"), num_samples=4, local_steps=1)] * 2
+    with pytest.raises(TaskHetError, match="fedavg: clients of one round have different phases"):
+        spy.client_updates(model, broadcast, [{}, {"weight": torch.zeros(1, 2)}], [[], []], cfgs)
