@@ -44,7 +44,7 @@ def run_skews(args, manifest: pd.DataFrame, table: pd.DataFrame, task, family: D
         return {}
     sidecar = sidecar_path(assignments)
     n_clients = meta.get("n_clients") or int(table["client_id"].max()) + 1
-    context = SkewContext(family.name, family.num_classes(manifest), tuple(family.tasks), int(n_clients), str(sidecar))
+    context = SkewContext(family.name, family.num_classes(manifest), tuple(family.tasks), int(n_clients))
     keys = BatchKeys(family.input_key, task.name, task.domain, task.kind, family.label_column, context.num_classes)
     skews = client_skews(read_skews(sidecar, meta, context), keys)
     if getattr(args, "cache_features", False) and getattr(args, "local_test", "assigned") == "proportional" \

@@ -71,14 +71,12 @@ class SkewContext:
         num_classes: K of the family's classification task (classes are 0..K-1).
         tasks: the family's tasks.
         n_clients: clients of the partition (ids 0..n_clients-1).
-        source: the file or flag named in messages.
     """
 
     family: str
     num_classes: int
     tasks: tuple[str, ...]
     n_clients: int
-    source: str
 
 
 # ----- the batch transforms (picklable: DataLoader workers receive them) -----

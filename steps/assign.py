@@ -78,7 +78,7 @@ def assign_clients(args: argparse.Namespace) -> Path:
     other_ids = manifest.loc[(manifest["split"] == "test") | validation_mask(manifest), "sample_id"]
     groups, groups_file = resolve_groups(train, args.groups, extra_ids=other_ids)
     skews = draw_skews(skew_settings(args), SkewContext(family.name, family.num_classes(manifest), tuple(family.tasks),
-                                                        args.n_clients, "step 3b"), args.seed)
+                                                        args.n_clients), args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     write_config(args.out, vars(args), step=STEP)
     logger = setup_logging(args.out, "make_client_assignments")

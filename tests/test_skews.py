@@ -20,6 +20,7 @@ from datasets.digits import DigitsDataset, select_digits
 from network.client_data import global_test_loader, make_clients
 from partitioning.skews import SKEWS, SkewContext, check_pairs, draw_skews, list_skews, swap_mapping
 from steps import assign, federated
+from tests.fixtures import tiny_data_root, tiny_manifest  # noqa: F401  (session fixtures)
 from utils.cli import run_main
 from utils.errors import TaskHetError
 from utils.seeding import torch_generator
@@ -199,7 +200,7 @@ def test_swap_mapping_and_pair_checks():
 def test_every_skew_is_seeded_and_its_record_reads_back(name):
     """Generic over the registry: the same seed draws the same record, and each client's recorded
     parameters pass the entry's own check unchanged."""
-    context = SkewContext("taskonomy", 10, ("depth_euclidean", "depth_zbuffer", "class_scene"), 5, "test")
+    context = SkewContext("taskonomy", 10, ("depth_euclidean", "depth_zbuffer", "class_scene"), 5)
     settings = {"feature_noise": {"sigma": 0.2}, "feature_shift": {"limits": {"hue": 0.1, "blur": 1.0}},
                 "label_swap": {"pairs": 2, "fraction": 0.6},
                 "target_variant": {"task": "depth_euclidean", "variant": "depth_zbuffer", "fraction": 0.4}}[name]
@@ -343,7 +344,6 @@ def test_cached_features_get_the_noise_before_encoding(manifest_path, tmp_path):
 
 
 # ----- target_variant: dense concept shift on the synthetic Taskonomy family -----
-from tests.fixtures import tiny_data_root, tiny_manifest  # noqa: E402,F401  (session fixtures)
 
 
 def test_variant_clients_train_on_the_variant_targets_and_the_global_test_keeps_the_task(tiny_data_root, tiny_manifest,  # noqa: F811
