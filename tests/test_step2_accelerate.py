@@ -169,3 +169,18 @@ def test_default_precision_and_refusals(digits88, tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")  # launched by torchrun, but accelerate left on a GPU that is not there
     with pytest.raises(TaskHetError, match="launched as 2 processes, but accelerate sees 1: .*--no-use_accelerator"):
         step2.main(argv(digits88, tmp_path / "e")[:-3] + ["--use_accelerator", "--out", str(tmp_path / "e")])
+
+
+def test_the_search_and_the_pipeline_refuse_several_processes(digits88, tmp_path, monkeypatch):
+    import run_pipeline
+    from steps import search_centralized
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets in each process of `accelerate launch --num_processes 2`
+    with pytest.raises(TaskHetError, match="search_centralized_hparams.py runs in one process: accelerate launch "
+                                           r"\(several processes\) is for train_centralized_task_model.py"):
+        search_centralized.main(["--task", "digit_class", "--encoder", "small_cnn", "--weights", "none", "--manifest",
+                                 str(digits88), "--lrs", "0.1", "--out", str(tmp_path / "search")])
+    assert not (tmp_path / "search").exists()
+    with pytest.raises(TaskHetError, match="run_pipeline.py runs in one process"):
+        run_pipeline.main([str(ROOT / "experiments" / "digits.yaml"), "--results", str(tmp_path / "results")])
+    assert not (tmp_path / "results").exists()
