@@ -23,6 +23,7 @@ from datasets.long_tail import proportional_test_indices
 from network.client import ClientData
 from network.schedule import ClientSchedule
 from partitioning.temporal import FROM_ROUND, TO_ROUND, has_schedule
+from network.client_skews import encoded_client_dataset, run_skews, variant_dataset, without_features
 from training.loop import make_loader
 from utils.errors import TaskHetError
 from utils.seeding import numpy_rng
@@ -59,7 +60,7 @@ def make_clients(args: argparse.Namespace, manifest: pd.DataFrame, table: pd.Dat
     table = table.reset_index(drop=True)
     # One dataset item per sample: a schedule may list a sample on several rows (partitioning/temporal.py).
     unique_ids = table["sample_id"].drop_duplicates()
-    position = table["sample_id"].map(pd.Series(np.arange(len(unique_ids)), index=unique_ids.to_numpy())).to_numpy()
+    position = table["sample_id"].map(pd.Series(np.arange(len(unique_ids)), index=unique_ids.to_numpy()))  # row -> item
     assigned, clients = task_dataset(args, manifest, task, unique_ids, feature_model), []
     family = family_of(manifest)
     classifier = task.kind == "classification"
@@ -72,33 +73,45 @@ def make_clients(args: argparse.Namespace, manifest: pd.DataFrame, table: pd.Dat
     test_ids = manifest.loc[manifest["split"] == "test", "sample_id"].tolist() if proportional else []
     global_test = task_dataset(args, manifest, task, test_ids, feature_model) if proportional else None
     scheduled = has_schedule(table)
+    skews, variants = run_skews(args, manifest, table, task, family), {}  # the recorded per-client skews (client_skews.py)
     for client_id, rows in table.groupby("client_id", sort=True):
         train_rows = rows[rows["subset"] == "train"]
         distinct = train_rows.index[~train_rows["sample_id"].duplicated()]  # each sample once
-        train = position[distinct].tolist()
-        test = position[rows.index[rows["subset"] == "test"]].tolist()
         counts = None
         if classifier:
             counts = tuple(np.bincount(labels.loc[table.loc[distinct, "sample_id"]].to_numpy(dtype=np.int64),
                                        minlength=num_classes).tolist())
-        # Every loader of this client, its schedule's included, reads its rows from ``source`` (per-client skews wrap it).
-        source = assigned
-        train_loader = partial(make_loader, Subset(source, train), args.batch_size, True,
-                               num_workers=args.num_workers)
+        # Every loader of this client, its schedule's included, reads its rows from ``source``, item ``where[row]`` for
+        # the table's row ``row``.
+        source, skew, where = assigned, skews.get(int(client_id)), position
+        if skew is not None and feature_model is not None and skew.feature:  # transformed before encoding
+            own = table.loc[rows.index, "sample_id"].drop_duplicates()
+            source = encoded_client_dataset(args, manifest, manifest.set_index("sample_id").loc[own].reset_index(), task,
+                                            skew, family, feature_model)
+            where = pd.Series(np.arange(len(own)), index=own.to_numpy()).loc[rows["sample_id"]].set_axis(rows.index)
+            skew = without_features(skew)
+        elif skew is not None and skew.variant:
+            source = variant_dataset(lambda spec: task_dataset(args, manifest, spec, unique_ids, feature_model),
+                                     variants, skew.variant)
+        train = where.loc[distinct].tolist()
+        test = where.loc[rows.index[rows["subset"] == "test"]].tolist()
+        train_loader = partial(make_loader, Subset(source, train), args.batch_size, True, num_workers=args.num_workers,
+                               collate_fn=skew)
         if proportional:
             picked = proportional_test_indices(np.array(counts), labels.loc[test_ids].to_numpy(),
                                                numpy_rng(args.rand_seed, "local_test", str(client_id)), str(client_id))
             test_set = Subset(global_test, picked.tolist())
         else:
             test_set = Subset(source, test)
-        test_loader = make_loader(test_set, args.batch_size, False, 0, args.num_workers) if len(test_set) else None
+        test_loader = make_loader(test_set, args.batch_size, False, 0, args.num_workers, skew) if len(test_set) else None
+        counts = skew.counts(counts) if skew is not None and counts is not None else counts
         schedule = None
         if scheduled:
             schedule = ClientSchedule(
                 train_rows[FROM_ROUND].to_numpy(np.int64), train_rows[TO_ROUND].to_numpy(np.int64),
-                Subset(source, position[train_rows.index].tolist()),
+                Subset(source, where.loc[train_rows.index].tolist()),
                 labels.loc[train_rows["sample_id"]].to_numpy(dtype=np.int64) if classifier else None, num_classes,
-                args.batch_size, args.num_workers)
+                args.batch_size, args.num_workers, skew)
         clients.append(ClientData(str(client_id), len(train), train_loader, test_loader, counts, schedule))
     return clients
 

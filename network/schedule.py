@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import partial
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 import pandas as pd
@@ -39,6 +39,8 @@ class ClientSchedule:
         labels: int64 [n] class of each row (classification), or None.
         num_classes: length of the class counts.
         batch_size, num_workers: of the loaders it makes.
+        skew: the client's per-client skew (``network.client_skews``; None: none): its loaders' collate, and the
+            class counts as the client labels them (a concept shift swaps classes).
     """
 
     starts: np.ndarray
@@ -48,6 +50,7 @@ class ClientSchedule:
     num_classes: int = 0
     batch_size: int = 1
     num_workers: int = 0
+    skew: Any = None
 
     def held(self, round_index: int) -> np.ndarray:
         """Positions of the rows held in ``round_index``, ascending."""
@@ -70,10 +73,11 @@ def client_at(client: ClientData, round_index: int) -> ClientData:
     counts = client.class_counts
     if schedule.labels is not None:
         counts = tuple(np.bincount(schedule.labels[held], minlength=schedule.num_classes).tolist())
+        counts = schedule.skew.counts(counts) if schedule.skew is not None else counts
     loader = client.train_loader
     if schedule.rows is not None:
         loader = partial(make_loader, Subset(schedule.rows, held.tolist()), schedule.batch_size, True,
-                         num_workers=schedule.num_workers)
+                         num_workers=schedule.num_workers, collate_fn=schedule.skew)
     return dataclasses.replace(client, num_samples=int(held.size), train_loader=loader, class_counts=counts,
                                schedule=None)
 

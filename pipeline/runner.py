@@ -152,6 +152,7 @@ class Pipeline:
             "manifest": str(manifest), "groups": groups, "scheme": "iid" if iid else partition["scheme"],
             "alpha": None if iid else alpha, "n_clients": partition["n_clients"],
             "client_test_fraction": partition["client_test_fraction"], "size_skew": partition["size_skew"], "seed": seed,
+            **partition["skews"],  # per-client feature skew / concept shift (partitioning/skews.py), iid reference too
         }
         if partition.get("temporal") and not iid:  # only then: the stage keys of static partitions stay as they were
             params.update(temporal=partition["temporal"], n_rounds=self.config["federated"]["n_rounds"])
