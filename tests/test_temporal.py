@@ -397,3 +397,24 @@ def test_an_experiment_file_runs_a_compound_partition_through_steps_3b_and_4(tmp
     assert sidecars and all(meta["temporal"]["change_round"] == 2 and meta["temporal"]["n_rounds"] == 2
                             and meta["parameters"]["size_skew"] == "lognormal:0.5" for meta in sidecars)
     assert len(list(out.rglob("federated/**/metrics.csv"))) == 2  # both groupings trained on their schedules
+
+
+def test_a_scheduled_client_reads_its_rows_of_the_round_through_its_feature_skew(digits_manifest, tmp_path):
+    import argparse
+
+    from models.tasks import get_task
+    from network.client_data import make_clients
+
+    path = compound(digits_manifest, tmp_path / "a", "--temporal", "abrupt:3", "--feature_noise", "0.5")
+    manifest = pd.read_csv(digits_manifest, dtype={"sample_id": str})
+    table, _ = load_assignments(path, manifest)
+    args = argparse.Namespace(data_path=digits_manifest.parent, image_size=8, cache_dir=None, batch_size=64,
+                              num_workers=0, local_test="assigned", rand_seed=0, assignments=path, cache_features=False)
+    plain_args = argparse.Namespace(**{**vars(args), "assignments": None})  # no sidecar: no skews
+    noisy, plain = (make_clients(a, manifest, table, get_task("digit_class")) for a in (args, plain_args))
+    last = noisy[-1]  # σ_i = 0.5·i/(N−1): the last client is the noisiest
+    now, clean = client_at(last, 3), client_at(plain[-1], 3)
+    expected = set(table[(table.client_id == 5) & (table.subset == "train") & (table.from_round == 3)].sample_id)
+    batches, clean_batches = list(now.train_loader(1)), list(clean.train_loader(1))
+    assert {s for batch in batches for s in batch["sample_id"]} == expected
+    assert not torch.allclose(batches[0]["image"], clean_batches[0]["image"])  # the skew's noise reached these rows
