@@ -453,7 +453,8 @@ class _HalvedGradients(FedAvg):
     def phases(self, model, broadcast, client_state, cfg):
         from network.algorithms.skeleton import Phase
 
-        return [Phase(grad_hook=_halve_gradients), Phase(keys=["weight"], multiple=2)]
+        # A phase of length 0 first: skipped, and the phases after it still run.
+        return [Phase(keys=["bias"], multiple=0), Phase(grad_hook=_halve_gradients), Phase(keys=["weight"], multiple=2)]
 
 
 def test_a_phase_gradient_hook_trains_alike_in_lockstep_and_in_turn_and_by_hand():
