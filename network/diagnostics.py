@@ -28,7 +28,8 @@ every round and after a resume. With p_k = n_k / n (n_k: all of the client's tra
 Personalised algorithms: the gradient is taken at the global (shared) model, the one the
 ``client_test`` split evaluates, and only over the parameters the federation shares: an
 algorithm's private entries (``Algorithm.private_keys``: FedPer's head, FedBN's BatchNorm layers,
-FedEM's mixture weights) hold the server's copy in the forward pass and are left out of ∇F_k, so G²
+FedEM's mixture weights) hold the server's copy in the forward pass (FedPer's initial head, a uniform
+π) and private parameters are left out of ∇F_k, so G²
 measures how clients disagree about the shared parameters; an algorithm that shares none (local)
 gets no gradient rows. Clusterings (IFCA, CFL) are read at their first evaluated model.
 

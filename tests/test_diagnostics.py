@@ -368,3 +368,21 @@ def test_every_algorithm_is_measured_on_every_client_without_changing_its_traini
         # Σ p_k ‖∇F_k‖² = ‖∇F‖² + G²: the per-client rows and the federation's agree
         assert p @ np.array([per_client[str(k)] for k in range(4)]) == pytest.approx(
             federation["global_grad_norm2"] + federation["g2"], rel=1e-6)
+
+
+def test_a_sample_cuts_the_last_batch_in_every_kind_of_value():
+    from network.diagnostics import first_samples
+
+    def batch(start):
+        return {"maps": [torch.arange(start, start + 4).view(4, 1), torch.zeros(4, 3)],  # one tensor per scale
+                "x": torch.arange(start, start + 4), "sample_id": [f"s{i}" for i in range(start, start + 4)]}
+
+    batches = [batch(0), batch(4), batch(8)]
+    taken = list(first_samples(batches, 6))
+    assert len(taken) == 2 and taken[0] is batches[0]
+    cut = taken[1]
+    assert cut["x"].tolist() == [4, 5] and cut["sample_id"] == ["s4", "s5"]
+    assert cut["maps"][0].view(-1).tolist() == [4, 5] and cut["maps"][1].shape == (2, 3)
+    assert list(first_samples(batches, 8)) == batches[:2] and list(first_samples(batches, None)) == batches
+    with pytest.raises(TaskHetError, match="no tensor to count its samples by"):
+        list(first_samples([{"sample_id": ["a"]}], 1))
