@@ -39,13 +39,14 @@ from network.client import (CLIENT_TEST_SPLIT, GLOBAL_TEST_SPLIT, PERSONAL_TEST_
 from network.checkpoints import BEST_FILE, CHECKPOINT_FILE, load_resumable, run_fingerprint
 from network.client_store import ClientStore
 from network.clients_table import CLIENTS_FILE, write_clients_table
-from network.diagnostics import DriftMeter
+from network.diagnostics import (ALL_CLIENTS, PLOT_FILE as DIAGNOSTICS_PLOT, DriftMeter, check_diagnostics_options,
+                                 client_gradient, gradient_rows, gradient_seed, plot_diagnostics)
 from network.local_train import NonFiniteLossError
 from network.run_outputs import (CLIENT_SPLITS, CURVES_FILE, GLOBAL_CLIENT, GLOBAL_VAL_SPLIT, METRICS_COLUMNS, METRICS_FILE,
                                  MODEL_CLIENT_PREFIX, ROUND_LINE, SKIPPED_CLIENT, TRAIN_SPLIT, client_rows,
                                  mean_train_loss, metric_row, not_a_round_line, plot_curves, run_title)
 from network.sampling import client_seed, sample_clients
-from network.schedule import client_at, evaluation_view, holding_clients
+from network.schedule import client_at, diagnosed_round, evaluation_view, holding_clients, train_sizes_at
 from network.vectorized import require_vectorizable
 from utils.errors import TaskHetError
 from utils.run_dir import MetricsCSV, atomic_torch_save, remove_stale_temporaries
@@ -72,8 +73,11 @@ class EngineConfig:
         signature: the caller's description of the run (its arguments); resuming a
             checkpoint written with another signature is refused.
         finetune_steps: evaluate every client's model also after this many local steps (0: off).
-        diagnostics: record client drift, update norms and the update-cosine matrix every round
-            (network.diagnostics).
+        diagnostics: record client drift, update norms and the update-cosine matrix every round, and G², B² and
+            every client's ‖∇F_k‖² at the global model every ``diagnostics_every`` rounds (network.diagnostics).
+        diagnostics_every: the gradient diagnostics' period in rounds (round 0 included).
+        diagnostics_max_samples: each client's gradient over at most this many of its train rows, a fixed seeded
+            sample (None: all of them).
         tensorboard: also write metrics.csv's rows as TensorBoard scalars under ``out_dir/tensorboard``.
         round_lines: print one console line per round; False keeps them in run.log only and prints one
             summary line at the end (what a pipeline of hundreds of runs wants).
@@ -97,9 +101,14 @@ class EngineConfig:
     signature: dict[str, str] | None = None
     finetune_steps: int = 0
     diagnostics: bool = False
+    diagnostics_every: int = 1
+    diagnostics_max_samples: int | None = None
     tensorboard: bool = False
     round_lines: bool = True
     vectorize_chunk: int = 0
+
+    def __post_init__(self) -> None:
+        check_diagnostics_options(self.diagnostics_every, self.diagnostics_max_samples)
 
 
 class SequentialEngine:
@@ -151,6 +160,10 @@ class SequentialEngine:
                 if not isinstance(handler, logging.FileHandler):  # the console: run.log keeps every round
                     handler.addFilter(not_a_round_line)
         self.drift = DriftMeter(self.out_dir, algorithm.federation.layout.param_keys) if config.diagnostics else None
+        # Private entries never leave a client: the gradient diagnostics read the shared parameters only.
+        self.private_params = algorithm.private_keys()
+        self.shares_parameters = any(param.requires_grad and name not in self.private_params
+                                     for name, param in model.named_parameters())
 
     @property
     def server(self) -> ServerState:
@@ -181,6 +194,9 @@ class SequentialEngine:
         if hasattr(self.metrics, "close"):  # the TensorBoard mirror's event file
             self.metrics.close()
         plot_curves(self.out_dir / METRICS_FILE, self.out_dir / CURVES_FILE, run_title(self.algorithm.name, self.out_dir))
+        if self.config.diagnostics:
+            plot_diagnostics(self.out_dir / METRICS_FILE, self.out_dir / DIAGNOSTICS_PLOT,
+                             run_title(self.algorithm.name, self.out_dir))
         write_clients_table(self.out_dir / METRICS_FILE, self.algorithm.federation.client_sizes,
                             self.out_dir / CLIENTS_FILE)
         self.logger.info("%s: %d rounds done (%d in this call, %.1fs), best global test loss %.4g (every round: run.log)",
@@ -195,6 +211,7 @@ class SequentialEngine:
         if self._evaluates(round_index):
             eval_rows, test_loss = self.evaluate(round_index)
             rows += eval_rows
+        rows += self.diagnose(round_index)
         self._finish_round(round_index, rows, test_loss)
         if test_loss is not None:
             bar.set_postfix(test_loss=f"{test_loss:.4g}")
@@ -236,6 +253,20 @@ class SequentialEngine:
     def _evaluates(self, round_index: int) -> bool:
         return round_index % self.config.eval_every == 0 or round_index == self.config.n_rounds
 
+    def diagnose(self, round_index: int) -> list[dict[str, Any]]:
+        """G², B² and every client's ‖∇F_k‖² at the global model on a diagnostics round (network.diagnostics)."""
+        if not self.config.diagnostics or round_index % self.config.diagnostics_every or not self.shares_parameters:
+            return []
+        began = time.perf_counter()
+        held_in = diagnosed_round(round_index)  # temporal skew: F_k over the rows a client holds then
+        rows = gradient_rows(round_index, self.client_gradients(round_index), self.train_sizes(held_in))
+        reading = {row["metric"]: row["value"] for row in rows if row["client"] == ALL_CLIENTS}
+        if reading:
+            self.logger.info("round %d: G² %.4g, B² %.4g at the global model over %d clients (%.1fs)", round_index,
+                             reading["g2"], reading["b2"], len(rows) - len(reading), time.perf_counter() - began,
+                             extra={ROUND_LINE: True})
+        return rows
+
     def evaluate(self, round_index: int) -> tuple[list[dict[str, Any]], float]:
         """Server models on the global test split, the global model on the validation rows (if any), then every
         client's splits (network.client.evaluate_client).
@@ -276,6 +307,22 @@ class SequentialEngine:
         for start in range(0, len(sampled), chunk):
             members = sampled[start:start + chunk]
             yield from zip(members, self._train_chunk(round_index, members, broadcast, lr))
+
+    def train_sizes(self, round_index: int) -> dict[str, int]:
+        """Each client's number of train rows in ``round_index`` (a temporal schedule's rows held then)."""
+        return train_sizes_at(self.clients, self.algorithm.federation.client_sizes, round_index)
+
+    def client_gradients(self, round_index: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(client_id, ∇F_k)`` at the global model for every client with train rows (under temporal skew: those it
+        holds in ``diagnosed_round(round_index)``, over those rows), in the engine's client order."""
+        load_weights(self.model, self.global_weights)
+        held_in = diagnosed_round(round_index)
+        sizes = self.train_sizes(held_in)
+        for client_id, client in self.clients.items():
+            if sizes[client_id]:
+                yield client_id, client_gradient(self.model, client_at(client, held_in), self.loss_fn, self.device,
+                                                 gradient_seed(self.config.seed, client_id),
+                                                 self.config.diagnostics_max_samples, self.private_params)
 
     def client_evaluations(self, round_index: int) -> dict[str, dict[str, dict[str, float]]]:
         """split -> client id -> metrics, for every client with test samples (in the engine's client order)."""
@@ -358,7 +405,7 @@ class SequentialEngine:
         self.store.restore({})
         self.server = self.algorithm.calibrate_server(self.server, self.model, self.calibration_loader, self.device)
         rows, test_loss = self.evaluate(0)
-        self._finish_round(0, rows, test_loss)
+        self._finish_round(0, rows + self.diagnose(0), test_loss)
         self.logger.info("round 0: test loss %.4g", test_loss, extra={ROUND_LINE: True})
         return 0
 

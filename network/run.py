@@ -29,6 +29,7 @@ from models import build_task_model, get_task, load_task_model
 from network.algorithms import build_algorithm
 from network.algorithms.base import Algorithm
 from network.client_data import LOCAL_TESTS
+from network.diagnostics import check_diagnostics_options
 from network.engine_sequential import EngineConfig, check_vectorizable
 from network.lr_schedule import make_lr_schedule
 from partitioning.assignments import load_assignments
@@ -44,7 +45,8 @@ ENGINES = ("sequential", "flower")  # round loops over the same algorithm object
 # Fields that do not change what a run computes: a resumed run may differ in them.
 NOT_IN_SIGNATURE = ("out", "resume", "use_accelerator", "num_workers", "cache_dir", "deterministic", "n_rounds",
                     "eval_every", "diagnostics", "progress", "client_state_memory_mb", "engine", "flower_mode", "flower_num_cpus",
-                    "flower_num_gpus", "min_available_clients", "threads", "tensorboard", "round_lines")
+                    "flower_num_gpus", "min_available_clients", "threads", "tensorboard", "round_lines",
+                    "diagnostics_every", "diagnostics_max_samples")
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,8 @@ class RunConfig:
     finetune_steps: int = 0
     local_test: str = "assigned"
     diagnostics: bool = False
+    diagnostics_every: int = 1
+    diagnostics_max_samples: int | None = None
     eval_every: int = 1
     rand_seed: int = 42
     deterministic: bool = False
@@ -119,6 +123,7 @@ class RunConfig:
             value = getattr(self, item.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise TaskHetError(f"--{item.name} must be a finite number, got {value!r}")
+        check_diagnostics_options(self.diagnostics_every, self.diagnostics_max_samples)
         if not isinstance(self.settings, dict):
             raise TaskHetError(f"the run's settings must map setting names to values, got {self.settings!r}")
         build_settings(get_settings_class(self.method), self.settings, self.method)
@@ -193,7 +198,9 @@ def prepare(config: RunConfig) -> FedSetup:
         client_fraction=config.client_fraction, eval_every=config.eval_every, momentum=config.momentum,
         weight_decay=config.weight_decay, resume=config.resume, progress=config.progress,
         max_state_memory_bytes=int(config.client_state_memory_mb * 2**20), finetune_steps=config.finetune_steps,
-        diagnostics=config.diagnostics, tensorboard=config.tensorboard, round_lines=config.round_lines,
+        diagnostics=config.diagnostics, diagnostics_every=config.diagnostics_every,
+        diagnostics_max_samples=config.diagnostics_max_samples, tensorboard=config.tensorboard,
+        round_lines=config.round_lines,
         vectorize_chunk=config.vectorize_chunk if config.vectorize_clients else 0,
         signature={**{key: str(value) for key, value in dataclasses.asdict(config).items() if key not in NOT_IN_SIGNATURE},
                    **skews_signature(meta)})

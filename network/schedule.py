@@ -101,6 +101,20 @@ def holding_clients(clients: Mapping[str, ClientData], round_index: int) -> list
     return ids
 
 
+def diagnosed_round(round_index: int) -> int:
+    """Whose rows the gradient diagnostics after ``round_index`` read: those of the round just trained (after round
+    0, the start model: those round 1 trains), as :func:`evaluation_view` fine-tunes on."""
+    return max(round_index, 1)
+
+
+def train_sizes_at(clients: Mapping[str, ClientData], sizes: Mapping[str, int], round_index: int) -> dict[str, int]:
+    """n_k in ``round_index``: the rows a scheduled client holds then, else its fixed train size from ``sizes``.
+
+    The gradient diagnostics weigh p_k by these (F_k at round t is the loss over the rows held at t)."""
+    return {client_id: client.schedule.count(round_index) if client.schedule is not None else int(sizes[client_id])
+            for client_id, client in clients.items()}
+
+
 def schedules_of(clients: Iterable[ClientData]) -> dict[str, ClientSchedule]:
     """The counting-only schedules of the scheduled clients, by id (what the Flower server samples with)."""
     return {str(client.client_id): client.schedule.counting_only() for client in clients if client.schedule is not None}

@@ -97,7 +97,15 @@ def build_parser(method: str | None = None, prog: str = "test_fed.py", descripti
              "⌊n_c/N·|test|⌋ images of class c; clients may overlap) (default: assigned)")
     add("--diagnostics", action=argparse.BooleanOptionalAction, default=False,
         help="per round: client drift ‖y_k − x‖, mean/max update norm (metrics.csv) and the update-cosine matrix "
-             "(diagnostics/round_<r>_cosine.npy, heatmap on evaluation rounds)")
+             "(diagnostics/round_<r>_cosine.npy, heatmap on evaluation rounds); every --diagnostics_every rounds, G², "
+             "B² and each client's ‖∇F_k‖² at the global model over all clients (metrics.csv split diagnostics); "
+             "plot diagnostics.png")
+    add("--diagnostics_every", type=positive_int, default=defaults.diagnostics_every,
+        help="--diagnostics: take every client's gradient at the global model every this many rounds, round 0 "
+             "included (default: 1)")
+    add("--diagnostics_max_samples", type=positive_int, default=None,
+        help="--diagnostics: each client's gradient over at most this many of its train rows, a sample fixed by "
+             "the seed and the client (the same every round) (default: all of them)")
     add("--eval_every", type=positive_int, default=1, help="evaluate every this many rounds (default: 1)")
     add("--rand_seed", "--seed", type=int, default=defaults.rand_seed, help="root seed of init, sampling and training (default: 42)")
     add("--deterministic", action=argparse.BooleanOptionalAction, default=False, help="deterministic kernels")

@@ -128,29 +128,29 @@ def global_test() -> list[dict]:
 
 
 def engine_inputs(out_dir: Path, name: str, rounds: int, clients: list[ClientData], fraction: float,
-                  finetune_steps: int = 2) -> tuple:
+                  finetune_steps: int = 2, **config_extra) -> tuple:
     """The sequential engine's arguments: TinyNet (BatchNorm, dropout), momentum, fine-tuning at evaluation."""
     torch.manual_seed(0)
     algorithm, model = build_algorithm(name, tiny_model_for(name), {client.client_id: client.num_samples for client in clients},
                                        FAST_SETTINGS.get(name), seed=SEED)
     config = EngineConfig(out_dir=out_dir, n_rounds=rounds, lr_schedule=make_lr_schedule("constant", 0.05, rounds),
                           seed=SEED, local_steps=3, client_fraction=fraction, momentum=0.5, progress=False,
-                          signature={"test": name}, finetune_steps=finetune_steps)
+                          signature={"test": name}, finetune_steps=finetune_steps, **config_extra)
     return model, algorithm, clients, loss_fn, evaluate, global_test(), config, CPU
 
 
 def run_sequential(out_dir: Path, name: str, rounds: int, fraction: float = 0.75,
-                   only: list[str] | None = None) -> SequentialEngine:
-    engine = SequentialEngine(*engine_inputs(out_dir, name, rounds, make_clients(only=only), fraction))
+                   only: list[str] | None = None, **config_extra) -> SequentialEngine:
+    engine = SequentialEngine(*engine_inputs(out_dir, name, rounds, make_clients(only=only), fraction, **config_extra))
     engine.run()
     return engine
 
 
 def run_in_process(out_dir: Path, name: str, rounds: int, fraction: float = 0.75, clients=None, num_nodes: int = 2,
-                   min_available_clients: int | None = None) -> FlowerEngine:
+                   min_available_clients: int | None = None, **config_extra) -> FlowerEngine:
     """The FlowerEngine over an InProcessGrid whose nodes host ``clients[p::num_nodes]``."""
     model, algorithm, clients, loss, evaluate_fn, test, config, device = engine_inputs(
-        out_dir, name, rounds, clients or make_clients(), fraction)
+        out_dir, name, rounds, clients or make_clients(), fraction, **config_extra)
     # The nodes get their own copies, as Ray workers do: nothing may pass between server and nodes but messages.
     host = NodeHost(copy.deepcopy(model), copy.deepcopy(algorithm), {client.client_id: client for client in clients},
                     loss, evaluate_fn, device, out_dir / "node_states")
@@ -207,6 +207,21 @@ def test_every_algorithm_over_flower_messages_equals_the_sequential_engine(tmp_p
         metrics.split == CLIENT_TEST_SPLIT].client)
     assert (metrics.split == PERSONAL_TEST_SPLIT).any() == engine.algorithm.personalized
     assert load_checkpoint(tmp_path / "flower" / "checkpoint.pt")["client_states"] == {}  # state stays on nodes
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedper"])
+def test_diagnostics_gradients_taken_on_the_nodes_equal_the_sequential_engines(tmp_path, name):
+    """--diagnostics over Flower: each node takes its clients' gradients at the global model (fedper: its shared
+    body only), every client of the federation, sampled or not, on a fixed sample of 10 rows."""
+    options = {"diagnostics": True, "diagnostics_every": 2, "diagnostics_max_samples": 10}
+    reference = run_sequential(tmp_path / "sequential", name, rounds=2, **options)
+    flower = run_in_process(tmp_path / "flower", name, rounds=2, **options)
+    assert_same_server(reference, flower)
+    assert_same_metrics(reference.out_dir, flower.out_dir)
+    metrics = metrics_of(flower.out_dir)
+    gradients = metrics[(metrics.split == "diagnostics") & (metrics.metric == "grad_norm2")]
+    assert gradients.groupby("round").client.apply(sorted).to_dict() == {0: ["0", "1", "2", "3"], 2: ["0", "1", "2", "3"]}
+    assert (flower.out_dir / "diagnostics.png").is_file()
 
 
 def test_a_bundle_survives_the_wire_with_its_empty_groups():

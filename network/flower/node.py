@@ -27,9 +27,10 @@ from flwr.common.constant import ErrorCode
 from torch import nn
 
 from network.aggregation import Weights
-from network.algorithms.base import Algorithm, Bundle, ClientConfig, ClientResult, LossFn
+from network.algorithms.base import Algorithm, Bundle, ClientConfig, ClientResult, LossFn, load_weights
 from network.client import ClientData, EvaluateFn, evaluate_client, train_client
-from network.schedule import client_at, evaluation_view
+from network.diagnostics import client_gradient
+from network.schedule import client_at, diagnosed_round, evaluation_view
 from network.flower import protocol as P
 from utils.errors import TaskHetError
 from utils.run_dir import atomic_torch_save, load_checkpoint
@@ -138,6 +139,14 @@ class NodeHost:
                                models[str(orders[P.GLOBAL_MODEL_NAME])], state, client, self.loss_fn, self.device,
                                finetune, seed)
 
+    def gradient(self, orders: ConfigRecord, global_weights: Weights) -> torch.Tensor:
+        """One client's ∇F_k at the global model (``--diagnostics``), exactly as the sequential engine takes it."""
+        # temporal skew: F_k over the rows the client holds in the diagnosed round
+        client = client_at(self.client(orders), diagnosed_round(int(orders[P.ROUND])))
+        load_weights(self.model, global_weights)
+        return client_gradient(self.model, client, self.loss_fn, self.device, int(orders[P.GRADIENT_SEED]),
+                               int(orders[P.GRADIENT_MAX_SAMPLES]) or None, self.algorithm.private_keys())
+
     def hosted(self, orders: ConfigRecord) -> list[str]:
         """The hosted client ids; on a fresh start (``RESET_STATE``) their old states of this run are dropped."""
         if bool(orders[P.RESET_STATE]):
@@ -181,6 +190,9 @@ def _train(host: NodeHost, content: RecordDict, orders: ConfigRecord) -> RecordD
 
 def _evaluate(host: NodeHost, content: RecordDict, orders: ConfigRecord) -> RecordDict:
     models = P.read_bundle(content, P.MODEL_PREFIX, list(orders[P.MODEL_NAMES]), host.device)
+    if P.GRADIENT_SEED in orders:
+        gradient = host.gradient(orders, models[str(orders[P.GLOBAL_MODEL_NAME])])
+        return RecordDict({P.GRADIENT_RECORD: P.to_record({P.GRADIENT_RECORD: gradient})})
     return RecordDict(P.split_records(host.evaluate(orders, models)))
 
 

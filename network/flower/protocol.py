@@ -14,6 +14,9 @@ A message is a Flower ``RecordDict``:
   ``MODEL_NAMES`` and the fine-tuning settings) and one ArrayRecord ``model/<name>`` per
   server model (``personal_model`` reads them all).
 * evaluate reply: one MetricRecord ``split/<split>`` per split ``evaluate_client`` returned.
+* gradient (``--diagnostics``; an evaluate message whose orders hold ``GRADIENT_SEED`` and
+  ``GRADIENT_MAX_SAMPLES``): the global model only, as ``model/<name>``; its reply: the client's
+  flat ∇F_k at it (``network.diagnostics.client_gradient``) as ``GRADIENT_RECORD``.
 * query (server -> node) and its reply: ``HOSTED_CLIENTS``.
 
 Empty groups: a bundle group may be empty (SCAFFOLD's control variate c in round 1).
@@ -42,6 +45,7 @@ BROADCAST_PREFIX = "broadcast/"  # + group: ArrayRecord of one broadcast group
 UPLOAD_PREFIX = "upload/"  # + group: ArrayRecord of one upload group
 MODEL_PREFIX = "model/"  # + model name: ArrayRecord of one server model (evaluation)
 SPLIT_PREFIX = "split/"  # + split name: MetricRecord of one evaluation split
+GRADIENT_RECORD = "gradient"  # ArrayRecord {GRADIENT_RECORD: flat ∇F_k}: a client's gradient at the global model
 
 # ----- config keys of ORDERS_RECORD and REPLY_RECORD -----
 RUN_KEY = "run-key"  # which run's client states a node reads and writes
@@ -65,6 +69,8 @@ FINETUNE_SEED = "finetune-seed"  # network.client.finetune_seed for (root seed, 
 RESET_STATE = "reset-state"  # discovery on a fresh start: the node drops its states of this run
 NUM_SAMPLES = "num-samples"
 HOSTED_CLIENTS = "client-ids"
+GRADIENT_SEED = "gradient-seed"  # network.diagnostics.gradient_seed for (root seed, client): asks for ∇F_k
+GRADIENT_MAX_SAMPLES = "gradient-max-samples"  # --diagnostics_max_samples; 0 = every train row
 
 # ----- node config (flower-supernode --node-config; the simulation sets partition-id/num-partitions) -----
 PARTITION_ID = "partition-id"

@@ -4,10 +4,10 @@
 clients are remote. Sampling, per-client seeds, the algorithm's ``broadcast`` and
 ``aggregate``, the global test split, metrics names, ``checkpoint.pt``/``best.pt`` and
 ``--resume`` are the sequential engine's own code; what differs is how a round's client
-results and client evaluations are obtained (the two methods overridden here): one
-Flower message per client, all sent at once, replies taken in the engine's order (the
-sampled order for training, so the floating-point summation order, and with it the
-weights, match the sequential engine). Records and keys: :mod:`network.flower.protocol`.
+results, client evaluations and (``--diagnostics``) client gradients are obtained (the
+three methods overridden here): one Flower message per client, all sent at once, replies
+taken in the engine's order (the sampled order for training, so the floating-point
+summation order, and with it the weights, match the sequential engine). Records and keys: :mod:`network.flower.protocol`.
 
 Failures: a client that raises answers with a Flower ``Error`` naming its exception; the
 server names the client. A round needs ``min_available_clients`` results (default: every
@@ -32,10 +32,11 @@ from torch import nn
 from network.aggregation import Weights
 from network.algorithms.base import Algorithm, ClientResult
 from network.client import ClientData, ClientFailure, EvaluateFn, finetune_seed
+from network.diagnostics import gradient_seed
 from network.engine_sequential import EngineConfig, SequentialEngine
 from network.flower import protocol as P
 from network.sampling import client_seed, clients_per_round
-from network.schedule import ClientSchedule
+from network.schedule import ClientSchedule, diagnosed_round
 from utils.errors import TaskHetError
 
 POLL_INTERVAL_S = 0.05  # between pulls of replies from the SuperLink
@@ -140,6 +141,20 @@ class FlowerEngine(SequentialEngine):
             for split, metrics in P.read_splits(content).items():
                 per_split.setdefault(split, {})[client_id] = metrics
         return per_split
+
+    def client_gradients(self, round_index: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every client's ∇F_k at the global model (``--diagnostics``), computed on its node; in the engine's order."""
+        global_name = self._global_model_name()
+        records, names = P.bundle_records(P.MODEL_PREFIX, {global_name: self.server.models[global_name]})
+        sizes = self.train_sizes(diagnosed_round(round_index))
+        messages = {client_id: self._message(client_id, MessageType.EVALUATE, round_index, records, {
+                        P.MODEL_NAMES: names, P.GLOBAL_MODEL_NAME: global_name,
+                        P.GRADIENT_SEED: gradient_seed(self.config.seed, client_id),
+                        P.GRADIENT_MAX_SAMPLES: self.config.diagnostics_max_samples or 0})
+                    for client_id in self.clients if sizes[client_id]}
+        for client_id, reply in self._exchange(messages):
+            content = self._content(reply, f"round {round_index}: the gradient of client {client_id}")
+            yield client_id, P.from_record(content[P.GRADIENT_RECORD], self.device)[P.GRADIENT_RECORD]
 
     # ----- messaging -----
     def _result(self, content: RecordDict) -> ClientResult:
