@@ -128,6 +128,25 @@ def test_a_dense_sgd_state_keeps_the_masks_and_leaves_no_velocity_at_frozen_entr
         assert torch.equal(param.detach()[~mask], old[~mask])
 
 
+def test_a_dense_parameter_before_sparse_ones_leaves_their_masks_in_force():
+    model, masks = model_and_masks()
+    masks[0] = None
+    frozen = [param.detach().clone() for param in model.parameters()]
+    train(model, SparseSGDM(model.parameters(), masks, lr=0.05, momentum=0.9, weight_decay=0.1), steps=3)
+    params = list(model.parameters())
+    assert not torch.equal(params[0], frozen[0])  # None: dense
+    for param, old, mask in zip(params[1:], frozen[1:], masks[1:]):
+        assert torch.equal(param.detach()[~mask], old[~mask])
+
+
+def test_defaults_are_torch_sgds():
+    import inspect
+
+    ours, torchs = (inspect.signature(cls.__init__).parameters for cls in (SparseSGDM, torch.optim.SGD))
+    for name in ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize", "foreach", "fused"):
+        assert ours[name].default == torchs[name].default, name
+
+
 def test_masks_must_match_the_parameters():
     model, masks = model_and_masks()
     with pytest.raises(TaskHetError, match="one mask per parameter: 4 parameters, 3 masks"):
