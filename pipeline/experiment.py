@@ -83,6 +83,7 @@ SCHEMA: dict[str, Any] = {
         "batch_size": 16,
         "init_lr": 0.01,
         "task_init_lr": {},  # task -> its own local learning rate (tasks not listed use init_lr)
+        "per_task": {},  # task -> {federated key: value} for that task's runs (e.g. a cheap head trains longer)
         "momentum": 0.0,  # local SGD momentum (a fresh buffer each round)
         "weight_decay": 0.0,  # local SGD weight decay
         "lr_schedule": "constant",
@@ -100,7 +101,9 @@ SCHEMA: dict[str, Any] = {
 MAX_RUNS = 10_000
 
 # Sections whose values are free-form mappings (algorithm name -> its hyperparameters).
-FREE_FORM = {"federated.algorithms", "federated.task_init_lr", "partition.skews"}
+FREE_FORM = {"federated.algorithms", "federated.task_init_lr", "federated.per_task", "partition.skews"}
+# federated keys that federated.per_task may not change: the grid and the other per-task mappings.
+NOT_PER_TASK = ("algorithms", "task_init_lr", "per_task")
 
 
 @dataclass(frozen=True)
@@ -222,11 +225,44 @@ def validate_names(config: dict[str, Any], source: Path) -> None:
     if sorted(set(config["partition"]["groupings"])) != sorted(GROUPINGS):
         raise TaskHetError(f"{source}: partition.groupings must list both {' and '.join(GROUPINGS)}: the report "
                            f"compares them; got {config['partition']['groupings']}")
+    validate_per_task(config, source)
     for task, lr in config["federated"]["task_init_lr"].items():
         if task not in config["tasks"]:
             raise TaskHetError(f"{source}: federated.task_init_lr names task {task!r}, which is not in tasks {config['tasks']}")
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
             raise TaskHetError(f"{source}: federated.task_init_lr.{task} must be a number > 0, got {lr!r}")
+
+
+def validate_per_task(config: dict[str, Any], source: Path) -> None:
+    """federated.per_task: each task one of ``tasks``, each key a federated key, each value of that key's type."""
+    from network.lr_schedule import make_lr_schedule
+    from pipeline.schema import TYPES
+
+    allowed = [key for key in config["federated"] if key not in NOT_PER_TASK]
+    for task, changes in config["federated"]["per_task"].items():
+        where = f"federated.per_task.{task}"
+        if task not in config["tasks"]:
+            raise TaskHetError(f"{source}: {where} names task {task!r}, which is not in tasks {config['tasks']}")
+        if not isinstance(changes, dict) or not changes:
+            raise TaskHetError(f"{source}: {where} must map federated keys to this task's values, e.g. "
+                               f"{{batch_size: 64, lr_schedule: cosine}}, got {changes!r}")
+        for key, value in changes.items():
+            if key not in allowed:
+                raise TaskHetError(f"{source}: {where}.{key} is not a federated key a task may change; allowed: "
+                                   f"{', '.join(allowed)}")
+            try:
+                changes[key] = TYPES[f"federated.{key}"](value, f"{where}.{key}")
+                if key == "lr_schedule":
+                    make_lr_schedule(value, 1.0, 1)
+            except TaskHetError as error:
+                raise TaskHetError(f"{source}: {str(error).replace('--lr_schedule', f'{where}.lr_schedule')}") from None
+
+
+def task_federated(config: dict[str, Any], task: str) -> dict[str, Any]:
+    """The federated section one task's runs use: the shared keys, then task_init_lr, then federated.per_task."""
+    federated = {key: value for key, value in config["federated"].items() if key not in NOT_PER_TASK}
+    federated["init_lr"] = config["federated"]["task_init_lr"].get(task, federated["init_lr"])
+    return {**federated, **config["federated"]["per_task"].get(task, {})}
 
 
 def validate_split_csv(data: dict[str, Any], source: Path) -> None:

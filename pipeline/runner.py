@@ -33,11 +33,12 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from models.tasks import get_task
+from network.algorithms.base import ALGORITHMS
 from network.client import GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT
 from network.run_outputs import GLOBAL_CLIENT, METRICS_COLUMNS
 from partitioning.groupings import EMBEDDING_BASED, GROUPINGS, IID_REFERENCE
 from pipeline.checks import check_input_files
-from pipeline.experiment import DATA_SOURCES, Combination, combinations, split_csv_path
+from pipeline.experiment import DATA_SOURCES, Combination, combinations, split_csv_path, task_federated
 from pipeline.report import write_report
 from pipeline.stages import is_done, run_stage, stage_key
 from steps import assign as step3b
@@ -178,9 +179,8 @@ class Pipeline:
     def federated(self, combination: Combination, root: Path, manifest: Path, assignments: Path,
                   model_dir: Path) -> FederatedStage:
         """Step 4's stage of one combination (run later by :meth:`run_federated`)."""
-        federated = dict(self.config["federated"])
-        hyper = federated.pop("algorithms")[combination.algorithm] or {}
-        federated["init_lr"] = federated.pop("task_init_lr").get(combination.task, federated["init_lr"])
+        federated = task_federated(self.config, combination.task)
+        hyper = self.config["federated"]["algorithms"][combination.algorithm] or {}
         params = {
             "task": combination.task, "method": combination.algorithm, "rand_seed": combination.seed,
             "alpha": None if combination.grouping == IID_REFERENCE else combination.alpha,
@@ -293,10 +293,14 @@ class Pipeline:
             metrics = read_csv(run_dir / "metrics.csv", "step-4 metrics", METRICS_COLUMNS, finished=True)
             history = global_test_history(metrics)
             last = history[history["round"] == history["round"].max()].set_index("metric").value
+            personal = ALGORITHMS.get(combination.algorithm).result_is_personal
             finals.append({**keys, "loss": last["loss"], "metric": metric, "metric_value": last[metric],
-                           "personal_loss": final_personal_loss(metrics)})
-            for round_index, loss in history[history.metric == "loss"][["round", "value"]].itertuples(index=False):
-                curves.append({**keys, "round": round_index, "loss": loss})
+                           "personal_loss": final_personal_loss(metrics),
+                           "personal_metric_value": final_personal_loss(metrics, metric), "result_is_personal": personal})
+            # The curve of what the algorithm delivers: for FedRep its clients' own models (its global head is untrained).
+            curve = personal_test_history(metrics) if personal else history
+            for round_index, loss in curve[curve.metric == "loss"][["round", "value"]].itertuples(index=False):
+                curves.append({**keys, "round": round_index, "loss": loss, "model": "personal" if personal else "global"})
             if combination.seed == self.config["seeds"][0] and combination.grouping in GROUPINGS:
                 heatmaps[(combination.task, combination.grouping, combination.alpha)] = assignments / "client_group_heatmap.png"
         centralized = {task: best_validation_loss(model_dir / "metrics.csv") for task, model_dir in model_dirs.items()}
@@ -359,9 +363,15 @@ def global_test_history(metrics: pd.DataFrame) -> pd.DataFrame:
     return metrics[(metrics.split == GLOBAL_TEST_SPLIT) & (metrics.client == GLOBAL_CLIENT)]
 
 
-def final_personal_loss(metrics: pd.DataFrame) -> float:
-    """Mean loss of the clients' own models on their client-test splits, last round (NaN without personal models)."""
-    rows = metrics[(metrics.split == PERSONAL_TEST_SPLIT) & (metrics.client == "mean") & (metrics.metric == "loss")]
+def personal_test_history(metrics: pd.DataFrame) -> pd.DataFrame:
+    """The clients' own models' mean metrics on their client-test splits, every evaluated round."""
+    return metrics[(metrics.split == PERSONAL_TEST_SPLIT) & (metrics.client == "mean")]
+
+
+def final_personal_loss(metrics: pd.DataFrame, metric: str = "loss") -> float:
+    """Mean ``metric`` of the clients' own models on their client-test splits, last round (NaN without personal models)."""
+    rows = personal_test_history(metrics)
+    rows = rows[rows.metric == metric]
     return float(rows[rows["round"] == rows["round"].max()].value.iloc[0]) if len(rows) else float("nan")
 
 

@@ -222,6 +222,8 @@ TYPES: dict[str, Check] = {
     "federated.batch_size": Int(1),
     "federated.init_lr": POSITIVE,
     "federated.task_init_lr": Mapping("map task names to their learning rates", "{class_scene: 0.05}", allow_empty=True),
+    "federated.per_task": Mapping("map task names to the federated keys their runs change",
+                                  "{class_scene: {batch_size: 64, lr_schedule: cosine}}", allow_empty=True),
     "federated.momentum": Float(0, 1, high_open=True),
     "federated.weight_decay": Float(0),
     "federated.lr_schedule": Str(),

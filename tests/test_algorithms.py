@@ -395,6 +395,21 @@ def test_evaluation_fine_tuning_starts_from_the_clients_own_model(tmp_path, monk
     assert len(starts) == len(engine.clients)
 
 
+@pytest.mark.parametrize("name", list_algorithms())
+def test_an_algorithm_whose_global_head_never_trains_reports_its_personal_models(tmp_path, name):
+    """result_is_personal (the reports read the clients' own models, pipeline/report.py) exactly when the
+    algorithm has personal models and keeps the whole head private, so the server's head stays at its init."""
+    engine = make_engine(tmp_path, name, rounds=2, client_fraction=1.0)
+    head = set(engine.model.head_keys())
+    initial = {key: value.clone() for key, value in engine.server.models["global"].items() if key in head} \
+        if "global" in engine.server.models else {}
+    engine.run()
+    untrained_head = bool(initial) and all(torch.equal(engine.server.models["global"][key], value)
+                                           for key, value in initial.items())
+    keeps_head = engine.algorithm.personalized and head <= engine.algorithm.private_keys()
+    assert type(engine.algorithm).result_is_personal == (keeps_head and untrained_head), (keeps_head, untrained_head)
+
+
 def test_training_loss_is_the_per_sample_mean_over_unequal_batches_in_eval_mode():
     """F_i(θ) of IFCA and q-FedAvg, by hand: batches of 3, 5 and 1 samples weigh by their samples, not per batch."""
     from network.algorithms.base import ClientConfig

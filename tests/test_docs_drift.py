@@ -46,9 +46,13 @@ def test_the_readme_describes_the_demo_file_it_runs():
     assert int(clients) == partition["n_clients"] and int(sampled) == round(federated["client_fraction"] * int(clients))
     rounds, steps = _number(r"(\d+) rounds × (\d+) local SGD steps", bullet)
     assert (int(rounds), int(steps)) == (federated["n_rounds"], federated["local_steps"])
-    momentum, lr, class_lr = _number(r"\(momentum ([\d.]+), lr ([\d.]+); class_scene ([\d.]+) through", bullet)
-    assert (float(momentum), float(lr), float(class_lr)) == (federated["momentum"], federated["init_lr"],
-                                                            federated["task_init_lr"]["class_scene"])
+    momentum, lr, batch, class_batch, class_lr, class_schedule = _number(
+        r"\(momentum ([\d.]+), lr ([\d.]+), batch (\d+); class_scene batch (\d+),\s+lr ([\d.]+) with a (\w+) schedule "
+        r"through `federated.per_task`\)", bullet)
+    class_scene = federated["per_task"]["class_scene"]
+    assert (float(momentum), float(lr), int(batch)) == (federated["momentum"], federated["init_lr"], federated["batch_size"])
+    assert (int(class_batch), float(class_lr), class_schedule) == (class_scene["batch_size"], class_scene["init_lr"],
+                                                                  class_scene["lr_schedule"])
     width, size = _number(r"decoder width (\d+)\) at (\d+) px", bullet)
     assert (int(width), int(size)) == (demo["model"]["decoder_width"], demo["model"]["image_size"])
     alphas = _number(r"α ∈ \{([\d., ]+)\} plus iid", bullet)[0]

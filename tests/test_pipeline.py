@@ -56,6 +56,7 @@ def test_tiny_experiment_end_to_end(tmp_path):
     # A frozen encoder whose maps are cached: steps 2, 3c and 4 share one feature store.
     config["model"].update(freeze_encoder=True, cache_features=True, decoder_width=8)
     config["federated"]["task_init_lr"] = {"depth_euclidean": 0.0123}
+    config["federated"]["per_task"] = {"depth_euclidean": {"local_steps": 3, "lr_schedule": "cosine"}}
     experiment = write_experiment(tmp_path, config)
     run_pipeline.main([str(experiment), "--results", str(tmp_path / "results")])
     out = tmp_path / "results" / "tiny"
@@ -64,6 +65,7 @@ def test_tiny_experiment_end_to_end(tmp_path):
         args = json.loads(run_config.read_text())["args"]
         assert (args["weights"], args["decoder_width"], args["cache_features"]) == ("none", 8, True), run_config
         assert args["init_lr"] == 0.0123, run_config  # the task's own rate, not federated.init_lr
+        assert (args["local_steps"], args["lr_schedule"]) == (3, "cosine"), run_config  # federated.per_task
     federated = load_task_model(next(out.glob("federated/**/best.pt")))
     narrow, default = (build_task_model("depth_euclidean", "small_cnn", decoder_width=width) for width in (8, None))
     assert federated.config["decoder_width"] == 8 and federated.decoder.out_channels == narrow.decoder.out_channels
@@ -124,6 +126,14 @@ def test_killed_during_step4_resumes_to_the_same_report(tmp_path):
         (lambda c: c.setdefault("model", {}).update(cache_features=True), "model.cache_features needs model.freeze_encoder"),
         (lambda c: c["federated"].update(task_init_lr={"normal": 0.1}), "task_init_lr names task 'normal'"),
         (lambda c: c["federated"].update(task_init_lr={"depth_euclidean": -1}), "task_init_lr.depth_euclidean"),
+        (lambda c: c["federated"].update(per_task={"normal": {"local_steps": 3}}), "federated.per_task.normal names task 'normal'"),
+        (lambda c: c["federated"].update(per_task={"depth_euclidean": {"batch_size": 0}}),
+         "federated.per_task.depth_euclidean.batch_size must be an integer >= 1"),
+        (lambda c: c["federated"].update(per_task={"depth_euclidean": {"algorithms": {}}}),
+         "federated.per_task.depth_euclidean.algorithms is not a federated key a task may change"),
+        (lambda c: c["federated"].update(per_task={"depth_euclidean": {"lr_schedule": "cosin"}}),
+         "federated.per_task.depth_euclidean.lr_schedule 'cosin' is not one of"),
+        (lambda c: c["federated"].update(per_task={"depth_euclidean": 3}), "federated.per_task.depth_euclidean must map"),
     ],
 )
 def test_bad_experiment_rejected_before_any_work(tmp_path, edit, named):

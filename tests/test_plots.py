@@ -66,7 +66,7 @@ def _finals() -> pd.DataFrame:
 
 
 def test_loss_vs_alpha_has_one_panel_per_algorithm_bounded_bands_and_the_legend_off_the_data(tmp_path, figures):
-    from pipeline.report import plot_loss_vs_alpha
+    from pipeline.report_plots import plot_loss_vs_alpha
 
     plot_loss_vs_alpha(_finals(), tmp_path / "loss_vs_alpha.png")
     figure = figures[-1]
@@ -84,7 +84,7 @@ def test_loss_vs_alpha_has_one_panel_per_algorithm_bounded_bands_and_the_legend_
 
 
 def test_round_curves_say_which_style_is_which_grouping(tmp_path, figures):
-    from pipeline.report import plot_round_curves
+    from pipeline.report_plots import plot_round_curves
 
     curves = pd.concat([_finals().assign(round=r) for r in (1, 2)])
     plot_round_curves(curves, tmp_path / "round_curves.png")

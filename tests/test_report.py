@@ -95,7 +95,7 @@ def test_one_decided_cell_of_eight_claims_no_direction_and_bh_is_counted_beside(
 
 
 def test_iid_loss_intervals_never_go_below_zero():
-    from pipeline.report import iid_table
+    from pipeline.iid_report import iid_table
 
     iid = pd.DataFrame([dict(task="normal", grouping="iid", alpha=float("inf"), algorithm="fedavg", seed=seed, loss=loss,
                              metric="mean_angle", metric_value=30.0) for seed, loss in enumerate((0.05, 0.4, 0.1))])
@@ -104,7 +104,7 @@ def test_iid_loss_intervals_never_go_below_zero():
 
 
 def test_the_iid_reference_is_compared_with_the_centralized_loss():
-    from pipeline.report import iid_table
+    from pipeline.iid_report import iid_table
 
     iid = pd.DataFrame([dict(task="normal", grouping="iid", alpha=float("inf"), algorithm=algorithm, seed=seed,
                              loss=loss, metric="mean_angle", metric_value=30.0)
@@ -170,3 +170,50 @@ def test_personal_models_get_their_own_gap_table(tmp_path):
                  {("depth_euclidean", "label_based", 0.1): tmp_path / "heatmap.png"}, "cmd")
     assert "## Personalised models" in (out / "report.md").read_text()
     assert len(pd.read_csv(out / "report_personal.csv")) == 1
+
+
+def _fedavg_and_fedrep() -> pd.DataFrame:
+    """FedAvg read from its global model; FedRep's global loss 50 (an untrained head) beside its clients' own models."""
+    fedavg = _three_seeds([1.0, 2.0, 3.0], [1.2, 2.4, 3.3]).assign(personal_loss=np.nan, result_is_personal=False)
+    fedrep = _three_seeds([50.0] * 3, [50.0] * 3, algorithm="fedrep").assign(result_is_personal=True)
+    fedrep["personal_loss"] = [0.5, 0.6, 0.7, 0.6, 0.8, 0.9]  # label 0.5, 0.6, 0.7; embedding 0.6, 0.8, 0.9
+    fedrep["personal_metric_value"] = 20.0
+    return pd.concat([fedavg, fedrep], ignore_index=True)
+
+
+def test_fedrep_enters_the_table_the_counts_and_the_plots_through_its_personal_models(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from pipeline import report_plots
+
+    drawn = {}
+    monkeypatch.setattr(report_plots, "save_figure", lambda figure, path, dpi: drawn.setdefault(path.name, figure))
+    finals = _fedavg_and_fedrep()
+    curves = pd.concat([finals.assign(round=r, loss=np.where(finals.result_is_personal, finals.personal_loss, finals.loss),
+                                      model=np.where(finals.result_is_personal, "personal", "global")) for r in (1, 2)])
+    plt.imsave(tmp_path / "heatmap.png", np.eye(4))
+    out = tmp_path / "report"
+    table = write_report(out, finals, curves, {"normal": 1.0}, {"normal": {"nmi": 0.2, "ari": 0.1}},
+                         {("normal", "label_based", 0.1): tmp_path / "heatmap.png"}, "cmd").set_index("algorithm")
+    # FedRep's row is its personal losses: label mean 0.6, embedding 0.7667; d = (0.1, 0.2, 0.2): mean 0.16667,
+    # s = 0.057735, half-width 4.302653·0.057735/√3 = 0.143422 -> [0.023245, 0.310089]: decided, embedding worse.
+    assert np.isclose(table.loc["fedrep", "label_loss_mean"], 0.6)
+    assert np.isclose(table.loc["fedrep", "embedding_loss_mean"], 0.8 - 0.1 / 3)
+    assert np.isclose(table.loc["fedrep", "diff_ci_low"], 0.023245, atol=1e-6)
+    assert table.loc["fedrep", "verdict"] == "embedding worse"
+    assert np.isclose(table.loc["fedrep", "label_metric_mean"], 20.0)  # its personal metric, not the global one
+    text = (out / "report.md").read_text()
+    # Both cells decided, both embedding worse: the summary counts FedRep's personal cell.
+    assert "decided in 2 of 2 cells (embedding worse 2, label worse 0" in text
+    assert "except fedrep: the global head is never trained" in text and "| normal | fedrep‡ | 0.1 |" in text
+    # The loss-vs-α panel of FedRep is drawn from its personal losses, and its axis says so.
+    panels = {axis.get_title(): axis for axis in drawn["loss_vs_alpha.png"].axes}
+    fedrep_axis = panels["normal · fedrep"]
+    assert fedrep_axis.get_ylabel() == "final test loss, clients' own models"
+    assert max(line.get_ydata().max() for line in fedrep_axis.get_lines()) < 1.0  # never the untrained head's 50
+    assert panels["normal · fedavg"].get_ylabel() == "final global test loss"
+    # The round curves share one axis per α: the global loss of 50 must not be on it.
+    curve_axis = drawn["round_curves.png"].axes[0]
+    assert max(line.get_ydata().max() for line in curve_axis.get_lines()) < 4.0
+    legend = [text.get_text() for text in drawn["round_curves.png"].legends[0].get_texts()]
+    assert "fedrep (clients' own models)" in legend and "fedavg" in legend

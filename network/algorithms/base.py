@@ -217,6 +217,9 @@ class Algorithm(ABC):
     name: ClassVar[str] = ""
     Settings: ClassVar[type] = object
     personalized: ClassVar[bool] = False  # True: clients have own models (personal_model), evaluated separately
+    # True: the clients' own models ARE the result and the global model is not (FedRep, FedPer: the global head is
+    # never trained, so its global loss measures nothing); reports read these algorithms from their personal models.
+    result_is_personal: ClassVar[bool] = False
     # True: ``client_updates`` trains a chunk of clients in lock-step (--vectorize_clients, network/vectorized.py).
     vectorizable: ClassVar[bool] = False
     needs_classifier: ClassVar[bool] = False  # True: its worker model replaces a Linear classifier head (FedLoGe, FedRoD)
