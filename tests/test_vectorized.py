@@ -151,7 +151,36 @@ def test_an_algorithm_that_does_not_declare_support_is_refused_by_name(tmp_path,
 
 
 def test_the_supporting_algorithms_are_the_skeleton_family():
-    assert set(SUPPORTED) >= {"fedavg", "fedprox", "fedper", "fedrep", "fedbn", "ditto", "scaffold", "ifca"}
+    assert set(SUPPORTED) >= {"fedavg", "fedprox", "fedper", "fedrep", "fedbn", "ditto", "scaffold", "ifca", "sparse_ft"}
+
+
+@pytest.mark.parametrize("mask_source", ["client", "server"])
+def test_sparse_ft_vectorised_moves_only_each_clients_mask_and_equals_sequential(tmp_path, mask_source):
+    """Each client's mask (its own, calibrated under its own seed on its own loader; or the server's) gates its
+    lock-step update: one round from θ_0 leaves every entry outside the mask at its exact bits, the run equals
+    the sequential one, and training did move the masked entries."""
+    settings = {"density": 0.3, "mask_source": mask_source, "keep_local_models": True}
+    engines = {}
+    for name, chunk in (("sequential", 0), ("vectorized", 5)):
+        engine = make_engine(tmp_path / name, "sparse_ft", settings, chunk=chunk, rounds=1)
+        engine.calibration_loader = make_clients()[0].train_loader(0)  # held-out data for the server's mask
+        engine.run()
+        engines[name] = engine
+    assert_same_runs(engines["sequential"], engines["vectorized"])
+    vectorized = engines["vectorized"]
+    states = vectorized.store.snapshot()
+    assert len(states) == 3  # client_fraction 0.6 of 5 clients
+    server_masks = {key[len("mask/"):]: value for key, value in vectorized.server.tensors.items()
+                    if key.startswith("mask/")}
+    for client_id, state in states.items():
+        masks = server_masks or {key[len("mask/"):]: value for key, value in state.items() if key.startswith("mask/")}
+        assert masks and bool(server_masks) == (mask_source == "server")
+        masked, entries, moved_inside = 0, 0, 0
+        for key, mask in masks.items():
+            moved = state["local/" + key] != vectorized.server.tensors["base/" + key]
+            assert not (moved & ~mask.bool()).any(), (client_id, key)  # nothing outside the mask moved
+            masked, entries, moved_inside = masked + int(mask.sum()), entries + mask.numel(), moved_inside + int(moved.sum())
+        assert 0 < masked < entries and moved_inside > 0, client_id  # a real sparse mask, and training moved it
 
 
 def test_a_model_with_dropout_is_refused_naming_the_module(tmp_path):
@@ -285,7 +314,7 @@ def test_fed_vectorised_on_cached_encoder_maps_equals_sequential(tiny_data_root,
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--method", "sparse_ft"], r"--vectorize_clients: algorithm sparse_ft does not train vectorised"),
+    (["--method", "qfedavg"], r"--vectorize_clients: algorithm qfedavg does not train vectorised"),
     (["--engine", "flower"], r"--vectorize_clients needs --engine sequential"),
 ])
 def test_fed_refuses_what_cannot_train_vectorised_before_writing_anything(tiny_data_root, tiny_manifest,  # noqa: F811
