@@ -243,6 +243,30 @@ def test_a_client_without_a_batch_takes_masked_steps_that_change_nothing():
         assert result.results[index].mean_loss == pytest.approx(sum(losses) / len(losses), rel=1e-6)
 
 
+class WithUnusedLayer(nn.Module):
+    """A linear model with a parameter no loss reaches (e.g. a head another phase trains)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = nn.Linear(3, 1), nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def test_a_parameter_without_gradient_is_left_alone_as_torch_sgd_leaves_it():
+    """torch's SGD skips a parameter whose .grad is None: no weight decay, no momentum. The lock-step does the same
+    (vmap(grad) gave it zeros, so weight decay shrank it)."""
+    model, loaders = WithUnusedLayer(), linear_clients(2)[1]
+    state = {key: value.detach().unsqueeze(0).repeat(2, *([1] * value.dim())) for key, value in model.state_dict().items()}
+    cfg = ClientConfig(lr=0.1, loss_fn=regression, device=CPU, num_samples=4, local_epochs=1, momentum=0.9,
+                       weight_decay=0.5)
+    result = train_lockstep(model, state, list(state), loaders, cfg, cfg.budget())
+    for key in ("unused.weight", "unused.bias"):
+        assert torch.equal(result.state[key], state[key]), key
+    assert not torch.equal(result.state["used.weight"], state["used.weight"])
+
+
 def test_a_non_finite_loss_names_the_client_of_the_chunk(tmp_path):
     engine = make_engine(tmp_path, "fedavg", {}, chunk=2)
     poisoned = engine.clients["1"]
