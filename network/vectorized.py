@@ -4,8 +4,8 @@ With a frozen, cached encoder a local step trains a small decoder or head, and m
 time is per-step overhead paid once per client (Python, kernel launches, optimizer
 bookkeeping). Here the C clients of a chunk keep their entries *stacked* (``[C, ...]``
 per state-dict entry) and one step of all of them is one ``vmap`` over
-``functional_call`` + ``grad``, each client on its own batch, followed by one SGD
-update of the stacked tensors. What the sequential engine's loop does per client, this
+``functional_call`` (the forward pass, each client on its own batch), one backward pass
+over the batched graph (:func:`_chunk_gradients`), and one SGD update of the stacked tensors. What the sequential engine's loop does per client, this
 does per chunk, so a client's trajectory is its sequential one (tested for every
 supporting algorithm, ``tests/test_vectorized.py``):
 

@@ -23,6 +23,11 @@ Masks, ``mask_source``:
 in its client state (both in checkpoint.pt), so ``merge_task_vectors.py --run`` can form
 the task vectors τ_k = θ_k − θ_0 (sparse/from_run.py).
 
+``--vectorize_clients``: the client update is one masked SGD phase with fixed per-client
+masks, so a chunk trains in lock-step (``client_updates``: each client's step direction is
+multiplied by its own mask after weight decay, SparseSGDM's rule); a new client's mask is
+calibrated first, alone, under its own seed (``prepare_lockstep``).
+
 Server: per entry, the sample-weighted mean of Δ over the clients whose mask trained it
 (``sparse.aggregation.MaskedMean``: a frozen entry's 0 is no vote), then the server
 optimizer (``server_opt``). With one server mask it is FedAvg's mean.
