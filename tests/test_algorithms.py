@@ -436,3 +436,55 @@ def test_lockstep_refuses_clients_whose_phases_train_different_entries():
     cfgs = [ClientConfig(lr=0.1, loss_fn=loss_fn, device=torch.device("cpu"), num_samples=4, local_steps=1)] * 2
     with pytest.raises(TaskHetError, match="fedavg: clients of one round have different phases"):
         spy.client_updates(model, broadcast, [{}, {"weight": torch.zeros(1, 2)}], [[], []], cfgs)
+
+
+def _halve_gradients(model: nn.Module) -> None:
+    for param in model.parameters():
+        if param.grad is not None:
+            param.grad.mul_(0.5)
+
+
+_halve_gradients.functional = lambda grads: {key: 0.5 * grad for key, grad in grads.items()}  # type: ignore[attr-defined]
+
+
+class _HalvedGradients(FedAvg):
+    """A phase with a gradient hook (its functional form for lock-step): the generic path no built-in phase uses."""
+
+    def phases(self, model, broadcast, client_state, cfg):
+        from network.algorithms.skeleton import Phase
+
+        # A phase of length 0 first: skipped, and the phases after it still run.
+        return [Phase(keys=["bias"], multiple=0), Phase(grad_hook=_halve_gradients), Phase(keys=["weight"], multiple=2)]
+
+
+def test_a_phase_gradient_hook_trains_alike_in_lockstep_and_in_turn_and_by_hand():
+    from network.algorithms.base import ClientConfig
+    from network.algorithms.skeleton import DELTA
+
+    fedavg, model = build_algorithm("fedavg", nn.Linear(2, 1), {"0": 4, "1": 6}, {}, seed=0)
+    algorithm = _HalvedGradients(fedavg.settings, fedavg.federation)
+    initial = {key: value.clone() for key, value in model.state_dict().items()}
+    broadcast = algorithm.broadcast(algorithm.init_server(initial))
+    generator = torch.Generator().manual_seed(5)
+    loaders = [[{"x": torch.randn(n, 2, generator=generator), "y": torch.randn(n, generator=generator)}] for n in (4, 6)]
+
+    def squared(model, batch, reduction="mean"):
+        per_sample = (model(batch["x"]).squeeze(1) - batch["y"]) ** 2
+        return per_sample.mean() if reduction == "mean" else per_sample
+
+    cfgs = [ClientConfig(lr=0.2, loss_fn=squared, device=torch.device("cpu"), num_samples=n, local_steps=1,
+                         momentum=0.0) for n in (4, 6)]
+    lockstep = algorithm.client_updates(model, broadcast, [{}, {}], loaders, cfgs)
+    for loader, cfg, together in zip(loaders, cfgs, lockstep):
+        alone = algorithm.client_update(model, broadcast, {}, loader, cfg)
+        for key in ("weight", "bias"):
+            torch.testing.assert_close(together.upload[DELTA][key], alone.upload[DELTA][key])
+        # By hand: one step at lr·0.5 on every entry, then two steps on the weight alone at lr.
+        x, y = loader[0]["x"], loader[0]["y"]
+        w, b = initial["weight"].clone(), initial["bias"].clone()
+        residual = x @ w.T + b - y.unsqueeze(1)
+        w, b = w - 0.2 * 0.5 * (2 * residual * x).mean(0, keepdim=True), b - 0.2 * 0.5 * (2 * residual).mean(0)
+        for _ in range(2):
+            w = w - 0.2 * (2 * (x @ w.T + b - y.unsqueeze(1)) * x).mean(0, keepdim=True)
+        torch.testing.assert_close(alone.upload[DELTA]["weight"], w - initial["weight"])
+        torch.testing.assert_close(alone.upload[DELTA]["bias"], b - initial["bias"])
