@@ -16,6 +16,11 @@ two engines' timed rounds alternate, so background load hits both alike. Beside 
 the peak memory of the vectorised engine (CUDA: ``max_memory_allocated``; CPU: how much its
 first round raises the process's peak RSS, ``ru_maxrss``, over the sequential engine's).
 
+``--chunks 4,128`` times each chunk size (``--vectorize_chunk``). ``--ceiling`` prints instead, for the conv
+models, the sequential round's CPU time ÷ the CPU time of its convolutions alone in their fastest form (each
+Conv2d layer timed one client after another and as vmap's grouped convolution): a ratio no vectorised engine
+reaches while it runs these kernels.
+
 ``--pfl`` runs instead the same FedAvg workload (tiny MLP) in Apple's pfl-research (``pfl``, a bench-only
 dependency, imported only here) when it is importable, and prints TaskHet's rounds/s ÷ pfl's.
 
@@ -153,6 +158,73 @@ def compare(name: str, count: int, chunk: int, rounds: int, device: torch.device
           f"vectorised {vectorized:.3f} s/round; ratio {sequential / vectorized:.2f}x; {memory}", flush=True)
 
 
+def conv_layers(model: nn.Module, clients: list[ClientData], loss) -> list[tuple[nn.Conv2d, tuple, bool]]:
+    """Each Conv2d a training step runs: (module, its input's shape, whether its input needs a gradient)."""
+    seen: list[tuple[nn.Conv2d, tuple, bool]] = []
+    hooks = [module.register_forward_pre_hook(lambda module, inputs: seen.append(
+        (module, tuple(inputs[0].shape), inputs[0].requires_grad))) for module in model.modules()
+        if isinstance(module, nn.Conv2d) and any(param.requires_grad for param in module.parameters())]
+    model.train()
+    batch = next(iter(clients[0].train_loader(0)))
+    loss(model, {key: value for key, value in batch.items() if key != "sample_id"}).backward()
+    model.zero_grad(set_to_none=True)
+    for hook in hooks:
+        hook.remove()
+    return seen
+
+
+def conv_seconds(layers: list[tuple[nn.Conv2d, tuple, bool]], count: int, repeats: int = 3) -> tuple[float, float]:
+    """CPU seconds of one step's convolutions (forward and backward) for ``count`` clients, each layer timed
+    (a) client after client, as the sequential engine runs it, and (b) as the grouped convolution ``vmap``
+    makes of it (groups = count); returns (sequential, the faster of (a) and (b) per layer, summed)."""
+    sequential = best = 0.0
+    for module, shape, input_grad in layers:
+        # Each client's own leaf tensors (as in the sequential engine), and their stacks (as in the lock-step).
+        inputs = [torch.randn(*shape, requires_grad=input_grad) for _ in range(count)]
+        weights = [module.weight.detach().clone().requires_grad_() for _ in range(count)]
+        stacked_inputs = torch.stack(inputs).detach().requires_grad_(input_grad)
+        stacked_weights = torch.stack(weights).detach().requires_grad_()
+        options = dict(stride=module.stride, padding=module.padding, dilation=module.dilation)
+
+        def one_by_one() -> None:
+            for client_input, weight in zip(inputs, weights):
+                output = nn.functional.conv2d(client_input, weight, **options)
+                torch.autograd.grad(output.sum(), [weight] + ([client_input] if input_grad else []))
+
+        def grouped() -> None:
+            folded = stacked_inputs.movedim(0, 1).reshape(shape[0], count * shape[1], *shape[2:])
+            output = nn.functional.conv2d(folded, stacked_weights.reshape(-1, *stacked_weights.shape[2:]),
+                                          groups=count, **options)
+            torch.autograd.grad(output.sum(), [stacked_weights] + ([stacked_inputs] if input_grad else []))
+
+        times = []
+        for run in (one_by_one, grouped):
+            run()
+            began = time.process_time()
+            for _ in range(repeats):
+                run()
+            times.append((time.process_time() - began) / repeats)
+        sequential, best = sequential + times[0], best + min(times)
+    return sequential, best
+
+
+def ceiling(name: str, count: int, device: torch.device) -> None:
+    """How far vectorising can go on CPU for this model: the sequential round's CPU time ÷ the CPU time of its
+    convolutions alone in their fastest form (a ratio no vectorised engine reaches while it runs these kernels)."""
+    model, clients, loss = CASES[name](count)
+    layers = conv_layers(model, clients, loss)
+    with tempfile.TemporaryDirectory() as folder:
+        engine = make_engine(model, clients, loss, 0, Path(folder), device)
+        engine.train_round(1)
+        began = time.process_time()
+        engine.train_round(2)
+        round_seconds = time.process_time() - began
+    sequential, best = (seconds * STEPS for seconds in conv_seconds(layers, count))
+    print(f"{name:8s} K={count:4d}: sequential round {round_seconds:.3f} CPU s, of which its convolutions "
+          f"{sequential:.3f} s; the convolutions in their fastest form (per layer, one by one or grouped) {best:.3f} s; "
+          f"ceiling {round_seconds / best:.2f}x ({len(layers)} conv layers)", flush=True)
+
+
 def pfl_rounds_per_second(count: int, rounds: int) -> float:
     """pfl-research's FedAvg on the tiny MLP case: K users of 5 batches of 16, 1 local epoch (5 steps), SGD
     momentum 0.9, every user sampled each round (cohort K), no evaluation; rounds per second after a warm-up."""
@@ -226,7 +298,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--counts", default="8,32,128", help="sampled clients per round (default: 8,32,128)")
     parser.add_argument("--models", default=",".join(CASES), help=f"which models (default: {','.join(CASES)})")
-    parser.add_argument("--chunk", type=int, default=128, help="--vectorize_chunk (default: 128, whole rounds)")
+    parser.add_argument("--chunks", default="128", help="--vectorize_chunk values, comma-separated, each timed "
+                        "(default: 128, whole rounds)")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="only the CPU ceiling of the conv models: their convolutions' CPU time vs the round's")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per engine (default: 3)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default: 1, steadier timings on a shared machine)")
@@ -239,6 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}; "
           f"FedAvg, {STEPS} local steps, momentum 0.9", flush=True)
     counts = [int(value) for value in args.counts.split(",")]
+    chunks = [int(value) for value in args.chunks.split(",")]
     if args.pfl:
         try:
             import pfl  # noqa: F401  (bench-only, never a project dependency)
@@ -246,11 +322,17 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--pfl needs pfl-research ({error}); docs/BENCHMARKS.md says how to install it "
                              "beside the project's venv") from error
         for count in counts:
-            compare_pfl(count, args.chunk, args.rounds, device)
+            compare_pfl(count, chunks[-1], args.rounds, device)
+        return
+    if args.ceiling:
+        for name in args.models.split(","):
+            for count in counts:
+                ceiling(name, count, device)
         return
     for name in args.models.split(","):
         for count in counts:
-            compare(name, count, args.chunk, args.rounds, device)
+            for chunk in sorted({min(chunk, count) for chunk in chunks}):
+                compare(name, count, chunk, args.rounds, device)
 
 
 if __name__ == "__main__":

@@ -112,13 +112,14 @@ def train_clients(algorithm: Algorithm, model: nn.Module, broadcast: dict[str, W
     A non-finite loss names its client (``network.vectorized.ChunkNonFiniteLoss`` carries the position).
     """
     device = cfgs[0].device
-    loaders = []
-    for client, seed in zip(clients, seeds):
-        with seeded_torch_rng(seed, device):
-            loaders.append(client.train_loader(seed))
+    loaders, prepared = [], []
     try:
+        for client, seed, state, cfg in zip(clients, seeds, states, cfgs):
+            with seeded_torch_rng(seed, device):
+                loaders.append(client.train_loader(seed))
+                prepared.append(algorithm.prepare_lockstep(model, broadcast, dict(state or {}), loaders[-1], cfg))
         with seeded_torch_rng(seeds[0], device):  # whatever the chunk draws stays out of the global generator
-            results = algorithm.client_updates(model, broadcast, [dict(state or {}) for state in states], loaders, cfgs)
+            results = algorithm.client_updates(model, broadcast, prepared, loaders, cfgs)
     except ChunkNonFiniteLoss as error:
         raise NonFiniteLossError(f"client {clients[error.position].client_id}: {error}") from None
     for client, result in zip(clients, results):

@@ -4,8 +4,8 @@ With a frozen, cached encoder a local step trains a small decoder or head, and m
 time is per-step overhead paid once per client (Python, kernel launches, optimizer
 bookkeeping). Here the C clients of a chunk keep their entries *stacked* (``[C, ...]``
 per state-dict entry) and one step of all of them is one ``vmap`` over
-``functional_call`` + ``grad``, each client on its own batch, followed by one SGD
-update of the stacked tensors. What the sequential engine's loop does per client, this
+``functional_call`` (the forward pass, each client on its own batch), one backward pass
+over the batched graph (:func:`_chunk_gradients`), and one SGD update of the stacked tensors. What the sequential engine's loop does per client, this
 does per chunk, so a client's trajectory is its sequential one (tested for every
 supporting algorithm, ``tests/test_vectorized.py``):
 
@@ -37,7 +37,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad, vmap
+from torch.func import functional_call, vmap
 
 from network.algorithms.base import ClientConfig, LossFn
 from network.local_train import LocalTrainResult, budget_batches
@@ -61,8 +61,12 @@ class SGDOptions:
 
 
 def sgd_step(params: Sequence[Tensor], grads: Sequence[Tensor], buffers: Sequence[Tensor | None],
-             started: Tensor | bool, options: SGDOptions) -> tuple[list[Tensor], list[Tensor | None]]:
+             started: Tensor | bool, options: SGDOptions,
+             masks: Sequence[Tensor | None] | None = None) -> tuple[list[Tensor], list[Tensor | None]]:
     """One step of ``torch.optim.SGD`` (its per-tensor code, op for op), as a function: new tensors, inputs untouched.
+
+    The ops run as ``torch._foreach_*`` over the list (on CPU these call the very per-tensor kernels of torch's
+    loop, once per tensor, so the arithmetic is the same; they only save a Python call per tensor and op).
 
     Args:
         params, grads: one tensor each per parameter (stacked ``[C, ...]`` or not).
@@ -70,24 +74,39 @@ def sgd_step(params: Sequence[Tensor], grads: Sequence[Tensor], buffers: Sequenc
         started: whether each buffer exists yet: a bool, or a bool tensor ``[C]`` (one per stacked
             client). Where False the new buffer is the direction itself, torch's first step.
         options: lr, momentum, dampening, weight decay, nesterov, maximize.
+        masks: 0/1 masks in the parameters' dtype (None: dense): the direction is multiplied by its mask after
+            weight decay, before momentum, as ``sparse.optim.SparseSGDM`` does, so a masked entry never moves.
 
     Returns:
         The new parameters and the new momentum buffers (None with momentum 0).
     """
-    new_params, new_buffers = [], []
-    for param, gradient, buffer in zip(params, grads, buffers):
-        direction = -gradient if options.maximize else gradient
-        if options.weight_decay != 0:
-            direction = direction.add(param, alpha=options.weight_decay)
-        if options.momentum != 0:
-            direction, buffer = _momentum(direction, buffer, started, options)
-        new_params.append(param.add(direction, alpha=-options.lr))
-        new_buffers.append(buffer)
-    return new_params, new_buffers
+    if not params:
+        return [], []
+    directions = list(grads)
+    if options.maximize:
+        directions = torch._foreach_neg(directions)
+    if options.weight_decay != 0:
+        directions = torch._foreach_add(directions, list(params), alpha=options.weight_decay)
+    if masks is not None:
+        directions = [direction if mask is None else direction * mask for direction, mask in zip(directions, masks)]
+    new_buffers: list[Tensor | None] = list(buffers)
+    if options.momentum != 0:
+        if isinstance(started, bool) and started and all(buffer is not None for buffer in buffers):
+            new_buffers = torch._foreach_add(torch._foreach_mul(list(buffers), options.momentum), directions,
+                                             alpha=1 - options.dampening)
+        elif isinstance(started, bool):  # torch's first step: the buffer is a copy of the direction
+            new_buffers = [direction.detach().clone() for direction in directions]
+        else:
+            new_buffers = [_momentum(direction, buffer, started, options)[1]
+                           for direction, buffer in zip(directions, buffers)]
+        directions = (torch._foreach_add(directions, new_buffers, alpha=options.momentum) if options.nesterov
+                      else new_buffers)
+    return torch._foreach_add(list(params), directions, alpha=-options.lr), new_buffers
 
 
 def _momentum(direction: Tensor, buffer: Tensor | None, started: Tensor | bool,
               options: SGDOptions) -> tuple[Tensor, Tensor]:
+    """torch's momentum update of one tensor: (the step direction, the new buffer)."""
     if isinstance(started, bool):
         if not started or buffer is None:
             buffer = direction.detach().clone()
@@ -101,9 +120,9 @@ def _momentum(direction: Tensor, buffer: Tensor | None, started: Tensor | bool,
     return buffer, buffer
 
 
-def _masked(active: Tensor, new: Tensor, old: Tensor, everyone: bool) -> Tensor:
-    """``new`` for the active clients, ``old`` (bit for bit) for the others."""
-    return new if everyone else torch.where(_per_client(active, new), new, old)
+def _masked(active: Tensor | None, new: Tensor, old: Tensor) -> Tensor:
+    """``new`` for the active clients (every client where ``active`` is None), ``old`` (bit for bit) for the others."""
+    return new if active is None else torch.where(_per_client(active, new), new, old)
 
 
 def _per_client(flags: Tensor, like: Tensor) -> Tensor:
@@ -134,12 +153,16 @@ class Hooks:
         sum_grads: also return, per client, the sum over its taken steps of the optimizer's step direction
             replayed on the raw gradients alone (before ``grad_map`` and weight decay; with momentum 0 the
             raw gradients themselves): SCAFFOLD's option II.
+        masks: stacked 0/1 masks ``[C, ...]`` (the parameters' dtype) of trained parameters: each client's
+            step direction is multiplied by its mask after weight decay (``sparse.optim.SparseSGDM``'s rule,
+            sparse_ft), so an entry outside it never moves.
     """
 
     extra_loss: Callable[[Weights], Tensor] | None = None
     grad_map: Callable[[Weights], Weights] | None = None
     post_step: Callable[[Weights], Weights] | None = None
     sum_grads: bool = False
+    masks: Weights | None = None
 
 
 @dataclass
@@ -195,14 +218,17 @@ def train_lockstep(model: nn.Module, state: Weights, train_keys: Sequence[str], 
     """
     count = len(loaders)
     options = SGDOptions(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    step = _client_step(model, cfg.loss_fn, [key for key in state if key not in train_keys],
-                        hooks.extra_loss, autocast(cfg.device))
+    train_keys = list(train_keys)
+    # A parameter no batch reaches gets no gradient: torch's SGD then leaves it alone (no decay, no momentum), as
+    # the lock-step does; a gradient hook sees zeros there instead, as SCAFFOLD's sequential hook makes them.
+    gradients = _chunk_gradients(model, cfg.loss_fn, [key for key in state if key not in train_keys],
+                                 hooks.extra_loss, autocast(cfg.device), zeros_for_unused=hooks.grad_map is not None)
     state = dict(state)
     momentum: dict[str, Tensor | None] = {key: torch.zeros_like(state[key]) if options.momentum else None
                                          for key in train_keys}
     started = [False] * count  # whether each client's momentum buffer exists (kept in Python: no device sync)
-    step_losses: list[Tensor] = []  # [C] per lock-step call; step_active says whose counted
-    step_active: list[Tensor] = []
+    step_losses: list[Tensor] = []  # [C] per lock-step call; step_active says whose counted (None: everyone's)
+    step_active: list[Tensor | None] = []
     grad_sums = {key: torch.zeros_like(state[key]) for key in train_keys} if hooks.sum_grads else None
     raw_buffers = {key: torch.zeros_like(state[key]) for key in train_keys}  # momentum replayed on raw gradients
     model.train()
@@ -212,72 +238,105 @@ def train_lockstep(model: nn.Module, state: Weights, train_keys: Sequence[str], 
         if all(batch is None for batch in batches):
             break
         for members in _shape_groups(batches):
-            member_set = set(members)
-            active = torch.zeros(count, dtype=torch.bool, device=cfg.device)
-            active[members] = True
             everyone = len(members) == count
-            stacked = _stack_batches([batches[index] if index in member_set
-                                      else batches[members[0]] for index in range(count)], cfg.device)
-            trained = {key: state[key] for key in train_keys}
-            constants = {key: value for key, value in state.items() if key not in trained}
-            grads, losses, buffers = step(trained, constants, stacked)
+            active = None if everyone else _flags(members, count, cfg.device)
+            member_set = set(members)
+            stacked = _stack_batches(batches if everyone else [batches[index] if index in member_set
+                                                               else batches[members[0]] for index in range(count)],
+                                     cfg.device)
+            constants = {key: value for key, value in state.items() if key not in momentum}
+            grads, losses, buffers = gradients({key: state[key] for key in train_keys}, constants, stacked)
+            stepped = [key for key in train_keys if grads[key] is not None]
             flags: Tensor | bool = started[0] if len(set(started)) == 1 else torch.tensor(started, device=cfg.device)
             if grad_sums is not None:
-                for key in train_keys:  # the step direction replayed on the raw gradient (SCAFFOLD's option II)
-                    direction = grads[key]
-                    if options.momentum:
-                        direction, raw_buffer = _momentum(grads[key], raw_buffers[key], flags, options)
-                        raw_buffers[key] = _masked(active, raw_buffer, raw_buffers[key], everyone)
-                    grad_sums[key] = grad_sums[key] + _masked(active, direction, torch.zeros((), dtype=direction.dtype),
-                                                              everyone)
+                _add_step_directions(grad_sums, raw_buffers, grads, stepped, flags, active, options)
             if hooks.grad_map is not None:
                 grads = hooks.grad_map(grads)
-            params, new_momentum = sgd_step([trained[key] for key in train_keys], [grads[key] for key in train_keys],
-                                            [momentum[key] for key in train_keys], flags, options)
-            updated = {**buffers, **dict(zip(train_keys, params))}
+            params, new_momentum = sgd_step([state[key] for key in stepped], [grads[key] for key in stepped],
+                                            [momentum[key] for key in stepped], flags, options,
+                                            None if hooks.masks is None else [hooks.masks.get(key) for key in stepped])
+            updated = {**buffers, **dict(zip(stepped, params))}
             if hooks.post_step is not None:
                 updated.update(hooks.post_step({**state, **updated}))
-            new_momentum_by_key = dict(zip(train_keys, new_momentum))
             for key, value in updated.items():
-                state[key] = _masked(active, value, state[key], everyone)
+                state[key] = _masked(active, value, state[key])
             if options.momentum:
-                for key, value in new_momentum_by_key.items():
-                    momentum[key] = _masked(active, value, momentum[key], everyone)
+                for key, value in zip(stepped, new_momentum):
+                    momentum[key] = _masked(active, value, momentum[key])
             started = [was or index in member_set for index, was in enumerate(started)]
             step_losses.append(losses)
             step_active.append(active)
     return LockstepResult(state, _results(step_losses, step_active, count), grad_sums)
 
 
-def _client_step(model: nn.Module, loss_fn: LossFn, constant_keys: Sequence[str],
-                 extra_loss: Callable[[Weights], Tensor] | None, mixed_precision) -> Callable:
-    """``(trained, constants, batch) -> (grads, losses, new buffers)``, vmapped over the chunk."""
+def _flags(members: Sequence[int], count: int, device: torch.device) -> Tensor:
+    """``[count]`` bools, True at ``members``."""
+    flags = torch.zeros(count, dtype=torch.bool, device=device)
+    flags[list(members)] = True
+    return flags
+
+
+def _add_step_directions(grad_sums: Weights, raw_buffers: Weights, grads: dict[str, Tensor | None],
+                         keys: Sequence[str], flags: Tensor | bool, active: Tensor | None, options: SGDOptions) -> None:
+    """Add the step direction replayed on the raw gradients (SCAFFOLD's option II) to ``grad_sums``, in place."""
+    for key in keys:
+        direction = grads[key]
+        if options.momentum:
+            direction, raw_buffer = _momentum(grads[key], raw_buffers[key], flags, options)
+            raw_buffers[key] = _masked(active, raw_buffer, raw_buffers[key])
+        grad_sums[key] = grad_sums[key] + _masked(active, direction, torch.zeros((), dtype=direction.dtype))
+
+
+def _chunk_gradients(model: nn.Module, loss_fn: LossFn, constant_keys: Sequence[str],
+                     extra_loss: Callable[[Weights], Tensor] | None, mixed_precision,
+                     zeros_for_unused: bool) -> Callable:
+    """``(trained, constants, batch) -> (grads, losses, new buffers)`` of a chunk; a parameter the loss does not
+    reach has gradient None (zeros with ``zeros_for_unused``).
+
+    Only the forward pass is vmapped: the clients' losses are independent, so the gradient of their sum with
+    respect to the stacked parameters is each client's own gradient (d(Σ_c L_c)/dθ_c = dL_c/dθ_c, every
+    seed exactly 1), and one ordinary backward pass over the batched graph computes all of them. That is
+    ``vmap(grad(...))``'s result without its per-call transform levels (the lock-step's largest fixed cost
+    on small models).
+    """
     objective = _Objective(model, loss_fn)
-    buffer_keys = [key for key in constant_keys if key not in dict(model.named_parameters())]
+    param_names = set(dict(model.named_parameters()))
+    buffer_keys = [key for key in constant_keys if key not in param_names]
 
     def one_client(trained: Weights, constants: Weights, batch: dict):
-        def loss_of(trained: Weights):
-            # BatchNorm updates its running statistics in place: the clones become this client's new ones.
-            buffers = {key: constants[key].clone() for key in buffer_keys}
-            entries = {**constants, **trained, **buffers}
-            with mixed_precision:
-                loss = functional_call(objective, {_WORKER + key: value for key, value in entries.items()}, (batch,))
-            total = loss if extra_loss is None else loss.float() + extra_loss(entries)
-            return total, (loss.detach(), buffers)
+        # BatchNorm updates its running statistics in place: the clones become this client's new ones.
+        buffers = {key: constants[key].clone() for key in buffer_keys}
+        entries = {**constants, **trained, **buffers}
+        with mixed_precision:
+            loss = functional_call(objective, {_WORKER + key: value for key, value in entries.items()}, (batch,))
+        total = loss if extra_loss is None else loss.float() + extra_loss(entries)
+        return total, loss.detach(), buffers
 
-        grads, (loss, buffers) = grad(loss_of, has_aux=True)(trained)
-        return grads, loss, buffers
+    forward = vmap(one_client)
 
-    return vmap(one_client)
+    def gradients(trained: Weights, constants: Weights, batch: dict):
+        leaves = {key: value.detach().requires_grad_() for key, value in trained.items()}
+        with torch.enable_grad():
+            totals, losses, buffers = forward(leaves, constants, batch)
+            grads = torch.autograd.grad(totals.sum(), list(leaves.values()), allow_unused=True,
+                                        materialize_grads=zeros_for_unused)
+        return dict(zip(leaves, grads)), losses, buffers
+
+    return gradients
 
 
-def _results(step_losses: list[Tensor], step_active: list[Tensor], count: int) -> list[LocalTrainResult]:
+def _results(step_losses: list[Tensor], step_active: list[Tensor | None], count: int) -> list[LocalTrainResult]:
     """Each client's steps and mean loss, computed as ``local_train`` computes them (the float32 mean of its losses)."""
     if not step_losses:
         return [LocalTrainResult(steps=0, mean_loss=0.0) for _ in range(count)]
-    losses, active = torch.stack(step_losses), torch.stack(step_active)  # [S, C]
-    counts = active.sum(0).tolist()
-    means = torch.stack([losses[:, index][active[:, index]].float().mean() for index in range(count)]).tolist()
+    losses = torch.stack(step_losses).float()  # [S, C]
+    if all(active is None for active in step_active):  # every client took every step: one reduction per client
+        counts, means = [len(step_losses)] * count, losses.t().contiguous().mean(1).tolist()
+    else:
+        active = torch.stack([torch.ones(count, dtype=torch.bool, device=losses.device) if flags is None else flags
+                              for flags in step_active])
+        counts = active.sum(0).tolist()
+        means = torch.stack([losses[:, index][active[:, index]].mean() for index in range(count)]).tolist()
     results = []
     for position, (taken, mean_loss) in enumerate(zip(counts, means)):
         mean_loss = mean_loss if taken else 0.0

@@ -151,7 +151,36 @@ def test_an_algorithm_that_does_not_declare_support_is_refused_by_name(tmp_path,
 
 
 def test_the_supporting_algorithms_are_the_skeleton_family():
-    assert set(SUPPORTED) >= {"fedavg", "fedprox", "fedper", "fedrep", "fedbn", "ditto", "scaffold", "ifca"}
+    assert set(SUPPORTED) >= {"fedavg", "fedprox", "fedper", "fedrep", "fedbn", "ditto", "scaffold", "ifca", "sparse_ft"}
+
+
+@pytest.mark.parametrize("mask_source", ["client", "server"])
+def test_sparse_ft_vectorised_moves_only_each_clients_mask_and_equals_sequential(tmp_path, mask_source):
+    """Each client's mask (its own, calibrated under its own seed on its own loader; or the server's) gates its
+    lock-step update: one round from θ_0 leaves every entry outside the mask at its exact bits, the run equals
+    the sequential one, and training did move the masked entries."""
+    settings = {"density": 0.3, "mask_source": mask_source, "keep_local_models": True}
+    engines = {}
+    for name, chunk in (("sequential", 0), ("vectorized", 5)):
+        engine = make_engine(tmp_path / name, "sparse_ft", settings, chunk=chunk, rounds=1)
+        engine.calibration_loader = make_clients()[0].train_loader(0)  # held-out data for the server's mask
+        engine.run()
+        engines[name] = engine
+    assert_same_runs(engines["sequential"], engines["vectorized"])
+    vectorized = engines["vectorized"]
+    states = vectorized.store.snapshot()
+    assert len(states) == 3  # client_fraction 0.6 of 5 clients
+    server_masks = {key[len("mask/"):]: value for key, value in vectorized.server.tensors.items()
+                    if key.startswith("mask/")}
+    for client_id, state in states.items():
+        masks = server_masks or {key[len("mask/"):]: value for key, value in state.items() if key.startswith("mask/")}
+        assert masks and bool(server_masks) == (mask_source == "server")
+        masked, entries, moved_inside = 0, 0, 0
+        for key, mask in masks.items():
+            moved = state["local/" + key] != vectorized.server.tensors["base/" + key]
+            assert not (moved & ~mask.bool()).any(), (client_id, key)  # nothing outside the mask moved
+            masked, entries, moved_inside = masked + int(mask.sum()), entries + mask.numel(), moved_inside + int(moved.sum())
+        assert 0 < masked < entries and moved_inside > 0, client_id  # a real sparse mask, and training moved it
 
 
 def test_a_model_with_dropout_is_refused_naming_the_module(tmp_path):
@@ -212,6 +241,30 @@ def test_a_client_without_a_batch_takes_masked_steps_that_change_nothing():
         for key, value in single.state_dict().items():
             assert torch.allclose(result.state[key][index], value, atol=1e-6), (index, key)
         assert result.results[index].mean_loss == pytest.approx(sum(losses) / len(losses), rel=1e-6)
+
+
+class WithUnusedLayer(nn.Module):
+    """A linear model with a parameter no loss reaches (e.g. a head another phase trains)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = nn.Linear(3, 1), nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def test_a_parameter_without_gradient_is_left_alone_as_torch_sgd_leaves_it():
+    """torch's SGD skips a parameter whose .grad is None: no weight decay, no momentum. The lock-step does the same
+    (vmap(grad) gave it zeros, so weight decay shrank it)."""
+    model, loaders = WithUnusedLayer(), linear_clients(2)[1]
+    state = {key: value.detach().unsqueeze(0).repeat(2, *([1] * value.dim())) for key, value in model.state_dict().items()}
+    cfg = ClientConfig(lr=0.1, loss_fn=regression, device=CPU, num_samples=4, local_epochs=1, momentum=0.9,
+                       weight_decay=0.5)
+    result = train_lockstep(model, state, list(state), loaders, cfg, cfg.budget())
+    for key in ("unused.weight", "unused.bias"):
+        assert torch.equal(result.state[key], state[key]), key
+    assert not torch.equal(result.state["used.weight"], state["used.weight"])
 
 
 def test_a_non_finite_loss_names_the_client_of_the_chunk(tmp_path):
@@ -285,7 +338,7 @@ def test_fed_vectorised_on_cached_encoder_maps_equals_sequential(tiny_data_root,
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--method", "sparse_ft"], r"--vectorize_clients: algorithm sparse_ft does not train vectorised"),
+    (["--method", "qfedavg"], r"--vectorize_clients: algorithm qfedavg does not train vectorised"),
     (["--engine", "flower"], r"--vectorize_clients needs --engine sequential"),
 ])
 def test_fed_refuses_what_cannot_train_vectorised_before_writing_anything(tiny_data_root, tiny_manifest,  # noqa: F811

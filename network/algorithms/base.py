@@ -297,6 +297,13 @@ class Algorithm(ABC):
         """
         raise TaskHetError(f"algorithm {self.name} does not train vectorised")
 
+    def prepare_lockstep(self, model: nn.Module, broadcast: Bundle, client_state: Weights, loader: Iterable[dict],
+                         cfg: ClientConfig) -> Weights:
+        """Per-client work before a lock-step chunk, run under the client's own seeded RNG (as ``client_update``
+        would run it) and on the loader the chunk then trains on; returns the state ``client_updates`` receives.
+        The default does nothing (sparse_ft calibrates a new client's mask here)."""
+        return client_state
+
     @abstractmethod
     def aggregate(self, server: ServerState, uploads: Iterable[Upload]) -> ServerState:
         """The next server state from this round's uploads (an iterable read once: aggregation streams)."""

@@ -133,6 +133,13 @@ def run_phases_lockstep(model: nn.Module, starts: list[Weights], phases: list[Ph
     Returns:
         Each client's entries ``keys`` after the phases, and its metrics (as :func:`run_phases`).
     """
+    state, metrics = run_phases_stacked(model, starts, phases, loaders, cfg, keys)
+    return [unstack_weights(state, index) for index in range(len(starts))], metrics
+
+
+def run_phases_stacked(model: nn.Module, starts: list[Weights], phases: list[Phase], loaders: list[Iterable[dict]],
+                       cfg: ClientConfig, keys: Sequence[str]) -> tuple[Weights, list[dict[str, float]]]:
+    """:func:`run_phases_lockstep` returning the chunk's entries still stacked (``[C, ...]`` per key)."""
     state = stack_weights(starts, keys)
     metrics: list[dict[str, float]] = [{LOCAL_STEPS: 0} for _ in starts]
     params = dict(model.named_parameters())
@@ -147,7 +154,7 @@ def run_phases_lockstep(model: nn.Module, starts: list[Weights], phases: list[Ph
         for client, outcome in zip(metrics, result.results):
             client[phase.metric] = outcome.mean_loss
             client[LOCAL_STEPS] += outcome.steps
-    return [unstack_weights(state, index) for index in range(len(starts))], metrics
+    return state, metrics
 
 
 def _hooks(phase: Phase) -> Hooks:
@@ -232,13 +239,17 @@ class ModelAveraging(Algorithm):
                     for state, cfg in zip(client_states[1:], cfgs[1:])),
                 f"{self.name}: clients of one round have different phases, so they cannot train in lock-step")
         starts = [{**global_weights, **self.own_entries(state)} for state in client_states]
-        finals, metrics = run_phases_lockstep(model, starts, phases, loaders, cfgs[0],
-                                              self.federation.layout.varying_keys)
+        final, metrics = run_phases_stacked(model, starts, phases, loaders, cfgs[0], self.federation.layout.varying_keys)
+        # Δ of the whole chunk at once (elementwise, so each client's slice is its own subtract's bits), as views.
+        deltas = subtract(final, global_weights, self.shared_keys())
+        keeps_entries = bool(self.private_keys()) or type(self).next_client_state is not ModelAveraging.next_client_state
         results = []
-        for final, state, cfg, client_metrics in zip(finals, client_states, cfgs, metrics):
-            load_weights(model, final)  # so the upload and the state come from the very code client_update runs
-            upload = {DELTA: subtract(model.state_dict(), global_weights, self.shared_keys())}
-            results.append(ClientResult(upload, self.next_client_state(model, state), client_metrics, cfg.num_samples))
+        for index, (state, cfg, client_metrics) in enumerate(zip(client_states, cfgs, metrics)):
+            if keeps_entries:  # the client state comes from the very code client_update runs
+                load_weights(model, unstack_weights(final, index))
+            upload = {DELTA: {key: value[index] for key, value in deltas.items()}}
+            next_state = self.next_client_state(model, state) if keeps_entries else {}
+            results.append(ClientResult(upload, next_state, client_metrics, cfg.num_samples))
         return results
 
     def own_entries(self, client_state: Weights) -> Weights:

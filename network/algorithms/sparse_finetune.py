@@ -23,6 +23,11 @@ Masks, ``mask_source``:
 in its client state (both in checkpoint.pt), so ``merge_task_vectors.py --run`` can form
 the task vectors τ_k = θ_k − θ_0 (sparse/from_run.py).
 
+``--vectorize_clients``: the client update is one masked SGD phase with fixed per-client
+masks, so a chunk trains in lock-step (``client_updates``: each client's step direction is
+multiplied by its own mask after weight decay, SparseSGDM's rule); a new client's mask is
+calibrated first, alone, under its own seed (``prepare_lockstep``).
+
 Server: per entry, the sample-weighted mean of Δ over the clients whose mask trained it
 (``sparse.aggregation.MaskedMean``: a frozen entry's 0 is no vote), then the server
 optimizer (``server_opt``). With one server mask it is FedAvg's mean.
@@ -41,10 +46,12 @@ from torch import nn
 from network.aggregation import (ServerOptSettings, Weights, client_weights, init_server_optimizer, server_step,
                                  subtract, upload_weight)
 from network.algorithms.base import (ALGORITHMS, GLOBAL_MODEL, LOCAL_STEPS, TRAIN_LOSS, Algorithm, Bundle,
-                                     ClientConfig, ClientResult, Federation, ServerState, Upload, load_weights, require)
+                                     ClientConfig, ClientResult, Federation, ServerState, Upload, load_weights, require,
+                                     trainable)
 from network.algorithms.skeleton import frozen
 from network.local_train import local_train
 from network.settings import check, setting
+from network.vectorized import Hooks, stack_weights, train_lockstep
 from sparse.aggregation import MaskedMean
 from sparse.calibration import calibrate_mask, default_maskable, fisher_score_fn
 from sparse.fisher import LIKELIHOODS, VARIANTS, evaluating, model_outputs
@@ -92,6 +99,9 @@ class SparseFinetune(Algorithm):
 
     name = "sparse_ft"
     Settings = SparseFinetuneSettings
+    # --vectorize_clients: one masked SGD phase whose masks are fixed per-client tensors (client_updates below);
+    # a new client's mask is calibrated before the chunk, under its own seed (prepare_lockstep).
+    vectorizable = True
 
     def __init__(self, settings: SparseFinetuneSettings, federation: Federation) -> None:
         super().__init__(settings, federation)
@@ -158,11 +168,47 @@ class SparseFinetune(Algorithm):
             optimizer = SparseSGDM([params[key] for key in masks], list(masks.values()), lr=cfg.lr,
                                    momentum=cfg.momentum, weight_decay=cfg.weight_decay)
             result = local_train(model, loader, cfg.loss_fn, optimizer, cfg.device, **cfg.budget())
+        return self._result(model, weights, masks, result.mean_loss, result.steps, cfg)
+
+    def prepare_lockstep(self, model: nn.Module, broadcast: Bundle, client_state: Weights, loader: Iterable[dict],
+                         cfg: ClientConfig) -> Weights:
+        """A client without a mask calibrates it here (the engine runs this under the client's seed, on the loader
+        the chunk then trains on, so the draws and the batches are those of ``client_update``)."""
+        if self.settings.mask_source == "server" or any(key.startswith(MASK_PREFIX) for key in client_state):
+            return client_state
+        load_weights(model, broadcast[GLOBAL_MODEL])
+        masks = self._client_masks(model, broadcast, client_state, loader, cfg)
+        return {**client_state, **{MASK_PREFIX + key: mask for key, mask in masks.items()}}
+
+    def client_updates(self, model: nn.Module, broadcast: Bundle, client_states: list[Weights],
+                       loaders: list[Iterable[dict]], cfgs: list[ClientConfig]) -> list[ClientResult]:
+        """``client_update`` of a chunk in lock-step (``network.vectorized``): each client's mask multiplies its
+        step direction, as SparseSGDM does; the other entries take no gradient and buffers keep their values."""
+        weights = broadcast[GLOBAL_MODEL]
+        load_weights(model, weights)
+        masks = [self._client_masks(model, broadcast, state, loader, cfg)
+                 for state, loader, cfg in zip(client_states, loaders, cfgs)]
+        require(all(list(mask) == list(masks[0]) for mask in masks),
+                f"{self.name}: clients of one chunk mask different parameters, so they cannot train in lock-step")
+        state = stack_weights([weights] * len(loaders), self.federation.layout.varying_keys)
+        names = [key for key in trainable(model, masks[0]) if key in state]
+        stacked = {key: torch.stack([(mask[key] != 0).to(state[key].dtype) for mask in masks]) for key in names}
+        trained = train_lockstep(model, state, names, loaders, cfgs[0], cfgs[0].budget(), Hooks(masks=stacked))
+        results = []
+        for index, (outcome, client_state, client_masks, cfg) in enumerate(zip(trained.results, client_states,
+                                                                                masks, cfgs)):
+            load_weights(model, {**weights, **{key: trained.state[key][index] for key in names}})  # buffers restored
+            results.append(self._result(model, weights, client_masks, outcome.mean_loss, outcome.steps, cfg))
+        return results
+
+    def _result(self, model: nn.Module, weights: Weights, masks: Weights, mean_loss: float, steps: int,
+                cfg: ClientConfig) -> ClientResult:
+        """The upload (Δ on the masks, and the masks), client state and metrics of the model after training."""
         upload = {DELTA: subtract(model.state_dict(), weights, masks), MASK: masks}
         state = {MASK_PREFIX + key: mask for key, mask in masks.items()} if self.settings.mask_source == "client" else {}
         if self.settings.keep_local_models:
             state.update({LOCAL_PREFIX + key: value.detach().clone() for key, value in model.state_dict().items()})
-        return ClientResult(upload, state, {TRAIN_LOSS: result.mean_loss, LOCAL_STEPS: result.steps}, cfg.num_samples)
+        return ClientResult(upload, state, {TRAIN_LOSS: mean_loss, LOCAL_STEPS: steps}, cfg.num_samples)
 
     def _client_masks(self, model: nn.Module, broadcast: Bundle, client_state: Weights, loader: Iterable[dict],
                       cfg: ClientConfig) -> Weights:
