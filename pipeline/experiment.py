@@ -98,7 +98,7 @@ SCHEMA: dict[str, Any] = {
 MAX_RUNS = 10_000
 
 # Sections whose values are free-form mappings (algorithm name -> its hyperparameters).
-FREE_FORM = {"federated.algorithms", "federated.task_init_lr"}
+FREE_FORM = {"federated.algorithms", "federated.task_init_lr", "practitioners_table"}
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def load_experiment(path: Path) -> dict[str, Any]:
     path = Path(path)
     raw = load_yaml(path, "experiment file")
     if isinstance(raw, dict) and "study" in raw:  # a study file has its own keys (pipeline/study.py)
-        from pipeline.study import load_study
+        from pipeline.study_validation import load_study
 
         return load_study(path)
     if not isinstance(raw, dict):
