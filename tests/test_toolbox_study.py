@@ -4,6 +4,7 @@ any work."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -143,3 +144,34 @@ def test_a_step3b_option_is_a_study_option_without_study_code(tmp_path, monkeypa
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     with pytest.raises(TaskHetError, match=re.escape("grid[0].partitions[2].feature_form must be one of noise, shift")):
         load_experiment(path)
+
+
+def test_tiny_heterogeneity_study_end_to_end(tmp_path):
+    """The study file at a tiny size: step 3c runs per situation and seed, the class-group file feeds step 3b, and
+    the report holds every method (fedavg+ft included), G² and the table check."""
+    config = yaml.safe_load(STUDY_FILE.read_text())
+    config.update(name="tiny", seeds=[0], practitioners_table={"groups": "distinct_groups", "mild": "mild_label_skew"})
+    config["data"]["n_samples"] = 150
+    config["model"]["image_size"] = 8
+    config["centralized"]["n_epochs"] = 1
+    config["federated"].update(rounds_x_local_steps=2, evaluations=1, finetune_steps=1)
+    config["grid"][0].update(local_steps=[1], algorithms={"fedavg": {}, "ifca": {"n_cluster_models": 3}})
+    config["grid"][0]["partitions"] = [situation(config, "mild_label_skew"), situation(config, "distinct_groups")]
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    run_pipeline.main([str(path), "--results", str(tmp_path / "results"), "--threads", "1", "--no-progress"])
+    out = tmp_path / "results" / "tiny"
+    report = pd.read_csv(out / "report.csv")
+    assert list(zip(report.situation, report.method)) == [
+        (name, method) for name in ("mild_label_skew", "distinct_groups")
+        for method in ("fedavg", "fedavg+ft", "ifca-n_cluster_models3")]
+    situations = pd.read_csv(out / "situations.csv")
+    meters = {path.parent.name.rsplit("-s0-", 1)[0]: json.loads(path.read_text())["g2"]
+              for path in out.glob("heterogeneity/*/meter.json")}
+    assert dict(zip(situations.situation, situations.g2_mean)) == pytest.approx(meters) and len(meters) == 2
+    check = pd.read_csv(out / "table_check.csv", keep_default_na=False).set_index("row")
+    assert check.situation["groups"] == "distinct_groups" and check.outcome["transfer"] == "not measured"
+    assert "## distinct_groups" in (out / "report.md").read_text()
+    groups_file = next(out.glob("groups/distinct_groups-*/groups.csv"))
+    assert json.loads(next(out.glob("assignments/distinct_groups-s0-*/assignments.json")).read_text())["groups"] == \
+        str(groups_file)
