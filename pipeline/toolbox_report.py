@@ -4,8 +4,10 @@ Each partition of the grid is a named *situation* (mild label skew, quantity ske
 situation and method, over seeds (mean and 95% t interval on the logit scale,
 utils/statistics.py), at the final round:
 
-* **global accuracy**: the global model on the global test split (``local`` never moves its server
-  model: its global accuracy is the initial model's);
+* **global accuracy**: the model each algorithm logs as its global one (metrics.csv's ``global`` rows: IFCA's
+  most-populated cluster model, FedEM's components under uniform weights, FedPer's shared body with the
+  server's head) on the global test split; ``local`` never moves its server model, so its global accuracy
+  is the initial model's;
 * **personalised accuracy**: the mean over clients of each client's own test rows under the model
   the method gives that client: its personal model when the method has them (Ditto, pFedMe, FedPer,
   IFCA's and CFL's cluster models, FedEM's mixture, local), the fine-tuned model for local fine-tuning

@@ -22,7 +22,7 @@ from utils.errors import TaskHetError
 
 ROOT = Path(__file__).resolve().parent.parent
 STUDY_FILE = ROOT / "experiments" / "digits_heterogeneity.yaml"
-SITUATIONS = ["mild_label_skew", "severe_label_skew", "quantity_skew", "distinct_groups", "compound_label_quantity",
+SITUATIONS = ["mild_label_skew", "severe_label_skew", "distinct_groups", "quantity_skew", "compound_label_quantity",
               "moderate_label_skew"]
 GROUPS = ((0, 1, 2), (3, 4, 5, 6), (7, 8, 9))
 
@@ -67,15 +67,15 @@ def situation(config: dict, name: str) -> dict:
 
 @pytest.mark.parametrize("change, message", [
     (lambda c: situation(c, "distinct_groups").update(class_groups=[[0, 1, 2], [3, 4, 5, 6], [7, 8]]),
-     "grid[0].partitions[3].class_groups: every class 0..9 must be in exactly one group; classes [9] are in no group"),
+     "grid[0].partitions[2].class_groups: every class 0..9 must be in exactly one group; classes [9] are in no group"),
     (lambda c: situation(c, "distinct_groups").update(class_groups=[[0, 1, 2, 3], [3, 4, 5, 6], [7, 8, 9]]),
-     "grid[0].partitions[3].class_groups: every class 0..9 must be in exactly one group; class 3 is in two groups"),
+     "grid[0].partitions[2].class_groups: every class 0..9 must be in exactly one group; class 3 is in two groups"),
     (lambda c: situation(c, "distinct_groups").update(class_groups=[[0, 1, 2], [3, 4, 5, 6], [7, 8, 10]]),
-     "grid[0].partitions[3].class_groups[2][2] must be an integer >= 0 <= 9"),
+     "grid[0].partitions[2].class_groups[2][2] must be an integer >= 0 <= 9"),
     (lambda c: situation(c, "distinct_groups").update(class_groups=[list(range(10))]),
-     "grid[0].partitions[3].class_groups must list at least 2 item(s)"),
+     "grid[0].partitions[2].class_groups must list at least 2 item(s)"),
     (lambda c: situation(c, "distinct_groups").update(groups_per_client=4),
-     "grid[0].partitions[3].groups_per_client 4 exceeds the 3 class groups"),
+     "grid[0].partitions[2].groups_per_client 4 exceeds the 3 class groups"),
     (lambda c: situation(c, "quantity_skew").update(size_skew="lognormal:x"),
      "grid[0].partitions: --size_skew 'lognormal:x': expected lognormal:NUMBER"),
     (lambda c: situation(c, "severe_label_skew").update(size_skew="lognormal:1.0"),
@@ -85,7 +85,7 @@ def situation(config: dict, name: str) -> dict:
     (lambda c: situation(c, "mild_label_skew").update(n_clients=5),
      "grid[0].partitions[0].n_clients: not a step-3b option a study may set"),
     (lambda c: situation(c, "mild_label_skew").update(seed=3), "grid[0].partitions[0].seed: not a step-3b option"),
-    (lambda c: situation(c, "quantity_skew").update(alpha=1.0), "grid[0].partitions[2].alpha: scheme iid does not take it"),
+    (lambda c: situation(c, "quantity_skew").update(alpha=1.0), "grid[0].partitions[3].alpha: scheme iid does not take it"),
     (lambda c: situation(c, "mild_label_skew").update(alpha=-1), "grid[0].partitions[0].alpha must be a finite number > 0"),
     (lambda c: situation(c, "mild_label_skew").update(situation="mild skew"),
      "grid[0].partitions[0].situation must be a plain name"),
@@ -131,18 +131,18 @@ def test_a_step3b_option_is_a_study_option_without_study_code(tmp_path, monkeypa
     situation(config, "quantity_skew").update(feature_noise="0.3", feature_form="shift")
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    partition = load_experiment(path)["grid"][0]["partitions"][2]
+    partition = load_experiment(path)["grid"][0]["partitions"][3]
     assert dict(partition.params) == {"feature_form": "shift", "feature_noise": 0.3, "size_skew": "lognormal:1.0"}
     assert flags(dict(partition.params)) == ["--feature_form", "shift", "--feature_noise", "0.3",
                                              "--size_skew", "lognormal:1.0"]
     situation(config, "quantity_skew").update(feature_noise="x")
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    with pytest.raises(TaskHetError, match=re.escape("grid[0].partitions[2].feature_noise: could not convert string "
+    with pytest.raises(TaskHetError, match=re.escape("grid[0].partitions[3].feature_noise: could not convert string "
                                                      "to float: 'x'")):
         load_experiment(path)
     situation(config, "quantity_skew").update(feature_noise=0.3, feature_form="blur")
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    with pytest.raises(TaskHetError, match=re.escape("grid[0].partitions[2].feature_form must be one of noise, shift")):
+    with pytest.raises(TaskHetError, match=re.escape("grid[0].partitions[3].feature_form must be one of noise, shift")):
         load_experiment(path)
 
 
