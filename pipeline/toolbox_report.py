@@ -326,7 +326,9 @@ def report_lines(config: dict[str, Any], command: str, runs: pd.DataFrame, table
              f"local fine-tuning {federated['finetune_steps']} steps; seeds {', '.join(map(str, config['seeds']))}. "
              "Accuracies are top-1 in % at the final round, mean [95% interval, t on the logit scale] over seeds; "
              "differences are paired by seed, in points, and decided only with ≥ 3 paired seeds, nonzero variance "
-             "and an interval excluding 0 (utils/statistics.py).", "",
+             "and an interval excluding 0 (utils/statistics.py). Every method gets the same rounds × J local steps, "
+             "not the same gradient evaluations: a pFedMe step takes its inner_steps gradients, FedEM trains its M "
+             "components, IFCA evaluates its k models on each sampled client.", "",
              "## Summary (computed)", "",
              f"- Situations run: {', '.join(situations.situation)}.",
              f"- Against the practitioners' table: {counts.get('agrees', 0)} rows agree, "
