@@ -33,6 +33,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    cli.refuse_several_processes("run_pipeline.py")
     config = load_experiment(args.experiment)
     # Imported after validation so a bad experiment file fails before the heavy imports.
     from pipeline.runner import Pipeline, command_line

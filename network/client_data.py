@@ -21,6 +21,7 @@ from datasets.encoded import encoded_dataset
 from datasets.family import family_of, validation_mask
 from datasets.long_tail import proportional_test_indices
 from network.client import ClientData
+from network.client_skews import encoded_client_dataset, run_skews, variant_dataset, without_features
 from training.loop import make_loader
 from utils.errors import TaskHetError
 from utils.seeding import numpy_rng
@@ -63,20 +64,32 @@ def make_clients(args: argparse.Namespace, manifest: pd.DataFrame, table: pd.Dat
                            f"--task {task.name} is not a classification task")
     test_ids = manifest.loc[manifest["split"] == "test", "sample_id"].tolist() if proportional else []
     global_test = task_dataset(args, manifest, task, test_ids, feature_model) if proportional else None
+    skews, variants = run_skews(args, manifest, table, task, family), {}  # the recorded per-client skews (client_skews.py)
     for client_id, rows in table.groupby("client_id", sort=True):
         train, test = (rows.index[rows["subset"] == subset].tolist() for subset in ("train", "test"))
         counts = None
         if classifier:
             counts = tuple(np.bincount(labels.loc[table.loc[train, "sample_id"]].to_numpy(dtype=np.int64),
                                        minlength=num_classes).tolist())
-        train_loader = partial(make_loader, Subset(assigned, train), args.batch_size, True, num_workers=args.num_workers)
+        source, skew = assigned, skews.get(int(client_id))
+        if skew is not None and feature_model is not None and skew.feature:  # transformed before encoding
+            source = encoded_client_dataset(args, manifest, manifest.set_index("sample_id").loc[table.loc[rows.index, "sample_id"]]
+                                            .reset_index(), task, skew, family, feature_model)
+            position = {index: offset for offset, index in enumerate(rows.index)}
+            train, test, skew = [position[i] for i in train], [position[i] for i in test], without_features(skew)
+        elif skew is not None and skew.variant:
+            source = variant_dataset(lambda spec: task_dataset(args, manifest, spec, table["sample_id"], feature_model),
+                                     variants, skew.variant)
+        train_loader = partial(make_loader, Subset(source, train), args.batch_size, True, num_workers=args.num_workers,
+                               collate_fn=skew)
         if proportional:
             picked = proportional_test_indices(np.array(counts), labels.loc[test_ids].to_numpy(),
                                                numpy_rng(args.rand_seed, "local_test", str(client_id)), str(client_id))
             test_set = Subset(global_test, picked.tolist())
         else:
-            test_set = Subset(assigned, test)
-        test_loader = make_loader(test_set, args.batch_size, False, 0, args.num_workers) if len(test_set) else None
+            test_set = Subset(source, test)
+        test_loader = make_loader(test_set, args.batch_size, False, 0, args.num_workers, skew) if len(test_set) else None
+        counts = skew.counts(counts) if skew is not None and counts is not None else counts
         clients.append(ClientData(str(client_id), len(train), train_loader, test_loader, counts))
     return clients
 

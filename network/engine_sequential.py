@@ -138,8 +138,10 @@ class SequentialEngine:
         self.out_dir = Path(config.out_dir)
         self.checkpoint_path = self.out_dir / CHECKPOINT_FILE
         self.store = ClientStore(self.out_dir / "client_states", config.max_state_memory_bytes)
-        self.server: ServerState = algorithm.init_server(
-            {key: value.detach().clone() for key, value in model.state_dict().items()})
+        # The server is built on first use: a resumed run reads it from the checkpoint first, so an expensive
+        # init_server (FedLoGe's SSE-C refinement: 10,000 Adam steps) runs once per run, not once per resume.
+        self.initial_weights = {key: value.detach().clone() for key, value in model.state_dict().items()}
+        self._server: ServerState | None = None
         self.best_loss = math.inf
         self.metrics = mirror_to_tensorboard(MetricsCSV(self.out_dir / METRICS_FILE, METRICS_COLUMNS), config.tensorboard,
                                              self.out_dir, "round")
@@ -148,6 +150,18 @@ class SequentialEngine:
                 if not isinstance(handler, logging.FileHandler):  # the console: run.log keeps every round
                     handler.addFilter(not_a_round_line)
         self.drift = DriftMeter(self.out_dir, algorithm.federation.layout.param_keys) if config.diagnostics else None
+
+    @property
+    def server(self) -> ServerState:
+        """The server state: the checkpoint's after a resume, else ``init_server`` of the initial weights (built on
+        first use)."""
+        if self._server is None:
+            self._server = self.algorithm.init_server(self.initial_weights)
+        return self._server
+
+    @server.setter
+    def server(self, state: ServerState) -> None:
+        self._server = state
 
     @property
     def global_weights(self) -> Weights:

@@ -10,6 +10,7 @@ model and the engine config; :func:`run` adds the client data and runs an engine
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -191,7 +192,8 @@ def prepare(config: RunConfig) -> FedSetup:
         max_state_memory_bytes=int(config.client_state_memory_mb * 2**20), finetune_steps=config.finetune_steps,
         diagnostics=config.diagnostics, tensorboard=config.tensorboard, round_lines=config.round_lines,
         vectorize_chunk=config.vectorize_chunk if config.vectorize_clients else 0,
-        signature={key: str(value) for key, value in dataclasses.asdict(config).items() if key not in NOT_IN_SIGNATURE})
+        signature={**{key: str(value) for key, value in dataclasses.asdict(config).items() if key not in NOT_IN_SIGNATURE},
+                   **skews_signature(meta)})
     return FedSetup(
         config=config, task=task, manifest=manifest, table=table, algorithm=algorithm, engine_config=engine_config,
         device=device, model=prepare_model(worker, device), model_config=task_model.config,
@@ -200,6 +202,13 @@ def prepare(config: RunConfig) -> FedSetup:
         evaluate_fn=lambda net, loader: evaluate(net, loader, task, next(net.parameters()).device, input_key=input_key,
                                                  progress=False, class_groups=groups),
         feature_model=task_model if config.cache_features else None)
+
+
+def skews_signature(meta: dict) -> dict[str, str]:
+    """The recorded per-client skews' hash (partitioning/skews.py): a resume after an edited record is refused."""
+    if "skews" not in meta:
+        return {}
+    return {"skews": hashlib.sha256(json.dumps(meta["skews"], sort_keys=True).encode()).hexdigest()}
 
 
 def train_class_groups(family, manifest: pd.DataFrame) -> dict[str, list[int]]:

@@ -227,8 +227,33 @@ class DirichletMixturePartitioner(DirichletBase):
         return Partition(assign_counts(group_codes, counts, rng), self.n_clients)
 
 
+class PerGroupDirichlet(DirichletBase):
+    """Base of the schemes that split each group over clients by shares p_g ~ Dir(α·1), reweighted by the
+    clients' size weights (``size_skew``) and renormalised; :meth:`_counts` turns the shares into counts.
+    A draw leaving a client below ``min_client_size`` is repeated at most ``MAX_DRAWS`` times, then it fails."""
+
+    def _counts(self, group_sizes: np.ndarray, shares: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """int64 [n_clients, n_groups]: how many of each group's samples each client gets (columns sum to the group
+        sizes); ``shares`` is [n_groups, n_clients], rows summing to 1."""
+        raise NotImplementedError
+
+    def _assign(self, group_codes: np.ndarray, sources: np.ndarray | None, rng: np.random.Generator) -> Partition:
+        group_sizes = np.bincount(group_codes)
+        client_weights = size_weights(self.size_skew, self.n_clients, rng)
+        for _ in range(MAX_DRAWS):
+            shares = dirichlet(rng, np.full(self.n_clients, float(self.alpha)), group_sizes.size) * client_weights
+            shares /= shares.sum(axis=1, keepdims=True)
+            counts = self._counts(group_sizes, shares, rng)
+            if counts.sum(axis=1).min() >= self.min_client_size:
+                break
+        else:
+            self._check_min_size(counts.sum(axis=1), f"after {MAX_DRAWS} draws at alpha={self.alpha}; raise --alpha or "
+                                                     "lower --n_clients / --min_client_size")
+        return Partition(assign_counts(group_codes, counts, rng), self.n_clients)
+
+
 @SCHEMES.register("dirichlet_split")
-class DirichletSplitPartitioner(DirichletBase):
+class DirichletSplitPartitioner(PerGroupDirichlet):
     """Yurochkin et al. 2019 / Flower Datasets' DirichletPartitioner: each group's samples
     are split across clients in proportions ~ Dir(α·1), independently per group
     (with ``size_skew``, the proportions are reweighted by each client's size weight
@@ -237,25 +262,15 @@ class DirichletSplitPartitioner(DirichletBase):
 
     name = "dirichlet_split"
 
-    def _assign(self, group_codes: np.ndarray, sources: np.ndarray | None, rng: np.random.Generator) -> Partition:
-        group_sizes = np.bincount(group_codes)
-        client_weights = size_weights(self.size_skew, self.n_clients, rng)
-        for _ in range(MAX_DRAWS):
-            proportions = dirichlet(rng, np.full(self.n_clients, float(self.alpha)), group_sizes.size) * client_weights
-            proportions /= proportions.sum(axis=1, keepdims=True)
-            # Cut points at floor(cumsum(p) * n_g), as Flower does: exact totals, no extra noise.
-            cuts = np.floor(np.cumsum(proportions, axis=1) * group_sizes[:, None]).astype(np.int64)
-            cuts[:, -1] = group_sizes
-            counts = np.diff(cuts, axis=1, prepend=0).T
-            if counts.sum(axis=1).min() >= self.min_client_size:
-                break
-        else:
-            self._check_min_size(counts.sum(axis=1), f"after {MAX_DRAWS} draws at alpha={self.alpha}; raise --alpha or lower --n_clients / --min_client_size")
-        return Partition(assign_counts(group_codes, counts, rng), self.n_clients)
+    def _counts(self, group_sizes: np.ndarray, shares: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        # Cut points at floor(cumsum(p) * n_g), as Flower does: exact totals, no extra noise.
+        cuts = np.floor(np.cumsum(shares, axis=1) * group_sizes[:, None]).astype(np.int64)
+        cuts[:, -1] = group_sizes
+        return np.diff(cuts, axis=1, prepend=0).T
 
 
 @SCHEMES.register("dirichlet_per_class")
-class DirichletPerClassPartitioner(DirichletBase):
+class DirichletPerClassPartitioner(PerGroupDirichlet):
     """FedLoGe's Fed-LT split (Xiao et al. 2024; also FedRoD's and CReFF's): for each group
     (class) c, client shares p_c ~ Dir(α·1) and each of the group's n_c samples goes to a
     client drawn from p_c independently, so the counts are Multinomial(n_c, p_c). Unlike
@@ -268,19 +283,8 @@ class DirichletPerClassPartitioner(DirichletBase):
 
     name = "dirichlet_per_class"
 
-    def _assign(self, group_codes: np.ndarray, sources: np.ndarray | None, rng: np.random.Generator) -> Partition:
-        group_sizes = np.bincount(group_codes)
-        client_weights = size_weights(self.size_skew, self.n_clients, rng)
-        for _ in range(MAX_DRAWS):
-            shares = dirichlet(rng, np.full(self.n_clients, float(self.alpha)), group_sizes.size) * client_weights
-            shares /= shares.sum(axis=1, keepdims=True)
-            counts = np.stack([rng.multinomial(size, share) for size, share in zip(group_sizes, shares)], axis=1)
-            if counts.sum(axis=1).min() >= self.min_client_size:
-                break
-        else:
-            self._check_min_size(counts.sum(axis=1), f"after {MAX_DRAWS} draws at alpha={self.alpha}; raise --alpha or "
-                                                     "lower --n_clients / --min_client_size")
-        return Partition(assign_counts(group_codes, counts, rng), self.n_clients)
+    def _counts(self, group_sizes: np.ndarray, shares: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        return np.stack([rng.multinomial(size, share) for size, share in zip(group_sizes, shares)], axis=1)
 
 
 @SCHEMES.register("natural")

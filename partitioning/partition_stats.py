@@ -60,8 +60,10 @@ def client_stats(client_of: np.ndarray, groups: np.ndarray, n_clients: int) -> p
     return pd.concat([table, count_columns], axis=1)
 
 
-def plot_heatmap(stats: pd.DataFrame, path: Path, title: str) -> None:
-    """Save a clients × groups heatmap of each client's group fractions (rows sum to 1)."""
+def plot_heatmap(stats: pd.DataFrame, path: Path, title: str, row_notes: Sequence[str] | None = None) -> None:
+    """Save a clients × groups heatmap of each client's group fractions (rows sum to 1).
+
+    ``row_notes``: one short text per client (e.g. its skews: noise σ, swapped pairs), shown after its id."""
     count_columns: Sequence[str] = [c for c in stats.columns if c.startswith("count_")]
     counts = stats[count_columns].to_numpy(dtype=float)
     fractions = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
@@ -73,7 +75,10 @@ def plot_heatmap(stats: pd.DataFrame, path: Path, title: str) -> None:
     if n_groups <= 40:
         axis.set_xticks(range(n_groups), [c.removeprefix("count_") for c in count_columns], rotation=90)
     if n_clients <= 40:
-        axis.set_yticks(range(n_clients), stats["client_id"].astype(str).tolist())
+        names = stats["client_id"].astype(str).tolist()
+        if row_notes is not None:
+            names = [f"{name} {note}".strip() for name, note in zip(names, row_notes)]
+        axis.set_yticks(range(n_clients), names)
     axis.set_title(title)
     figure.colorbar(image, ax=axis, label="fraction of the client's samples")
     save_figure(figure, path, dpi=120)

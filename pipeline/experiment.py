@@ -71,6 +71,7 @@ SCHEMA: dict[str, Any] = {
         "n_clients": 10,
         "client_test_fraction": 0.2,
         "size_skew": None,
+        "skews": {},  # step 3b's per-client skews by flag name, e.g. {feature_noise: 0.2, label_swap: 1, concept_fraction: 0.3}
         "iid_reference": False,  # also run every algorithm and seed on an iid partition (the report's reference)
     },
     "heterogeneity_meter": True,  # step 3c: G² and B² of every label/embedding partition at the centralized model
@@ -98,7 +99,7 @@ SCHEMA: dict[str, Any] = {
 MAX_RUNS = 10_000
 
 # Sections whose values are free-form mappings (algorithm name -> its hyperparameters).
-FREE_FORM = {"federated.algorithms", "federated.task_init_lr", "practitioners_table"}
+FREE_FORM = {"federated.algorithms", "federated.task_init_lr", "partition.skews", "practitioners_table"}
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,7 @@ def validate_names(config: dict[str, Any], source: Path) -> None:
     from network.lr_schedule import make_lr_schedule
     from partitioning.allocation import parse_size_skew
     from partitioning.partition import list_schemes
+    from steps.skew_flags import SKEW_FLAGS
 
     def check(key: str, values: list[str], known: list[str]) -> None:
         for value in values:
@@ -208,6 +210,7 @@ def validate_names(config: dict[str, Any], source: Path) -> None:
         except TaskHetError as error:
             raise TaskHetError(f"{source}: {str(error).replace(flag, key)}") from None
     check("partition.groupings", list(config["partition"]["groupings"]), list(GROUPINGS))
+    check("partition.skews", list(config["partition"]["skews"]), list(SKEW_FLAGS))  # values: step 3b checks them
     if sorted(set(config["partition"]["groupings"])) != sorted(GROUPINGS):
         raise TaskHetError(f"{source}: partition.groupings must list both {' and '.join(GROUPINGS)}: the report "
                            f"compares them; got {config['partition']['groupings']}")

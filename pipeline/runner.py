@@ -152,6 +152,7 @@ class Pipeline:
             "manifest": str(manifest), "groups": groups, "scheme": "iid" if iid else partition["scheme"],
             "alpha": None if iid else alpha, "n_clients": partition["n_clients"],
             "client_test_fraction": partition["client_test_fraction"], "size_skew": partition["size_skew"], "seed": seed,
+            **partition["skews"],  # per-client feature skew / concept shift (partitioning/skews.py), iid reference too
         }
         inputs = [manifest] + ([Path(groups)] if grouping == EMBEDDING_BASED else [])
         name = f"{grouping}-s{seed}" if iid else f"{grouping}-a{alpha:g}-s{seed}"

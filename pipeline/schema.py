@@ -5,6 +5,23 @@ range, a list of items, or None allowed); a test keeps the two in step. A check 
 value to use (a float given as the string ``"1e-3"``, as YAML 1.1 reads it, becomes 1e-3) or
 raises a :class:`TaskHetError` naming the file and the key. Names the registries know (tasks,
 encoders, algorithms, schemes) are checked afterwards by ``pipeline.experiment.validate_names``.
+
+Why this is not pydantic v2 (issue 24; measured on 2026-11-24, pydantic 2.14.4): a trial moved the
+experiment schema to pydantic models (``extra="forbid"``, strict typed fields with their defaults, a
+BeforeValidator for YAML 1.1's ``1e-3`` strings, the first ``ValidationError`` turned into one line
+naming the file and the dotted key, and today's ``unknown key 'federated.n_round'; allowed here: ...``
+kept through a lookup of the model's fields). It took 174 lines for what is now this file's 228 plus
+``experiment.SCHEMA`` (63) and ``experiment._merge`` (13): shorter. But of 12 bad inputs tried, 5
+messages were as clear as today's (the unknown key, ``n_rounds: 0``, ``true`` for an integer, a
+negative alpha, an unknown optimizer), 4 differed by pydantic's ``Value error, `` prefix (strippable),
+and 3 were less clear: a range names only the bound that failed (``data.test_fraction: Input should be
+less than 1`` against ``must be a finite number > 0 and < 1``; ``'abc'`` for ``init_lr`` loses the
+``> 0``), an empty ``federated.algorithms`` loses its example (``Dictionary should have at least 1 item
+after validation, not 0``) and a scalar section names pydantic's class (``Input should be a valid
+dictionary or instance of Data``). Keeping today's wording needs a layer that rebuilds it from
+pydantic's error types and the fields' constraints, and ``pipeline/study.py`` builds the study schema
+from ``SCHEMA``, ``_merge`` and the checks below, so it would have to move as well. That was not done:
+the checks stay hand-written, and a move to pydantic should bring that wording layer with it.
 """
 
 from __future__ import annotations
@@ -196,6 +213,7 @@ TYPES: dict[str, Check] = {
     "partition.n_clients": Int(1),
     "partition.client_test_fraction": Float(0, 1, high_open=True),
     "partition.size_skew": Optional(Str()),
+    "partition.skews": Mapping("map step 3b's skew flags to values", "{feature_noise: 0.2, label_swap: 1}", allow_empty=True),
     "partition.iid_reference": Bool(),
     "federated.algorithms": Mapping(),
     "federated.n_rounds": Int(1),

@@ -91,7 +91,17 @@ class SparseSGDM(torch.optim.SGD):
         self._indices: dict[Tensor, Tensor | None] = {}  # param -> flat trainable indices (from MASK), or None
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state: a SparseSGDM's (its masks replace ours) or a dense SGD's, e.g. ``torch.optim.SGD``'s, which
+        has no masks: ours are kept, and its full-size buffers are masked so that no velocity is left at frozen
+        entries (otherwise they would move at the next step, and a dense state would silently drop the masks)."""
+        own = {param: state[MASK] for param, state in self.state.items() if MASK in state}
         super().load_state_dict(state_dict)
+        for param, mask in own.items():
+            state = self.state[param]
+            state.setdefault(MASK, mask)
+            buffer = state.get("momentum_buffer")
+            if buffer is not None and buffer.shape == param.shape:
+                state["momentum_buffer"] = buffer * state[MASK]
         self._indices.clear()  # the loaded masks may differ
 
     def _indices_of(self, param: Tensor) -> Tensor | None:

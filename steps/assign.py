@@ -19,6 +19,8 @@ from datasets.family import load_manifest, validation_mask
 from partitioning.assignments import assignments_table, resolve_groups, source_record, write_assignments
 from partitioning.partition import client_test_mask, get_partitioner, list_schemes, scheme_parameters
 from partitioning.partition_stats import client_stats, plot_heatmap
+from partitioning.skews import SKEWS_KEY, SkewContext, draw_skews, skew_columns, skew_summary
+from steps.skew_flags import add_skew_flags, skew_settings
 from utils import cli
 from utils.cli import positive_float, positive_int
 from utils.errors import TaskHetError
@@ -43,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--client_test_fraction", type=cli.nonnegative_float, default=0.2, help="share of each client's samples held out as client-test")
     parser.add_argument("--min_client_size", type=cli.nonnegative_int, default=1, help="fewest samples a client may hold")
     parser.add_argument("--seed", type=int, default=0)
+    add_skew_flags(parser)
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     cli.add_runtime_flags(parser)
     return parser
@@ -74,16 +77,20 @@ def assign_clients(args: argparse.Namespace) -> Path:
     # A clusters file covers every sample step 3 embedded: the test and validation rows too.
     other_ids = manifest.loc[(manifest["split"] == "test") | validation_mask(manifest), "sample_id"]
     groups, groups_file = resolve_groups(train, args.groups, extra_ids=other_ids)
+    skews = draw_skews(skew_settings(args), SkewContext(family.name, family.num_classes(manifest), tuple(family.tasks),
+                                                        args.n_clients), args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     write_config(args.out, vars(args), step=STEP)
     logger = setup_logging(args.out, "make_client_assignments")
     with unfinished(args.out, STEP):  # step 4 refuses an assignments.csv of a run that did not finish
-        return write_partition(args, family, train, groups, groups_file, logger)
+        return write_partition(args, family, train, groups, groups_file, logger, skews)
 
 
 def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, groups: pd.Series, groups_file: Path | None,
-              logger) -> Path:
-    """Split ``train`` over clients and write every output of the step; returns assignments.csv."""
+              logger, skews: dict | None = None) -> Path:
+    """Split ``train`` over clients and write every output of the step; returns assignments.csv.
+
+    ``skews``: the per-client skews drawn by :func:`partitioning.skews.draw_skews`, recorded in the sidecar."""
     given = {"alpha": args.alpha, "size_skew": args.size_skew, "groups_per_client": args.groups_per_client,
              "min_client_size": args.min_client_size, "seed": args.seed}
     accepted = scheme_parameters(args.scheme)
@@ -105,12 +112,17 @@ def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, group
         "sources": sources, "n_train_samples": len(train), "n_assigned": int(len(table)),
         "n_unused": int(partition.unused.size), "client_labels": partition.client_labels,
     }
+    if skews:
+        meta[SKEWS_KEY] = skews
     write_assignments(args.out / "assignments.csv", table, meta)
     train.loc[partition.unused, ["sample_id"]].assign(group=groups.to_numpy()[partition.unused]).to_csv(args.out / "unused_samples.csv", index=False)
 
     stats = client_stats(partition.client_of, groups.to_numpy(), args.n_clients)
+    stats = stats.assign(**skew_columns(skews or {}, args.n_clients))  # new columns after the existing ones
     stats.to_csv(args.out / "client_stats.csv", index=False)
-    plot_heatmap(stats, args.out / "client_group_heatmap.png", f"{args.scheme}, α={meta['alpha']}; groups: {Path(args.groups).name}")
+    plot_heatmap(stats, args.out / "client_group_heatmap.png", f"{args.scheme}, α={meta['alpha']}; groups: {Path(args.groups).name}"
+                 + (f"; skews: {', '.join(skews)}" if skews else ""),
+                 row_notes=[skew_summary(skews, client) for client in range(args.n_clients)] if skews else None)
     summary = {
         "n_assigned": len(table), "n_unused": int(partition.unused.size), "n_client_test": int(is_test.sum()),
         "client_size_min": int(stats["size"].min()), "client_size_max": int(stats["size"].max()),

@@ -21,10 +21,11 @@ from pathlib import Path
 import pandas as pd
 from torch import nn
 
-from datasets.encoded import check_frozen, encoded_dataset, model_input_key
+from datasets.encoded import check_frozen, model_input_key
 from datasets.family import DataFamily, load_manifest
 from models import get_task, load_task_model
 from models.tasks import TaskSpec
+from network.client_skews import client_rows_dataset, run_skews
 from network.heterogeneity import dissimilarity, full_gradient
 from partitioning.assignments import load_assignments
 from steps.embed import add_model_input_arguments, trained_model_checkpoint, training_image_size
@@ -86,12 +87,14 @@ def measure(args: argparse.Namespace, family: DataFamily, manifest: pd.DataFrame
 
     gradients, sizes, metrics = [], [], []
     train = table[table["subset"] == "train"]
+    data_args = argparse.Namespace(**{**vars(args), "image_size": image_size})
+    skews = run_skews(data_args, manifest, table, task, family)  # the partition's recorded feature/concept skews
     for client_id, client_rows in train.groupby("client_id", sort=True):
         rows = rows_by_id.loc[list(client_rows["sample_id"])].reset_index()
-        dataset = family.dataset(args.data_path, rows, task, image_size, args.cache_dir)
-        if args.cache_features:  # a frozen encoder's maps from the experiment's shared store (datasets/encoded.py)
-            dataset = encoded_dataset(dataset, rows, family, model, args.data_path, image_size, args.cache_dir, manifest)
-        gradient = full_gradient(model, make_loader(dataset, args.batch_size, False, 0), loss_fn, device)
+        # with --cache_features: a frozen encoder's maps from the experiment's shared store (datasets/encoded.py)
+        dataset, collate = client_rows_dataset(data_args, manifest, rows, task, family, skews.get(int(client_id)),
+                                               model if args.cache_features else None)
+        gradient = full_gradient(model, make_loader(dataset, args.batch_size, False, 0, collate_fn=collate), loss_fn, device)
         gradients.append(gradient)
         sizes.append(len(rows))
         metrics += [{"client": str(client_id), "metric": "n_samples", "value": len(rows)},

@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         search.csv's table, best first.
     """
     args = cli.apply_runtime_flags(build_parser().parse_args(argv))
+    cli.refuse_several_processes("search_centralized_hparams.py")
     args.seeds, args.seed = resolve_seeds(args), None
     if args.out is None:
         args.out = Path("results/search_centralized") / args.task / f"{args.encoder}-seeds{'-'.join(map(str, args.seeds))}"

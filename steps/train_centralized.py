@@ -5,10 +5,14 @@ The library half of train_centralized_task_model.py, which pipeline.runner also 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
+import os
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.state import AcceleratorState, GradientState
 
 from datasets.encoded import encoded_dataset, model_input_key
 from datasets.family import load_manifest
@@ -34,12 +38,15 @@ epoch only for the curves and final numbers. Without one (taskonomy, synthetic) 
 split and selects on the test split.
 Outputs in --out: config.json, run.log, metrics.csv (epoch, split, metric, value; splits train, val, test),
 best.pt (lowest loss on the selection split; step 3 reads it), last.pt (every epoch; --resume continues
-from it), curves.png, loss.png and <metric>.png (e.g. top1.png: the task's metric on every split)."""
+from it), curves.png, loss.png and <metric>.png (e.g. top1.png: the task's metric on every split).
+Several GPUs (data parallel; --batch_size is the global batch, split evenly over the processes):
+  accelerate launch --multi_gpu --num_processes 4 train_centralized_task_model.py ... --mixed_precision bf16"""
 
 STEP = "step 2"
 # Arguments that do not change what a run computes: a resumed run may differ in them.
 NOT_IN_SIGNATURE = ("out", "resume", "use_accelerator", "num_workers", "cache_dir", "deterministic", "progress", "threads",
                     "tensorboard")
+MIXED_PRECISION = ("no", "bf16", "fp16")
 # The flags a hyperparameter search (steps/search_centralized.py) replaces by lists.
 SEARCHED = ("init_lr", "weight_decay", "scheduler")
 
@@ -94,6 +101,9 @@ def add_training_arguments(parser: argparse.ArgumentParser, searched: bool = Tru
     add("--seed", type=int, default=0, help="root seed of init and loader order (default: 0)")
     add("--deterministic", action=argparse.BooleanOptionalAction, default=False, help="deterministic kernels (bit-identical reruns)")
     add("--use_accelerator", action=argparse.BooleanOptionalAction, default=True, help="use CUDA/MPS when present (default: yes)")
+    add("--mixed_precision", choices=MIXED_PRECISION, default=None,
+        help="accelerate's autocast of the forward passes: no | bf16 | fp16 (fp16 with loss scaling; GPU only); "
+             "default: bf16 on a GPU that has it, else no (or accelerate launch's --mixed_precision). Recorded in config.json")
     add("--num_workers", type=cli.nonnegative_int, default=0, help="DataLoader worker processes (default: 0)")
     add("--cache_dir", type=Path, default=None, help="decoded-sample cache folder (default: none)")
     add("--resume", "--resume_training", action=argparse.BooleanOptionalAction, default=True,
@@ -108,12 +118,55 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.use_adam and args.optimizer == "sgd":
         raise TaskHetError("--use_adam contradicts --optimizer sgd; pass one of them")
     args.optimizer = args.optimizer or ("adamw" if args.use_adam else "sgd")
+    args.mixed_precision = resolve_mixed_precision(args.mixed_precision, args.use_accelerator)
     if args.early_stopping_patience < 0 or args.embedding_grid < 0:
         raise TaskHetError("--early_stopping_patience and --embedding_grid must be >= 0")
     if args.out is None:
         weights_name = args.weights if args.weights in ("none", *NAMED_WEIGHTS) else Path(args.weights).stem
         args.out = Path("results/train_centralized") / args.task / f"{args.encoder}-{weights_name}-seed{args.seed}"
     return args
+
+
+def resolve_mixed_precision(flag: str | None, use_accelerator: bool) -> str:
+    """--mixed_precision, or its default: accelerate launch's --mixed_precision when it set one, else bf16 on a GPU with bf16."""
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")  # accelerate launch writes "no" when not told
+    if flag is not None and launched not in ("no", flag):
+        raise TaskHetError(f"--mixed_precision {flag} contradicts accelerate launch --mixed_precision {launched}; pass one of them")
+    if flag is not None:
+        return flag
+    if launched != "no":
+        return launched
+    return "bf16" if use_accelerator and torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+
+
+def make_accelerator(args: argparse.Namespace) -> Accelerator:
+    """Step 2's accelerate ``Accelerator``: device, ``--mixed_precision`` and, under ``accelerate launch``, the processes.
+
+    ``split_batches``: ``--batch_size`` is the global batch, cut into one equal slice per process, so the
+    arguments mean the same at any number of processes (the last, smaller batch of an epoch is topped up
+    from the epoch's first samples by accelerate, so that every process gets an equal slice).
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # accelerate keeps its settings in process-wide state and refuses a second Accelerator with another mixed
+    # precision or device; a pipeline or a search trains several step-2 models in one process. Reset as
+    # accelerate's own AccelerateTestCase does, and GradientState too (it keeps the loaders of a run that
+    # stopped mid-epoch). The process group (PartialState) is kept when torchrun started this process.
+    AcceleratorState._reset_state(reset_partial_state=world_size == 1)
+    GradientState._reset_state()
+    try:
+        accelerator = Accelerator(cpu=not args.use_accelerator, mixed_precision=args.mixed_precision,
+                                  dataloader_config=DataLoaderConfiguration(split_batches=True))
+    except ValueError as error:  # e.g. bf16 on a GPU without it
+        raise TaskHetError(f"--mixed_precision {args.mixed_precision}: {error}") from error
+    if args.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        raise TaskHetError("--mixed_precision fp16 needs a GPU (accelerate ignores it on the CPU); use bf16 or no")
+    if accelerator.num_processes != world_size:
+        raise TaskHetError(f"launched as {world_size} processes, but accelerate sees {accelerator.num_processes}: "
+                           "without GPUs, pass --no-use_accelerator to run the processes on the CPU")
+    if args.batch_size % accelerator.num_processes:
+        raise TaskHetError(f"--batch_size {args.batch_size} is the global batch: it must be a multiple of the "
+                           f"{accelerator.num_processes} processes")
+    return accelerator
 
 
 def optimizer_and_scheduler(args: argparse.Namespace, model: torch.nn.Module):
@@ -133,26 +186,41 @@ def main(argv: list[str] | None = None) -> dict:
     Returns:
         The summary of :func:`training.loop.fit` for the run.
     """
-    return train(resolve(cli.apply_runtime_flags(build_parser().parse_args(argv))))
+    try:
+        return train(resolve(cli.apply_runtime_flags(build_parser().parse_args(argv))))
+    finally:
+        end_process_group()
+
+
+def end_process_group() -> None:
+    """Close the process group ``accelerate launch`` made (gloo's threads otherwise abort the process as it exits)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def train(args: argparse.Namespace) -> dict:
     """Train one centralized task model for resolved arguments (:func:`resolve`); what :func:`main` and the search run.
 
+    Under ``accelerate launch`` every process calls it; only the main one holds the folder's lock and writes.
+
     Returns:
         The summary of :func:`training.loop.fit` (``best_epoch``, ``best_val_loss``, ``selected_on``, ...).
     """
-    with folder_lock(args.out):  # one run at a time writes the folder
-        return train_locked(args)
+    accelerator = make_accelerator(args)
+    # one run at a time writes the folder
+    with folder_lock(args.out) if accelerator.is_main_process else contextlib.nullcontext():
+        return train_locked(args, accelerator)
 
 
-def train_locked(args: argparse.Namespace) -> dict:
-    """:func:`train`'s work, holding the lock of ``args.out``."""
+def train_locked(args: argparse.Namespace, accelerator: Accelerator) -> dict:
+    """:func:`train`'s work, holding the lock of ``args.out`` (in the main process)."""
     if args.warmup_epochs >= args.n_epochs:
         raise TaskHetError(f"--warmup_epochs {args.warmup_epochs} must be below --n_epochs {args.n_epochs}")
     if args.cache_features and not args.freeze_encoder:
         raise TaskHetError("--cache_features needs --freeze_encoder (a trained encoder's maps change every step)")
-    claim_folder(args.out, STEP)
+    main_process = accelerator.is_main_process
+    if main_process:
+        claim_folder(args.out, STEP)
     signature = {key: str(value) for key, value in vars(args).items() if key not in NOT_IN_SIGNATURE}
     check_resumable(args.out, signature, args.resume)  # before config.json: a refused resume changes nothing
     task = get_task(args.task)
@@ -167,24 +235,40 @@ def train_locked(args: argparse.Namespace) -> dict:
                              embedding_grid=args.embedding_grid, seed=args.seed, freeze_encoder=args.freeze_encoder,
                              decoder_width=args.decoder_width)
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_config(args.out, vars(args), step=STEP)
-    logger = setup_logging(args.out, "train_centralized")
-    device = Accelerator(cpu=not args.use_accelerator).device
+    if main_process:
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_config(args.out, {**vars(args), "num_processes": accelerator.num_processes}, step=STEP)
+    logger = setup_logging(args.out, "train_centralized") if main_process else _silent_logger()
+    device = accelerator.device
     select = selection_split(splits)
-    logger.info("task %s, encoder %s (weights %s), %s samples, best epoch chosen on %s, device %s", args.task, args.encoder,
-                args.weights, " / ".join(f"{len(data)} {split}" for split, data in datasets.items()), select, device)
+    logger.info("task %s, encoder %s (weights %s), %s samples, best epoch chosen on %s, device %s, %d process(es), "
+                "mixed precision %s", args.task, args.encoder, args.weights,
+                " / ".join(f"{len(data)} {split}" for split, data in datasets.items()), select, device,
+                accelerator.num_processes, args.mixed_precision)
     model = prepare_model(model, device)
-    if args.cache_features:  # a frozen encoder's maps, computed once (datasets/encoded.py)
-        datasets = {split: encoded_dataset(data, splits[split], family, model, args.data_path, args.image_size,
-                                           args.cache_dir, manifest) for split, data in datasets.items()}
+    if args.cache_features:  # a frozen encoder's maps, computed once (datasets/encoded.py); the main process fills the cache
+        with accelerator.main_process_first():
+            datasets = {split: encoded_dataset(data, splits[split], family, model, args.data_path, args.image_size,
+                                               args.cache_dir, manifest) for split, data in datasets.items()}
     optimizer, scheduler = optimizer_and_scheduler(args, model)
     loader_seed = derive_seed(args.seed, "centralized", args.task)
     train_loader = make_loader(datasets.pop("train"), args.batch_size, True, loader_seed, args.num_workers)
     eval_loaders = {split: make_loader(data, args.batch_size, False, loader_seed, args.num_workers) for split, data in datasets.items()}
-    with unfinished(args.out, STEP):  # step 3 refuses best.pt of a run that did not finish
-        return fit(model, task, train_loader, eval_loaders, optimizer, scheduler, device,
+    # the scheduler stays unprepared: it steps once per epoch, and it already holds the optimizer's parameter groups
+    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    accelerator.wait_for_everyone()  # the main process has checked and claimed the folder
+    with unfinished(args.out, STEP) if main_process else contextlib.nullcontext():  # step 3 refuses an unfinished best.pt
+        return fit(model, task, train_loader, eval_loaders, optimizer, scheduler, accelerator,
                    input_key=model_input_key(family, args.cache_features),
                    n_epochs=args.n_epochs, out_dir=args.out, run_signature=signature, select_split=select,
                    early_stopping_patience=args.early_stopping_patience or None, resume=args.resume, logger=logger,
-                   progress=args.progress, tensorboard=args.tensorboard)
+                   progress=args.progress and main_process, tensorboard=args.tensorboard)
+
+
+def _silent_logger() -> logging.Logger:
+    """The logger of a process other than the main one under accelerate launch: the main process logs."""
+    logger = logging.getLogger("train_centralized.other_process")
+    if not logger.handlers:
+        logger.addHandler(logging.NullHandler())
+    logger.propagate = False
+    return logger

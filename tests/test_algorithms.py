@@ -22,7 +22,7 @@ from network.local_train import NonFiniteLossError, local_train
 from network.settings import describe
 from steps.federated import build_parser
 from tests.test_engine import NUM_CLIENTS, make_clients, make_engine
-from tests.tiny_models import TinyNet, tiny_model_for
+from tests.tiny_models import TinyNet, loss_fn, tiny_model_for
 from utils.errors import TaskHetError
 
 CPU = torch.device("cpu")
@@ -393,3 +393,46 @@ def test_evaluation_fine_tuning_starts_from_the_clients_own_model(tmp_path, monk
         for key, value in own.items():
             assert torch.equal(starts[client_id][key], value), (client_id, key)
     assert len(starts) == len(engine.clients)
+
+
+def test_training_loss_is_the_per_sample_mean_over_unequal_batches_in_eval_mode():
+    """F_i(θ) of IFCA and q-FedAvg, by hand: batches of 3, 5 and 1 samples weigh by their samples, not per batch."""
+    from network.algorithms.base import ClientConfig
+    from network.algorithms.skeleton import training_loss
+
+    model = nn.Sequential(nn.Linear(1, 1, bias=False), nn.Dropout(0.9))
+    with torch.no_grad():
+        model[0].weight.fill_(2.0)
+    model.train()
+    xs = torch.arange(9, dtype=torch.float32).unsqueeze(1)
+    batches = [{"x": xs[:3], "y": torch.zeros(3)}, {"x": xs[3:8], "y": torch.zeros(5)}, {"x": xs[8:], "y": torch.zeros(1)}]
+
+    def squared(model, batch, reduction="mean"):
+        per_sample = (model(batch["x"]).squeeze(1) - batch["y"]) ** 2
+        return per_sample.mean() if reduction == "mean" else per_sample
+
+    cfg = ClientConfig(lr=0.1, loss_fn=squared, device=torch.device("cpu"), num_samples=9, local_steps=1)
+    expected = sum((2.0 * x) ** 2 for x in range(9)) / 9  # 4·Σx²/9 = 4·204/9
+    assert training_loss(model, batches, cfg) == pytest.approx(expected, rel=1e-12)
+    assert training_loss(model, batches[2:], cfg) == pytest.approx(4 * 64.0)  # one sample: divided by 1
+    assert model.training  # the caller's mode is restored
+
+
+class _PhasesByClient(FedAvg):
+    """A client with state trains only the weight: its phases differ from a fresh client's in their keys alone."""
+
+    def phases(self, model, broadcast, client_state, cfg):
+        from network.algorithms.skeleton import Phase
+
+        return [Phase(keys=["weight"] if client_state else None)]
+
+
+def test_lockstep_refuses_clients_whose_phases_train_different_entries():
+    from network.algorithms.base import ClientConfig
+
+    fedavg, model = build_algorithm("fedavg", nn.Linear(2, 1), {"0": 4, "1": 4}, {}, seed=0)
+    spy = _PhasesByClient(fedavg.settings, fedavg.federation)
+    broadcast = spy.broadcast(spy.init_server({key: value.clone() for key, value in model.state_dict().items()}))
+    cfgs = [ClientConfig(lr=0.1, loss_fn=loss_fn, device=torch.device("cpu"), num_samples=4, local_steps=1)] * 2
+    with pytest.raises(TaskHetError, match="fedavg: clients of one round have different phases"):
+        spy.client_updates(model, broadcast, [{}, {"weight": torch.zeros(1, 2)}], [[], []], cfgs)

@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from network.algorithms import build_algorithm, list_algorithms
+from network.algorithms.base import ALGORITHMS
 from network import engine_sequential as engine_module
 from network.algorithms.fedavg import FedAvg
 from network.algorithms.scaffold import Scaffold
@@ -118,6 +119,19 @@ def test_killed_and_resumed_run_is_bit_identical(tmp_path, monkeypatch, name, ki
     assert_same_states(full["server"]["models"], again["server"]["models"])
     assert_same_weights(full["server"]["tensors"], again["server"]["tensors"])
     assert full["round"] == again["round"] == 5
+
+
+def test_a_resumed_run_takes_its_server_from_the_checkpoint_without_building_one(tmp_path, monkeypatch):
+    """init_server can be expensive (FedLoGe refines SSE-C with 10,000 Adam steps): a resume must not pay it again."""
+    make_engine(tmp_path, "fedloge", rounds=2).run()
+    calls = []
+    original = ALGORITHMS.get("fedloge").init_server
+    monkeypatch.setattr(ALGORITHMS.get("fedloge"), "init_server", lambda self, weights: calls.append(1) or original(self, weights))
+    resumed = make_engine(tmp_path, "fedloge", rounds=3)
+    resumed.run()
+    assert calls == []
+    make_engine(tmp_path / "fresh", "fedloge", rounds=1).run()
+    assert calls == [1]
 
 
 class SpyScaffold(Scaffold):

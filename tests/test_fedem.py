@@ -149,6 +149,17 @@ def test_the_upload_is_m_times_fedavgs():
     assert len(fedem.shared_keys()) == 3 * len(fedavg.shared_keys())
 
 
+def test_more_components_than_memory_holds_is_one_line_before_any_copy(monkeypatch):
+    model = linear_model()
+    model_bytes = sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values())
+    monkeypatch.setattr("psutil.virtual_memory", lambda: type("Memory", (), {"available": 10 * model_bytes})())
+    build_algorithm("fedem", linear_model(), {"0": 1}, {"n_components": 10})  # exactly fits: accepted
+    with pytest.raises(TaskHetError, match=r"^fedem setting n_components=11 needs 11 copies of the model "):
+        build_algorithm("fedem", model, {"0": 1}, {"n_components": 11})
+    with pytest.raises(TaskHetError, match=r"^fedem setting n_components=100000000 needs"):
+        build_algorithm("fedem", model, {"0": 1}, {"n_components": 100_000_000})
+
+
 def test_bad_settings_are_refused_naming_the_setting():
     with pytest.raises(TaskHetError, match=r"^setting n_components must be >= 1, got 0$"):
         build_algorithm("fedem", linear_model(), {"0": 1}, {"n_components": 0})

@@ -15,7 +15,9 @@ OPTIONS = [dict(momentum=0.9, weight_decay=0.1),
            dict(momentum=0.9, weight_decay=0.1, nesterov=True),
            dict(momentum=0.9, weight_decay=0.1, dampening=0.3),
            dict(momentum=0.0, weight_decay=0.1),
-           dict(momentum=0.9, weight_decay=0.0, maximize=True)]
+           dict(momentum=0.9, weight_decay=0.0, maximize=True),
+           # Boundary values a mistyped comparison would treat as 0: full decay, full dampening.
+           dict(momentum=0.9, weight_decay=1.0), dict(momentum=0.9, dampening=1.0)]
 
 
 def model_and_masks(seed: int = 0, density: float = 0.4) -> tuple[nn.Module, list[torch.Tensor]]:
@@ -82,6 +84,67 @@ def test_the_callers_gradients_are_never_modified():
     optimizer.step()
     assert torch.equal(param.detach(), torch.tensor([0.9, 3.0, 2.0]))
     assert torch.equal(param.grad, torch.tensor([1.0, 5.0, -4.0]))
+
+
+# Without weight decay or maximize the direction is the caller's gradient itself: the masked-direction path must copy.
+@pytest.mark.parametrize("options", OPTIONS + [dict(momentum=0.9, nesterov=True), dict(momentum=0.0)])
+@pytest.mark.parametrize("implementation", [dict(), dict(foreach=True)])
+@pytest.mark.parametrize("density", [0.4, 0.7])
+def test_no_path_modifies_the_callers_gradients(options, implementation, density):
+    model, masks = model_and_masks(density=density)
+    optimizer = SparseSGDM(model.parameters(), masks, lr=0.05, **options, **implementation)
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        for param in model.parameters():
+            param.grad = torch.randn(param.shape, generator=generator)
+        grads = [param.grad.clone() for param in model.parameters()]
+        optimizer.step()
+        for param, grad in zip(model.parameters(), grads):
+            assert torch.equal(param.grad, grad)
+
+
+@pytest.mark.parametrize("implementation", [dict(), dict(foreach=True)])
+@pytest.mark.parametrize("density", [0.4, 0.7])
+def test_a_dense_sgd_state_keeps_the_masks_and_leaves_no_velocity_at_frozen_entries(implementation, density):
+    """Fine-tuning sparsely after a dense run: torch.optim.SGD's state has no masks and full-size buffers."""
+    model, masks = model_and_masks(density=density)
+    dense = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1)
+    train(model, dense, steps=3)
+    loaded = copy.deepcopy(dense.state_dict())
+    before = [param.detach().clone() for param in model.parameters()]
+    optimizer = SparseSGDM(model.parameters(), masks, lr=0.05, momentum=0.9, weight_decay=0.1, **implementation)
+    optimizer.load_state_dict(loaded)
+    param = next(model.parameters())
+    param.grad = torch.zeros_like(param)
+    for other in list(model.parameters())[1:]:
+        other.grad = torch.zeros_like(other)
+    optimizer.step()  # zero gradient: d = wd·θ, b = μ·b_dense·m + d·m, θ -= lr·b at trainable entries only
+    for param, old, mask, state in zip(model.parameters(), before, masks, loaded["state"].values()):
+        assert torch.equal(param.detach()[~mask], old[~mask])
+        expected = old[mask] - 0.05 * (0.9 * state["momentum_buffer"][mask] + 0.1 * old[mask])
+        assert torch.allclose(param.detach()[mask], expected, rtol=1e-6, atol=1e-7)
+    train(model, optimizer, steps=5)
+    for param, old, mask in zip(model.parameters(), before, masks):
+        assert torch.equal(param.detach()[~mask], old[~mask])
+
+
+def test_a_dense_parameter_before_sparse_ones_leaves_their_masks_in_force():
+    model, masks = model_and_masks()
+    masks[0] = None
+    frozen = [param.detach().clone() for param in model.parameters()]
+    train(model, SparseSGDM(model.parameters(), masks, lr=0.05, momentum=0.9, weight_decay=0.1), steps=3)
+    params = list(model.parameters())
+    assert not torch.equal(params[0], frozen[0])  # None: dense
+    for param, old, mask in zip(params[1:], frozen[1:], masks[1:]):
+        assert torch.equal(param.detach()[~mask], old[~mask])
+
+
+def test_defaults_are_torch_sgds():
+    import inspect
+
+    ours, torchs = (inspect.signature(cls.__init__).parameters for cls in (SparseSGDM, torch.optim.SGD))
+    for name in ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize", "foreach", "fused"):
+        assert ours[name].default == torchs[name].default, name
 
 
 def test_masks_must_match_the_parameters():

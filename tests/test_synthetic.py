@@ -12,21 +12,9 @@ import pytest
 from PIL import Image
 
 from datasets.selection import read_scene_names, read_split_csv
-from datasets.synthetic import (
-    BUILDINGS_FILE,
-    OBJECT_CLASSES,
-    Camera,
-    PLACES_FILE,
-    SCENE_TYPES,
-    SPLIT_FILE,
-    assign_scene_types,
-    encode_view,
-    make_building,
-    make_cameras,
-    render_dataset,
-    render_view,
-    scene_places_indices,
-)
+from datasets.synthetic import BUILDINGS_FILE, PLACES_FILE, SPLIT_FILE, encode_view, render_dataset
+from datasets.synthetic_raycast import Camera, render_view
+from datasets.synthetic_scenes import OBJECT_CLASSES, SCENE_TYPES, assign_scene_types, make_building, make_cameras, scene_places_indices
 from datasets.taskonomy import TaskonomyDataset, domain_dir, read_manifest
 from datasets.taskonomy_domains import (DEPTH_UNITS_PER_METRE, DOMAIN_SPECS, DOMAINS, NUM_SEMANTIC_CLASSES,
                                         SEGMENT_IGNORE_INDEX, SEMANTIC_CLASS_NAMES)

@@ -113,7 +113,7 @@ def test_bad_study_file_stops_with_one_error_line_before_any_work(tmp_path, caps
 
 
 def test_a_step3b_option_is_a_study_option_without_study_code(tmp_path, monkeypatch):
-    """A flag step 3b gains (here a stand-in for the skews branch's --feature_noise) is accepted, converted by the
+    """A flag step 3b gains (here a stand-in flag, --feature_blur) is accepted, converted by the
     flag's own type and handed to step 3b; its bad values stop with the key named."""
     from pipeline.runner import flags
     from steps import assign
@@ -122,25 +122,25 @@ def test_a_step3b_option_is_a_study_option_without_study_code(tmp_path, monkeypa
 
     def parser_with_a_new_flag():
         parser = original()
-        parser.add_argument("--feature_noise", type=float, default=None)
+        parser.add_argument("--feature_blur", type=float, default=None)
         parser.add_argument("--feature_form", choices=("noise", "shift"), default="noise")
         return parser
 
     monkeypatch.setattr(assign, "build_parser", parser_with_a_new_flag)
     config = yaml.safe_load(STUDY_FILE.read_text())
-    situation(config, "quantity_skew").update(feature_noise="0.3", feature_form="shift")
+    situation(config, "quantity_skew").update(feature_blur="0.3", feature_form="shift")
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     partition = load_experiment(path)["grid"][0]["partitions"][3]
-    assert dict(partition.params) == {"feature_form": "shift", "feature_noise": 0.3, "size_skew": "lognormal:1.0"}
-    assert flags(dict(partition.params)) == ["--feature_form", "shift", "--feature_noise", "0.3",
+    assert dict(partition.params) == {"feature_form": "shift", "feature_blur": 0.3, "size_skew": "lognormal:1.0"}
+    assert flags(dict(partition.params)) == ["--feature_form", "shift", "--feature_blur", "0.3",
                                              "--size_skew", "lognormal:1.0"]
-    situation(config, "quantity_skew").update(feature_noise="x")
+    situation(config, "quantity_skew").update(feature_blur="x")
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    with pytest.raises(TaskHetError, match=re.escape("grid[0].partitions[3].feature_noise: could not convert string "
+    with pytest.raises(TaskHetError, match=re.escape("grid[0].partitions[3].feature_blur: could not convert string "
                                                      "to float: 'x'")):
         load_experiment(path)
-    situation(config, "quantity_skew").update(feature_noise=0.3, feature_form="blur")
+    situation(config, "quantity_skew").update(feature_blur=0.3, feature_form="blur")
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     with pytest.raises(TaskHetError, match=re.escape("grid[0].partitions[3].feature_form must be one of noise, shift")):
         load_experiment(path)

@@ -4,7 +4,8 @@
 with ``network.local_train.local_train``, which takes FedProx's extra loss and
 SCAFFOLD's gradient hook).
 
-``fit`` is step 2's epoch loop with its run folder: ``metrics.csv`` (long
+``fit`` is step 2's epoch loop with its run folder, run through an ``accelerate.Accelerator``
+(mixed precision, and data-parallel processes under ``accelerate launch``; see :func:`fit`): ``metrics.csv`` (long
 format ``epoch, split, metric, value``; epoch 0 is the untrained model; one
 set of rows per evaluated split, ``val`` and ``test`` or ``test`` alone),
 ``best.pt`` (lowest loss on the selection split, the untrained epoch 0
@@ -18,12 +19,14 @@ dropout, no augmentation.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from pathlib import Path
 
-
 import torch
+from accelerate import Accelerator
+from accelerate.utils import broadcast, broadcast_object_list
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
@@ -44,11 +47,13 @@ def _spec(task: TaskSpec | str) -> TaskSpec:
     return get_task(task) if isinstance(task, str) else task
 
 
-def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, seed: int, num_workers: int = 0) -> DataLoader:
+def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, seed: int, num_workers: int = 0,
+                collate_fn=None) -> DataLoader:
     """A DataLoader whose order comes from its own generator derived from ``seed`` (never the global RNG).
 
     The generator is ``loader.generator``: its state after an epoch decides the
-    next epoch's order, which is what a checkpoint saves.
+    next epoch's order, which is what a checkpoint saves. ``collate_fn`` (default: torch's)
+    builds a batch from items: a client's skews (partitioning/skews.py) transform it there.
     """
     return DataLoader(
         dataset,
@@ -58,11 +63,12 @@ def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, seed: int, num
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
         pin_memory=torch.cuda.is_available(),
+        collate_fn=collate_fn,
     )
 
 
 def train_one_batch(model: nn.Module, batch: dict, task: TaskSpec | str, optimizer: torch.optim.Optimizer,
-                    device: torch.device, *, input_key: str) -> float:
+                    device: torch.device, *, input_key: str, accelerator: Accelerator | None = None) -> float:
     """One optimisation step on one batch; the model must already be in training mode and on ``device``.
 
     Args:
@@ -72,30 +78,48 @@ def train_one_batch(model: nn.Module, batch: dict, task: TaskSpec | str, optimiz
         optimizer: steps the model's parameters.
         device: where the model lives; the batch is moved there.
         input_key: batch key of the model input (the data family's ``input_key``).
+        accelerator: step 2's; ``model`` and ``optimizer`` are then the ones it prepared: the model's forward
+            autocasts to its mixed precision, the backward scales fp16 losses, and under ``accelerate launch``
+            each process holds one slice of the global batch.
 
     Returns:
-        The loss of the batch as a float.
+        The loss of the batch as a float; with an accelerator, the mean over the processes (the global batch's
+        loss when the slices are equal), the same number in every process.
     """
     spec = _spec(task)
     batch = to_device(batch, device)
-    with autocast(device):
+    with _forward_autocast(device, accelerator is None):
         prediction, _ = model(batch[input_key])
     # the loss in float32: bf16 sums over many pixels lose precision
     loss = spec.loss(prediction.float(), batch)
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    if accelerator is None:
+        loss.backward()
+    else:
+        accelerator.backward(loss)
     optimizer.step()
-    return float(loss.detach())
+    loss = loss.detach()
+    if accelerator is not None:
+        loss = accelerator.reduce(loss, reduction="mean")
+    return float(loss)
+
+
+def _forward_autocast(device: torch.device, own: bool) -> contextlib.AbstractContextManager:
+    """utils.device's autocast (bf16 on CUDA), or none for a model prepared by accelerate (its forward autocasts)."""
+    return autocast(device) if own else contextlib.nullcontext()
 
 
 @torch.inference_mode()
 def evaluate(model: nn.Module, loader: DataLoader, task: TaskSpec | str, device: torch.device, *,
-             input_key: str, progress: bool = True, class_groups: dict[str, list[int]] | None = None) -> dict[str, float]:
+             input_key: str, progress: bool = True, class_groups: dict[str, list[int]] | None = None,
+             own_autocast: bool = True) -> dict[str, float]:
     """Loss and task metrics over a whole split (the model's train/eval mode is restored afterwards).
 
     ``input_key`` is the batch key of the model input (the data family's); ``progress=False``
     hides the bar (the federated engine evaluates every client per round). ``class_groups`` (a classifier's
     head/middle/tail classes, ``datasets.long_tail.class_groups``) adds each group's top-1.
+    ``own_autocast=False`` is for a model prepared by accelerate, whose forward already autocasts to step 2's
+    ``--mixed_precision`` (utils.device's bf16 autocast would override ``--mixed_precision no``).
 
     Returns:
         ``{"loss": ..., **task metrics}``. The loss is the mean of the batch
@@ -109,7 +133,7 @@ def evaluate(model: nn.Module, loader: DataLoader, task: TaskSpec | str, device:
     loss_sum, count = 0.0, 0
     for batch in tqdm(loader, desc="evaluate", leave=False, dynamic_ncols=True, disable=not progress):
         batch = to_device(batch, device)
-        with autocast(device):
+        with _forward_autocast(device, own_autocast):
             prediction, _ = model(batch[input_key])
         prediction = prediction.float()
         size = prediction.shape[0]
@@ -146,20 +170,28 @@ def _load_last(path: Path) -> dict:
 
 def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_loaders: dict[str, DataLoader],
         optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-        device: torch.device, *, input_key: str, n_epochs: int, out_dir: Path, run_signature: dict,
+        accelerator: Accelerator, *, input_key: str, n_epochs: int, out_dir: Path, run_signature: dict,
         select_split: str = TEST_SPLIT, early_stopping_patience: int | None = None, resume: bool = True,
         logger: logging.Logger | None = None, progress: bool = True, tensorboard: bool = False) -> dict:
     """Train ``n_epochs`` epochs (or until early stopping), evaluating every split and checkpointing after each.
 
+    Under ``accelerate launch`` every process runs this function: each trains on its slice of every
+    global batch (DDP averages the gradients), evaluates every split whole, and takes the main
+    process's numbers, so all of them take the same best-epoch and early-stopping decisions. Only the
+    main process writes the run folder (metrics.csv, best.pt, last.pt, plots). The checkpoints hold the
+    unwrapped model, so a run resumes at any number of processes.
+
     Args:
-        model: a :class:`models.TaskModel` on ``device`` (its ``config`` goes into checkpoints).
+        model: a :class:`models.TaskModel` prepared by ``accelerator`` (its ``config`` goes into checkpoints).
         task: the task (spec or name).
-        train_loader: training batches; built by :func:`make_loader` (its generator is checkpointed).
-        eval_loaders: split name -> its batches, evaluated after every epoch (and before the first);
-            ``{"val": ..., "test": ...}`` or ``{"test": ...}`` for data without a validation part.
-        optimizer: over the model's parameters.
-        scheduler: stepped once per epoch, or None for a constant learning rate.
-        device: the model's device.
+        train_loader: training batches: :func:`make_loader`'s, prepared by ``accelerator``; its generator
+            (the original loader's, kept by accelerate) is checkpointed.
+        eval_loaders: split name -> its batches (not prepared: every process evaluates the whole split),
+            evaluated after every epoch (and before the first); ``{"val": ..., "test": ...}`` or ``{"test": ...}``
+            for data without a validation part.
+        optimizer: over the model's parameters, prepared by ``accelerator``.
+        scheduler: stepped once per epoch (not prepared), or None for a constant learning rate.
+        accelerator: step 2's (device, mixed precision, processes).
         input_key: batch key of the model input (the data family's ``input_key``).
         n_epochs: epochs in total (a resumed run counts the epochs already done).
         out_dir: the run folder.
@@ -181,28 +213,33 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
     spec = _spec(task)
     logger = logger or logging.getLogger(__name__)
     out_dir = Path(out_dir)
+    run = _Run(accelerator, model, spec, eval_loaders, input_key, progress)
     last_path, best_path, csv_path = out_dir / "last.pt", out_dir / "best.pt", out_dir / "metrics.csv"
-    remove_stale_temporaries(out_dir)  # half-written files of a killed earlier run of this folder
+    if run.main:
+        remove_stale_temporaries(out_dir)  # half-written files of a killed earlier run of this folder
     state = {"epoch": 0, "best_epoch": 0, "best_val_loss": math.inf, "epochs_without_improvement": 0, "stopped_early": False}
     if resume and last_path.is_file():
         checkpoint = _load_last(last_path)
         _check_signature(last_path, checkpoint["run_signature"], run_signature)
-        model.load_state_dict(checkpoint["model"])
+        run.module.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         if scheduler is not None:
             scheduler.load_state_dict(checkpoint["scheduler"])
+        if accelerator.scaler is not None and checkpoint.get("scaler"):
+            accelerator.scaler.load_state_dict(checkpoint["scaler"])
         train_loader.generator.set_state(checkpoint["rng"]["train_loader"])
         state = dict(checkpoint["state"])
-        metrics_csv = mirror_to_tensorboard(MetricsCSV(csv_path, METRICS_COLUMNS), tensorboard, out_dir, "epoch")
+        metrics_csv = run.metrics_csv(csv_path, tensorboard, out_dir)
         # rows of an epoch that was running when the run stopped
         metrics_csv.truncate_after("epoch", state["epoch"])
         logger.info("resuming from %s after epoch %d", last_path, state["epoch"])
     else:
-        csv_path.unlink(missing_ok=True)
-        metrics_csv = mirror_to_tensorboard(MetricsCSV(csv_path, METRICS_COLUMNS), tensorboard, out_dir, "epoch")
-        initial = _evaluate_all(model, eval_loaders, spec, device, input_key, progress)
+        if run.main:
+            csv_path.unlink(missing_ok=True)
+        metrics_csv = run.metrics_csv(csv_path, tensorboard, out_dir)
+        initial = run.evaluate_all()
         metrics_csv.write(_rows(0, initial))
-        _track_best(model, spec, 0, initial[select_split], state, best_path)
+        _track_best(run, 0, initial[select_split], state, best_path)
         logger.info("epoch 0 (untrained): %s", _format_splits(initial))
 
     while state["epoch"] < n_epochs and not state["stopped_early"]:
@@ -211,7 +248,8 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
         loss_sum, batches = 0.0, 0
         for batch in tqdm(train_loader, desc=f"epoch {epoch}/{n_epochs}", leave=False, dynamic_ncols=True,
                           disable=not progress):
-            loss = train_one_batch(model, batch, spec, optimizer, device, input_key=input_key)
+            loss = train_one_batch(model, batch, spec, optimizer, accelerator.device, input_key=input_key,
+                                   accelerator=accelerator)
             if not math.isfinite(loss):  # as step 4 stops: the weights are garbage from here on
                 raise NonFiniteLossError(f"epoch {epoch}, batch {batches + 1}: the training loss is {loss}; the run "
                                          f"stopped, {out_dir} stays marked incomplete (lower --init_lr?)")
@@ -220,37 +258,84 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
         learning_rate = optimizer.param_groups[0]["lr"]
         if scheduler is not None:
             scheduler.step()
-        evaluated = _evaluate_all(model, eval_loaders, spec, device, input_key, progress)
+        evaluated = run.evaluate_all()
         rows = [{"epoch": epoch, "split": TRAIN_SPLIT, "metric": "loss", "value": loss_sum / max(batches, 1)},
                 {"epoch": epoch, "split": TRAIN_SPLIT, "metric": "lr", "value": learning_rate}]
         rows += _rows(epoch, evaluated)
         # metrics before last.pt: a resume truncates rows past its checkpoint, never misses any
         metrics_csv.write(rows)
         state["epoch"] = epoch
-        _track_best(model, spec, epoch, evaluated[select_split], state, best_path)
+        _track_best(run, epoch, evaluated[select_split], state, best_path)
         patience_over = early_stopping_patience is not None and state["epochs_without_improvement"] >= early_stopping_patience
         state["stopped_early"] = patience_over and epoch < n_epochs
-        atomic_torch_save({
-            "model": model.state_dict(), "model_config": model.config, "optimizer": optimizer.state_dict(),
-            "scheduler": None if scheduler is None else scheduler.state_dict(), "state": dict(state),
-            "rng": {"train_loader": train_loader.generator.get_state()}, "run_signature": run_signature, "task": spec.name,
-        }, last_path)
+        if run.main:
+            atomic_torch_save({
+                "model": run.module.state_dict(), "model_config": run.module.config, "optimizer": optimizer.state_dict(),
+                "scheduler": None if scheduler is None else scheduler.state_dict(), "state": dict(state),
+                "scaler": None if accelerator.scaler is None else accelerator.scaler.state_dict(),
+                "rng": {"train_loader": train_loader.generator.get_state()}, "run_signature": run_signature, "task": spec.name,
+            }, last_path)
         logger.info("epoch %d/%d: train loss %.5f, lr %.3g; %s", epoch, n_epochs, loss_sum / max(batches, 1),
                     learning_rate, _format_splits(evaluated))
         if state["stopped_early"]:
             logger.info("early stopping: no lower %s loss in %d epochs", select_split, early_stopping_patience)
     if hasattr(metrics_csv, "close"):  # the TensorBoard mirror's event file
         metrics_csv.close()
-    _plot(csv_path, out_dir, spec)
+    if run.main:
+        _plot(csv_path, out_dir, spec)
+    accelerator.wait_for_everyone()  # no process leaves (and ends its run) before the main one has written
     logger.info("best epoch %d (by %s loss), %s loss %.5f", state["best_epoch"], select_split, select_split,
                 state["best_val_loss"])
     return {"best_epoch": state["best_epoch"], "best_val_loss": state["best_val_loss"], "selected_on": select_split,
             "epochs_done": state["epoch"], "stopped_early": state["stopped_early"]}
 
 
+class _Run:
+    """What :func:`fit` needs of its processes: the unwrapped model, who writes, and evaluations all processes agree on."""
+
+    def __init__(self, accelerator: Accelerator, model: nn.Module, spec: TaskSpec, loaders: dict[str, DataLoader],
+                 input_key: str, progress: bool) -> None:
+        self.accelerator, self.spec, self.loaders = accelerator, spec, loaders
+        self.input_key, self.progress = input_key, progress
+        # the model itself (no DDP wrapper): what checkpoints hold; its forward keeps accelerate's autocast
+        self.module = accelerator.unwrap_model(model)
+        self.main = accelerator.is_main_process
+
+    def metrics_csv(self, path: Path, tensorboard: bool, out_dir: Path):
+        """metrics.csv (and its TensorBoard mirror) in the main process; a sink elsewhere."""
+        if not self.main:
+            return _DiscardRows()
+        return mirror_to_tensorboard(MetricsCSV(path, METRICS_COLUMNS), tensorboard, out_dir, "epoch")
+
+    def evaluate_all(self) -> dict[str, dict[str, float]]:
+        """Every split's metrics, the main process's in every process (each evaluates the whole split)."""
+        if self.accelerator.num_processes > 1:
+            # BatchNorm running statistics: each process updated its own in its last forward; take process 0's
+            # (those that last.pt and best.pt hold), so every process evaluates the same model
+            for buffer in self.module.buffers():
+                broadcast(buffer, from_process=0)
+        evaluated = _evaluate_all(self.module, self.loaders, self.spec, self.accelerator.device, self.input_key,
+                                  self.progress)
+        if self.accelerator.num_processes > 1:
+            # equal models on equal data, but kernels may round differently: the decisions must not diverge
+            evaluated = broadcast_object_list([evaluated], from_process=0)[0]
+        return evaluated
+
+
+class _DiscardRows:
+    """metrics.csv in a process other than the main one under ``accelerate launch``: the main process writes the rows."""
+
+    def write(self, rows: list[dict]) -> None:
+        pass
+
+    def truncate_after(self, column: str, value: int) -> None:
+        pass
+
+
 def _evaluate_all(model: nn.Module, loaders: dict[str, DataLoader], spec: TaskSpec, device: torch.device,
                   input_key: str, progress: bool = True) -> dict[str, dict[str, float]]:
-    return {split: evaluate(model, loader, spec, device, input_key=input_key, progress=progress)
+    """Every split's metrics; ``model``'s forward is accelerate's (it autocasts to --mixed_precision)."""
+    return {split: evaluate(model, loader, spec, device, input_key=input_key, progress=progress, own_autocast=False)
             for split, loader in loaders.items()}
 
 
@@ -267,12 +352,13 @@ def _plot(csv_path: Path, out_dir: Path, spec: TaskSpec) -> None:
         plot_curves(csv_path, out_dir / f"{metric}.png", x="epoch", hue="split", where={"metric": metric}, title=title)
 
 
-def _track_best(model: nn.Module, spec: TaskSpec, epoch: int, val: dict[str, float], state: dict, best_path: Path) -> None:
-    """Write best.pt when the validation loss is the lowest so far (epoch 0, the untrained model, included)."""
+def _track_best(run: _Run, epoch: int, val: dict[str, float], state: dict, best_path: Path) -> None:
+    """Write best.pt (main process) when the validation loss is the lowest so far (epoch 0, the untrained model, included)."""
     if val["loss"] < state["best_val_loss"]:
         state.update(best_epoch=epoch, best_val_loss=val["loss"], epochs_without_improvement=0)
-        atomic_torch_save({"model": model.state_dict(), "model_config": model.config, "epoch": epoch,
-                           "val_metrics": val, "task": spec.name}, best_path)
+        if run.main:
+            atomic_torch_save({"model": run.module.state_dict(), "model_config": run.module.config, "epoch": epoch,
+                               "val_metrics": val, "task": run.spec.name}, best_path)
     else:
         state["epochs_without_improvement"] += 1
 

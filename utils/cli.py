@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from typing import Callable
 
@@ -102,6 +103,14 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch CPU threads of this step; default: torch's own choice, one per core. On a machine "
                              "shared with other jobs, 1 is often several times faster. Recorded in config.json")
+
+
+def refuse_several_processes(script: str) -> None:
+    """Refuse to run ``script`` as one of several processes (``accelerate launch``/torchrun set WORLD_SIZE):
+    each would write the same outputs. Only step 2 (train_centralized_task_model.py) trains data-parallel."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise TaskHetError(f"{script} runs in one process: accelerate launch (several processes) is for "
+                           "train_centralized_task_model.py, one run at a time")
 
 
 def apply_runtime_flags(args: argparse.Namespace) -> argparse.Namespace:

@@ -41,6 +41,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterable
 
+import psutil
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -113,6 +114,17 @@ class Mixture(nn.Module):
         return [f"components.{index}.{key}" for index in range(len(self.components)) for key in heads]
 
 
+def _check_components_fit_in_memory(model: nn.Module, n_components: int) -> None:
+    """One clear line, before any copy is made, when M copies of the model cannot fit in the free memory (a typo
+    such as 100000000 would otherwise end in an allocation traceback). M is not bounded by the number of clients:
+    the E-step weighs components per sample, so M > K is a legitimate (if unusual) FedEM run."""
+    model_bytes = sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values())
+    available = psutil.virtual_memory().available
+    require(n_components * model_bytes <= available,
+            f"fedem setting n_components={n_components} needs {n_components} copies of the model "
+            f"({n_components * model_bytes / 2**30:.3g} GiB), more than the free memory ({available / 2**30:.3g} GiB)")
+
+
 @ALGORITHMS.register("fedem")
 class FedEM(ModelAveraging):
     """M shared component models; each client learns its mixture weights π by EM and mixes their predictions."""
@@ -127,6 +139,7 @@ class FedEM(ModelAveraging):
         if settings.mix == "probabilities" and not logits:
             raise TaskHetError("fedem setting mix probabilities needs a model whose head outputs class logits "
                                f"(a classifier head); {type(model).__name__} does not declare one (use mix values)")
+        _check_components_fit_in_memory(model, settings.n_components)
         return Mixture(model, settings.n_components, bool(logits) if settings.mix == "auto" else
                        settings.mix == "probabilities")
 

@@ -229,8 +229,8 @@ class _StepDirections:
 def _total_step_size(steps: int, momentum: float) -> float:
     """S = Σ_k s_k over ``steps`` steps, s_1 = 1, s_k = μ·s_{k−1} + 1: _StepDirections' total for torch SGD."""
     total, scalar = 0.0, 0.0
-    for step in range(steps):
-        scalar = 1.0 if step == 0 else momentum * scalar + 1.0
+    for _ in range(steps):
+        scalar = momentum * scalar + 1.0  # s_1 = μ·0 + 1 = 1
         total += scalar
     return total
 

@@ -1,0 +1,619 @@
+"""Per-client skews: feature skew (P(X|Y) varies) and concept shift (P(Y|X) varies) on top of any partition.
+
+A partition scheme (``partitioning.partition``) decides *which* rows a client holds; a skew
+changes *what a client sees* in them. Every skew is an entry of the one registry
+:data:`SKEWS`:
+
+* ``feature_noise`` (feature skew, NIID-Bench's noise form): client i's images get additive
+  Gaussian noise of standard deviation σ_i = σ·i/(N−1), so client 0 is clean and client N−1
+  has σ. Values are in the images' [0, 1] units, before the model's normalisation, and are not
+  clipped (NIID-Bench does not clip either). Unlike NIID-Bench, which redraws the noise at each
+  access from the global RNG, a sample's noise here is fixed: drawn from a generator seeded by
+  (the client's recorded seed, the sample id), so a resumed or re-run step 4 sees exactly the
+  same pixels, and cached encoder maps can hold them.
+* ``feature_shift`` (feature skew): per-client image shifts, each client's parameters drawn
+  from its own seeded generator: brightness, contrast and saturation factors in [1−m, 1+m], a
+  hue shift in [−m, m], a Gaussian blur σ in [0, m] and a rotation in [−m, m] degrees (only the
+  transforms named in the flag). Applied with ``torchvision.transforms.v2.functional``.
+* ``label_swap`` (concept shift, classification): a chosen fraction of clients relabel k
+  disjoint class pairs (a ↔ b), drawn per client or given; the pairs are recorded.
+* ``target_variant`` (concept shift, dense tasks): a chosen fraction of clients get the targets
+  of another target domain the data really has for the same images (``depth_euclidean`` ↔
+  ``depth_zbuffer``: distance to the camera centre vs. distance to the image plane). The
+  global test set keeps the run's task's own targets, so the global test measures how well the
+  one global model predicts the majority concept after training among clients that disagree;
+  each client's client-test rows carry its own concept.
+
+Step 3b draws every client's parameters (:func:`draw_skews`) and records them in the
+assignments.json sidecar under ``"skews"``: ``{name: {"settings": {...}, "clients":
+{"<client id>": {...}}}}``. The record is the source of truth: step 4 reads it back
+(:func:`read_skews`), validates it as a user file (a user may edit it) and applies exactly
+those parameters (:func:`client_skews`) to a client's train and client-test batches, never to
+the global test or validation sets.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torchvision.transforms.v2.functional as TF
+from torch.utils.data import default_collate
+
+from utils.errors import TaskHetError
+from utils.registry import Registry
+from utils.seeding import derive_seed, numpy_rng, torch_generator
+
+SKEWS_KEY = "skews"  # the sidecar key of the record
+FEATURE, CONCEPT = "feature", "concept"
+# Targets the data really has twice, for the same images (datasets/taskonomy_domains.py, datasets/synthetic.py).
+TARGET_VARIANTS = {"depth_euclidean": ("depth_zbuffer",), "depth_zbuffer": ("depth_euclidean",)}
+# feature_shift's transforms: name -> (largest magnitude a flag may ask, what the magnitude means).
+SHIFT_LIMITS = {"brightness": 1.0, "contrast": 1.0, "saturation": 1.0, "hue": 0.5, "blur": 10.0, "rotation": 180.0}
+SHIFT_ORDER = tuple(SHIFT_LIMITS)  # the order the transforms apply in
+# Transformed images a client keeps (bytes): a digits or CIFAR client's whole share at 32 px is a few MB; a
+# Taskonomy client at 224 px fills it after ~400 images and recomputes the rest at every access.
+MEMO_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class SkewContext:
+    """What a skew is checked against.
+
+    Attributes:
+        family: the data family's name.
+        num_classes: K of the family's classification task (classes are 0..K-1).
+        tasks: the family's tasks.
+        n_clients: clients of the partition (ids 0..n_clients-1).
+    """
+
+    family: str
+    num_classes: int
+    tasks: tuple[str, ...]
+    n_clients: int
+
+
+# ----- the batch transforms (picklable: DataLoader workers receive them) -----
+@dataclass(frozen=True)
+class AddNoise:
+    """Adds σ·N(0, 1) to each image; a sample's noise is seeded by (``seed``, its sample id)."""
+
+    input_key: str
+    sigma: float
+    seed: int
+
+    def __call__(self, batch: dict) -> dict:
+        images = batch[self.input_key]
+        noise = torch.stack([torch.randn(images.shape[1:], generator=torch_generator(self.seed, sample_id))
+                             for sample_id in batch["sample_id"]])
+        return {**batch, self.input_key: images + self.sigma * noise.to(images.dtype)}
+
+
+@dataclass(frozen=True)
+class ShiftImages:
+    """A client's image shift: ``params`` maps names of :data:`SHIFT_LIMITS` to the client's drawn values."""
+
+    input_key: str
+    params: tuple[tuple[str, float], ...]
+
+    def __call__(self, batch: dict) -> dict:
+        images = batch[self.input_key]
+        for name, value in self.params:
+            images = _shift(images, name, value)
+        return {**batch, self.input_key: images}
+
+
+def _shift(images: torch.Tensor, name: str, value: float) -> torch.Tensor:
+    if name == "brightness":
+        return TF.adjust_brightness(images, value)
+    if name == "contrast":
+        return TF.adjust_contrast(images, value)
+    if name == "saturation":
+        return TF.adjust_saturation(images, value)
+    if name == "hue":
+        return TF.adjust_hue(images, value)
+    if name == "blur":
+        if value <= 0:
+            return images
+        size = 2 * math.ceil(3 * value) + 1  # ±3σ: torchvision's own rule of thumb for a Gaussian kernel
+        return TF.gaussian_blur(images, [size, size], [value, value])
+    return TF.rotate(images, value, interpolation=TF.InterpolationMode.BILINEAR)
+
+
+@dataclass(frozen=True)
+class SwapLabels:
+    """Relabels class c as ``mapping[c]`` under every batch key in ``keys`` (the task's target, the family label)."""
+
+    keys: tuple[str, ...]
+    mapping: tuple[int, ...]
+
+    def __call__(self, batch: dict) -> dict:
+        table = torch.tensor(self.mapping, dtype=torch.int64)
+        return {**batch, **{key: table[batch[key]] for key in self.keys if key in batch}}
+
+
+@dataclass(frozen=True)
+class UseVariant:
+    """The target of ``domain`` is the variant domain's target of the same image (its mask comes with it)."""
+
+    domain: str
+    variant: str
+
+    def __call__(self, batch: dict) -> dict:
+        batch = dict(batch)
+        batch[self.domain] = batch.pop(self.variant)
+        return batch
+
+
+# ----- the registry -----
+class Skew(ABC):
+    """One kind of per-client skew: how step 3b draws it, how a record is checked, how step 4 applies it."""
+
+    name: str
+    kind: str  # FEATURE or CONCEPT
+    order: int  # application order: feature shifts, then noise, then the concept
+
+    @abstractmethod
+    def check_settings(self, settings: dict, context: SkewContext) -> dict:
+        """The step-3b settings, validated; a :class:`TaskHetError` naming the flag otherwise."""
+
+    @abstractmethod
+    def draw(self, settings: dict, context: SkewContext, seed: int) -> dict[int, dict]:
+        """Client id -> the client's parameters (clients left out are unaffected)."""
+
+    @abstractmethod
+    def check_client(self, params: Any, context: SkewContext, where: str) -> dict:
+        """A recorded client's parameters, validated; ``where`` names the file and key in messages."""
+
+    @abstractmethod
+    def transform(self, params: dict, keys: "BatchKeys") -> Callable[[dict], dict] | None:
+        """The client's batch transform (None: identity)."""
+
+    @abstractmethod
+    def columns(self, params: dict | None) -> dict[str, Any]:
+        """client_stats.csv columns of one client (``params`` None: unaffected)."""
+
+
+@dataclass(frozen=True)
+class BatchKeys:
+    """The batch keys a transform touches: the model input, the task's target, the family's label column."""
+
+    input_key: str
+    task: str
+    domain: str
+    task_kind: str
+    label_column: str
+    num_classes: int
+
+
+SKEWS: Registry[Skew] = Registry("client skew")
+
+
+def _register(cls: type[Skew]) -> type[Skew]:
+    """Class decorator: one instance of the skew in :data:`SKEWS` under its ``name`` (a duplicate raises)."""
+    SKEWS.register(cls.name)(cls())
+    return cls
+
+
+def list_skews() -> list[str]:
+    """Registered skew names, sorted."""
+    return SKEWS.names()
+
+
+def get_skew(name: str) -> Skew:
+    """The skew called ``name``; a :class:`TaskHetError` listing the skews otherwise."""
+    return SKEWS.get(name)
+
+
+def _number(value: Any, where: str, low: float, high: float, integer: bool = False) -> float:
+    """``value`` as a finite number in [low, high] (an int when ``integer``); NaN, inf, bools and text refused."""
+    kind = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value) or not low <= value <= high:
+        what = "an integer" if integer else "a finite number"
+        raise TaskHetError(f"{where} must be {what} in [{low:g}, {high:g}], got {value!r}")
+    return value
+
+
+def _object(value: Any, where: str, keys: Sequence[str]) -> dict:
+    """``value`` as a JSON object with exactly ``keys``."""
+    if not isinstance(value, dict):
+        raise TaskHetError(f"{where} must be a JSON object, got {value!r}")
+    unknown, missing = sorted(set(value) - set(keys)), sorted(set(keys) - set(value))
+    if unknown or missing:
+        raise TaskHetError(f"{where}: " + "; ".join(
+            part for part in (f"unknown key(s) {', '.join(unknown)}" if unknown else "",
+                              f"missing key(s) {', '.join(missing)}" if missing else "") if part)
+                           + f" (expected {', '.join(keys)})")
+    return value
+
+
+def affected_clients(fraction: float, n_clients: int, rng: np.random.Generator) -> list[int]:
+    """round_half_up(fraction · n_clients) distinct clients, drawn with ``rng``, sorted."""
+    count = int(math.floor(fraction * n_clients + 0.5))
+    return sorted(rng.choice(n_clients, size=count, replace=False).tolist())
+
+
+@_register
+class FeatureNoise(Skew):
+    """NIID-Bench's noise-based feature skew: σ_i = σ·i/(N−1); client 0 is clean."""
+
+    name, kind, order = "feature_noise", FEATURE, 1
+    flag = "--feature_noise"
+
+    def check_settings(self, settings: dict, context: SkewContext) -> dict:
+        return {"sigma": float(_number(settings.get("sigma"), f"{self.flag} (σ)", 0.0, math.inf))}
+
+    def draw(self, settings: dict, context: SkewContext, seed: int) -> dict[int, dict]:
+        steps = max(context.n_clients - 1, 1)
+        return {client: {"sigma": settings["sigma"] * client / steps, "seed": derive_seed(seed, "skew", self.name, client)}
+                for client in range(context.n_clients)}
+
+    def check_client(self, params: Any, context: SkewContext, where: str) -> dict:
+        params = _object(params, where, ("seed", "sigma"))
+        return {"sigma": float(_number(params["sigma"], f"{where}.sigma", 0.0, math.inf)),
+                "seed": int(_number(params["seed"], f"{where}.seed", 0, 2**63 - 1, integer=True))}
+
+    def transform(self, params: dict, keys: BatchKeys) -> Callable[[dict], dict] | None:
+        # σ = 0 leaves the batch object alone: client 0's inputs stay bit-identical.
+        return AddNoise(keys.input_key, params["sigma"], params["seed"]) if params["sigma"] > 0 else None
+
+    def columns(self, params: dict | None) -> dict[str, Any]:
+        return {"noise_sigma": params["sigma"] if params else 0.0}
+
+
+@_register
+class FeatureShift(Skew):
+    """Per-client colour/brightness/contrast, blur and rotation, parameters drawn per client."""
+
+    name, kind, order = "feature_shift", FEATURE, 0
+    flag = "--feature_shift"
+
+    def check_settings(self, settings: dict, context: SkewContext) -> dict:
+        limits = settings.get("limits")
+        if not isinstance(limits, dict) or not limits:
+            raise TaskHetError(f"{self.flag} must name at least one transform as NAME=MAX ({', '.join(SHIFT_ORDER)})")
+        checked = {}
+        for name, value in limits.items():
+            if name not in SHIFT_LIMITS:
+                raise TaskHetError(f"{self.flag}: unknown transform {name!r}; choose from {', '.join(SHIFT_ORDER)}")
+            checked[name] = float(_number(value, f"{self.flag} {name}", 0.0, SHIFT_LIMITS[name]))
+        return {"limits": {name: checked[name] for name in SHIFT_ORDER if name in checked}}
+
+    def draw(self, settings: dict, context: SkewContext, seed: int) -> dict[int, dict]:
+        drawn = {}
+        for client in range(context.n_clients):
+            rng = numpy_rng(seed, "skew", self.name, client)
+            params = {}
+            for name, limit in settings["limits"].items():  # one draw per name, in SHIFT_ORDER, from the client's rng
+                low, high = _shift_range(name, limit)
+                params[name] = float(rng.uniform(low, high))
+            drawn[client] = params
+        return drawn
+
+    def check_client(self, params: Any, context: SkewContext, where: str) -> dict:
+        if not isinstance(params, dict) or not params:
+            raise TaskHetError(f"{where} must be a JSON object of transforms ({', '.join(SHIFT_ORDER)}), got {params!r}")
+        for name, value in params.items():
+            if name not in SHIFT_LIMITS:
+                raise TaskHetError(f"{where}: unknown transform {name!r}; choose from {', '.join(SHIFT_ORDER)}")
+            _number(value, f"{where}.{name}", *_shift_range(name, SHIFT_LIMITS[name]))
+        return {name: float(params[name]) for name in SHIFT_ORDER if name in params}
+
+    def transform(self, params: dict, keys: BatchKeys) -> Callable[[dict], dict] | None:
+        if keys.task_kind != "classification" and params.get("rotation", 0.0) != 0.0:
+            raise TaskHetError(f"feature_shift rotates client images by {params['rotation']:g}°, but --task {keys.task} "
+                               "is dense: its per-pixel targets would no longer line up; make the partition without "
+                               "rotation in --feature_shift")
+        return ShiftImages(keys.input_key, tuple(params.items()))
+
+    def columns(self, params: dict | None) -> dict[str, Any]:
+        identity = {"brightness": 1.0, "contrast": 1.0, "saturation": 1.0, "hue": 0.0, "blur": 0.0, "rotation": 0.0}
+        return {f"shift_{name}": (params or {}).get(name, identity[name]) for name in SHIFT_ORDER}
+
+
+def _shift_range(name: str, limit: float) -> tuple[float, float]:
+    """The interval a client's value of transform ``name`` is drawn from, given the flag's magnitude ``limit``."""
+    if name in ("brightness", "contrast", "saturation"):
+        return 1.0 - limit, 1.0 + limit  # multiplicative factors around 1 (identity)
+    if name == "blur":
+        return 0.0, limit  # a Gaussian σ in pixels
+    return -limit, limit  # hue shift (fraction of the hue circle), rotation (degrees)
+
+
+@_register
+class LabelSwap(Skew):
+    """Classification concept shift: a fraction of clients relabel k disjoint class pairs."""
+
+    name, kind, order = "label_swap", CONCEPT, 2
+    flag = "--label_swap"
+
+    def check_settings(self, settings: dict, context: SkewContext) -> dict:
+        fraction = float(_number(settings.get("fraction"), "--concept_fraction", 0.0, 1.0))
+        pairs = settings.get("pairs")
+        if isinstance(pairs, int) and not isinstance(pairs, bool):
+            _number(pairs, f"{self.flag} (pairs per client)", 1, context.num_classes // 2, integer=True)
+            return {"pairs": pairs, "fraction": fraction}
+        return {"pairs": check_pairs(pairs, context.num_classes, self.flag), "fraction": fraction}
+
+    def draw(self, settings: dict, context: SkewContext, seed: int) -> dict[int, dict]:
+        clients = affected_clients(settings["fraction"], context.n_clients, numpy_rng(seed, "skew", self.name, "clients"))
+        drawn = {}
+        for client in clients:
+            pairs = settings["pairs"]
+            if isinstance(pairs, int):  # k disjoint pairs of the client's own
+                classes = numpy_rng(seed, "skew", self.name, client).permutation(context.num_classes)[: 2 * pairs]
+                pairs = sorted(sorted(map(int, classes[i: i + 2])) for i in range(0, 2 * settings["pairs"], 2))
+            drawn[client] = {"pairs": [list(pair) for pair in pairs]}
+        return drawn
+
+    def check_client(self, params: Any, context: SkewContext, where: str) -> dict:
+        params = _object(params, where, ("pairs",))
+        return {"pairs": check_pairs(params["pairs"], context.num_classes, f"{where}.pairs")}
+
+    def transform(self, params: dict, keys: BatchKeys) -> Callable[[dict], dict] | None:
+        if keys.task_kind != "classification":
+            raise TaskHetError(f"label_swap is a classification concept shift; --task {keys.task} is not a "
+                               "classification task")
+        return SwapLabels(tuple(dict.fromkeys((keys.domain, keys.label_column))), tuple(swap_mapping(params["pairs"], keys.num_classes)))
+
+    def columns(self, params: dict | None) -> dict[str, Any]:
+        return {"swapped_pairs": ";".join(f"{a}-{b}" for a, b in params["pairs"]) if params else ""}
+
+
+def check_pairs(pairs: Any, num_classes: int, where: str) -> list[list[int]]:
+    """Disjoint class pairs ``[[a, b], ...]`` with a != b, both in 0..num_classes-1, sorted; else one error naming ``where``."""
+    if not isinstance(pairs, list) or not pairs:
+        raise TaskHetError(f"{where} must list class pairs [[a, b], ...], got {pairs!r}")
+    seen: set[int] = set()
+    for pair in pairs:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise TaskHetError(f"{where}: {pair!r} is not a pair of classes")
+        a, b = (int(_number(value, where, 0, num_classes - 1, integer=True)) for value in pair)
+        if a == b:
+            raise TaskHetError(f"{where}: swaps class {a} onto itself")
+        for value in (a, b):
+            if value in seen:
+                raise TaskHetError(f"{where}: class {value} is in two pairs (pairs must be disjoint)")
+            seen.add(value)
+    return sorted(sorted(int(value) for value in pair) for pair in pairs)
+
+
+def swap_mapping(pairs: Sequence[Sequence[int]], num_classes: int | None) -> list[int]:
+    """The permutation c -> c' of ``pairs`` over classes 0..max (or 0..num_classes-1)."""
+    size = num_classes if num_classes is not None else max(max(pair) for pair in pairs) + 1
+    mapping = list(range(size))
+    for a, b in pairs:
+        mapping[a], mapping[b] = b, a
+    return mapping
+
+
+def parse_pairs(text: str) -> int | list[list[int]]:
+    """``--label_swap``: ``K`` (K pairs drawn per client) or ``A-B,C-D`` (the same pairs for every affected client)."""
+    text = text.strip()
+    if text.isdigit():
+        return int(text)
+    pairs = []
+    for part in text.split(","):
+        ends = part.split("-")
+        if len(ends) != 2 or not all(end.strip().isdigit() for end in ends):
+            raise TaskHetError(f"--label_swap {text!r}: expected K (pairs per client) or pairs A-B,C-D of class ids")
+        pairs.append([int(end) for end in ends])
+    return pairs
+
+
+@_register
+class TargetVariant(Skew):
+    """Dense concept shift: a fraction of clients' targets come from the task's variant domain."""
+
+    name, kind, order = "target_variant", CONCEPT, 3
+    flag = "--target_variant"
+
+    def check_settings(self, settings: dict, context: SkewContext) -> dict:
+        fraction = float(_number(settings.get("fraction"), "--concept_fraction", 0.0, 1.0))
+        task, variant = settings.get("task"), settings.get("variant")
+        self._check_pair(task, variant, context, self.flag)
+        return {"task": task, "variant": variant, "fraction": fraction}
+
+    @staticmethod
+    def _check_pair(task: Any, variant: Any, context: SkewContext, where: str) -> None:
+        if task not in context.tasks:
+            raise TaskHetError(f"{where}: {task!r} is not a task of data family {context.family!r}")
+        if task not in TARGET_VARIANTS:
+            raise TaskHetError(f"{where}: task {task!r} has no target variant (tasks with one: "
+                               f"{', '.join(sorted(TARGET_VARIANTS))})")
+        if variant not in TARGET_VARIANTS[task] or variant not in context.tasks:
+            raise TaskHetError(f"{where}: {variant!r} is not a target variant of {task!r} in data family "
+                               f"{context.family!r} (its variants: {', '.join(TARGET_VARIANTS[task])})")
+
+    def draw(self, settings: dict, context: SkewContext, seed: int) -> dict[int, dict]:
+        clients = affected_clients(settings["fraction"], context.n_clients, numpy_rng(seed, "skew", self.name, "clients"))
+        return {client: {"task": settings["task"], "variant": settings["variant"]} for client in clients}
+
+    def check_client(self, params: Any, context: SkewContext, where: str) -> dict:
+        params = _object(params, where, ("task", "variant"))
+        self._check_pair(params["task"], params["variant"], context, where)
+        return dict(params)
+
+    def transform(self, params: dict, keys: BatchKeys) -> Callable[[dict], dict] | None:
+        if keys.task != params["task"]:
+            raise TaskHetError(f"target_variant was drawn for task {params['task']!r}; --task {keys.task} has no "
+                               "recorded variant (make the partition for this task, or run that task)")
+        return UseVariant(keys.domain, params["variant"])
+
+    def columns(self, params: dict | None) -> dict[str, Any]:
+        return {"target_variant": params["variant"] if params else ""}
+
+
+# ----- step 3b: draw and record -----
+def draw_skews(settings: dict[str, dict], context: SkewContext, seed: int) -> dict[str, dict]:
+    """The sidecar record of the skews in ``settings`` (name -> that skew's flag settings), drawn per client.
+
+    Returns:
+        ``{name: {"settings": checked settings, "clients": {"<id>": params}}}`` (JSON-ready; empty without skews).
+    """
+    record = {}
+    for name, given in settings.items():
+        skew = get_skew(name)
+        checked = skew.check_settings(given, context)
+        drawn = skew.draw(checked, context, derive_seed(seed, "skews"))
+        record[name] = {"settings": checked, "clients": {str(client): params for client, params in sorted(drawn.items())}}
+    return record
+
+
+def skew_columns(record: dict[str, dict], n_clients: int) -> dict[str, list]:
+    """client_stats.csv's columns for ``record``: each skew's per-client columns, clients 0..n_clients-1."""
+    columns: dict[str, list] = {}
+    for name in sorted(record, key=lambda n: get_skew(n).order):
+        skew, clients = get_skew(name), record[name]["clients"]
+        for client in range(n_clients):
+            for column, value in skew.columns(clients.get(str(client))).items():
+                columns.setdefault(column, []).append(value)
+    return columns
+
+
+def skew_summary(record: dict[str, dict], client: int) -> str:
+    """A short label of what client ``client`` sees (the heatmap's row labels): "" when unaffected."""
+    parts = []
+    for name in sorted(record, key=lambda n: get_skew(n).order):
+        params = record[name]["clients"].get(str(client))
+        if not params:
+            continue
+        if name == "feature_noise" and params["sigma"] > 0:
+            parts.append(f"σ={params['sigma']:.2g}")
+        elif name == "feature_shift":
+            parts.append("shift " + " ".join(f"{key[:3]}={value:.2g}" for key, value in params.items()))
+        elif name == "label_swap":
+            parts.append("swap " + ",".join(f"{a}↔{b}" for a, b in params["pairs"]))
+        elif name == "target_variant":
+            parts.append(f"targets={params['variant']}")
+    return "; ".join(parts)
+
+
+# ----- step 4: read back, validate, apply -----
+def read_skews(sidecar: Path, meta: dict, context: SkewContext) -> dict[str, dict[int, dict]]:
+    """The recorded skews of an assignments.json, validated: name -> client id -> params.
+
+    The file is parsed again with duplicate keys refused (``json`` keeps the last silently), so a
+    hand-edited record with a client or key twice is named rather than half-applied.
+
+    Raises:
+        TaskHetError: one line naming the file and the key (``skews.label_swap.clients.3.pairs``).
+    """
+    if SKEWS_KEY not in meta:
+        return {}
+    json.loads(Path(sidecar).read_text(), object_pairs_hook=lambda pairs: _no_duplicates(pairs, sidecar))
+    record = meta[SKEWS_KEY]
+    if not isinstance(record, dict):
+        raise TaskHetError(f"{sidecar}: {SKEWS_KEY} must be a JSON object of skews, got {record!r}")
+    skews: dict[str, dict[int, dict]] = {}
+    for name, entry in record.items():
+        where = f"{sidecar}: {SKEWS_KEY}.{name}"
+        if name not in SKEWS:
+            raise TaskHetError(f"{where}: unknown skew {name!r}; known skews: {', '.join(list_skews())}")
+        entry = _object(entry, where, ("clients", "settings"))
+        clients = entry["clients"]
+        if not isinstance(clients, dict):
+            raise TaskHetError(f"{where}.clients must map client ids to parameters, got {clients!r}")
+        skews[name] = {}
+        for key, params in clients.items():
+            client = _client_id(key, context.n_clients, f"{where}.clients.{key}")
+            if client in skews[name]:
+                raise TaskHetError(f"{where}.clients: client {client} appears twice ({key!r})")
+            skews[name][client] = get_skew(name).check_client(params, context, f"{where}.clients.{key}")
+    return skews
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]], source: Path) -> dict:
+    keys = [key for key, _ in pairs]
+    repeated = sorted({key for key in keys if keys.count(key) > 1})
+    if repeated:
+        raise TaskHetError(f"{source}: key {repeated[0]!r} appears twice in one JSON object")
+    return dict(pairs)
+
+
+def _client_id(key: str, n_clients: int, where: str) -> int:
+    if not key.strip().isdigit() or not 0 <= int(key) < n_clients:
+        raise TaskHetError(f"{where}: {key!r} is not a client id in 0..{n_clients - 1}")
+    return int(key)
+
+
+@dataclass(frozen=True)
+class ClientSkew:
+    """Everything one client's batches go through, in order (feature transforms first, then the concept).
+
+    A sample's transformed image never changes (fixed parameters, noise seeded by its sample id), so
+    it is computed once, one image at a time, and kept in :attr:`memo` (up to :data:`MEMO_BYTES` per
+    client; beyond that it is recomputed). One image at a time makes the pixels independent of which
+    batch a sample first came in, so a resumed run and the cached-feature path see the same values.
+
+    Attributes:
+        feature: transforms of the input image (the cached-feature path applies them before encoding).
+        concept: transforms of the targets.
+        input_key: the batch key of the image.
+        pairs: label_swap's class pairs (empty when none).
+        variant: target_variant's domain, or None.
+        memo: sample id -> its transformed image (filled as samples are first seen).
+    """
+
+    feature: tuple[Callable[[dict], dict], ...]
+    concept: tuple[Callable[[dict], dict], ...]
+    input_key: str = "image"
+    pairs: tuple[tuple[int, int], ...] = ()
+    variant: str | None = None
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __call__(self, items: list[dict]) -> dict:
+        """A DataLoader ``collate_fn``: the default collation, then every transform."""
+        return self.apply(default_collate(items))
+
+    def apply(self, batch: dict, feature: bool = True) -> dict:
+        if feature and self.feature:
+            batch = {**batch, self.input_key: torch.stack([self.image(image, sample_id) for image, sample_id
+                                                           in zip(batch[self.input_key], batch["sample_id"])])}
+        for step in self.concept:
+            batch = step(batch)
+        return batch
+
+    def image(self, image: torch.Tensor, sample_id: str) -> torch.Tensor:
+        """One sample's transformed image ``[3, H, W]`` (from :attr:`memo` when it was seen before)."""
+        if sample_id in self.memo:
+            return self.memo[sample_id]
+        batch = {self.input_key: image[None], "sample_id": [sample_id]}
+        for step in self.feature:
+            batch = step(batch)
+        result = batch[self.input_key][0]
+        if (len(self.memo) + 1) * result.numel() * result.element_size() <= MEMO_BYTES:
+            self.memo[sample_id] = result
+        return result
+
+    def counts(self, counts: Sequence[int]) -> tuple[int, ...]:
+        """A client's training class counts as the client labels them (swapped classes swap counts)."""
+        mapping = swap_mapping(self.pairs, len(counts)) if self.pairs else list(range(len(counts)))
+        permuted = np.zeros(len(counts), dtype=np.int64)
+        permuted[mapping] = np.asarray(counts)
+        return tuple(permuted.tolist())
+
+
+def client_skews(skews: dict[str, dict[int, dict]], keys: BatchKeys) -> dict[int, ClientSkew]:
+    """Client id -> its :class:`ClientSkew`, for every client some recorded skew changes (others are left out)."""
+    steps: dict[int, dict[str, list]] = {}
+    extras: dict[int, dict] = {}
+    for name in sorted(skews, key=lambda n: get_skew(n).order):
+        skew = get_skew(name)
+        for client, params in skews[name].items():
+            step = skew.transform(params, keys)
+            if step is None:
+                continue
+            steps.setdefault(client, {FEATURE: [], CONCEPT: []})[skew.kind].append(step)
+            if name == "label_swap":
+                extras.setdefault(client, {})["pairs"] = tuple(tuple(pair) for pair in params["pairs"])
+            if name == "target_variant":
+                extras.setdefault(client, {})["variant"] = params["variant"]
+    return {client: ClientSkew(tuple(kinds[FEATURE]), tuple(kinds[CONCEPT]), keys.input_key, **extras.get(client, {}))
+            for client, kinds in sorted(steps.items())}
