@@ -133,7 +133,7 @@ def test_a_step3b_option_is_a_study_option_without_study_code(tmp_path, monkeypa
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     partition = load_experiment(path)["grid"][0]["partitions"][3]
     assert dict(partition.params) == {"feature_form": "shift", "feature_blur": 0.3, "size_skew": "lognormal:1.0"}
-    assert flags(dict(partition.params)) == ["--feature_form", "shift", "--feature_blur", "0.3",
+    assert flags(dict(partition.params)) == ["--feature_blur", "0.3", "--feature_form", "shift",
                                              "--size_skew", "lognormal:1.0"]
     situation(config, "quantity_skew").update(feature_blur="x")
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -175,3 +175,20 @@ def test_tiny_heterogeneity_study_end_to_end(tmp_path):
     groups_file = next(out.glob("groups/distinct_groups-*/groups.csv"))
     assert json.loads(next(out.glob("assignments/distinct_groups-s0-*/assignments.json")).read_text())["groups"] == \
         str(groups_file)
+
+
+def test_the_situations_waiting_for_the_skews_validate_with_their_step3b_options(tmp_path):
+    """The file's commented feature-skew and concept-shift entries, as written there, are valid situations now that
+    step 3b has --feature_noise, --label_swap and --concept_fraction (the skews branch)."""
+    config = yaml.safe_load(STUDY_FILE.read_text())
+    config["grid"][0]["partitions"] += [
+        {"situation": "feature_skew", "scheme": "iid", "feature_noise": 0.3},
+        {"situation": "concept_shift", "scheme": "iid", "label_swap": 2, "concept_fraction": 1.0},
+        {"situation": "distinct_groups_concept", "scheme": "iid", "label_swap": "0-1,2-3,4-5,6-7,8-9",
+         "concept_fraction": 0.5}]
+    config["practitioners_table"].update(personal="concept_shift", transfer="feature_skew")
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    partitions = {partition.label: dict(partition.params) for partition in load_experiment(path)["grid"][0]["partitions"]}
+    assert partitions["feature_skew"] == {"feature_noise": 0.3}
+    assert partitions["concept_shift"] == {"label_swap": "2", "concept_fraction": 1.0}
