@@ -2,8 +2,8 @@
 
 Input: a YAML experiment file (experiments/demo.yaml, experiments/paper.yaml; keys
 and defaults in pipeline/experiment.py), or a study file with a ``study:`` key
-(experiments/digits_fedavg.yaml, experiments/cifar100_fedavg.yaml; keys in
-pipeline/study.py): centralized → federated grid → study report. Output:
+(experiments/digits_fedavg.yaml, experiments/digits_heterogeneity.yaml; keys in
+pipeline/study_validation.py): centralized → federated grid → study report. Output:
 results/<name>/ with every step's folder, report.md, report.csv and plots.
 Rerunning skips finished steps and resumes an interrupted federated run from its
 checkpoint.
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
 
             table = Study(config, out_dir, command_line([str(args.experiment)]), jobs=args.jobs, threads=args.threads,
                           show_progress=show_progress).run()
-            print(f"report: {out_dir / 'report.md'} ({len(table)} rows: partition × J × algorithm, and centralized)")
+            print(f"report: {out_dir / 'report.md'} ({len(table)} rows in report.csv)")
             return
         table = Pipeline(config, out_dir, command_line([str(args.experiment)]), jobs=args.jobs, threads=args.threads,
                          show_progress=show_progress).run()

@@ -135,7 +135,7 @@ def _check_partitions(config: dict[str, Any], source: Path, n_clients: int, stud
         if scheme == "natural" and family.source_column is None:
             raise TaskHetError(f"{source}: {key}: scheme natural needs each sample's natural owner, which data family "
                                f"{family.name} (data.source {config['data']['source']}) does not have")
-        most = _most_label_groups(config)
+        most = most_label_groups(config)
         per_client = params.get("groups_per_client")
         if study and per_client is not None and most is not None and per_client > most:
             raise TaskHetError(f"{source}: {key}: {scheme} groups_per_client {per_client} exceeds the {most} labels "
@@ -148,7 +148,7 @@ def _check_partitions(config: dict[str, Any], source: Path, n_clients: int, stud
             raise TaskHetError(f"{source}: {key}: {error}") from None
 
 
-def _most_label_groups(config: dict[str, Any]) -> int | None:
+def most_label_groups(config: dict[str, Any]) -> int | None:
     """The most distinct labels the manifest of this data source can have (a study partitions by label): digits'
     and CIFAR's class counts, Taskonomy's top_k_classes."""
     source = config["data"]["source"]

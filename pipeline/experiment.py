@@ -101,7 +101,8 @@ SCHEMA: dict[str, Any] = {
 MAX_RUNS = 10_000
 
 # Sections whose values are free-form mappings (algorithm name -> its hyperparameters).
-FREE_FORM = {"federated.algorithms", "federated.task_init_lr", "federated.per_task", "partition.skews"}
+FREE_FORM = {"federated.algorithms", "federated.task_init_lr", "federated.per_task", "partition.skews",
+             "practitioners_table"}
 # federated keys that federated.per_task may not change: the grid and the other per-task mappings.
 NOT_PER_TASK = ("algorithms", "task_init_lr", "per_task")
 
@@ -132,7 +133,7 @@ def load_experiment(path: Path) -> dict[str, Any]:
     path = Path(path)
     raw = load_yaml(path, "experiment file")
     if isinstance(raw, dict) and "study" in raw:  # a study file has its own keys (pipeline/study.py)
-        from pipeline.study import load_study
+        from pipeline.study_validation import load_study
 
         return load_study(path)
     if not isinstance(raw, dict):

@@ -10,7 +10,7 @@ import pytest
 
 import run_pipeline
 from pipeline.experiment import MAX_RUNS, load_experiment
-from pipeline.study import study_runs
+from pipeline.study_grid import study_runs
 from tests.test_study import tiny_study, write
 from utils.errors import TaskHetError
 

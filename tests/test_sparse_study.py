@@ -15,7 +15,7 @@ import run_pipeline
 from models import list_encoders
 from pipeline.experiment import load_experiment
 from pipeline.sparse_report import SPARSE_COLUMNS, dense_lines, talos_lines
-from pipeline.study import study_runs
+from pipeline.study_grid import study_runs
 from utils.errors import TaskHetError
 from utils.loaders import load_checkpoint
 

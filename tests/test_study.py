@@ -16,7 +16,7 @@ import run_pipeline
 from datasets.family import load_manifest
 from models import list_encoders
 from pipeline.experiment import load_experiment
-from pipeline.study import rounds_for, study_runs
+from pipeline.study_grid import rounds_for, study_runs
 from pipeline.study_report import STUDY_COLUMNS, run_accuracy
 from steps import assign as step3b
 from tests.fixtures import write_tiny_cifar

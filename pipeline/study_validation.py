@@ -1,0 +1,347 @@
+"""A study file's keys, types and grid, checked before any work (errors name the key).
+
+``load_study`` reads a study file, merges it with :data:`STUDY_SCHEMA`, type-checks every key
+(:data:`STUDY_TYPES`), checks the names against the registries and turns the ``grid`` into the
+validated blocks of pipeline/study_grid.py. A partition entry of a block is a registered scheme
+with *its step-3b options*: the scheme's parameters (``alpha``, ``groups_per_client``,
+``size_skew``, ``min_client_size``) and any other option of step 3b's command line (so a
+partition option step 3b gains is a study option with no change here), plus two study keys:
+``situation`` (the entry's name in reports and folders) and ``class_groups`` (clients drawn
+from groups of classes; see :class:`pipeline.study_grid.Partition`). The options the study
+sets itself (manifest, output folder, clients, seed, client-test share, groups) and the
+runtime flags are refused with the key named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import math
+from pathlib import Path
+from typing import Any
+
+from pipeline.checks import check_config, most_label_groups
+from pipeline.experiment import (DATA_SOURCES, SCHEMA, _merge, check_run_count, validate_family_tasks,
+                                 validate_source_keys, validate_split_csv)
+from pipeline.schema import TYPES, Bool, Float, Int, ListOf, Mapping, Str, check_types
+from pipeline.study_grid import Partition, Variant
+from utils.errors import TaskHetError
+from utils.loaders import load_yaml
+
+# study name -> the module whose ``write_report(config, out_dir, run_dirs, centralized, command)`` writes its report
+# (imported when the study runs: the report modules import matplotlib and pandas).
+STUDY_REPORTS = {"fedavg_sharding": "pipeline.study_report", "sparse_finetuning": "pipeline.sparse_report",
+                 "fed_lt": "pipeline.fedlt_report", "heterogeneity_toolbox": "pipeline.toolbox_report"}
+INIT_FROM = ("scratch", "centralized", "head")
+
+# Every key of a study file with its default (the sections shared with the main job have its defaults).
+STUDY_SCHEMA: dict[str, Any] = {
+    "name": "study",
+    "study": "fedavg_sharding",
+    "data": copy.deepcopy(SCHEMA["data"]),
+    "task": "digit_class",  # one classification task of the data family
+    "model": copy.deepcopy(SCHEMA["model"]),
+    "centralized": copy.deepcopy(SCHEMA["centralized"]),
+    "federated": {
+        "n_clients": 100,  # K
+        "client_fraction": 0.1,  # C
+        "rounds_x_local_steps": 2000,  # rounds × J, the same for every J (rounds = this / J)
+        "evaluations": 10,  # evaluations of the global model per run, spread evenly over its rounds
+        "batch_size": 32,
+        "init_lr": 0.01,
+        "lr_schedule": "constant",
+        "momentum": 0.0,
+        "weight_decay": 0.0,
+        "client_test_fraction": 0.0,  # the study reads the global test and validation splits only
+        "init_from": "scratch",  # scratch | centralized (step 2's model) | head (step 2's head, encoder unfrozen)
+        "calibration_fraction": 0.0,  # held-out train rows for sparse_ft's server masks (step 4's --calibration_fraction)
+        "local_test": "assigned",  # client test sets: assigned | proportional (Fed-LT; step 4's --local_test)
+        "finetune_steps": 0,  # evaluation-time fine-tuning of every client's model (step 4's --finetune_steps)
+    },
+    "grid": [],  # blocks: {partitions: [{scheme, ...}], local_steps: [J, ...], algorithms: {name: settings}}
+    "seeds": [0, 1, 2],
+    "use_accelerator": True,
+    "heterogeneity_meter": False,  # step 3c per partition and seed: G², B² at step 2's model (the toolbox report's G²)
+    "practitioners_table": {},  # heterogeneity_toolbox: table row -> the situation that tests it (toolbox_report.TABLE)
+}
+STUDY_TYPES = {**{key: check for key, check in TYPES.items() if key.split(".")[0] in ("name", "data", "model", "centralized",
+                                                                                      "seeds", "use_accelerator")},
+               "study": Str(tuple(STUDY_REPORTS)), "task": Str(),
+               "federated.n_clients": Int(1), "federated.client_fraction": Float(0, 1, low_open=True),
+               "federated.rounds_x_local_steps": Int(1), "federated.evaluations": Int(1),
+               "federated.batch_size": Int(1), "federated.init_lr": Float(0, low_open=True),
+               "federated.lr_schedule": Str(), "federated.momentum": Float(0), "federated.weight_decay": Float(0),
+               "federated.client_test_fraction": Float(0, 1, high_open=True),
+               "federated.init_from": Str(INIT_FROM), "federated.calibration_fraction": Float(0, 1, high_open=True),
+               "federated.local_test": Str(("assigned", "proportional")), "federated.finetune_steps": Int(0),
+               "heterogeneity_meter": Bool(),
+               "practitioners_table": Mapping("map rows of the practitioners' table to situation names",
+                                              "{mild: mild_label_skew, severe: severe_label_skew}", allow_empty=True)}
+BLOCK_KEYS = ("partitions", "local_steps", "algorithms")
+# Step-3b options a study sets itself (from federated.* and the seeds, or a class_groups file), never a partition entry.
+STUDY_SET_OPTIONS = ("manifest", "out", "n_clients", "seed", "client_test_fraction", "groups", "help")
+STUDY_KEYS = ("scheme", "situation", "class_groups")  # the keys of a partition entry that are not step-3b options
+
+
+def load_study(path: Path) -> dict[str, Any]:
+    """Read, type-check, merge with :data:`STUDY_SCHEMA` and validate a study file (errors name the key)."""
+    path = Path(path)
+    raw = load_yaml(path, "experiment file")
+    if not isinstance(raw, dict):
+        raise TaskHetError(f"{path}: expected a mapping of keys at the top level, got {type(raw).__name__}")
+    config = _merge(copy.deepcopy(STUDY_SCHEMA), raw, prefix="", source=path)
+    check_types(config, path, STUDY_TYPES)
+    config["tasks"] = [config["task"]]  # what the shared Pipeline steps read
+    validate_study_names(config, path)
+    if config["federated"]["init_from"] == "head" and not config["model"]["freeze_encoder"]:
+        raise TaskHetError(f"{path}: federated.init_from head needs model.freeze_encoder: true (step 2 then trains the "
+                           "head on the frozen encoder's features, which the federated runs start from)")
+    size = grid_size(config["grid"], len(config["seeds"]))
+    if size is not None:  # a malformed grid is reported key by key by validate_grid
+        check_run_count(size, path, "Σ over grid blocks of partitions × local_steps × algorithm variants × seeds")
+    config["grid"] = validate_grid(config["grid"], path, most_label_groups(config))
+    budget = config["federated"]["rounds_x_local_steps"]
+    for index, block in enumerate(config["grid"]):
+        for position, local_steps in enumerate(block["local_steps"]):
+            if budget % local_steps:
+                raise TaskHetError(f"{path}: grid[{index}].local_steps[{position}] = {local_steps} does not divide "
+                                   f"federated.rounds_x_local_steps {budget}: rounds × J could not stay constant")
+    validate_labels(config["grid"], path)
+    validate_practitioners_table(config, path)
+    check_config(config, path)  # what steps 1-4 would refuse from their arguments, before step 0 (pipeline/checks.py)
+    return config
+
+
+def validate_study_names(config: dict[str, Any], source: Path) -> None:
+    """Data source, task (a classification task of the family), encoder and schedule against the registries."""
+    from models import list_encoders
+    from models.tasks import get_task, list_tasks
+    from network.lr_schedule import make_lr_schedule
+
+    data = config["data"]
+    if data["source"] not in DATA_SOURCES:
+        raise TaskHetError(f"{source}: data.source {data['source']!r} is unknown; choose from: {', '.join(DATA_SOURCES)}")
+    validate_split_csv(data, source)
+    validate_source_keys(data, source)
+    if config["task"] not in list_tasks() or get_task(config["task"]).kind != "classification":
+        raise TaskHetError(f"{source}: task {config['task']!r} must be a registered classification task (the study "
+                           "reports accuracy)")
+    validate_family_tasks(config, source)
+    if config["model"]["encoder"] not in list_encoders():
+        raise TaskHetError(f"{source}: model.encoder {config['model']['encoder']!r} is unknown; choose from: "
+                           f"{', '.join(list_encoders())}")
+    try:
+        make_lr_schedule(config["federated"]["lr_schedule"], 1.0, 1)
+    except TaskHetError as error:
+        raise TaskHetError(f"{source}: {str(error).replace('--lr_schedule', 'federated.lr_schedule')}") from None
+
+
+def validate_grid(grid: Any, source: Path, n_labels: int | None = None) -> list[dict[str, Any]]:
+    """Each block's partitions (registered schemes and their step-3b options), J values and algorithm variants.
+
+    ``n_labels``: the classes the data source can have (``class_groups`` must cover exactly 0..n_labels − 1).
+
+    Returns:
+        The blocks as ``{"partitions": [Partition], "local_steps": [int], "variants": [Variant]}``.
+    """
+    from network.algorithms import list_algorithms
+    from network.algorithms.base import get_settings_class
+    from network.settings import build_settings
+
+    if not isinstance(grid, list) or not grid:
+        raise TaskHetError(f"{source}: grid must list at least one block {{partitions: [...], local_steps: [...], "
+                           f"algorithms: {{fedavg: {{}}}}}}, got {grid!r}")
+    blocks = []
+    for index, block in enumerate(grid):
+        key = f"grid[{index}]"
+        if not isinstance(block, dict) or set(block) != set(BLOCK_KEYS):
+            raise TaskHetError(f"{source}: {key} must be a mapping with exactly the keys {', '.join(BLOCK_KEYS)}, got {block!r}")
+        try:
+            partitions = ListOf(PartitionCheck(n_labels))(block["partitions"], f"{key}.partitions")
+            local_steps = ListOf(Int(1))(block["local_steps"], f"{key}.local_steps")
+        except TaskHetError as error:
+            raise TaskHetError(f"{source}: {error}") from None
+        algorithms = block["algorithms"]
+        if not isinstance(algorithms, dict) or not algorithms:
+            raise TaskHetError(f"{source}: {key}.algorithms must map algorithm names to their settings, e.g. {{fedavg: {{}}}}")
+        variants = []
+        for name, settings in algorithms.items():
+            if name not in list_algorithms():
+                raise TaskHetError(f"{source}: {key}.algorithms: {name!r} is unknown; choose from: {', '.join(list_algorithms())}")
+            variants += expand_settings(name, settings, f"{source}: {key}.algorithms.{name}")
+        for variant in variants:
+            try:
+                build_settings(get_settings_class(variant.algorithm), dict(variant.settings), variant.algorithm)
+            except TaskHetError as error:
+                raise TaskHetError(f"{source}: {key}.algorithms.{variant.algorithm}: {error}") from None
+        blocks.append({"partitions": partitions, "local_steps": local_steps, "variants": variants})
+    return blocks
+
+
+def validate_labels(blocks: list[dict[str, Any]], source: Path) -> None:
+    """Two different partitions may not share a label: they would share folders and report rows."""
+    seen: dict[str, Partition] = {}
+    for index, block in enumerate(blocks):
+        for position, partition in enumerate(block["partitions"]):
+            other = seen.setdefault(partition.label, partition)
+            if other != partition:
+                raise TaskHetError(f"{source}: grid[{index}].partitions[{position}] is named {partition.label!r} like "
+                                   "another, different partition; give each situation its own name")
+
+
+def validate_practitioners_table(config: dict[str, Any], source: Path) -> None:
+    """``practitioners_table``: only for the heterogeneity study; rows of its table, each naming a situation of the grid."""
+    table = config["practitioners_table"]
+    if not table:
+        return
+    if config["study"] != "heterogeneity_toolbox":
+        raise TaskHetError(f"{source}: practitioners_table is read by study heterogeneity_toolbox only, not {config['study']}")
+    from pipeline.toolbox_report import TABLE
+
+    situations = {partition.situation for block in config["grid"] for partition in block["partitions"]}
+    for row, situation in table.items():
+        if row not in TABLE:
+            raise TaskHetError(f"{source}: practitioners_table.{row}: not a row of the practitioners' table; rows: "
+                               f"{', '.join(TABLE)}")
+        if situation not in situations:
+            named = ", ".join(sorted(name for name in situations if name)) or "none (give partitions a situation name)"
+            raise TaskHetError(f"{source}: practitioners_table.{row}: {situation!r} is not a situation of the grid; "
+                               f"situations: {named}")
+
+
+def grid_size(grid: Any, n_seeds: int) -> int | None:
+    """The number of runs the grid asks for (duplicates across blocks counted), from list lengths alone; None when
+    the grid is not shaped as blocks of lists (validate_grid then names the key)."""
+    if not isinstance(grid, list):
+        return None
+    total = 0
+    for block in grid:
+        if not isinstance(block, dict) or not all(isinstance(block.get(key), list) for key in ("partitions", "local_steps")):
+            return None
+        algorithms = block.get("algorithms")
+        if not isinstance(algorithms, dict):
+            return None
+        variants = sum(math.prod(len(value) if isinstance(value, list) else 1 for value in settings.values())
+                       if isinstance(settings, dict) else 1 for settings in algorithms.values())
+        total += len(block["partitions"]) * len(block["local_steps"]) * variants * n_seeds
+    return total
+
+
+def step3b_options() -> dict[str, argparse.Action]:
+    """Step 3b's options a partition entry may set: every flag of its parser but the study's own and the runtime ones."""
+    from steps import assign as step3b
+    from utils import cli
+
+    runtime = argparse.ArgumentParser(add_help=False)
+    cli.add_runtime_flags(runtime)
+    excluded = {action.dest for action in runtime._actions} | set(STUDY_SET_OPTIONS)
+    return {action.dest: action for action in step3b.build_parser()._actions if action.dest not in excluded}
+
+
+class PartitionCheck:
+    """A partition entry: ``{scheme: nc_shards, groups_per_client: 5}``, with ``situation``, ``class_groups`` and any
+    step-3b option (see the module doc); returns a :class:`Partition`."""
+
+    def __init__(self, n_labels: int | None) -> None:
+        self.n_labels = n_labels
+
+    def __call__(self, value: Any, key: str) -> Partition:
+        from partitioning.partition import list_schemes, scheme_parameters
+
+        if not isinstance(value, dict) or "scheme" not in value:
+            raise TaskHetError(f"{key} must be a mapping with a scheme, e.g. {{scheme: nc_shards, groups_per_client: 5}}, "
+                               f"got {value!r}")
+        scheme = value["scheme"]
+        if scheme not in list_schemes():
+            raise TaskHetError(f"{key}.scheme {scheme!r} is unknown; choose from: {', '.join(list_schemes())}")
+        options = step3b_options()
+        scheme_takes = [name for name in scheme_parameters(scheme) if name != "seed"]
+        any_scheme_takes = {name for other in list_schemes() for name in scheme_parameters(other)}
+        params = {}
+        for name, item in value.items():
+            if name in STUDY_KEYS:
+                continue
+            if name not in options:
+                raise TaskHetError(f"{key}.{name}: not a step-3b option a study may set; a partition entry takes "
+                                   f"scheme, situation, class_groups and: {', '.join(sorted(options))}")
+            if name in any_scheme_takes and name not in scheme_takes:
+                raise TaskHetError(f"{key}.{name}: scheme {scheme} does not take it; it takes: "
+                                   f"{', '.join(scheme_takes) or 'nothing'}")
+            params[name] = convert_option(options[name], item, f"{key}.{name}")  # '0.1' and 0.1: one partition
+        situation = value.get("situation")
+        if situation is not None:
+            situation = Str(plain=True)(situation, f"{key}.situation")
+        class_groups = None
+        if value.get("class_groups") is not None:
+            class_groups = check_class_groups(value["class_groups"], f"{key}.class_groups", self.n_labels)
+            per_client = params.get("groups_per_client")
+            if per_client is not None and per_client > len(class_groups):
+                raise TaskHetError(f"{key}.groups_per_client {per_client} exceeds the {len(class_groups)} class groups")
+        return Partition(scheme, tuple(sorted(params.items())), situation, class_groups)
+
+
+def convert_option(action: argparse.Action, value: Any, key: str) -> Any:
+    """A step-3b option's YAML value as step 3b's parser would read it (its type and choices; a flag: true/false)."""
+    if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):
+        return Bool()(value, key)
+    if action.dest == "alpha":
+        return Float(0, low_open=True)(value, key)
+    if action.dest == "groups_per_client":
+        return Int(1)(value, key)
+    if isinstance(value, (bool, list, dict)) or value is None:
+        raise TaskHetError(f"{key} must be a single value as step 3b's --{action.dest} takes it, got {value!r}")
+    try:
+        converted = action.type(str(value)) if action.type is not None else str(value)
+    except (argparse.ArgumentTypeError, ValueError, TaskHetError) as error:
+        raise TaskHetError(f"{key}: {error}") from None
+    if action.choices is not None and converted not in action.choices:
+        raise TaskHetError(f"{key} must be one of {', '.join(map(str, action.choices))}, got {value!r}")
+    return converted
+
+
+def check_class_groups(value: Any, key: str, n_labels: int | None) -> tuple[tuple[int, ...], ...]:
+    """At least two non-empty lists of class indices that together hold every class 0..n_labels − 1 exactly once."""
+    if n_labels is None:
+        raise TaskHetError(f"{key}: class groups need integer class labels (data.source digits, cifar10 or cifar100)")
+    groups = ListOf(ListOf(Int(0, n_labels - 1)), min_len=2, unique=False)(value, key)
+    classes = [label for group in groups for label in group]
+    repeated = sorted({label for label in classes if classes.count(label) > 1})
+    missing = sorted(set(range(n_labels)) - set(classes))
+    if repeated or missing:
+        problem = f"class {repeated[0]} is in two groups" if repeated else f"classes {missing} are in no group"
+        raise TaskHetError(f"{key}: every class 0..{n_labels - 1} must be in exactly one group; {problem}")
+    return tuple(tuple(group) for group in groups)
+
+
+def expand_settings(algorithm: str, settings: Any, key: str) -> list[Variant]:
+    """One variant per combination of the list-valued settings (scalars stay fixed).
+
+    A list that holds one value twice after conversion to the setting's type (``['0.1', 0.1]``) is an error naming
+    the key: it would run the same variant twice and count one seed as two.
+    """
+    from network.algorithms.base import get_settings_class
+    from network.settings import convert, describe
+
+    if settings is None:
+        settings = {}
+    if not isinstance(settings, dict):
+        raise TaskHetError(f"{key} must be a mapping of its settings (a list value is a grid over that setting)")
+    infos = {info.name: info for info in describe(get_settings_class(algorithm))}
+    names = sorted(settings)
+    values = [settings[name] if isinstance(settings[name], list) else [settings[name]] for name in names]
+    for name, options in zip(names, values):
+        if not options:
+            raise TaskHetError(f"{key}.{name} is an empty list")
+        if name not in infos:
+            continue  # an unknown setting: build_settings names it with the algorithm's settings
+        try:
+            converted = [convert(infos[name], option, algorithm) for option in options]
+        except TaskHetError as error:
+            raise TaskHetError(f"{key}.{name}: {error}") from None
+        repeated = [value for index, value in enumerate(converted) if value in converted[:index]]
+        if repeated:
+            raise TaskHetError(f"{key}.{name} lists the value {repeated[0]!r} twice "
+                               f"({options!r}); each value of a grid must be distinct after conversion to "
+                               f"{infos[name].type.__name__}")
+    return [Variant(algorithm, tuple(zip(names, combination))) for combination in itertools.product(*values)]

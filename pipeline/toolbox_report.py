@@ -1,0 +1,375 @@
+"""The report of the heterogeneity study (``study: heterogeneity_toolbox``, issue 22): which method for which heterogeneity.
+
+Each partition of the grid is a named *situation* (mild label skew, quantity skew, ...). Per
+situation and method, over seeds (mean and 95% t interval on the logit scale,
+utils/statistics.py), at the final round:
+
+* **global accuracy**: the model each algorithm logs as its global one (metrics.csv's ``global`` rows: IFCA's
+  most-populated cluster model, FedEM's components under uniform weights, FedPer's shared body with the
+  server's head) on the global test split; ``local`` never moves its server model, so its global accuracy
+  is the initial model's;
+* **personalised accuracy**: the mean over clients of each client's own test rows under the model
+  the method gives that client: its personal model when the method has them (Ditto, pFedMe, FedPer,
+  IFCA's and CFL's cluster models, FedEM's mixture, local), the fine-tuned model for local fine-tuning
+  (FedAvg's model after ``--finetune_steps``, reported as ``fedavg+ft``), else the global model;
+* **worst 10%**: the mean of the worst ⌈10%⌉ clients on the same split (metrics.csv's ``worst_decile``);
+* **G² at the start**: step 3c's gradient dissimilarity G² = Σ p_k‖∇F_k − ∇F‖² (and B²) of the
+  situation's clients at the seed's centralized model, the model the theory's G² is defined at.
+
+The **winner** of a metric is the method with the highest mean; it comes with its paired difference
+against FedAvg and against the runner-up (paired by seed: the same seed gives the same initial model,
+partition and client sampling). A difference is decided only with ≥ 3 paired seeds, nonzero variance
+and a 95% interval excluding 0; otherwise the report says why it is undecided.
+
+**Against the practitioners' table** (:data:`TABLE`): each row names the methods it recommends and
+the metric they aim at; ``practitioners_table`` in the study file maps rows to situations. A row
+*agrees* when a recommended method has the best mean or is not decidedly below the best (its
+interval against the best contains 0), *disagrees* when every recommended method is decidedly below
+the best, and is *undecided* when neither can be said (too few seeds, zero variance). A row no
+situation of the run tests is listed as not measured.
+
+Outputs: ``runs.csv`` (one row per run and method), ``report.csv`` (situation × method),
+``situations.csv`` (G², B² and the winners), ``table_check.csv`` and ``report.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from network.client import CLIENT_TEST_SPLIT, FINETUNED_TEST_SPLIT, GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT
+from network.run_outputs import GLOBAL_CLIENT, METRICS_COLUMNS
+from utils.loaders import load_json, read_csv
+from utils.run_dir import atomic_write_text
+from utils.statistics import NONNEGATIVE, UNIT, PairedDifference, mean_interval, paired_difference
+
+BASELINE = "fedavg"
+FINETUNED_SUFFIX = "+ft"  # FedAvg's fine-tuned model: the local fine-tuning method
+METRICS = {"global": "global accuracy", "personal": "personalised accuracy", "worst10": "worst 10% of clients"}
+
+
+@dataclass(frozen=True)
+class Row:
+    """A row of the practitioners' table: the situation it describes, what it recommends, for which metric."""
+
+    situation: str
+    recommended: tuple[str, ...]  # algorithm names (``fedavg+ft``: local fine-tuning)
+    metric: str  # a key of METRICS
+
+    @property
+    def text(self) -> str:
+        return f"{self.situation} → {' or '.join(self.recommended)}"
+
+
+# The practitioners' table (issue 22). Global-model remedies are judged on the global model, personalisation
+# remedies on the accuracy each client gets from the model the method gives it.
+TABLE = {
+    "mild": Row("mild skew", ("fedavg",), "global"),
+    "moderate": Row("moderate skew", ("fedprox", "scaffold"), "global"),
+    "groups": Row("distinct groups", ("ifca", "cfl"), "personal"),
+    "personal": Row("personal needs", ("pfedme", "fedavg+ft"), "personal"),
+    "transfer": Row("transfer", ("fedper",), "personal"),
+    "severe": Row("severe skew", ("fedem",), "personal"),
+}
+
+
+# ----- reading runs -----
+def final_rows(metrics_csv: Path) -> pd.DataFrame:
+    """metrics.csv's rows of the last evaluated round (the last round with global test rows)."""
+    metrics = read_csv(metrics_csv, "step-4 metrics", METRICS_COLUMNS, finished=True, dtype={"client": str})
+    evaluated = metrics[(metrics.split == GLOBAL_TEST_SPLIT) & (metrics.client == GLOBAL_CLIENT)]
+    return metrics[metrics["round"] == evaluated["round"].max()]
+
+
+def _value(final: pd.DataFrame, split: str, client: str) -> float:
+    rows = final[(final.split == split) & (final.client == client) & (final.metric == "top1")]["value"]
+    return float(rows.iloc[0]) if len(rows) else math.nan
+
+
+def accuracies(final: pd.DataFrame, split: str) -> dict[str, float]:
+    """Global top-1, and the mean and worst-decile top-1 over clients of ``split``."""
+    return {"global": _value(final, GLOBAL_TEST_SPLIT, GLOBAL_CLIENT), "personal": _value(final, split, "mean"),
+            "worst10": _value(final, split, "worst_decile")}
+
+
+def run_rows(run, run_dir: Path) -> list[dict[str, Any]]:
+    """The method rows of one run: its algorithm on its personal split (or the global model's), plus ``fedavg+ft``
+    (FedAvg's fine-tuned models) from FedAvg's runs when they were fine-tuned."""
+    final = final_rows(run_dir / "metrics.csv")
+    base = {"situation": run.partition.label, "seed": run.seed}
+    split = PERSONAL_TEST_SPLIT if (final.split == PERSONAL_TEST_SPLIT).any() else CLIENT_TEST_SPLIT
+    rows = [{**base, "method": run.variant.label, "algorithm": run.variant.algorithm, "split": split,
+             **accuracies(final, split)}]
+    if run.variant.algorithm == BASELINE and (final.split == FINETUNED_TEST_SPLIT).any():
+        rows.append({**base, "method": run.variant.label + FINETUNED_SUFFIX, "algorithm": BASELINE + FINETUNED_SUFFIX,
+                     "split": FINETUNED_TEST_SPLIT, **accuracies(final, FINETUNED_TEST_SPLIT)})
+    return rows
+
+
+def meter_rows(meters: dict) -> pd.DataFrame:
+    """G² and B² of every (partition, seed) step 3c measured."""
+    rows = [{"situation": partition.label, "seed": seed,
+             **{key: load_json(stage_dir / "meter.json", "step-3c meter", finished=True)[key] for key in ("g2", "b2")}}
+            for (partition, seed), stage_dir in meters.items()]
+    return pd.DataFrame(rows, columns=["situation", "seed", "g2", "b2"])
+
+
+# ----- statistics -----
+def paired(runs: pd.DataFrame, method_a: str, method_b: str, column: str) -> PairedDifference | None:
+    """``b − a`` of ``column`` over the seeds both methods have a value for (None: no such seed)."""
+    a = runs[runs.method == method_a].set_index("seed")[column].dropna()
+    b = runs[runs.method == method_b].set_index("seed")[column].dropna()
+    seeds = sorted(set(a.index) & set(b.index))
+    return paired_difference(a[seeds].tolist(), b[seeds].tolist()) if seeds else None
+
+
+@dataclass(frozen=True)
+class Winner:
+    """The best mean of a metric in one situation, against FedAvg and the runner-up (None: no paired seed or no
+    such method)."""
+
+    method: str
+    mean: float
+    vs_baseline: PairedDifference | None
+    runner_up: str | None
+    vs_runner_up: PairedDifference | None
+    baseline: str | None
+
+
+def method_means(runs: pd.DataFrame, column: str) -> pd.Series:
+    """Mean over seeds per method, highest first (ties keep the runs' order); methods without a value left out."""
+    means = runs.groupby("method", sort=False)[column].mean().dropna()
+    return means.iloc[sorted(range(len(means)), key=lambda index: -means.iloc[index])]
+
+
+def winner(runs: pd.DataFrame, column: str) -> Winner | None:
+    """The winner of ``column`` among one situation's ``runs`` (None when no method has a value)."""
+    means = method_means(runs, column)
+    if means.empty:
+        return None
+    best = means.index[0]
+    baseline = next((method for method in runs.method.unique() if method.split("-")[0] == BASELINE
+                     and runs[runs.method == method].algorithm.iloc[0] == BASELINE), None)
+    runner_up = means.index[1] if len(means) > 1 else None
+    return Winner(best, float(means.iloc[0]),
+                  paired(runs, baseline, best, column) if baseline and baseline != best else None,
+                  runner_up, paired(runs, runner_up, best, column) if runner_up else None, baseline)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How one row of the practitioners' table fares in one situation."""
+
+    outcome: str  # agrees | disagrees | undecided | not measured
+    detail: str
+
+
+def table_verdict(runs: pd.DataFrame, row: Row) -> Verdict:
+    """The row's recommendation against one situation's ``runs`` on the row's metric (see the module doc)."""
+    column = row.metric
+    means = method_means(runs, column)
+    recommended = [method for method in means.index
+                   if runs[runs.method == method].algorithm.iloc[0] in row.recommended]
+    if not recommended:
+        return Verdict("not measured", f"none of {', '.join(row.recommended)} ran in this situation")
+    best = means.index[0]
+    if best in recommended:
+        return Verdict("agrees", f"{best} has the best mean {_pct(means[best])}")
+    tied, untestable, below = [], [], []
+    for method in recommended:
+        difference = paired(runs, method, best, column)  # best − recommended
+        text = f"{method} {_pct(means[method])}, best − it: {_difference(difference)}"
+        if difference is None or not difference.testable:
+            untestable.append(text)
+        elif difference.decided:
+            below.append(text)
+        else:
+            tied.append(text)
+    if tied:
+        return Verdict("agrees", f"not decidedly below the best, {best} {_pct(means[best])}: {'; '.join(tied)}")
+    if untestable:
+        return Verdict("undecided", f"best {best} {_pct(means[best])}; {'; '.join(untestable + below)}")
+    return Verdict("disagrees", f"{best} {_pct(means[best])} is decidedly better: {'; '.join(below)}")
+
+
+# ----- tables -----
+def report_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per situation × method: mean and 95% interval over seeds of each metric."""
+    rows = []
+    for (situation, method), group in runs.groupby(["situation", "method"], sort=False):
+        row = {"situation": situation, "method": method, "algorithm": group.algorithm.iloc[0], "n_seeds": len(group),
+               "seeds": " ".join(str(seed) for seed in sorted(group.seed))}
+        for column in METRICS:
+            row.update(_interval(group[column].dropna().tolist(), column, UNIT))
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def situation_table(runs: pd.DataFrame, meters: pd.DataFrame) -> pd.DataFrame:
+    """One row per situation: G², B² (mean and interval over seeds) and each metric's winner against FedAvg."""
+    rows = []
+    for situation, group in runs.groupby("situation", sort=False):
+        row = {"situation": situation}
+        measured = meters[meters.situation == situation]
+        for column in ("g2", "b2"):
+            row.update(_interval(measured[column].tolist(), column, NONNEGATIVE))
+        for column in METRICS:
+            found = winner(group, column)
+            difference = found.vs_baseline if found else None
+            row.update({f"{column}_winner": found.method if found else None,
+                        f"{column}_winner_mean": found.mean if found else math.nan,
+                        f"{column}_vs_fedavg_mean": difference.mean if difference else math.nan,
+                        f"{column}_vs_fedavg_low": difference.low if difference else math.nan,
+                        f"{column}_vs_fedavg_high": difference.high if difference else math.nan,
+                        f"{column}_vs_fedavg": _verdict(found, difference)})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def table_check(runs: pd.DataFrame, mapping: dict[str, str]) -> pd.DataFrame:
+    """Every row of :data:`TABLE`: the situation that tests it (``mapping``), the verdict and its detail."""
+    rows = []
+    for key, row in TABLE.items():
+        situation = mapping.get(key)
+        if situation is None or situation not in set(runs.situation):
+            verdict = Verdict("not measured", "no situation of this run tests this row (practitioners_table)")
+        else:
+            verdict = table_verdict(runs[runs.situation == situation], row)
+        rows.append({"row": key, "recommendation": row.text, "metric": row.metric, "situation": situation or "",
+                     "outcome": verdict.outcome, "detail": verdict.detail})
+    return pd.DataFrame(rows)
+
+
+# ----- text -----
+def _interval(values: list[float], column: str, scale: str) -> dict[str, float]:
+    mean, low, high = mean_interval(values, scale) if values else (math.nan, math.nan, math.nan)
+    return {f"{column}_mean": mean, f"{column}_low": low, f"{column}_high": high}
+
+
+def _pct(value: float) -> str:
+    return "–" if math.isnan(value) else f"{100 * value:.1f}%"
+
+
+def _difference(difference: PairedDifference | None) -> str:
+    if difference is None:
+        return "no paired seed"
+    interval = "" if math.isnan(difference.low) else f" [{100 * difference.low:+.1f}, {100 * difference.high:+.1f}]"
+    return f"{100 * difference.mean:+.1f} pts{interval}, {difference.explain()}"
+
+
+def _verdict(found: Winner | None, difference: PairedDifference | None) -> str:
+    if found is None:
+        return "no values"
+    if found.baseline is None:
+        return "no fedavg runs"
+    if found.method == found.baseline:
+        return "fedavg itself"
+    if difference is None:
+        return "no paired seed"
+    return ("better than fedavg" if difference.sign > 0 else "worse than fedavg" if difference.sign < 0
+            else difference.explain())
+
+
+def _cell(row: pd.Series, column: str, scale: float = 100.0, digits: int = 1) -> str:
+    mean, low, high = (row[f"{column}_{part}"] for part in ("mean", "low", "high"))
+    if math.isnan(mean):
+        return "–"
+    text = f"{scale * mean:.{digits}f}"
+    return text if math.isnan(low) else f"{text} [{scale * low:.{digits}f}, {scale * high:.{digits}f}]"
+
+
+def winner_lines(runs: pd.DataFrame) -> list[str]:
+    """Per metric: the winner, its difference against FedAvg and against the runner-up."""
+    lines = []
+    for column, what in METRICS.items():
+        found = winner(runs, column)
+        if found is None:
+            continue
+        text = f"- {what}: **{found.method}** ({_pct(found.mean)})"
+        if found.baseline is None:
+            text += "; no fedavg runs to compare with"
+        elif found.method == found.baseline:
+            text += " is fedavg itself"
+        else:
+            text += f"; − fedavg: {_difference(found.vs_baseline)}"
+        if found.runner_up is not None:
+            text += f"; − runner-up {found.runner_up}: {_difference(found.vs_runner_up)}"
+        lines.append(text + ".")
+    return lines
+
+
+def situation_options(config: dict[str, Any]) -> dict[str, str]:
+    """Each situation's step-3b options as the study file gives them."""
+    options = {}
+    for block in config["grid"]:
+        for partition in block["partitions"]:
+            parts = [f"scheme {partition.scheme}"] + [f"{name} {value}" for name, value in partition.params]
+            if partition.class_groups:
+                parts.append("class groups " + " / ".join(",".join(map(str, group)) for group in partition.class_groups))
+            options[partition.label] = "; ".join(parts)
+    return options
+
+
+def report_lines(config: dict[str, Any], command: str, runs: pd.DataFrame, table: pd.DataFrame,
+                 situations: pd.DataFrame, check: pd.DataFrame) -> list[str]:
+    federated = config["federated"]
+    counts = check.outcome.value_counts()
+    lines = [f"# {config['name']}: which method for which heterogeneity", "", f"Command: `{command}`", "",
+             f"Data {config['data']['source']}, task {config['task']}, {config['model']['encoder']} at "
+             f"{config['model']['image_size']} px from scratch; {federated['n_clients']} clients, "
+             f"{100 * federated['client_fraction']:g}% per round, rounds × J = {federated['rounds_x_local_steps']}, "
+             f"{100 * federated['client_test_fraction']:g}% of each client's rows held out as its test set, "
+             f"local fine-tuning {federated['finetune_steps']} steps; seeds {', '.join(map(str, config['seeds']))}. "
+             "Accuracies are top-1 in % at the final round, mean [95% interval, t on the logit scale] over seeds; "
+             "differences are paired by seed, in points, and decided only with ≥ 3 paired seeds, nonzero variance "
+             "and an interval excluding 0 (utils/statistics.py). Every method gets the same rounds × J local steps, "
+             "not the same gradient evaluations: a pFedMe step takes its inner_steps gradients, FedEM trains its M "
+             "components, IFCA evaluates its k models on each sampled client.", "",
+             "## Summary (computed)", "",
+             f"- Situations run: {', '.join(situations.situation)}.",
+             f"- Against the practitioners' table: {counts.get('agrees', 0)} rows agree, "
+             f"{counts.get('disagrees', 0)} disagree, {counts.get('undecided', 0)} undecided, "
+             f"{counts.get('not measured', 0)} not measured."]
+    for _, row in situations.iterrows():
+        lines.append(f"- {row.situation}: G² {_cell(row, 'g2', 1.0, 3)}; best personalised accuracy "
+                     f"{row.personal_winner} ({row.personal_vs_fedavg}), best global accuracy {row.global_winner} "
+                     f"({row.global_vs_fedavg}).")
+    lines += ["", "## Against the practitioners' table", "",
+              "| row | situation | metric | outcome | detail |", "|---|---|---|---|---|"]
+    for _, row in check.iterrows():
+        lines.append(f"| {row.recommendation} | {row.situation or '–'} | {METRICS[row.metric]} | **{row.outcome}** | "
+                     f"{row.detail} |")
+    options = situation_options(config)
+    lines += ["", "## Situations", "", "| situation | step-3b options | G² at the start | B² |", "|---|---|---|---|"]
+    for _, row in situations.iterrows():
+        lines.append(f"| {row.situation} | {options.get(row.situation, '')} | {_cell(row, 'g2', 1.0, 3)} | "
+                     f"{_cell(row, 'b2', 1.0, 2)} |")
+    lines += ["", "G² = Σ p_k‖∇F_k − ∇F‖² and B² = Σ p_k‖∇F_k‖²/‖∇F‖² of the situation's clients at the seed's "
+              "centralized model (step 3c), mean [95% interval, log scale] over seeds."]
+    for situation, group in runs.groupby("situation", sort=False):
+        lines += ["", f"## {situation}", "", *winner_lines(group), "",
+                  "| method | global | personalised | worst 10% | seeds |", "|---|---|---|---|---|"]
+        for _, row in table[table.situation == situation].iterrows():
+            lines.append(f"| {row.method} | {_cell(row, 'global')} | {_cell(row, 'personal')} | "
+                         f"{_cell(row, 'worst10')} | {row.seeds} |")
+    return lines
+
+
+def write_report(config: dict[str, Any], out_dir: Path, run_dirs: dict, centralized: dict[int, Path], command: str,
+                 meters: dict | None = None) -> pd.DataFrame:
+    """Collect every run and step 3c reading; write runs.csv, report.csv, situations.csv, table_check.csv and
+    report.md; returns the report table."""
+    runs = pd.DataFrame([row for run, run_dir in run_dirs.items() for row in run_rows(run, run_dir)])
+    runs.to_csv(out_dir / "runs.csv", index=False)
+    table = report_table(runs)
+    table.to_csv(out_dir / "report.csv", index=False)
+    situations = situation_table(runs, meter_rows(meters or {}))
+    situations.to_csv(out_dir / "situations.csv", index=False)
+    check = table_check(runs, config["practitioners_table"])
+    check.to_csv(out_dir / "table_check.csv", index=False)
+    atomic_write_text(out_dir / "report.md", "\n".join(report_lines(config, command, runs, table, situations, check)) + "\n")
+    return table

@@ -1,0 +1,194 @@
+"""The heterogeneity study file (experiments/digits_heterogeneity.yaml): its situations as step-3b options, the
+class-group situation's groups file and partition, and bad keys or values stopping with one error line before
+any work."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+import run_pipeline
+from pipeline.experiment import load_experiment
+from pipeline.study import Study
+from pipeline.study_grid import Partition, study_runs
+from steps import select_digits
+from utils.cli import run_main
+from utils.errors import TaskHetError
+
+ROOT = Path(__file__).resolve().parent.parent
+STUDY_FILE = ROOT / "experiments" / "digits_heterogeneity.yaml"
+SITUATIONS = ["mild_label_skew", "severe_label_skew", "distinct_groups", "quantity_skew", "compound_label_quantity",
+              "moderate_label_skew"]
+GROUPS = ((0, 1, 2), (3, 4, 5, 6), (7, 8, 9))
+
+
+def test_study_file_is_the_documented_grid():
+    config = load_experiment(STUDY_FILE)
+    runs = study_runs(config)
+    assert len(runs) == len(SITUATIONS) * 11 * 3  # 11 algorithms (the 12th method, fedavg+ft, is FedAvg's runs)
+    partitions = {run.partition.label: run.partition for run in runs}
+    assert list(partitions) == SITUATIONS
+    assert partitions["quantity_skew"] == Partition("iid", (("size_skew", "lognormal:1.0"),), "quantity_skew")
+    assert dict(partitions["compound_label_quantity"].params) == {"alpha": 0.5, "size_skew": "lognormal:1.0"}
+    assert partitions["distinct_groups"].class_groups == GROUPS
+    assert config["practitioners_table"] == {"mild": "mild_label_skew", "moderate": "moderate_label_skew",
+                                             "groups": "distinct_groups", "severe": "severe_label_skew"}
+    assert config["heterogeneity_meter"] and config["federated"]["finetune_steps"] > 0
+    assert config["federated"]["client_test_fraction"] > 0  # personalised accuracy needs client test rows
+
+
+def test_distinct_groups_clients_each_hold_one_class_group(tmp_path):
+    manifest = select_digits.main(["--n_samples", "300", "--out", str(tmp_path / "step1"), "--no-progress"])
+    config = load_experiment(STUDY_FILE)
+    config["federated"]["client_test_fraction"] = 0.0
+    study = Study(config, tmp_path / "study", "test", show_progress=False)
+    partition = Partition("nc_shards", (("groups_per_client", 1),), "distinct_groups", GROUPS)
+    groups = pd.read_csv(study.class_groups_file(partition, manifest))
+    labels = pd.read_csv(manifest).set_index("sample_id")["label"]
+    group_of = {label: index for index, group in enumerate(GROUPS) for label in group}
+    assert len(groups) == len(labels)  # every row, test and validation too
+    assert (groups["cluster"].to_numpy() == labels[groups["sample_id"]].map(group_of).to_numpy()).all()
+    assignments = pd.read_csv(study.assignments(partition, 0, manifest, study.class_groups_file(partition, manifest))
+                              / "assignments.csv")
+    client_groups = (assignments.assign(group=labels[assignments["sample_id"]].map(group_of).to_numpy())
+                     .groupby("client_id")["group"].unique())
+    assert all(len(held) == 1 for held in client_groups)  # each client: one group's classes only
+    assert sorted(held[0] for held in client_groups) == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2]  # 3-4 clients a group
+
+
+def situation(config: dict, name: str) -> dict:
+    return next(entry for entry in config["grid"][0]["partitions"] if entry["situation"] == name)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: situation(c, "distinct_groups").update(class_groups=[[0, 1, 2], [3, 4, 5, 6], [7, 8]]),
+     "grid[0].partitions[2].class_groups: every class 0..9 must be in exactly one group; classes [9] are in no group"),
+    (lambda c: situation(c, "distinct_groups").update(class_groups=[[0, 1, 2, 3], [3, 4, 5, 6], [7, 8, 9]]),
+     "grid[0].partitions[2].class_groups: every class 0..9 must be in exactly one group; class 3 is in two groups"),
+    (lambda c: situation(c, "distinct_groups").update(class_groups=[[0, 1, 2], [3, 4, 5, 6], [7, 8, 10]]),
+     "grid[0].partitions[2].class_groups[2][2] must be an integer >= 0 <= 9"),
+    (lambda c: situation(c, "distinct_groups").update(class_groups=[list(range(10))]),
+     "grid[0].partitions[2].class_groups must list at least 2 item(s)"),
+    (lambda c: situation(c, "distinct_groups").update(groups_per_client=4),
+     "grid[0].partitions[2].groups_per_client 4 exceeds the 3 class groups"),
+    (lambda c: situation(c, "quantity_skew").update(size_skew="lognormal:x"),
+     "grid[0].partitions: --size_skew 'lognormal:x': expected lognormal:NUMBER"),
+    (lambda c: situation(c, "severe_label_skew").update(size_skew="lognormal:1.0"),
+     "grid[0].partitions: nc_shards: client sizes are equal by construction"),
+    (lambda c: situation(c, "mild_label_skew").update(colour_skew=0.1),
+     "grid[0].partitions[0].colour_skew: not a step-3b option a study may set"),
+    (lambda c: situation(c, "mild_label_skew").update(n_clients=5),
+     "grid[0].partitions[0].n_clients: not a step-3b option a study may set"),
+    (lambda c: situation(c, "mild_label_skew").update(seed=3), "grid[0].partitions[0].seed: not a step-3b option"),
+    (lambda c: situation(c, "quantity_skew").update(alpha=1.0), "grid[0].partitions[3].alpha: scheme iid does not take it"),
+    (lambda c: situation(c, "mild_label_skew").update(alpha=-1), "grid[0].partitions[0].alpha must be a finite number > 0"),
+    (lambda c: situation(c, "mild_label_skew").update(situation="mild skew"),
+     "grid[0].partitions[0].situation must be a plain name"),
+    (lambda c: situation(c, "moderate_label_skew").update(situation="mild_label_skew"),
+     "grid[0].partitions[5] is named 'mild_label_skew' like another, different partition"),
+    (lambda c: c["practitioners_table"].update(severe_skew="severe_label_skew"),
+     "practitioners_table.severe_skew: not a row of the practitioners' table"),
+    (lambda c: c["practitioners_table"].update(personal="concept_shift"),
+     "practitioners_table.personal: 'concept_shift' is not a situation of the grid"),
+    (lambda c: c.update(study="fed_lt"), "practitioners_table is read by study heterogeneity_toolbox only"),
+    (lambda c: c.update(heterogeneity_meter="yes"), "heterogeneity_meter must be true or false"),
+    (lambda c: c["grid"][0]["algorithms"].update(ifca={"n_cluster_models": 11}), "grid[0].algorithms.ifca"),
+])
+def test_bad_study_file_stops_with_one_error_line_before_any_work(tmp_path, capsys, change, message):
+    config = yaml.safe_load(STUDY_FILE.read_text())
+    change(config)
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(run_pipeline.main, [str(path), "--results", str(tmp_path / "results")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1
+    assert lines[0].startswith(f"error: {path}: ") and message in lines[0]
+    assert not (tmp_path / "results").exists()  # nothing was started
+
+
+def test_a_step3b_option_is_a_study_option_without_study_code(tmp_path, monkeypatch):
+    """A flag step 3b gains (here a stand-in flag, --feature_blur) is accepted, converted by the
+    flag's own type and handed to step 3b; its bad values stop with the key named."""
+    from pipeline.runner import flags
+    from steps import assign
+
+    original = assign.build_parser
+
+    def parser_with_a_new_flag():
+        parser = original()
+        parser.add_argument("--feature_blur", type=float, default=None)
+        parser.add_argument("--feature_form", choices=("noise", "shift"), default="noise")
+        return parser
+
+    monkeypatch.setattr(assign, "build_parser", parser_with_a_new_flag)
+    config = yaml.safe_load(STUDY_FILE.read_text())
+    situation(config, "quantity_skew").update(feature_blur="0.3", feature_form="shift")
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    partition = load_experiment(path)["grid"][0]["partitions"][3]
+    assert dict(partition.params) == {"feature_form": "shift", "feature_blur": 0.3, "size_skew": "lognormal:1.0"}
+    assert flags(dict(partition.params)) == ["--feature_blur", "0.3", "--feature_form", "shift",
+                                             "--size_skew", "lognormal:1.0"]
+    situation(config, "quantity_skew").update(feature_blur="x")
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    with pytest.raises(TaskHetError, match=re.escape("grid[0].partitions[3].feature_blur: could not convert string "
+                                                     "to float: 'x'")):
+        load_experiment(path)
+    situation(config, "quantity_skew").update(feature_blur=0.3, feature_form="blur")
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    with pytest.raises(TaskHetError, match=re.escape("grid[0].partitions[3].feature_form must be one of noise, shift")):
+        load_experiment(path)
+
+
+def test_tiny_heterogeneity_study_end_to_end(tmp_path):
+    """The study file at a tiny size: step 3c runs per situation and seed, the class-group file feeds step 3b, and
+    the report holds every method (fedavg+ft included), G² and the table check."""
+    config = yaml.safe_load(STUDY_FILE.read_text())
+    config.update(name="tiny", seeds=[0], practitioners_table={"groups": "distinct_groups", "mild": "mild_label_skew"})
+    config["data"]["n_samples"] = 150
+    config["model"]["image_size"] = 8
+    config["centralized"]["n_epochs"] = 1
+    config["federated"].update(rounds_x_local_steps=2, evaluations=1, finetune_steps=1)
+    config["grid"][0].update(local_steps=[1], algorithms={"fedavg": {}, "ifca": {"n_cluster_models": 3}})
+    config["grid"][0]["partitions"] = [situation(config, "mild_label_skew"), situation(config, "distinct_groups")]
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    run_pipeline.main([str(path), "--results", str(tmp_path / "results"), "--threads", "1", "--no-progress"])
+    out = tmp_path / "results" / "tiny"
+    report = pd.read_csv(out / "report.csv")
+    assert list(zip(report.situation, report.method)) == [
+        (name, method) for name in ("mild_label_skew", "distinct_groups")
+        for method in ("fedavg", "fedavg+ft", "ifca-n_cluster_models3")]
+    situations = pd.read_csv(out / "situations.csv")
+    meters = {path.parent.name.rsplit("-s0-", 1)[0]: json.loads(path.read_text())["g2"]
+              for path in out.glob("heterogeneity/*/meter.json")}
+    assert dict(zip(situations.situation, situations.g2_mean)) == pytest.approx(meters) and len(meters) == 2
+    check = pd.read_csv(out / "table_check.csv", keep_default_na=False).set_index("row")
+    assert check.situation["groups"] == "distinct_groups" and check.outcome["transfer"] == "not measured"
+    assert "## distinct_groups" in (out / "report.md").read_text()
+    groups_file = next(out.glob("groups/distinct_groups-*/groups.csv"))
+    assert json.loads(next(out.glob("assignments/distinct_groups-s0-*/assignments.json")).read_text())["groups"] == \
+        str(groups_file)
+
+
+def test_the_situations_waiting_for_the_skews_validate_with_their_step3b_options(tmp_path):
+    """The file's commented feature-skew and concept-shift entries, as written there, are valid situations now that
+    step 3b has --feature_noise, --label_swap and --concept_fraction (the skews branch)."""
+    config = yaml.safe_load(STUDY_FILE.read_text())
+    config["grid"][0]["partitions"] += [
+        {"situation": "feature_skew", "scheme": "iid", "feature_noise": 0.3},
+        {"situation": "concept_shift", "scheme": "iid", "label_swap": 2, "concept_fraction": 1.0},
+        {"situation": "distinct_groups_concept", "scheme": "iid", "label_swap": "0-1,2-3,4-5,6-7,8-9",
+         "concept_fraction": 0.5}]
+    config["practitioners_table"].update(personal="concept_shift", transfer="feature_skew")
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    partitions = {partition.label: dict(partition.params) for partition in load_experiment(path)["grid"][0]["partitions"]}
+    assert partitions["feature_skew"] == {"feature_noise": 0.3}
+    assert partitions["concept_shift"] == {"label_swap": "2", "concept_fraction": 1.0}
