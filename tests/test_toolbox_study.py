@@ -22,8 +22,11 @@ from utils.errors import TaskHetError
 
 ROOT = Path(__file__).resolve().parent.parent
 STUDY_FILE = ROOT / "experiments" / "digits_heterogeneity.yaml"
-SITUATIONS = ["mild_label_skew", "severe_label_skew", "distinct_groups", "quantity_skew", "compound_label_quantity",
-              "moderate_label_skew"]
+SITUATIONS = ["mild_label_skew", "moderate_label_skew", "severe_label_skew", "feature_skew", "concept_shift",
+              "quantity_skew", "temporal_skew", "distinct_groups", "compound"]
+# the label-set form of distinct groups (commented in the study file, run by the tests)
+LABEL_GROUPS = {"situation": "distinct_label_groups", "scheme": "nc_shards", "groups_per_client": 1,
+                "class_groups": [[0, 1, 2], [3, 4, 5, 6], [7, 8, 9]]}
 GROUPS = ((0, 1, 2), (3, 4, 5, 6), (7, 8, 9))
 
 
@@ -34,10 +37,14 @@ def test_study_file_is_the_documented_grid():
     partitions = {run.partition.label: run.partition for run in runs}
     assert list(partitions) == SITUATIONS
     assert partitions["quantity_skew"] == Partition("iid", (("size_skew", "lognormal:1.0"),), "quantity_skew")
-    assert dict(partitions["compound_label_quantity"].params) == {"alpha": 0.5, "size_skew": "lognormal:1.0"}
-    assert partitions["distinct_groups"].class_groups == GROUPS
+    assert dict(partitions["compound"].params) == {"alpha": 0.5, "size_skew": "lognormal:1.0", "feature_noise": 0.3,
+                                                   "temporal": "rotate:3:10", "n_rounds": 30}
+    # distinct groups differ in concept (issue 22): half the clients see every digit pair swapped
+    assert dict(partitions["distinct_groups"].params) == {"label_swap": "0-1,2-3,4-5,6-7,8-9", "concept_fraction": 0.5}
+    assert dict(partitions["temporal_skew"].params)["n_rounds"] == config["federated"]["rounds_x_local_steps"] // 4
     assert config["practitioners_table"] == {"mild": "mild_label_skew", "moderate": "moderate_label_skew",
-                                             "groups": "distinct_groups", "severe": "severe_label_skew"}
+                                             "groups": "distinct_groups", "personal": "concept_shift",
+                                             "transfer": "feature_skew", "severe": "severe_label_skew"}
     assert config["heterogeneity_meter"] and config["federated"]["finetune_steps"] > 0
     assert config["federated"]["client_test_fraction"] > 0  # personalised accuracy needs client test rows
 
@@ -66,16 +73,16 @@ def situation(config: dict, name: str) -> dict:
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda c: situation(c, "distinct_groups").update(class_groups=[[0, 1, 2], [3, 4, 5, 6], [7, 8]]),
-     "grid[0].partitions[2].class_groups: every class 0..9 must be in exactly one group; classes [9] are in no group"),
-    (lambda c: situation(c, "distinct_groups").update(class_groups=[[0, 1, 2, 3], [3, 4, 5, 6], [7, 8, 9]]),
-     "grid[0].partitions[2].class_groups: every class 0..9 must be in exactly one group; class 3 is in two groups"),
-    (lambda c: situation(c, "distinct_groups").update(class_groups=[[0, 1, 2], [3, 4, 5, 6], [7, 8, 10]]),
-     "grid[0].partitions[2].class_groups[2][2] must be an integer >= 0 <= 9"),
-    (lambda c: situation(c, "distinct_groups").update(class_groups=[list(range(10))]),
-     "grid[0].partitions[2].class_groups must list at least 2 item(s)"),
-    (lambda c: situation(c, "distinct_groups").update(groups_per_client=4),
-     "grid[0].partitions[2].groups_per_client 4 exceeds the 3 class groups"),
+    (lambda c: situation(c, "distinct_label_groups").update(class_groups=[[0, 1, 2], [3, 4, 5, 6], [7, 8]]),
+     "grid[0].partitions[9].class_groups: every class 0..9 must be in exactly one group; classes [9] are in no group"),
+    (lambda c: situation(c, "distinct_label_groups").update(class_groups=[[0, 1, 2, 3], [3, 4, 5, 6], [7, 8, 9]]),
+     "grid[0].partitions[9].class_groups: every class 0..9 must be in exactly one group; class 3 is in two groups"),
+    (lambda c: situation(c, "distinct_label_groups").update(class_groups=[[0, 1, 2], [3, 4, 5, 6], [7, 8, 10]]),
+     "grid[0].partitions[9].class_groups[2][2] must be an integer >= 0 <= 9"),
+    (lambda c: situation(c, "distinct_label_groups").update(class_groups=[list(range(10))]),
+     "grid[0].partitions[9].class_groups must list at least 2 item(s)"),
+    (lambda c: situation(c, "distinct_label_groups").update(groups_per_client=4),
+     "grid[0].partitions[9].groups_per_client 4 exceeds the 3 class groups"),
     (lambda c: situation(c, "quantity_skew").update(size_skew="lognormal:x"),
      "grid[0].partitions: --size_skew 'lognormal:x': expected lognormal:NUMBER"),
     (lambda c: situation(c, "severe_label_skew").update(size_skew="lognormal:1.0"),
@@ -85,22 +92,23 @@ def situation(config: dict, name: str) -> dict:
     (lambda c: situation(c, "mild_label_skew").update(n_clients=5),
      "grid[0].partitions[0].n_clients: not a step-3b option a study may set"),
     (lambda c: situation(c, "mild_label_skew").update(seed=3), "grid[0].partitions[0].seed: not a step-3b option"),
-    (lambda c: situation(c, "quantity_skew").update(alpha=1.0), "grid[0].partitions[3].alpha: scheme iid does not take it"),
+    (lambda c: situation(c, "quantity_skew").update(alpha=1.0), "grid[0].partitions[5].alpha: scheme iid does not take it"),
     (lambda c: situation(c, "mild_label_skew").update(alpha=-1), "grid[0].partitions[0].alpha must be a finite number > 0"),
     (lambda c: situation(c, "mild_label_skew").update(situation="mild skew"),
      "grid[0].partitions[0].situation must be a plain name"),
     (lambda c: situation(c, "moderate_label_skew").update(situation="mild_label_skew"),
-     "grid[0].partitions[5] is named 'mild_label_skew' like another, different partition"),
+     "grid[0].partitions[1] is named 'mild_label_skew' like another, different partition"),
     (lambda c: c["practitioners_table"].update(severe_skew="severe_label_skew"),
      "practitioners_table.severe_skew: not a row of the practitioners' table"),
-    (lambda c: c["practitioners_table"].update(personal="concept_shift"),
-     "practitioners_table.personal: 'concept_shift' is not a situation of the grid"),
+    (lambda c: c["practitioners_table"].update(personal="no_such_situation"),
+     "practitioners_table.personal: 'no_such_situation' is not a situation of the grid"),
     (lambda c: c.update(study="fed_lt"), "practitioners_table is read by study heterogeneity_toolbox only"),
     (lambda c: c.update(heterogeneity_meter="yes"), "heterogeneity_meter must be true or false"),
     (lambda c: c["grid"][0]["algorithms"].update(ifca={"n_cluster_models": 11}), "grid[0].algorithms.ifca"),
 ])
 def test_bad_study_file_stops_with_one_error_line_before_any_work(tmp_path, capsys, change, message):
     config = yaml.safe_load(STUDY_FILE.read_text())
+    config["grid"][0]["partitions"].append(dict(LABEL_GROUPS))  # partitions[9]
     change(config)
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -131,18 +139,18 @@ def test_a_step3b_option_is_a_study_option_without_study_code(tmp_path, monkeypa
     situation(config, "quantity_skew").update(feature_blur="0.3", feature_form="shift")
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    partition = load_experiment(path)["grid"][0]["partitions"][3]
+    partition = load_experiment(path)["grid"][0]["partitions"][5]
     assert dict(partition.params) == {"feature_form": "shift", "feature_blur": 0.3, "size_skew": "lognormal:1.0"}
     assert flags(dict(partition.params)) == ["--feature_blur", "0.3", "--feature_form", "shift",
                                              "--size_skew", "lognormal:1.0"]
     situation(config, "quantity_skew").update(feature_blur="x")
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    with pytest.raises(TaskHetError, match=re.escape("grid[0].partitions[3].feature_blur: could not convert string "
+    with pytest.raises(TaskHetError, match=re.escape("grid[0].partitions[5].feature_blur: could not convert string "
                                                      "to float: 'x'")):
         load_experiment(path)
     situation(config, "quantity_skew").update(feature_blur=0.3, feature_form="blur")
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    with pytest.raises(TaskHetError, match=re.escape("grid[0].partitions[3].feature_form must be one of noise, shift")):
+    with pytest.raises(TaskHetError, match=re.escape("grid[0].partitions[5].feature_form must be one of noise, shift")):
         load_experiment(path)
 
 
@@ -156,7 +164,7 @@ def test_tiny_heterogeneity_study_end_to_end(tmp_path):
     config["centralized"]["n_epochs"] = 1
     config["federated"].update(rounds_x_local_steps=2, evaluations=1, finetune_steps=1)
     config["grid"][0].update(local_steps=[1], algorithms={"fedavg": {}, "ifca": {"n_cluster_models": 3}})
-    config["grid"][0]["partitions"] = [situation(config, "mild_label_skew"), situation(config, "distinct_groups")]
+    config["grid"][0]["partitions"] = [situation(config, "mild_label_skew"), dict(LABEL_GROUPS, situation="distinct_groups")]
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     run_pipeline.main([str(path), "--results", str(tmp_path / "results"), "--threads", "1", "--no-progress"])
@@ -177,18 +185,11 @@ def test_tiny_heterogeneity_study_end_to_end(tmp_path):
         str(groups_file)
 
 
-def test_the_situations_waiting_for_the_skews_validate_with_their_step3b_options(tmp_path):
-    """The file's commented feature-skew and concept-shift entries, as written there, are valid situations now that
-    step 3b has --feature_noise, --label_swap and --concept_fraction (the skews branch)."""
-    config = yaml.safe_load(STUDY_FILE.read_text())
-    config["grid"][0]["partitions"] += [
-        {"situation": "feature_skew", "scheme": "iid", "feature_noise": 0.3},
-        {"situation": "concept_shift", "scheme": "iid", "label_swap": 2, "concept_fraction": 1.0},
-        {"situation": "distinct_groups_concept", "scheme": "iid", "label_swap": "0-1,2-3,4-5,6-7,8-9",
-         "concept_fraction": 0.5}]
-    config["practitioners_table"].update(personal="concept_shift", transfer="feature_skew")
-    path = tmp_path / "study.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    partitions = {partition.label: dict(partition.params) for partition in load_experiment(path)["grid"][0]["partitions"]}
+def test_the_skew_situations_of_the_file_are_step3b_options_converted_by_their_flags():
+    """Feature skew, concept shift and temporal skew reach step 3b as its flags read them (--feature_noise,
+    --label_swap (a string: a count or pairs), --concept_fraction, --temporal, --n_rounds)."""
+    partitions = {partition.label: dict(partition.params)
+                  for partition in load_experiment(STUDY_FILE)["grid"][0]["partitions"]}
     assert partitions["feature_skew"] == {"feature_noise": 0.3}
     assert partitions["concept_shift"] == {"label_swap": "2", "concept_fraction": 1.0}
+    assert partitions["temporal_skew"] == {"alpha": 0.5, "temporal": "rotate:3:10", "n_rounds": 30}
