@@ -125,7 +125,7 @@ def claim_lines(runs: pd.DataFrame) -> list[str]:
                              if not (math.isnan(theirs.loc[s, column]) or math.isnan(ours.loc[s, column]))]
                     if not pairs:
                         continue
-                    difference = paired_difference([b for b, _ in pairs], [o for _, o in pairs])
+                    difference = paired_difference([b for b, _ in pairs], [o for _, o in pairs], scale=UNIT)
                     text = f"{baseline} ({100 * difference.mean:+.1f} pts"
                     text += "" if math.isnan(difference.low) else f", [{100 * difference.low:+.1f}, {100 * difference.high:+.1f}]"
                     text += ")" if difference.testable else f"; {difference.explain()})"

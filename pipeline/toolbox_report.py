@@ -124,7 +124,7 @@ def paired(runs: pd.DataFrame, method_a: str, method_b: str, column: str) -> Pai
     a = runs[runs.method == method_a].set_index("seed")[column].dropna()
     b = runs[runs.method == method_b].set_index("seed")[column].dropna()
     seeds = sorted(set(a.index) & set(b.index))
-    return paired_difference(a[seeds].tolist(), b[seeds].tolist()) if seeds else None
+    return paired_difference(a[seeds].tolist(), b[seeds].tolist(), scale=UNIT) if seeds else None
 
 
 @dataclass(frozen=True)

@@ -106,3 +106,15 @@ def test_a_headline_needs_half_the_cells_decided_and_a_clear_majority():
     assert direction(count([_decided(0.001)] * 4 + [None] * 4)) == 1  # 4 of 8 decided, all agreeing
     assert direction(count([_decided(0.001, -1)] * 3 + [_decided(0.001)] + [None] * 4)) == -1  # 3 of 4 agree
     assert direction(count([_decided(0.001, -1)] * 2 + [_decided(0.001)] * 2)) == 0  # split
+
+
+def test_a_difference_of_two_accuracies_keeps_its_interval_inside_minus_one_one():
+    # the toolbox study's worst-10% gain: differences +0.95, +0.75, +0.22 → mean +0.64, t half-width ≈ 0.94
+    a, b = [0.05, 0.2, 0.7], [1.0, 0.95, 0.92]
+    plain = paired_difference(a, b)
+    assert plain.high > 1.0  # what a plain t interval claims: more than the largest possible gain
+    bounded = paired_difference(a, b, scale=UNIT)
+    assert bounded.mean == pytest.approx(plain.mean) and bounded.low == pytest.approx(plain.low)
+    assert bounded.high == 1.0 and bounded.sign == plain.sign and bounded.reason == plain.reason
+    below = paired_difference(b, a, scale=UNIT)
+    assert below.low == -1.0 and below.high == pytest.approx(-plain.low)

@@ -104,8 +104,13 @@ class PairedDifference:
         return "decided"
 
 
-def paired_difference(a: Sequence[float], b: Sequence[float], level: float = LEVEL) -> PairedDifference:
-    """The paired t interval and verdict of ``b − a`` (values listed in the same seed order)."""
+def paired_difference(a: Sequence[float], b: Sequence[float], level: float = LEVEL,
+                      scale: str = UNBOUNDED) -> PairedDifference:
+    """The paired t interval and verdict of ``b − a`` (values listed in the same seed order).
+
+    ``scale`` :data:`UNIT` (both sides in [0, 1], e.g. accuracies): the difference lies in [−1, 1], so the
+    interval is clipped there (a t interval of +0.64 ± 0.53 would otherwise claim up to +1.17). Clipping
+    to a bound on the far side of 0 never changes the verdict."""
     if len(a) != len(b) or not len(a):
         raise ValueError(f"need the same non-zero number of values on both sides, got {len(a)} and {len(b)}")
     differences = np.asarray(b, dtype=float) - np.asarray(a, dtype=float)
@@ -117,6 +122,8 @@ def paired_difference(a: Sequence[float], b: Sequence[float], level: float = LEV
     no_variance = std <= 1e-12 * max(1.0, abs(mean))
     half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * std / math.sqrt(n) if n > 1 and not no_variance else math.nan
     low, high = mean - half, mean + half
+    if scale == UNIT:
+        low, high = max(low, -1.0), min(high, 1.0)
     if n < MIN_SEEDS:  # the first reason to give: more seeds are needed whatever the variance
         return PairedDifference(n, mean, low, high, relative, math.nan, 0, TOO_FEW)
     if no_variance:
