@@ -22,3 +22,15 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """The figures the code under test closes, kept open to be read through matplotlib's objects."""
+    import matplotlib.pyplot as plt
+
+    kept = []
+    monkeypatch.setattr(plt, "close", lambda figure=None: kept.append(figure))
+    yield kept
+    monkeypatch.undo()
+    plt.close("all")

@@ -248,16 +248,7 @@ def test_the_command_line_refuses_a_bad_period_in_one_error_line(tmp_path, capsy
     assert not (tmp_path / "out").exists()
 
 
-# ----- diagnostics.png, read through matplotlib's objects (as tests/test_plots.py does) -----
-@pytest.fixture
-def figures(monkeypatch):
-    import matplotlib.pyplot as plt
-
-    kept = []
-    monkeypatch.setattr(plt, "close", lambda figure=None: kept.append(figure))
-    yield kept
-    monkeypatch.undo()
-    plt.close("all")
+# ----- diagnostics.png, read through matplotlib's objects (the `figures` fixture of conftest.py) -----
 
 
 def test_the_diagnostics_plot_shows_g2_b2_drift_and_the_cosine_spread_over_rounds(tmp_path, figures):

@@ -13,13 +13,6 @@ import pytest
 import matplotlib.pyplot as plt
 
 
-@pytest.fixture
-def figures(monkeypatch):
-    kept = []
-    monkeypatch.setattr(plt, "close", lambda figure=None: kept.append(figure))
-    yield kept
-    monkeypatch.undo()
-    plt.close("all")
 
 
 def _inside(artist, figure) -> bool:
