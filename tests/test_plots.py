@@ -1,16 +1,14 @@
 """The plots a researcher reads, checked through matplotlib's objects: titles, axis labels, legend entries, bounds.
 
 Every plot goes through ``utils.plots.save_figure``, which closes the figure; the fixture keeps the
-figures instead so that the test can look inside them after the PNG is written.
+figures instead (``figures`` in tests/conftest.py) so that the test can look inside them after the PNG is
+written.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
-import pytest
-
-import matplotlib.pyplot as plt
 
 
 
