@@ -548,9 +548,12 @@ class ClientSkew:
     """Everything one client's batches go through, in order (feature transforms first, then the concept).
 
     A sample's transformed image never changes (fixed parameters, noise seeded by its sample id), so
-    it is computed once, one image at a time, and kept in :attr:`memo` (up to :data:`MEMO_BYTES` per
-    client; beyond that it is recomputed). One image at a time makes the pixels independent of which
-    batch a sample first came in, so a resumed run and the cached-feature path see the same values.
+    it is computed once and kept in :attr:`memo` (up to :data:`MEMO_BYTES` per client; beyond that it
+    is recomputed). The images a batch sees for the first time go through the transforms in one call
+    (3× cheaper than one image at a time at batch 16, docs/BENCHMARKS.md). Every transform is
+    batch-invariant, i.e. an image's pixels do not depend on which batch it first came in (elementwise
+    ops, per-image means, depthwise blur, per-pixel sampling; ``tests/test_skews.py`` checks it bit for
+    bit), so a resumed run and the cached-feature path (one image at a time) see the same values.
 
     Attributes:
         feature: transforms of the input image (the cached-feature path applies them before encoding).
@@ -574,23 +577,29 @@ class ClientSkew:
 
     def apply(self, batch: dict, feature: bool = True) -> dict:
         if feature and self.feature:
-            batch = {**batch, self.input_key: torch.stack([self.image(image, sample_id) for image, sample_id
-                                                           in zip(batch[self.input_key], batch["sample_id"])])}
+            batch = {**batch, self.input_key: self.images(batch[self.input_key], list(batch["sample_id"]))}
         for step in self.concept:
             batch = step(batch)
         return batch
 
+    def images(self, images: torch.Tensor, sample_ids: list[str]) -> torch.Tensor:
+        """The transformed ``[B, 3, H, W]`` images: seen ones from :attr:`memo`, the others in one call."""
+        unseen = [index for index, sample_id in enumerate(sample_ids) if sample_id not in self.memo]
+        fresh = {}
+        if unseen:
+            batch = {self.input_key: images[unseen], "sample_id": [sample_ids[index] for index in unseen]}
+            for step in self.feature:
+                batch = step(batch)
+            fresh = dict(zip(unseen, batch[self.input_key]))
+            for index, image in fresh.items():
+                if (len(self.memo) + 1) * image.numel() * image.element_size() <= MEMO_BYTES:
+                    self.memo[sample_ids[index]] = image.clone()  # not a view keeping the whole batch alive
+        return torch.stack([fresh[index] if index in fresh else self.memo[sample_id]
+                            for index, sample_id in enumerate(sample_ids)])
+
     def image(self, image: torch.Tensor, sample_id: str) -> torch.Tensor:
         """One sample's transformed image ``[3, H, W]`` (from :attr:`memo` when it was seen before)."""
-        if sample_id in self.memo:
-            return self.memo[sample_id]
-        batch = {self.input_key: image[None], "sample_id": [sample_id]}
-        for step in self.feature:
-            batch = step(batch)
-        result = batch[self.input_key][0]
-        if (len(self.memo) + 1) * result.numel() * result.element_size() <= MEMO_BYTES:
-            self.memo[sample_id] = result
-        return result
+        return self.images(image[None], [sample_id])[0]
 
     def counts(self, counts: Sequence[int]) -> tuple[int, ...]:
         """A client's training class counts as the client labels them (swapped classes swap counts)."""

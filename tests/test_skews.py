@@ -496,3 +496,28 @@ def test_the_flower_engine_applies_the_same_skews(manifest_path, tmp_path):
     weights = [load_checkpoint(tmp_path / name / "checkpoint.pt")["model"] for name in ("sequential", "flower")]
     for key, value in weights[0].items():
         torch.testing.assert_close(weights[1][key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_batch_transformed_in_one_call_equals_each_image_alone_bit_for_bit():
+    """ClientSkew transforms a batch's unseen images in one call; the pixels must not depend on the batch an image
+    first came in (resume and the cached-feature path see one image at a time). Every shift, the noise and a
+    swap, on a batch that is partly in the memo already."""
+    from partitioning.skews import BatchKeys, client_skews
+
+    record = {"feature_shift": {1: {"brightness": 1.2, "contrast": 0.8, "saturation": 1.1, "hue": 0.05, "blur": 1.0,
+                                    "rotation": 12.0}},
+              "feature_noise": {1: {"sigma": 0.2, "seed": 123}},
+              "label_swap": {1: {"pairs": [[1, 7], [3, 8]]}}}
+    keys = BatchKeys("image", "digit_class", "digit_class", "classification", "label", 10)
+    images = torch.rand(16, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    ids = [f"s{index}" for index in range(16)]
+    alone = client_skews(record, keys)[1]
+    one_at_a_time = torch.stack([alone.image(image, sample_id) for image, sample_id in zip(images, ids)])
+    batched = client_skews(record, keys)[1]
+    batched.images(images[3:9], ids[3:9])  # some seen before, in another batch
+    together = batched.apply({"image": images, "sample_id": ids, "label": torch.arange(16) % 10,
+                              "digit_class": torch.arange(16) % 10})
+    assert torch.equal(together["image"], one_at_a_time)
+    assert not torch.equal(together["image"], images)  # the skew did something
+    assert together["digit_class"].tolist()[:10] == [0, 7, 2, 8, 4, 5, 6, 1, 3, 9]  # the swap, 1↔7 and 3↔8
+    assert sorted(batched.memo) == sorted(ids)
