@@ -96,6 +96,14 @@ def test_bipartition_is_complete_linkage_on_cosine_distance():
     assert labels[0] == labels[1] and labels[2] == labels[3] and labels[0] != labels[2]
 
 
+def test_bipartition_ignores_the_update_norms():
+    """Cosine, not dot products: a tiny update goes with the large one it points along, whatever their norms
+    (a global normalisation would pair the two large updates, which point 55° apart)."""
+    vectors = torch.tensor([[10.0, 0.0], [0.01, 0.001], [7.0, 10.0], [0.001, 0.01]], dtype=torch.float64)
+    labels = bipartition(vectors)
+    assert labels[0] == labels[1] and labels[2] == labels[3] and labels[0] != labels[2]
+
+
 def test_bad_settings_are_refused_naming_the_setting():
     with pytest.raises(TaskHetError, match=r"^setting eps1 must be < eps2 \(1.0\), got 2.0$"):
         build_algorithm("cfl", linear_model(), {"0": 1}, {"eps1": 2.0, "eps2": 1.0})

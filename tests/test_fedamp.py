@@ -40,6 +40,14 @@ def test_the_message_by_hand():
     assert torch.equal(message[OWN]["weight"].squeeze(0), vectors["0"])
 
 
+def test_the_message_keeps_each_entry_dtype():
+    """Mixed in float64, sent in the model's own dtype (a float32 model gets float32)."""
+    vectors = {client: torch.full((DIM,), value, dtype=torch.float32) for client, value in (("0", 0.0), ("1", 0.2))}
+    algorithm, _, server = server_with(vectors)
+    message = algorithm.client_broadcast(server, algorithm.broadcast(server), "0")
+    assert message["global"]["weight"].dtype == torch.float32
+
+
 @pytest.mark.parametrize("variant", ["fedamp", "heuristic"])
 def test_equal_client_models_give_each_client_its_own_model(variant):
     same = torch.linspace(-1, 1, DIM, dtype=torch.float64)

@@ -81,6 +81,32 @@ def test_a_deployment_run_config_with_a_non_finite_number_is_refused(field):
         RunConfig.from_json(json.dumps(record))
 
 
+@pytest.mark.parametrize("change, message", [
+    (lambda record: record.pop("task"), "the run config must be a RunConfig as JSON with a 'task'$"),
+    (lambda record: record.update(n_round=3, extra=1), "with a 'task'; unknown field\\(s\\): extra, n_round$"),
+])
+def test_a_run_config_without_a_task_or_with_unknown_fields_is_one_error(change, message):
+    record = json.loads(RunConfig(task="class_scene").to_json())
+    change(record)
+    with pytest.raises(TaskHetError, match=message):
+        RunConfig.from_json(json.dumps(record))
+
+
+def test_a_setting_with_choices_refuses_a_value_outside_them():
+    import dataclasses
+
+    from network.settings import setting
+
+    @dataclasses.dataclass(frozen=True)
+    class WithChoices:
+        option: str = setting("II", "SCAFFOLD-style control variate option", choices=("I", "II"))
+
+    assert describe(WithChoices)[0].choices == ("I", "II")
+    assert build_settings(WithChoices, {"option": "I"}, "x").option == "I"
+    with pytest.raises(TaskHetError, match=r"^x setting option must be one of I, II, got 'III'$"):
+        build_settings(WithChoices, {"option": "III"}, "x")
+
+
 def test_ifca_with_more_cluster_models_than_clients_is_one_error_at_setup(tiny_data_root, tiny_manifest,  # noqa: F811
                                                                             assignments, tmp_path):
     out = tmp_path / "run"
