@@ -160,6 +160,15 @@ def test_more_components_than_memory_holds_is_one_line_before_any_copy(monkeypat
         build_algorithm("fedem", model, {"0": 1}, {"n_components": 100_000_000})
 
 
+def test_each_component_starts_from_its_own_perturbation():
+    algorithm, model = build_algorithm("fedem", linear_model(), {"0": 4}, {"n_components": 3})
+    start = {key: value.clone() for key, value in model.state_dict().items()}
+    (model_weights,) = algorithm.init_server(start).models.values()
+    components = [model_weights[f"components.{index}.weight"] for index in range(3)]
+    assert torch.equal(components[0], start["components.0.weight"])  # the first is the model as given
+    assert not torch.equal(components[1], components[0]) and not torch.equal(components[2], components[1])
+
+
 def test_bad_settings_are_refused_naming_the_setting():
     with pytest.raises(TaskHetError, match=r"^setting n_components must be >= 1, got 0$"):
         build_algorithm("fedem", linear_model(), {"0": 1}, {"n_components": 0})

@@ -15,7 +15,8 @@ from torch import nn
 from network.algorithms import build_algorithm
 from network.algorithms.base import ClientConfig, load_weights
 from network.algorithms.fedloge import (MODE, PERSONAL, REALIGNED_MODEL, UNIVERSAL, UNIVERSAL_MODEL, etf, realigned_global,
-                                        realigned_local, refine, sparsity_mask, sse_c_objective, sse_c_weight)
+                                        realigned_local, refine, sparsity_mask, sse_c_bias, sse_c_objective,
+                                        sse_c_weight)
 from network.client import AbsentClassMask
 from utils.errors import TaskHetError
 
@@ -86,6 +87,20 @@ def test_the_same_seed_gives_the_same_sse_c_and_another_seed_another():
     first, second = (sse_c_weight(12, 4, 0.6, 30, 1e-4, seed) for seed in (5, 5))
     assert torch.equal(first, second)
     assert not torch.equal(first, sse_c_weight(12, 4, 0.6, 30, 1e-4, 6))
+    # the sparsity pattern too comes from the seed (not only the ETF's values)
+    patterns = {seed: (sse_c_weight(12, 4, 0.6, 0, 1e-4, seed) == 0) for seed in range(6)}
+    assert len({pattern.numpy().tobytes() for pattern in patterns.values()}) > 1
+
+
+def test_the_fixed_bias_is_uniform_in_plus_minus_one_over_root_d_like_a_linear_layer():
+    bias = sse_c_bias(16, 2000, seed=1)
+    assert float(bias.abs().max()) <= 0.25 and float(bias.abs().max()) > 0.24  # 1/√16, nearly reached by 2,000 draws
+    assert torch.equal(bias, sse_c_bias(16, 2000, seed=1)) and not torch.equal(bias, sse_c_bias(16, 2000, seed=2))
+
+
+def test_tau_below_one_is_a_valid_norm():
+    algorithm, _ = fedloge(tau=0.5)
+    assert algorithm.settings.tau == 0.5
 
 
 def test_the_server_builds_sse_c_from_the_run_seed_and_keeps_it_fixed_and_private_to_nobody():
