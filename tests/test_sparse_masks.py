@@ -99,6 +99,8 @@ def test_the_maskable_rule_freezes_the_head_and_tokens_and_can_be_overridden():
     assert [name for name in names if default_maskable(name)] == [
         "patch_embed.proj.weight", "blocks.0.attn.qkv.weight", "blocks.0.norm1.bias", "blocks.0.mlp.fc1.weight",
         "norm.weight"]
+    nested = maskable_except(prefixes=(), names=("pos_embed",))  # the last name of a nested entry counts
+    assert not nested("encoder.backbone.pos_embed") and nested("encoder.pos_embed.proj")
     rule = maskable_except(prefixes=("blocks.",), names=(), frozen=("norm.weight",))
     assert [name for name in names if rule(name)] == ["patch_embed.proj.weight", "cls_token", "pos_embed",
                                                         "head.weight", "head.bias"]

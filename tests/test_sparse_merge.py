@@ -43,6 +43,8 @@ def test_cosine_and_jaccard_by_hand():
     cosine = cosine_matrix([a, b, zero])
     assert cosine[0, 1].item() == pytest.approx(8 / (math.sqrt(5) * 5)) and cosine[0, 0].item() == pytest.approx(1.0)
     assert cosine[2].tolist() == [0.0, 0.0, 0.0]
+    small = {"w": torch.tensor([1e-3, 0.0, 2e-3]), "b": torch.tensor([0.0])}  # a task vector of norm < 1
+    assert cosine_matrix([a, small])[0, 1].item() == pytest.approx(1.0)
     jaccard = jaccard_matrix([support(a), support(b), support(zero)])
     assert jaccard[0, 1].item() == pytest.approx(1 / 3)  # supports {0, 2} and {1, 2}
     assert jaccard[0, 2].item() == 0.0 and jaccard[2, 2].item() == 1.0
