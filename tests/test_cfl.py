@@ -96,6 +96,15 @@ def test_bipartition_is_complete_linkage_on_cosine_distance():
     assert labels[0] == labels[1] and labels[2] == labels[3] and labels[0] != labels[2]
 
 
+def test_the_largest_cluster_is_evaluated_first_as_the_global_model():
+    algorithm, _ = build_algorithm("cfl", linear_model(), {name: 10 for name in "abcdef"})
+    weights = {"weight": torch.zeros(1, DIM, dtype=torch.float64)}
+    membership = {"clusters": torch.tensor([2, 5, 5, 6, 5, 2])}  # cluster 5 holds three clients, 2 two, 6 one
+    server = ServerState({"cluster2": weights, "cluster5": weights, "cluster6": weights, MEMBERSHIP: membership},
+                         {ROUNDS: torch.tensor(4)})
+    assert list(algorithm.evaluated_models(server)) == ["cluster5", "cluster2", "cluster6"]
+
+
 def test_bipartition_ignores_the_update_norms():
     """Cosine, not dot products: a tiny update goes with the large one it points along, whatever their norms
     (a global normalisation would pair the two large updates, which point 55° apart)."""
