@@ -115,3 +115,16 @@ def test_ifca_with_more_cluster_models_than_clients_is_one_error_at_setup(tiny_d
         test_fed.main(argv(tiny_data_root, tiny_manifest, assignments, out, "--method", "ifca",
                            "--n_cluster_models", "100000000"))
     assert not out.exists()  # refused at setup, before the run folder and before any cluster model
+
+
+def test_resolve_fills_alpha_type_and_the_default_out_from_the_sidecar_and_refuses_a_whole_calibration_split():
+    from pathlib import Path
+
+    from network.run import resolve
+
+    meta = {"groups": "clusters.csv", "n_clients": 5, "alpha": 0.5}
+    config = resolve(RunConfig(task="class_scene", assignments=Path("a.csv"), method="fedavg", rand_seed=3), meta)
+    assert (config.type, config.alpha, config.local_steps) == ("embedding_based", 0.5, 50)
+    assert config.out == Path("results/test_federated/class_scene/embedding_based/fedavg/a0.5-s3")
+    with pytest.raises(TaskHetError, match=r"^--calibration_fraction must be in \[0, 1\), got 1.0$"):
+        resolve(RunConfig(task="class_scene", assignments=Path("a.csv"), calibration_fraction=1.0), meta)
