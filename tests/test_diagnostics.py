@@ -148,6 +148,11 @@ def shuffled_clients(data, batch_size: int = 4) -> list[ClientData]:
     return clients
 
 
+def test_the_gradient_sample_seed_depends_on_the_run_seed_and_the_client_only():
+    assert gradient_seed(5, "3") == gradient_seed(5, "3")
+    assert len({gradient_seed(seed, client) for seed in (5, 6) for client in ("3", "4")}) == 4
+
+
 def test_a_sampled_gradient_reads_a_fixed_seeded_sample_of_each_large_client(tmp_path):
     data, limit = least_squares_clients(sizes=SIZES), 15  # clients 1 and 3 are larger than the limit; 0 and 2 are not
     clients = shuffled_clients(data)

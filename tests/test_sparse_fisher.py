@@ -57,6 +57,8 @@ def test_draws_are_seeded_and_batches_are_counted():
     one = fisher_diagonal(model, batches, num_batches=1, generator=torch.Generator().manual_seed(1), exact=True)
     three = fisher_diagonal(model, batches, generator=torch.Generator().manual_seed(1), exact=True)
     torch.testing.assert_close(three["weight"], 3 * one["weight"])
+    two = fisher_diagonal(model, batches, num_batches=2, generator=torch.Generator().manual_seed(1), exact=True)
+    torch.testing.assert_close(two["weight"], 2 * one["weight"])  # stops after 2 of the 3
 
 
 def test_a_gaussian_output_has_the_squared_jacobian_as_its_fisher_and_batchnorm_is_scored_in_eval_mode():
