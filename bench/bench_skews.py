@@ -28,7 +28,8 @@ import torch  # noqa: E402
 
 from datasets.digits import DigitsDataset, select_digits  # noqa: E402
 from models import build_task_model, get_task  # noqa: E402
-from partitioning.skews import BatchKeys, client_skews  # noqa: E402
+from partitioning.skew_record import client_skews  # noqa: E402
+from partitioning.skews import BatchKeys  # noqa: E402
 from training.loop import make_loader, train_one_batch  # noqa: E402
 from utils.cli import positive_int, run_main  # noqa: E402
 

@@ -29,7 +29,9 @@ from datasets.encoded import EncodedDataset, encoded_dataset
 from datasets.family import DataFamily
 from models.tasks import get_task
 from partitioning.assignments import read_meta, sidecar_path
-from partitioning.skews import SKEWS_KEY, BatchKeys, ClientSkew, SkewContext, client_skews, read_skews
+from partitioning.skew_record import client_skews, read_skews
+from partitioning.skew_transforms import ClientSkew
+from partitioning.skews import SKEWS_KEY, BatchKeys, SkewContext
 from utils.errors import TaskHetError
 
 

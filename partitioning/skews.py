@@ -24,31 +24,27 @@ changes *what a client sees* in them. Every skew is an entry of the one registry
   one global model predicts the majority concept after training among clients that disagree;
   each client's client-test rows carry its own concept.
 
-Step 3b draws every client's parameters (:func:`draw_skews`) and records them in the
+Step 3b draws every client's parameters (:func:`partitioning.skew_record.draw_skews`) and records them in the
 assignments.json sidecar under ``"skews"``: ``{name: {"settings": {...}, "clients":
 {"<client id>": {...}}}}``. The record is the source of truth: step 4 reads it back
-(:func:`read_skews`), validates it as a user file (a user may edit it) and applies exactly
-those parameters (:func:`client_skews`) to a client's train and client-test batches, never to
+(:func:`partitioning.skew_record.read_skews`), validates it as a user file (a user may edit it) and applies exactly
+those parameters (:func:`partitioning.skew_record.client_skews`) to a client's train and client-test batches, never to
 the global test or validation sets.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
-import torch
-import torchvision.transforms.v2.functional as TF
-from torch.utils.data import default_collate
 
+from partitioning.skew_transforms import AddNoise, ShiftImages, SwapLabels, UseVariant, swap_mapping
 from utils.errors import TaskHetError
 from utils.registry import Registry
-from utils.seeding import derive_seed, numpy_rng, torch_generator
+from utils.seeding import derive_seed, numpy_rng
 
 SKEWS_KEY = "skews"  # the sidecar key of the record
 FEATURE, CONCEPT = "feature", "concept"
@@ -57,9 +53,6 @@ TARGET_VARIANTS = {"depth_euclidean": ("depth_zbuffer",), "depth_zbuffer": ("dep
 # feature_shift's transforms: name -> (largest magnitude a flag may ask, what the magnitude means).
 SHIFT_LIMITS = {"brightness": 1.0, "contrast": 1.0, "saturation": 1.0, "hue": 0.5, "blur": 10.0, "rotation": 180.0}
 SHIFT_ORDER = tuple(SHIFT_LIMITS)  # the order the transforms apply in
-# Transformed images a client keeps (bytes): a digits or CIFAR client's whole share at 32 px is a few MB; a
-# Taskonomy client at 224 px fills it after ~400 images and recomputes the rest at every access.
-MEMO_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -77,78 +70,6 @@ class SkewContext:
     num_classes: int
     tasks: tuple[str, ...]
     n_clients: int
-
-
-# ----- the batch transforms (picklable: DataLoader workers receive them) -----
-@dataclass(frozen=True)
-class AddNoise:
-    """Adds σ·N(0, 1) to each image; a sample's noise is seeded by (``seed``, its sample id)."""
-
-    input_key: str
-    sigma: float
-    seed: int
-
-    def __call__(self, batch: dict) -> dict:
-        images = batch[self.input_key]
-        noise = torch.stack([torch.randn(images.shape[1:], generator=torch_generator(self.seed, sample_id))
-                             for sample_id in batch["sample_id"]])
-        return {**batch, self.input_key: images + self.sigma * noise.to(images.dtype)}
-
-
-@dataclass(frozen=True)
-class ShiftImages:
-    """A client's image shift: ``params`` maps names of :data:`SHIFT_LIMITS` to the client's drawn values."""
-
-    input_key: str
-    params: tuple[tuple[str, float], ...]
-
-    def __call__(self, batch: dict) -> dict:
-        images = batch[self.input_key]
-        for name, value in self.params:
-            images = _shift(images, name, value)
-        return {**batch, self.input_key: images}
-
-
-def _shift(images: torch.Tensor, name: str, value: float) -> torch.Tensor:
-    if name == "brightness":
-        return TF.adjust_brightness(images, value)
-    if name == "contrast":
-        return TF.adjust_contrast(images, value)
-    if name == "saturation":
-        return TF.adjust_saturation(images, value)
-    if name == "hue":
-        return TF.adjust_hue(images, value)
-    if name == "blur":
-        if value <= 0:
-            return images
-        size = 2 * math.ceil(3 * value) + 1  # ±3σ: torchvision's own rule of thumb for a Gaussian kernel
-        return TF.gaussian_blur(images, [size, size], [value, value])
-    return TF.rotate(images, value, interpolation=TF.InterpolationMode.BILINEAR)
-
-
-@dataclass(frozen=True)
-class SwapLabels:
-    """Relabels class c as ``mapping[c]`` under every batch key in ``keys`` (the task's target, the family label)."""
-
-    keys: tuple[str, ...]
-    mapping: tuple[int, ...]
-
-    def __call__(self, batch: dict) -> dict:
-        table = torch.tensor(self.mapping, dtype=torch.int64)
-        return {**batch, **{key: table[batch[key]] for key in self.keys if key in batch}}
-
-
-@dataclass(frozen=True)
-class UseVariant:
-    """The target of ``domain`` is the variant domain's target of the same image (its mask comes with it)."""
-
-    domain: str
-    variant: str
-
-    def __call__(self, batch: dict) -> dict:
-        batch = dict(batch)
-        batch[self.domain] = batch.pop(self.variant)
-        return batch
 
 
 # ----- the registry -----
@@ -220,7 +141,7 @@ def _number(value: Any, where: str, low: float, high: float, integer: bool = Fal
     return value
 
 
-def _object(value: Any, where: str, keys: Sequence[str]) -> dict:
+def json_object(value: Any, where: str, keys: Sequence[str]) -> dict:
     """``value`` as a JSON object with exactly ``keys``."""
     if not isinstance(value, dict):
         raise TaskHetError(f"{where} must be a JSON object, got {value!r}")
@@ -231,6 +152,11 @@ def _object(value: Any, where: str, keys: Sequence[str]) -> dict:
                               f"missing key(s) {', '.join(missing)}" if missing else "") if part)
                            + f" (expected {', '.join(keys)})")
     return value
+
+
+def _concept_fraction(settings: dict) -> float:
+    """The share of clients a concept shift affects (``--concept_fraction``), in [0, 1]."""
+    return float(_number(settings.get("fraction"), "--concept_fraction", 0.0, 1.0))
 
 
 def affected_clients(fraction: float, n_clients: int, rng: np.random.Generator) -> list[int]:
@@ -255,7 +181,7 @@ class FeatureNoise(Skew):
                 for client in range(context.n_clients)}
 
     def check_client(self, params: Any, context: SkewContext, where: str) -> dict:
-        params = _object(params, where, ("seed", "sigma"))
+        params = json_object(params, where, ("seed", "sigma"))
         return {"sigma": float(_number(params["sigma"], f"{where}.sigma", 0.0, math.inf)),
                 "seed": int(_number(params["seed"], f"{where}.seed", 0, 2**63 - 1, integer=True))}
 
@@ -334,7 +260,7 @@ class LabelSwap(Skew):
     flag = "--label_swap"
 
     def check_settings(self, settings: dict, context: SkewContext) -> dict:
-        fraction = float(_number(settings.get("fraction"), "--concept_fraction", 0.0, 1.0))
+        fraction = _concept_fraction(settings)
         pairs = settings.get("pairs")
         if isinstance(pairs, int) and not isinstance(pairs, bool):
             _number(pairs, f"{self.flag} (pairs per client)", 1, context.num_classes // 2, integer=True)
@@ -353,7 +279,7 @@ class LabelSwap(Skew):
         return drawn
 
     def check_client(self, params: Any, context: SkewContext, where: str) -> dict:
-        params = _object(params, where, ("pairs",))
+        params = json_object(params, where, ("pairs",))
         return {"pairs": check_pairs(params["pairs"], context.num_classes, f"{where}.pairs")}
 
     def transform(self, params: dict, keys: BatchKeys) -> Callable[[dict], dict] | None:
@@ -384,15 +310,6 @@ def check_pairs(pairs: Any, num_classes: int, where: str) -> list[list[int]]:
     return sorted(sorted(int(value) for value in pair) for pair in pairs)
 
 
-def swap_mapping(pairs: Sequence[Sequence[int]], num_classes: int | None) -> list[int]:
-    """The permutation c -> c' of ``pairs`` over classes 0..max (or 0..num_classes-1)."""
-    size = num_classes if num_classes is not None else max(max(pair) for pair in pairs) + 1
-    mapping = list(range(size))
-    for a, b in pairs:
-        mapping[a], mapping[b] = b, a
-    return mapping
-
-
 def parse_pairs(text: str) -> int | list[list[int]]:
     """``--label_swap``: ``K`` (K pairs drawn per client) or ``A-B,C-D`` (the same pairs for every affected client)."""
     text = text.strip()
@@ -415,7 +332,7 @@ class TargetVariant(Skew):
     flag = "--target_variant"
 
     def check_settings(self, settings: dict, context: SkewContext) -> dict:
-        fraction = float(_number(settings.get("fraction"), "--concept_fraction", 0.0, 1.0))
+        fraction = _concept_fraction(settings)
         task, variant = settings.get("task"), settings.get("variant")
         self._check_pair(task, variant, context, self.flag)
         return {"task": task, "variant": variant, "fraction": fraction}
@@ -436,7 +353,7 @@ class TargetVariant(Skew):
         return {client: {"task": settings["task"], "variant": settings["variant"]} for client in clients}
 
     def check_client(self, params: Any, context: SkewContext, where: str) -> dict:
-        params = _object(params, where, ("task", "variant"))
+        params = json_object(params, where, ("task", "variant"))
         self._check_pair(params["task"], params["variant"], context, where)
         return dict(params)
 
@@ -448,181 +365,3 @@ class TargetVariant(Skew):
 
     def columns(self, params: dict | None) -> dict[str, Any]:
         return {"target_variant": params["variant"] if params else ""}
-
-
-# ----- step 3b: draw and record -----
-def draw_skews(settings: dict[str, dict], context: SkewContext, seed: int) -> dict[str, dict]:
-    """The sidecar record of the skews in ``settings`` (name -> that skew's flag settings), drawn per client.
-
-    Returns:
-        ``{name: {"settings": checked settings, "clients": {"<id>": params}}}`` (JSON-ready; empty without skews).
-    """
-    record = {}
-    for name, given in settings.items():
-        skew = get_skew(name)
-        checked = skew.check_settings(given, context)
-        drawn = skew.draw(checked, context, derive_seed(seed, "skews"))
-        record[name] = {"settings": checked, "clients": {str(client): params for client, params in sorted(drawn.items())}}
-    return record
-
-
-def skew_columns(record: dict[str, dict], n_clients: int) -> dict[str, list]:
-    """client_stats.csv's columns for ``record``: each skew's per-client columns, clients 0..n_clients-1."""
-    columns: dict[str, list] = {}
-    for name in sorted(record, key=lambda n: get_skew(n).order):
-        skew, clients = get_skew(name), record[name]["clients"]
-        for client in range(n_clients):
-            for column, value in skew.columns(clients.get(str(client))).items():
-                columns.setdefault(column, []).append(value)
-    return columns
-
-
-def skew_summary(record: dict[str, dict], client: int) -> str:
-    """A short label of what client ``client`` sees (the heatmap's row labels): "" when unaffected."""
-    parts = []
-    for name in sorted(record, key=lambda n: get_skew(n).order):
-        params = record[name]["clients"].get(str(client))
-        if not params:
-            continue
-        if name == "feature_noise" and params["sigma"] > 0:
-            parts.append(f"σ={params['sigma']:.2g}")
-        elif name == "feature_shift":
-            parts.append("shift " + " ".join(f"{key[:3]}={value:.2g}" for key, value in params.items()))
-        elif name == "label_swap":
-            parts.append("swap " + ",".join(f"{a}↔{b}" for a, b in params["pairs"]))
-        elif name == "target_variant":
-            parts.append(f"targets={params['variant']}")
-    return "; ".join(parts)
-
-
-# ----- step 4: read back, validate, apply -----
-def read_skews(sidecar: Path, meta: dict, context: SkewContext) -> dict[str, dict[int, dict]]:
-    """The recorded skews of an assignments.json, validated: name -> client id -> params.
-
-    The file is parsed again with duplicate keys refused (``json`` keeps the last silently), so a
-    hand-edited record with a client or key twice is named rather than half-applied.
-
-    Raises:
-        TaskHetError: one line naming the file and the key (``skews.label_swap.clients.3.pairs``).
-    """
-    if SKEWS_KEY not in meta:
-        return {}
-    json.loads(Path(sidecar).read_text(), object_pairs_hook=lambda pairs: _no_duplicates(pairs, sidecar))
-    record = meta[SKEWS_KEY]
-    if not isinstance(record, dict):
-        raise TaskHetError(f"{sidecar}: {SKEWS_KEY} must be a JSON object of skews, got {record!r}")
-    skews: dict[str, dict[int, dict]] = {}
-    for name, entry in record.items():
-        where = f"{sidecar}: {SKEWS_KEY}.{name}"
-        if name not in SKEWS:
-            raise TaskHetError(f"{where}: unknown skew {name!r}; known skews: {', '.join(list_skews())}")
-        entry = _object(entry, where, ("clients", "settings"))
-        clients = entry["clients"]
-        if not isinstance(clients, dict):
-            raise TaskHetError(f"{where}.clients must map client ids to parameters, got {clients!r}")
-        skews[name] = {}
-        for key, params in clients.items():
-            client = _client_id(key, context.n_clients, f"{where}.clients.{key}")
-            if client in skews[name]:
-                raise TaskHetError(f"{where}.clients: client {client} appears twice ({key!r})")
-            skews[name][client] = get_skew(name).check_client(params, context, f"{where}.clients.{key}")
-    return skews
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]], source: Path) -> dict:
-    keys = [key for key, _ in pairs]
-    repeated = sorted({key for key in keys if keys.count(key) > 1})
-    if repeated:
-        raise TaskHetError(f"{source}: key {repeated[0]!r} appears twice in one JSON object")
-    return dict(pairs)
-
-
-def _client_id(key: str, n_clients: int, where: str) -> int:
-    if not key.strip().isdigit() or not 0 <= int(key) < n_clients:
-        raise TaskHetError(f"{where}: {key!r} is not a client id in 0..{n_clients - 1}")
-    return int(key)
-
-
-@dataclass(frozen=True)
-class ClientSkew:
-    """Everything one client's batches go through, in order (feature transforms first, then the concept).
-
-    A sample's transformed image never changes (fixed parameters, noise seeded by its sample id), so
-    it is computed once and kept in :attr:`memo` (up to :data:`MEMO_BYTES` per client; beyond that it
-    is recomputed). The images a batch sees for the first time go through the transforms in one call
-    (3× cheaper than one image at a time at batch 16, docs/BENCHMARKS.md). Every transform is
-    batch-invariant, i.e. an image's pixels do not depend on which batch it first came in (elementwise
-    ops, per-image means, depthwise blur, per-pixel sampling; ``tests/test_skews.py`` checks it bit for
-    bit), so a resumed run and the cached-feature path (one image at a time) see the same values.
-
-    Attributes:
-        feature: transforms of the input image (the cached-feature path applies them before encoding).
-        concept: transforms of the targets.
-        input_key: the batch key of the image.
-        pairs: label_swap's class pairs (empty when none).
-        variant: target_variant's domain, or None.
-        memo: sample id -> its transformed image (filled as samples are first seen).
-    """
-
-    feature: tuple[Callable[[dict], dict], ...]
-    concept: tuple[Callable[[dict], dict], ...]
-    input_key: str = "image"
-    pairs: tuple[tuple[int, int], ...] = ()
-    variant: str | None = None
-    memo: dict = field(default_factory=dict, compare=False, repr=False)
-
-    def __call__(self, items: list[dict]) -> dict:
-        """A DataLoader ``collate_fn``: the default collation, then every transform."""
-        return self.apply(default_collate(items))
-
-    def apply(self, batch: dict, feature: bool = True) -> dict:
-        if feature and self.feature:
-            batch = {**batch, self.input_key: self.images(batch[self.input_key], list(batch["sample_id"]))}
-        for step in self.concept:
-            batch = step(batch)
-        return batch
-
-    def images(self, images: torch.Tensor, sample_ids: list[str]) -> torch.Tensor:
-        """The transformed ``[B, 3, H, W]`` images: seen ones from :attr:`memo`, the others in one call."""
-        unseen = [index for index, sample_id in enumerate(sample_ids) if sample_id not in self.memo]
-        fresh = {}
-        if unseen:
-            batch = {self.input_key: images[unseen], "sample_id": [sample_ids[index] for index in unseen]}
-            for step in self.feature:
-                batch = step(batch)
-            fresh = dict(zip(unseen, batch[self.input_key]))
-            for index, image in fresh.items():
-                if (len(self.memo) + 1) * image.numel() * image.element_size() <= MEMO_BYTES:
-                    self.memo[sample_ids[index]] = image.clone()  # not a view keeping the whole batch alive
-        return torch.stack([fresh[index] if index in fresh else self.memo[sample_id]
-                            for index, sample_id in enumerate(sample_ids)])
-
-    def image(self, image: torch.Tensor, sample_id: str) -> torch.Tensor:
-        """One sample's transformed image ``[3, H, W]`` (from :attr:`memo` when it was seen before)."""
-        return self.images(image[None], [sample_id])[0]
-
-    def counts(self, counts: Sequence[int]) -> tuple[int, ...]:
-        """A client's training class counts as the client labels them (swapped classes swap counts)."""
-        mapping = swap_mapping(self.pairs, len(counts)) if self.pairs else list(range(len(counts)))
-        permuted = np.zeros(len(counts), dtype=np.int64)
-        permuted[mapping] = np.asarray(counts)
-        return tuple(permuted.tolist())
-
-
-def client_skews(skews: dict[str, dict[int, dict]], keys: BatchKeys) -> dict[int, ClientSkew]:
-    """Client id -> its :class:`ClientSkew`, for every client some recorded skew changes (others are left out)."""
-    steps: dict[int, dict[str, list]] = {}
-    extras: dict[int, dict] = {}
-    for name in sorted(skews, key=lambda n: get_skew(n).order):
-        skew = get_skew(name)
-        for client, params in skews[name].items():
-            step = skew.transform(params, keys)
-            if step is None:
-                continue
-            steps.setdefault(client, {FEATURE: [], CONCEPT: []})[skew.kind].append(step)
-            if name == "label_swap":
-                extras.setdefault(client, {})["pairs"] = tuple(tuple(pair) for pair in params["pairs"])
-            if name == "target_variant":
-                extras.setdefault(client, {})["variant"] = params["variant"]
-    return {client: ClientSkew(tuple(kinds[FEATURE]), tuple(kinds[CONCEPT]), keys.input_key, **extras.get(client, {}))
-            for client, kinds in sorted(steps.items())}

@@ -21,7 +21,8 @@ from datasets.family import load_manifest, validation_mask
 from partitioning.assignments import assignments_table, resolve_groups, source_record, write_assignments
 from partitioning.partition import client_test_mask, get_partitioner, list_schemes, scheme_parameters
 from partitioning.partition_stats import client_stats, phase_stats, plot_heatmap, plot_schedule
-from partitioning.skews import SKEWS_KEY, SkewContext, draw_skews, skew_columns, skew_summary
+from partitioning.skew_record import draw_skews, skew_columns, skew_summary
+from partitioning.skews import SKEWS_KEY, SkewContext
 from partitioning.temporal import FROM_ROUND, NO_END, TO_ROUND, TemporalSpec, parse_temporal, phase_windows, schedule_table
 from steps.skew_flags import add_skew_flags, skew_settings
 from utils import cli
@@ -102,7 +103,7 @@ def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, group
               logger, skews: dict | None = None) -> Path:
     """Split ``train`` over clients and write every output of the step; returns assignments.csv.
 
-    ``skews``: the per-client skews drawn by :func:`partitioning.skews.draw_skews`, recorded in the sidecar."""
+    ``skews``: the per-client skews drawn by :func:`partitioning.skew_record.draw_skews`, recorded in the sidecar."""
     given = {"alpha": args.alpha, "size_skew": args.size_skew, "groups_per_client": args.groups_per_client,
              "min_client_size": args.min_client_size, "seed": args.seed}
     accepted = scheme_parameters(args.scheme)

@@ -33,7 +33,7 @@ def add_skew_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def skew_settings(args: argparse.Namespace) -> dict[str, dict]:
-    """Skew name -> its flag settings (unchecked: :func:`partitioning.skews.draw_skews` checks them)."""
+    """Skew name -> its flag settings (unchecked: :func:`partitioning.skew_record.draw_skews` checks them)."""
     settings: dict[str, dict] = {}
     if args.feature_noise is not None:
         settings["feature_noise"] = {"sigma": args.feature_noise}

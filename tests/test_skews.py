@@ -18,7 +18,8 @@ import torch
 
 from datasets.digits import DigitsDataset, select_digits
 from network.client_data import global_test_loader, make_clients
-from partitioning.skews import SKEWS, SkewContext, check_pairs, draw_skews, list_skews, swap_mapping
+from partitioning.skew_record import draw_skews
+from partitioning.skews import SKEWS, SkewContext, check_pairs, list_skews, swap_mapping
 from steps import assign, federated
 from tests.fixtures import tiny_data_root, tiny_manifest  # noqa: F401  (session fixtures)
 from utils.cli import run_main
@@ -460,7 +461,8 @@ def test_an_unknown_skew_key_in_an_experiment_file_is_refused(tmp_path):
 
 
 def test_dense_tasks_refuse_rotation_and_label_swap_but_take_photometric_shifts():
-    from partitioning.skews import BatchKeys, client_skews
+    from partitioning.skew_record import client_skews
+    from partitioning.skews import BatchKeys
 
     dense = BatchKeys("rgb", "depth_euclidean", "depth_euclidean", "dense", "scene_class", 4)
     with pytest.raises(TaskHetError, match="rotates client images by 5°, but --task depth_euclidean is dense"):
@@ -473,7 +475,7 @@ def test_dense_tasks_refuse_rotation_and_label_swap_but_take_photometric_shifts(
 
 
 def test_the_heatmap_rows_say_what_each_client_gets():
-    from partitioning.skews import skew_summary
+    from partitioning.skew_record import skew_summary
 
     record = {"feature_noise": {"clients": {"0": {"sigma": 0.0, "seed": 1}, "1": {"sigma": 0.1, "seed": 2}}},
               "label_swap": {"clients": {"1": {"pairs": [[1, 7], [2, 3]]}}},
@@ -502,7 +504,8 @@ def test_a_batch_transformed_in_one_call_equals_each_image_alone_bit_for_bit():
     """ClientSkew transforms a batch's unseen images in one call; the pixels must not depend on the batch an image
     first came in (resume and the cached-feature path see one image at a time). Every shift, the noise and a
     swap, on a batch that is partly in the memo already."""
-    from partitioning.skews import BatchKeys, client_skews
+    from partitioning.skew_record import client_skews
+    from partitioning.skews import BatchKeys
 
     record = {"feature_shift": {1: {"brightness": 1.2, "contrast": 0.8, "saturation": 1.1, "hue": 0.05, "blur": 1.0,
                                     "rotation": 12.0}},
