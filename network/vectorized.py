@@ -17,8 +17,8 @@ supporting algorithm, ``tests/test_vectorized.py``):
   a batch of another shape) takes a masked step: its parameters, momentum buffer and
   buffers (BatchNorm running statistics and ``num_batches_tracked``) keep their values
   exactly (``torch.where`` on the old tensor), and its loss is not counted.
-* **SGD** (:func:`sgd_step`): ``torch.optim.SGD``'s per-tensor step, every option, as a
-  function of stacked tensors; a client's first *taken* step sets its buffer to the
+* **SGD** (``network/functional_sgd.py``): ``torch.optim.SGD``'s per-tensor step, every option,
+  as a function of stacked tensors; a client's first *taken* step sets its buffer to the
   direction, as torch's first step does.
 * **BatchNorm**: each client's buffers are its own vmapped inputs, so batch statistics
   are per client and the running statistics come back as outputs (cloned before the
@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
 from network.algorithms.base import ClientConfig, LossFn
+from network.functional_sgd import SGDOptions, momentum_step, per_client, sgd_step
 from network.local_train import LocalTrainResult, budget_batches
 from utils.device import autocast, to_device
 from utils.errors import NonFiniteLossError, TaskHetError
@@ -48,86 +49,9 @@ Weights = dict[str, Tensor]
 _WORKER = "model."  # entry prefix of the worker inside _Objective
 
 
-@dataclass(frozen=True)
-class SGDOptions:
-    """``torch.optim.SGD``'s hyperparameters (one learning rate for the whole chunk)."""
-
-    lr: float
-    momentum: float = 0.0
-    dampening: float = 0.0
-    weight_decay: float = 0.0
-    nesterov: bool = False
-    maximize: bool = False
-
-
-def sgd_step(params: Sequence[Tensor], grads: Sequence[Tensor], buffers: Sequence[Tensor | None],
-             started: Tensor | bool, options: SGDOptions,
-             masks: Sequence[Tensor | None] | None = None) -> tuple[list[Tensor], list[Tensor | None]]:
-    """One step of ``torch.optim.SGD`` (its per-tensor code, op for op), as a function: new tensors, inputs untouched.
-
-    The ops run as ``torch._foreach_*`` over the list (on CPU these call the very per-tensor kernels of torch's
-    loop, once per tensor, so the arithmetic is the same; they only save a Python call per tensor and op).
-
-    Args:
-        params, grads: one tensor each per parameter (stacked ``[C, ...]`` or not).
-        buffers: the momentum buffers (ignored where not ``started``; None with momentum 0).
-        started: whether each buffer exists yet: a bool, or a bool tensor ``[C]`` (one per stacked
-            client). Where False the new buffer is the direction itself, torch's first step.
-        options: lr, momentum, dampening, weight decay, nesterov, maximize.
-        masks: 0/1 masks in the parameters' dtype (None: dense): the direction is multiplied by its mask after
-            weight decay, before momentum, as ``sparse.optim.SparseSGDM`` does, so a masked entry never moves.
-
-    Returns:
-        The new parameters and the new momentum buffers (None with momentum 0).
-    """
-    if not params:
-        return [], []
-    directions = list(grads)
-    if options.maximize:
-        directions = torch._foreach_neg(directions)
-    if options.weight_decay != 0:
-        directions = torch._foreach_add(directions, list(params), alpha=options.weight_decay)
-    if masks is not None:
-        directions = [direction if mask is None else direction * mask for direction, mask in zip(directions, masks)]
-    new_buffers: list[Tensor | None] = list(buffers)
-    if options.momentum != 0:
-        if isinstance(started, bool) and started and all(buffer is not None for buffer in buffers):
-            new_buffers = torch._foreach_add(torch._foreach_mul(list(buffers), options.momentum), directions,
-                                             alpha=1 - options.dampening)
-        elif isinstance(started, bool):  # torch's first step: the buffer is a copy of the direction
-            new_buffers = [direction.detach().clone() for direction in directions]
-        else:
-            new_buffers = [_momentum(direction, buffer, started, options)[1]
-                           for direction, buffer in zip(directions, buffers)]
-        directions = (torch._foreach_add(directions, new_buffers, alpha=options.momentum) if options.nesterov
-                      else new_buffers)
-    return torch._foreach_add(list(params), directions, alpha=-options.lr), new_buffers
-
-
-def _momentum(direction: Tensor, buffer: Tensor | None, started: Tensor | bool,
-              options: SGDOptions) -> tuple[Tensor, Tensor]:
-    """torch's momentum update of one tensor: (the step direction, the new buffer)."""
-    if isinstance(started, bool):
-        if not started or buffer is None:
-            buffer = direction.detach().clone()
-        else:
-            buffer = buffer.mul(options.momentum).add(direction, alpha=1 - options.dampening)
-    else:
-        continued = buffer.mul(options.momentum).add(direction, alpha=1 - options.dampening)
-        buffer = torch.where(_per_client(started, direction), continued, direction)
-    if options.nesterov:
-        return direction.add(buffer, alpha=options.momentum), buffer
-    return buffer, buffer
-
-
 def _masked(active: Tensor | None, new: Tensor, old: Tensor) -> Tensor:
     """``new`` for the active clients (every client where ``active`` is None), ``old`` (bit for bit) for the others."""
-    return new if active is None else torch.where(_per_client(active, new), new, old)
-
-
-def _per_client(flags: Tensor, like: Tensor) -> Tensor:
-    """``[C]`` flags shaped to broadcast over a stacked ``[C, ...]`` tensor."""
-    return flags.view(-1, *([1] * (like.dim() - 1)))
+    return new if active is None else torch.where(per_client(active, new), new, old)
 
 
 def stack_weights(weights: Sequence[Weights], keys: Iterable[str]) -> Weights:
@@ -282,7 +206,7 @@ def _add_step_directions(grad_sums: Weights, raw_buffers: Weights, grads: dict[s
     for key in keys:
         direction = grads[key]
         if options.momentum:
-            direction, raw_buffer = _momentum(grads[key], raw_buffers[key], flags, options)
+            direction, raw_buffer = momentum_step(grads[key], raw_buffers[key], flags, options)
             raw_buffers[key] = _masked(active, raw_buffer, raw_buffers[key])
         grad_sums[key] = grad_sums[key] + _masked(active, direction, torch.zeros((), dtype=direction.dtype))
 

@@ -28,7 +28,8 @@ from network.client import ClientData, ClientFailure
 from network.engine_sequential import EngineConfig, SequentialEngine, check_vectorizable
 from network.lr_schedule import make_lr_schedule
 from network.algorithms.base import ClientConfig
-from network.vectorized import SGDOptions, sgd_step, train_lockstep
+from network.functional_sgd import SGDOptions, sgd_step
+from network.vectorized import train_lockstep
 import test_fed
 from tests.fixtures import tiny_data_root, tiny_manifest  # noqa: F401  (session fixtures)
 from tests.test_step4 import argv as step4_argv, assignments  # noqa: F401  (the step-4 fixture)
