@@ -11,7 +11,7 @@ from utils.run_dir import load_checkpoint
 
 if TYPE_CHECKING:  # the engine imports this module, so only the type is needed here
     from network.algorithms.base import Algorithm
-    from network.engine_sequential import EngineConfig
+    from network.engine_config import EngineConfig
 
 CHECKPOINT_FILE, BEST_FILE = "checkpoint.pt", "best.pt"
 

@@ -30,7 +30,8 @@ from network.algorithms import build_algorithm
 from network.algorithms.base import Algorithm
 from network.client_data import LOCAL_TESTS
 from network.diagnostics import check_diagnostics_options
-from network.engine_sequential import EngineConfig, check_vectorizable
+from network.engine_config import EngineConfig
+from network.engine_sequential import check_vectorizable
 from network.lr_schedule import make_lr_schedule
 from partitioning.assignments import load_assignments
 from partitioning.temporal import check_horizon

@@ -33,7 +33,8 @@ from network.aggregation import Weights
 from network.algorithms.base import Algorithm, ClientResult
 from network.client import ClientData, ClientFailure, EvaluateFn, finetune_seed
 from network.diagnostics import gradient_seed
-from network.engine_sequential import EngineConfig, SequentialEngine
+from network.engine_config import EngineConfig
+from network.engine_sequential import SequentialEngine
 from network.flower import protocol as P
 from network.sampling import client_seed, clients_per_round
 from network.schedule import ClientSchedule, diagnosed_round

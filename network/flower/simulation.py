@@ -24,7 +24,7 @@ from torch import nn
 
 from network.algorithms.base import Algorithm, LossFn
 from network.client import ClientData, EvaluateFn
-from network.engine_sequential import EngineConfig
+from network.engine_config import EngineConfig
 from network.flower.node import NodeHost, make_client_app
 from network.flower.protocol import NUM_PARTITIONS, PARTITION_ID
 from network.flower.server import FlowerEngine, check_min_available, make_server_app

@@ -1,0 +1,66 @@
+"""The round loop's settings, shared by the sequential engine and the Flower engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from network.diagnostics import check_diagnostics_options
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Round-loop settings (identical for every algorithm).
+
+    Attributes:
+        out_dir: the run folder.
+        n_rounds: rounds to train (round 0 is the initial model, evaluated only).
+        lr_schedule: local learning rate as a function of the round (see network.lr_schedule.make_lr_schedule).
+        seed: root seed of sampling and of every client's training.
+        local_steps / local_epochs: the local budget (exactly one is set).
+        client_fraction: share of clients per round.
+        eval_every: evaluate every this many rounds (and round 0 and the last round).
+        momentum / weight_decay: local SGD settings.
+        resume: continue from ``out_dir/checkpoint.pt`` if present (else start over).
+        max_state_memory_bytes: client state kept in memory before spilling to disk (None: no limit).
+        progress: show a tqdm bar over rounds.
+        signature: the caller's description of the run (its arguments); resuming a
+            checkpoint written with another signature is refused.
+        finetune_steps: evaluate every client's model also after this many local steps (0: off).
+        diagnostics: record client drift, update norms and the update-cosine matrix every round, and G², B² and
+            every client's ‖∇F_k‖² at the global model every ``diagnostics_every`` rounds (network.diagnostics).
+        diagnostics_every: the gradient diagnostics' period in rounds (round 0 included).
+        diagnostics_max_samples: each client's gradient over at most this many of its train rows, a fixed seeded
+            sample (None: all of them).
+        tensorboard: also write metrics.csv's rows as TensorBoard scalars under ``out_dir/tensorboard``.
+        round_lines: print one console line per round; False keeps them in run.log only and prints one
+            summary line at the end (what a pipeline of hundreds of runs wants).
+        vectorize_chunk: 0 trains the sampled clients one after another; C > 0 trains them in
+            lock-step, C at a time (``--vectorize_clients``, network/vectorized.py).
+    """
+
+    out_dir: Path
+    n_rounds: int
+    lr_schedule: Callable[[int], float]
+    seed: int = 0
+    local_steps: int | None = None
+    local_epochs: int | None = None
+    client_fraction: float = 1.0
+    eval_every: int = 1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    resume: bool = True
+    max_state_memory_bytes: int | None = None
+    progress: bool = True
+    signature: dict[str, str] | None = None
+    finetune_steps: int = 0
+    diagnostics: bool = False
+    diagnostics_every: int = 1
+    diagnostics_max_samples: int | None = None
+    tensorboard: bool = False
+    round_lines: bool = True
+    vectorize_chunk: int = 0
+
+    def __post_init__(self) -> None:
+        check_diagnostics_options(self.diagnostics_every, self.diagnostics_max_samples)
