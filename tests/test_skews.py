@@ -425,6 +425,83 @@ def test_the_meter_takes_each_clients_gradient_on_its_skewed_rows(manifest_path,
         assert float(gradient @ gradient) == pytest.approx(norm, rel=1e-5)
 
 
+def meter_clients(manifest: Path, assignments: Path, task_name: str, feature_model, data_path: Path | None = None):
+    """Each client's ``(id, batch)`` as step 3c builds them (network.client_skews.client_rows_dataset): its train rows,
+    with ``--cache_features`` when ``feature_model`` is given; one batch per client."""
+    from datasets.family import load_manifest
+    from models import get_task
+    from network.client_skews import client_rows_dataset, run_skews
+    from training.loop import make_loader
+
+    family, manifest_table = load_manifest(manifest)
+    table, task = pd.read_csv(assignments), get_task(task_name)
+    args = SimpleNamespace(data_path=data_path or manifest.parent, image_size=IMAGE_SIZE, cache_dir=None,
+                           assignments=assignments, cache_features=feature_model is not None, local_test="assigned")
+    skews = run_skews(args, manifest_table, table, task, family)
+    by_id = manifest_table.set_index("sample_id")
+    for client_id, rows in table[table["subset"] == "train"].groupby("client_id", sort=True):
+        dataset, collate = client_rows_dataset(args, manifest_table, by_id.loc[list(rows["sample_id"])].reset_index(),
+                                               task, family, skews.get(int(client_id)), feature_model)
+        yield str(client_id), one_batch(make_loader(dataset, 1000, False, 0, collate_fn=collate))
+
+
+@pytest.mark.parametrize("flags", [("--label_swap", "1-7,2-3", "--concept_fraction", "0.5"),
+                                   ("--feature_noise", "0.3", "--label_swap", "1-7,2-3", "--concept_fraction", "0.5")],
+                         ids=["concept_only", "noise_and_concept"])
+def test_the_meters_cached_features_are_the_skewed_images_maps_with_the_swapped_labels(manifest_path, tmp_path, flags):
+    """Step 3c with --cache_features: a client's maps are the frozen encoder's maps of its noised images (the noise
+    applied once, before encoding), and a concept shift still swaps its labels (the collate keeps the concept)."""
+    from models import build_task_model
+
+    path = step3b(manifest_path, tmp_path / "a", *flags)
+    record = json.loads(path.with_suffix(".json").read_text())["skews"]
+    swapped, noise = record["label_swap"]["clients"], record.get("feature_noise", {}).get("clients", {})
+    assert swapped and (noise or "--feature_noise" not in flags)
+    mapping = torch.tensor(swap_mapping([[1, 7], [2, 3]], 10))
+    model = build_task_model("digit_class", "small_cnn", "none", num_classes=10, seed=0, freeze_encoder=True)
+    manifest = pd.read_csv(manifest_path)
+    seen = []
+    for client_id, batch in meter_clients(manifest_path, path, "digit_class", model):
+        images = plain_images(manifest, batch["sample_id"])
+        if noise.get(client_id, {}).get("sigma"):
+            params = noise[client_id]
+            images = images + params["sigma"] * torch.stack(
+                [torch.randn(images.shape[1:], generator=torch_generator(params["seed"], sid)) for sid in batch["sample_id"]])
+        with torch.inference_mode():
+            expected = model.encoder.eval()(model.normalise(images))
+        for got, want in zip(batch["encoded"], expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        labels = torch.tensor(manifest.set_index("sample_id").loc[list(batch["sample_id"]), "label"].to_numpy())
+        assert torch.equal(batch["digit_class"], mapping[labels] if client_id in swapped else labels), client_id
+        seen.append(client_id)
+    assert seen == [str(client) for client in range(N_CLIENTS)]
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["images", "cached_features"])
+def test_the_meter_reads_a_variant_clients_rows_for_the_variant(tiny_data_root, tiny_manifest, tmp_path, cached):  # noqa: F811
+    """Step 3c under target_variant: a variant client's depth targets are the variant's (depth_zbuffer), under the
+    task's key, with or without --cache_features; the other client keeps the task's."""
+    from datasets.taskonomy import TaskonomyDataset
+    from models import build_task_model
+
+    out = tmp_path / "a"
+    assign.main(["--manifest", str(tiny_manifest), "--n_clients", "2", "--out", str(out), "--scheme", "iid",
+                 "--target_variant", "depth_euclidean:depth_zbuffer", "--concept_fraction", "0.5"])
+    record = json.loads((out / "assignments.json").read_text())["skews"]["target_variant"]["clients"]
+    model = build_task_model("depth_euclidean", "small_cnn", "none", seed=0, freeze_encoder=True) if cached else None
+    by_id = pd.read_csv(tiny_manifest).set_index("sample_id")
+    seen = []
+    for client_id, batch in meter_clients(tiny_manifest, out / "assignments.csv", "depth_euclidean", model,
+                                          tiny_data_root):
+        domain = "depth_zbuffer" if client_id in record else "depth_euclidean"
+        truth = TaskonomyDataset(tiny_data_root, by_id.loc[list(batch["sample_id"])].reset_index(), [domain], IMAGE_SIZE,
+                                 None)
+        assert torch.equal(batch["depth_euclidean"], torch.stack([truth[i][domain] for i in range(len(truth))]))
+        assert "depth_zbuffer" not in batch and ("encoded" in batch) == cached
+        seen.append(client_id)
+    assert len(seen) == 2 and sum(client_id in record for client_id in seen) == 1
+
+
 # ----- experiment files: partition.skews passes step 3b's skew flags -----
 def test_an_experiment_file_partitions_with_skews(tmp_path):
     import yaml
