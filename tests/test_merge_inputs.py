@@ -15,6 +15,7 @@ from sparse.merge import choose_lambda, merge, task_vector
 from steps import assign as step3b
 from steps import select as step1
 from steps.merge import main, run_merge
+from utils.cli import run_main
 from utils.errors import TaskHetError
 from utils.loaders import INCOMPLETE
 
@@ -165,6 +166,18 @@ def test_merge_run_uses_the_manifests_val_rows_by_default(digits_sparse_run, tmp
         main(["--run", str(run), "--val_split", "held_out", "--out", str(tmp_path / "h")])
 
 
+def test_a_held_out_split_of_zero_rows_is_one_error_line_and_nothing_is_merged(digits_sparse_run, tmp_path, capsys):
+    """--val_fraction 0 draws no rows (network.calibration_split.calibration_ids returns []): a λ search over no
+    data is refused with one line naming both flags, before anything is written."""
+    _, _, run = digits_sparse_run
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(main, ["--run", str(run), "--val_split", "held_out", "--val_fraction", "0", "--out", str(tmp_path / "m")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and err == ["error: --val_split held_out needs --val_fraction > 0"], err
+    assert not (tmp_path / "m" / "merged.pt").exists() and not (tmp_path / "m" / "merge.csv").exists()
+
+
 @pytest.mark.parametrize("family_key", ["image", "rgb", "encoded"])
 def test_sparse_ft_calibrates_on_the_run_input_key_by_default(family_key):
     from network.algorithms import build_algorithm
@@ -175,3 +188,18 @@ def test_sparse_ft_calibrates_on_the_run_input_key_by_default(family_key):
     assert algorithm.calibration_input(batch) == family_key  # not the first of a fixed list ("rgb,x" picked x)
     named, _ = build_algorithm("sparse_ft", TinyNet(), {"0": 4}, {"input_key": "x"}, input_key=family_key)
     assert named.calibration_input(batch) == "x"  # an explicit setting still wins
+
+
+@pytest.mark.parametrize("setting, batch_keys, chosen", [
+    ("rgb,x", ("x", "label"), "x"),  # the first listed key the batch has, not the first listed
+    ("rgb,x", ("rgb", "x"), "rgb"),  # both present: the listed order decides
+    (" x , rgb ", ("rgb",), "rgb"),  # spaces around a key are not part of it
+    ("rgb,,x", ("x",), "x"),  # an empty item is skipped
+    ("rgb,x", ("label",), "rgb"),  # none present: the first listed (the model then names the missing key)
+])
+def test_sparse_ft_input_key_is_the_first_comma_separated_key_the_batch_has(setting, batch_keys, chosen):
+    from network.algorithms import build_algorithm
+    from tests.tiny_models import TinyNet
+
+    algorithm, _ = build_algorithm("sparse_ft", TinyNet(), {"0": 4}, {"input_key": setting}, input_key="image")
+    assert algorithm.calibration_input({key: torch.zeros(1) for key in batch_keys}) == chosen

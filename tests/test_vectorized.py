@@ -27,6 +27,7 @@ from network.algorithms.base import ALGORITHMS
 from network.client import ClientData, ClientFailure
 from network.engine_sequential import EngineConfig, SequentialEngine, check_vectorizable
 from network.lr_schedule import make_lr_schedule
+from network.sampling import client_seed, sample_clients
 from network.algorithms.base import ClientConfig
 from network.functional_sgd import SGDOptions, sgd_step
 from network.vectorized import train_lockstep
@@ -276,6 +277,31 @@ def test_a_non_finite_loss_names_the_client_of_the_chunk(tmp_path):
     with pytest.raises((NonFiniteLossError, ClientFailure), match=r"client 1: the local training loss is (inf|nan)"):
         for round_index in range(1, 6):
             engine.train_round(round_index)
+
+
+def test_a_chunk_that_fails_names_its_clients_and_the_last_good_checkpoint(tmp_path):
+    """A failure inside a lock-step chunk (here every loader of round 2 raises) stops the run with one message naming
+    the round, the chunk's clients, the error, and the checkpoint the run can resume from (round 1's, on disk)."""
+    engine = make_engine(tmp_path, "fedavg", {}, chunk=2)
+    failing = {client_seed(3, 2, client_id) for client_id in engine.clients}  # round 2's seeds (make_engine's seed 3)
+
+    def failing_in_round_2(loader):
+        def train_loader(seed):
+            if seed in failing:
+                raise RuntimeError("disk gone")
+            return loader(seed)
+        return train_loader
+
+    for client_id, client in engine.clients.items():
+        engine.clients[client_id] = ClientData(client_id, client.num_samples, failing_in_round_2(client.train_loader),
+                                               client.test_loader)
+    sampled = sample_clients(list(engine.clients), 0.6, 3, 2)
+    with pytest.raises(ClientFailure) as failure:
+        engine.run()
+    assert str(failure.value) == (f"round 2, the vectorised chunk of clients {', '.join(sampled[:2])} failed: RuntimeError: "
+                                  f"disk gone; the run stopped; the last good checkpoint is {tmp_path / 'checkpoint.pt'} "
+                                  "(round 1)")
+    assert load_checkpoint(tmp_path / "checkpoint.pt")["round"] == 1
 
 
 # ----- the functional SGD against torch.optim.SGD -----
