@@ -263,6 +263,27 @@ def test_a_bad_recorded_skew_is_one_error_line_naming_file_and_key(manifest_path
     assert not (tmp_path / "run" / "metrics.csv").exists()
 
 
+def test_without_n_clients_in_the_sidecar_the_client_ids_are_those_of_the_table(manifest_path, tmp_path, capsys):
+    """A sidecar without ``n_clients`` (hand-made): the clients are 0..max(client_id) of assignments.csv, so a record
+    naming the next id (no such client) is refused, and one naming the last client is applied."""
+    path = step3b(manifest_path, tmp_path / "a", "--label_swap", "1", "--concept_fraction", "0.5")
+    sidecar = path.with_suffix(".json")
+    meta = json.loads(sidecar.read_text())
+    del meta["n_clients"]
+    assert pd.read_csv(path)["client_id"].max() == N_CLIENTS - 1
+    meta["skews"]["label_swap"]["clients"][str(N_CLIENTS - 1)] = {"pairs": [[1, 2]]}
+    sidecar.write_text(json.dumps(meta))
+    manifest, clients, _, _ = clients_of(manifest_path, path)
+    batch = one_batch(clients[N_CLIENTS - 1].train_loader(0))
+    labels = torch.tensor(manifest.set_index("sample_id").loc[list(batch["sample_id"]), "label"].to_numpy())
+    assert torch.equal(batch["digit_class"], torch.tensor(swap_mapping([[1, 2]], 10))[labels])
+    meta["skews"]["label_swap"]["clients"][str(N_CLIENTS)] = {"pairs": [[1, 2]]}
+    sidecar.write_text(json.dumps(meta))
+    line = error_line(capsys, federated.main, step4_argv(manifest_path, path, tmp_path / "run"))
+    assert "assignments.json" in line and f"clients.{N_CLIENTS}: '{N_CLIENTS}' is not a client id in 0..{N_CLIENTS - 1}" \
+        in line, line
+
+
 def test_a_duplicated_key_in_the_record_is_refused(manifest_path, tmp_path, capsys):
     path = step3b(manifest_path, tmp_path / "a", "--feature_noise", "0.2")
     sidecar = path.with_suffix(".json")
@@ -341,6 +362,20 @@ def test_cached_features_get_the_noise_before_encoding(manifest_path, tmp_path):
         for got, want in zip(batch["encoded"], expected):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     run = federated.main(step4_argv(manifest_path, path, tmp_path / "run", "--freeze_encoder", "--cache_features"))
+    assert np.isfinite(run["best_test_loss"])
+
+
+def test_cached_features_refuse_proportional_client_tests_under_a_feature_skew(manifest_path, tmp_path, capsys):
+    """--local_test proportional draws client tests from the global test split, whose maps are the untransformed
+    images': a feature-skewed client's test would skip its skew. Refused before training; a concept shift is fine."""
+    path = step3b(manifest_path, tmp_path / "a", "--feature_noise", "0.3")
+    cached = ("--freeze_encoder", "--cache_features", "--local_test", "proportional")
+    line = error_line(capsys, federated.main, step4_argv(manifest_path, path, tmp_path / "run", *cached))
+    assert line.startswith(f"error: {path.with_suffix('.json')}: feature skews with --cache_features") \
+        and "--local_test assigned, or --no-cache_features" in line, line
+    assert not (tmp_path / "run" / "metrics.csv").exists()
+    concept = step3b(manifest_path, tmp_path / "b", "--label_swap", "1", "--concept_fraction", "0.5")
+    run = federated.main(step4_argv(manifest_path, concept, tmp_path / "run_concept", *cached))
     assert np.isfinite(run["best_test_loss"])
 
 
