@@ -185,6 +185,27 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     assert isinstance(NonFiniteLossError("x"), TaskHetError)  # the CLI prints it as one line
 
 
+@pytest.mark.parametrize("budget", [dict(local_steps=None), dict(local_epochs=2)], ids=["neither", "both"])
+def test_an_engine_needs_exactly_one_local_budget(tmp_path, budget):
+    """A library caller's EngineConfig with no local budget, or with both, is refused by the engine with the flags'
+    names (the CLI defaults --local_steps and refuses both earlier), before the run folder is made."""
+    with pytest.raises(TaskHetError) as refused:
+        make_engine(tmp_path / "run", "fedavg", **budget)
+    assert str(refused.value) == "set exactly one of --local_steps and --local_epochs"
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_resumed_runs_progress_bar_starts_at_the_finished_rounds(tmp_path, capsys):
+    """--progress on a resumed run: the bar counts the rounds of the whole run, starting at the checkpoint's round."""
+    make_engine(tmp_path, "fedavg", rounds=4, n_rounds=2).run()
+    capsys.readouterr()
+    make_engine(tmp_path, "fedavg", rounds=4, resume=True, progress=True).run()
+    bars = capsys.readouterr().err
+    assert "fedavg rounds:  50%" in bars and "| 2/4 [" in bars and "| 4/4 [" in bars, bars
+    assert "| 0/4 [" not in bars and "| 1/4 [" not in bars, bars
+    assert load_checkpoint(tmp_path / "checkpoint.pt")["round"] == 4
+
+
 def test_non_finite_aggregate_stops_before_its_checkpoint(tmp_path):
     with pytest.raises(NonFiniteLossError, match="round 1: the aggregated server models are not finite"):
         make_engine(tmp_path, "fedavg", settings={"server_lr": 1e300}).run()
