@@ -140,6 +140,25 @@ def test_digits_experiment_rejects_a_taskonomy_task(tmp_path):
         load_experiment(experiment)
 
 
+def test_step4_refuses_a_task_of_another_family_naming_flag_and_manifest(tmp_path, capsys):
+    from steps import assign, federated
+    from utils.cli import run_main
+
+    manifest = tmp_path / "manifest.csv"
+    select_digits(0.2, seed=0, n_samples=100).to_csv(manifest, index=False)
+    assign.main(["--manifest", str(manifest), "--n_clients", "2", "--out", str(tmp_path / "a")])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(federated.main, ["--task", "depth_euclidean", "--manifest", str(manifest), "--assignments",
+                                  str(tmp_path / "a" / "assignments.csv"), "--encoder", "small_cnn", "--n_rounds", "1",
+                                  "--no-use_accelerator", "--no-progress", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and err == [
+        f"error: --task (manifest {manifest}): task 'depth_euclidean' is not a task of data family 'digits'; "
+        "its tasks: digit_class"], err
+    assert not (tmp_path / "run" / "metrics.csv").exists()
+
+
 def test_shipped_digits_experiment_is_valid():
     config = load_experiment(Path(__file__).resolve().parent.parent / "experiments" / "digits.yaml")
     assert config["data"]["source"] == "digits" and config["tasks"] == ["digit_class"]

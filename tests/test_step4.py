@@ -40,6 +40,25 @@ def argv(data_root, manifest, assignments, out, *extra):
             "--rand_seed", "1", *extra]
 
 
+def test_client_state_memory_mb_is_megabytes(tiny_data_root, tiny_manifest, assignments, tmp_path):  # noqa: F811
+    """--client_state_memory_mb counts MiB (2**20 bytes): FedRep's three client heads (a few kB each) fit in 1 MB and
+    stay in memory; with 0 MB every state spills to OUT/client_states; the run is the same either way."""
+    runs = {}
+    for limit in ("1", "0"):
+        out = tmp_path / f"mb{limit}"
+        test_fed.main(argv(tiny_data_root, tiny_manifest, assignments, out, "--method", "fedrep",
+                           "--client_state_memory_mb", limit))
+        runs[limit] = load_checkpoint(out / "checkpoint.pt")
+    states = runs["1"]["client_states"]
+    size = sum(value.numel() * value.element_size() for state in states.values() for value in state.values())
+    assert len(states) == N_CLIENTS and 100 < size < 2 ** 20  # the three states together fit in 1 MiB
+    assert not list((tmp_path / "mb1" / "client_states").glob("client_*.pt"))
+    assert len(list((tmp_path / "mb0" / "client_states").glob("client_*.pt"))) == N_CLIENTS
+    for client_id, state in states.items():
+        for key, value in state.items():
+            assert torch.equal(value, runs["0"]["client_states"][client_id][key]), (client_id, key)
+
+
 @pytest.mark.parametrize("method", ["fedavg", "fedrep"])
 def test_step4_writes_the_run_folder_and_resumes_without_redoing_work(tiny_data_root, tiny_manifest, assignments,  # noqa: F811
                                                                       tmp_path, method):
