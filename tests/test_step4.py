@@ -67,6 +67,11 @@ def test_step4_writes_the_run_folder_and_resumes_without_redoing_work(tiny_data_
     for name in ("config.json", "run.log", "metrics.csv", "checkpoint.pt", "best.pt", "curves.png"):
         assert (out / name).is_file(), name
     assert json.loads((out / "config.json").read_text())["args"]["method"] == method
+    # The run's one-line summary, counted by hand: every train row of the assignments, the manifest's test split.
+    n_train = int((pd.read_csv(assignments)["subset"] == "train").sum())
+    n_test = int((read_manifest(tiny_manifest)["split"] == "test").sum())
+    assert f"{method} on depth_euclidean: {N_CLIENTS} clients ({n_train} train samples), {n_test} test samples, device cpu" \
+        in (out / "run.log").read_text()
     metrics = pd.read_csv(out / "metrics.csv", dtype={"client": str})
     assert list(metrics.columns) == ["round", "split", "client", "metric", "value"]
     tested = metrics[(metrics.split == GLOBAL_TEST_SPLIT) & (metrics.client == GLOBAL_CLIENT)]
