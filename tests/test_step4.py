@@ -140,6 +140,14 @@ def test_step4_flower_engine_matches_the_sequential_engine(tiny_data_root, tiny_
         torch.testing.assert_close(weights[1][key], value, rtol=1e-5, atol=1e-6)
 
 
+def test_step4_gives_the_flower_engine_its_min_available_clients(tiny_data_root, tiny_manifest, assignments, tmp_path):  # noqa: F811
+    """--min_available_clients reaches the Flower engine: above the 3 clients a round samples it is refused."""
+    with pytest.raises(TaskHetError, match=r"--min_available_clients must be between 1 and the 3 clients sampled per "
+                                           r"round, got 4"):
+        test_fed.main(argv(tiny_data_root, tiny_manifest, assignments, tmp_path / "run", "--engine", "flower",
+                           "--min_available_clients", "4"))
+
+
 def test_step4_finetunes_each_client_before_evaluation_when_asked(tiny_data_root, tiny_manifest, assignments,  # noqa: F811
                                                                   tmp_path):
     out = tmp_path / "finetuned"
