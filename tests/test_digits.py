@@ -159,6 +159,26 @@ def test_step4_refuses_a_task_of_another_family_naming_flag_and_manifest(tmp_pat
     assert not (tmp_path / "run" / "metrics.csv").exists()
 
 
+def test_step4_class_groups_count_a_digit_without_training_rows_as_tail_and_few():
+    """Step 4's head/middle/tail and many/medium/few groups are over all ten digits (the family's K), from the train
+    rows without the validation rows: a digit with no training row (here 9) is a tail and a few-shot class, so the
+    tail metrics count its test images."""
+    from datasets.family import get_family
+    from network.run import train_class_groups
+
+    manifest = select_digits(0.2, seed=0, n_samples=600)
+    manifest = manifest[~((manifest["label"] == 9) & (manifest["split"] == "train"))]
+    train = manifest[(manifest["split"] == "train") & (manifest["val"] == 0)]
+    counts = np.bincount(train["label"], minlength=10)
+    assert counts[9] == 0 and counts[:9].min() > 20 and counts.max() <= 100  # all medium but 9
+    order = np.argsort(-counts, kind="stable")  # by hand: each class's cumulative share where it starts
+    start = dict(zip(order.tolist(), np.concatenate([[0], np.cumsum(counts[order])[:-1]]) / counts.sum()))
+    groups = train_class_groups(get_family("digits"), manifest)
+    assert groups["few"] == [9] and groups["medium"] == list(range(9)) and "many" not in groups
+    assert groups["tail"] == sorted(c for c in range(10) if start[c] >= 0.95) and 9 in groups["tail"]
+    assert sorted(groups["head"] + groups["middle"] + groups["tail"]) == list(range(10))
+
+
 def test_shipped_digits_experiment_is_valid():
     config = load_experiment(Path(__file__).resolve().parent.parent / "experiments" / "digits.yaml")
     assert config["data"]["source"] == "digits" and config["tasks"] == ["digit_class"]
