@@ -115,3 +115,35 @@ def test_a_run_curves_plot_is_titled_with_the_run(tmp_path, figures):
     assert axis.get_xlabel() == "round" and axis.get_ylabel() == "loss"
     assert [text.get_text() for text in axis.get_legend().get_texts()] == ["global test"]
     assert np.isclose(axis.get_lines()[0].get_ydata()[0], 1.0)
+
+
+def test_a_run_curves_plot_shows_the_client_spread_and_the_train_loss(tmp_path, figures):
+    """curves.png: the client-test mean with a mean ± std band that does not hide the curves under it, and the mean
+    local train loss as its own dashed line."""
+    from network.algorithms.base import TRAIN_LOSS
+    from network.client import CLIENT_TEST_SPLIT
+    from network.run_outputs import plot_curves
+    from matplotlib.colors import to_rgb
+
+    mean, std, train = [2.0, 1.5, 1.2], [0.5, 0.4, 0.1], [1.8, 1.1]
+    rows = [dict(round=r, split="test", client="global", metric="loss", value=1.0 / (r + 1)) for r in range(3)]
+    rows += [dict(round=r, split=CLIENT_TEST_SPLIT, client=client, metric="loss", value=values[r])
+             for r in range(3) for client, values in (("mean", mean), ("std", std), ("0", [9.0] * 3))]
+    rows += [dict(round=r + 1, split="train", client=client, metric=TRAIN_LOSS, value=value)
+             for r, value in enumerate(train) for client in ("mean", "0")]
+    pd.DataFrame(rows).to_csv(tmp_path / "metrics.csv", index=False)
+    plot_curves(tmp_path / "metrics.csv", tmp_path / "curves.png")
+    axis = figures[-1].axes[0]
+    assert [text.get_text() for text in axis.get_legend().get_texts()] == [
+        "global test", "client test (global model)", "local train loss (mean)"]
+    lines = {line.get_label(): line for line in axis.get_lines()}
+    assert list(lines["local train loss (mean)"].get_xdata()) == [1, 2]
+    assert list(lines["local train loss (mean)"].get_ydata()) == train
+    assert lines["local train loss (mean)"].get_linestyle() == "--"
+    bands = [collection for collection in axis.collections if len(collection.get_paths())]
+    assert len(bands) == 1  # the client test's band; the global test has no spread
+    corners = bands[0].get_paths()[0].vertices
+    assert np.isclose(corners[:, 1].min(), min(m - s for m, s in zip(mean, std)))  # 1.1 at round 2
+    assert np.isclose(corners[:, 1].max(), max(m + s for m, s in zip(mean, std)))  # 2.5 at round 0
+    assert bands[0].get_alpha() is not None and bands[0].get_alpha() < 1  # see-through: the curves stay visible
+    assert np.allclose(bands[0].get_facecolor()[0][:3], to_rgb(lines["client test (global model)"].get_color()))
