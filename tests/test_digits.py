@@ -179,6 +179,30 @@ def test_step4_class_groups_count_a_digit_without_training_rows_as_tail_and_few(
     assert sorted(groups["head"] + groups["middle"] + groups["tail"]) == list(range(10))
 
 
+def test_step4_num_workers_reaches_every_loader(tmp_path):
+    """--num_workers is the worker count of every loader step 4 builds: clients' train and test loaders, the global
+    test split and the manifest's validation rows."""
+    from types import SimpleNamespace
+
+    from models import get_task
+    from network.client_data import global_test_loader, global_val_loader, make_clients
+    from steps import assign
+
+    manifest_path = tmp_path / "manifest.csv"
+    select_digits(0.2, seed=0, n_samples=100).to_csv(manifest_path, index=False)
+    assign.main(["--manifest", str(manifest_path), "--n_clients", "2", "--client_test_fraction", "0.25", "--out",
+                 str(tmp_path / "a")])
+    manifest, task = load_manifest(manifest_path)[1], get_task("digit_class")
+    assert manifest["val"].sum() > 0
+    args = SimpleNamespace(data_path=tmp_path, image_size=8, cache_dir=None, batch_size=8, num_workers=2, rand_seed=0,
+                           assignments=tmp_path / "a" / "assignments.csv", local_test="assigned", cache_features=False)
+    clients = make_clients(args, manifest, pd.read_csv(args.assignments), task)
+    loaders = [global_test_loader(args, manifest, task), global_val_loader(args, manifest, task)]
+    loaders += [loader for client in clients for loader in (client.train_loader(0), client.test_loader)]
+    assert len(loaders) == 2 + 2 * len(clients) and all(loader is not None for loader in loaders)
+    assert [loader.num_workers for loader in loaders] == [2] * len(loaders)
+
+
 def test_shipped_digits_experiment_is_valid():
     config = load_experiment(Path(__file__).resolve().parent.parent / "experiments" / "digits.yaml")
     assert config["data"]["source"] == "digits" and config["tasks"] == ["digit_class"]
