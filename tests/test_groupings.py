@@ -32,6 +32,18 @@ def test_test_fed_default_assignments_path_uses_label_based(tmp_path):
     assert default_assignments(config) == tmp_path / "label_based" / "labels" / "a0.5" / "assignments.csv"
 
 
+def test_test_fed_default_assignments_path_of_an_embedding_partition_and_without_type_or_alpha(tmp_path):
+    config = parse_run_config(["--task", "normal", "--type", "embedding_based", "--alpha", "0.1", "--n_clusters", "7",
+                               "--assignment_files_path", str(tmp_path)])
+    assert default_assignments(config) == tmp_path / "embedding_based" / "normal" / "k7" / "a0.1" / "assignments.csv"
+    for flags in (["--type", "label_based"], ["--alpha", "0.5"]):  # neither --assignments nor both of --type, --alpha
+        config = parse_run_config(["--task", "normal", *flags, "--assignment_files_path", str(tmp_path)])
+        with pytest.raises(TaskHetError) as refused:
+            default_assignments(config)
+        assert str(refused.value) == ("pass --assignments FILE, or --type and --alpha to find it under "
+                                      "--assignment_files_path")
+
+
 def test_experiment_file_groupings_are_normalised(tmp_path):
     path = tmp_path / "experiment.yaml"
     path.write_text(yaml.safe_dump({"partition": {"groupings": ["class_based", "embedding_based"]}}))

@@ -196,6 +196,25 @@ def test_a_client_as_of_a_round_has_the_rows_weight_and_class_counts_of_that_rou
     assert client_at(client, 2).num_samples == 0 and client.num_samples == TRAIN  # the whole client is unchanged
 
 
+def test_a_deployment_servers_schedules_count_each_clients_rows_of_a_round():
+    """network.schedule.table_schedules (the Flower deployment's server reads only assignments.csv): per client, the
+    train rows whose window holds the round; test rows never count; a blank to_round never ends."""
+    from network.schedule import table_schedules
+
+    table = pd.DataFrame({"sample_id": list("abcdefg"), "client_id": [0, 0, 0, 1, 1, 1, 1],
+                          "subset": ["train", "train", "test", "train", "train", "train", "test"],
+                          "from_round": [1, 3, 1, 1, 2, 4, 1], "to_round": [2, NO_END, NO_END, 1, 3, NO_END, 2]})
+    schedules = table_schedules(table)
+    assert list(schedules) == ["0", "1"] and all(schedule.rows is None for schedule in schedules.values())
+    # by hand: client 0 holds a in 1-2 and b from 3; client 1 holds d in 1, e in 2-3 and f from 4
+    assert [schedules["0"].count(r) for r in range(1, 6)] == [1, 1, 1, 1, 1]
+    assert [schedules["1"].count(r) for r in range(1, 6)] == [1, 1, 1, 1, 1]
+    assert list(schedules["0"].held(2)) == [0] and list(schedules["0"].held(3)) == [1]
+    table.loc[table["sample_id"] == "e", "to_round"] = 4
+    assert [table_schedules(table)["1"].count(r) for r in range(1, 6)] == [1, 1, 1, 2, 1]
+    assert table_schedules(table.assign(from_round=1, to_round=NO_END)) == {}  # no real schedule: every row always
+
+
 # ----- step 3b: the generators and the compound partition -----
 @pytest.fixture(scope="module")
 def digits_manifest(tmp_path_factory) -> Path:
