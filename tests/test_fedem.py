@@ -195,3 +195,14 @@ def test_a_task_model_with_a_logit_head_mixes_probabilities_and_one_without_refu
     assert not build_algorithm("fedem", Fake("depth_zbuffer"), {"0": 1})[1].mix_probabilities
     with pytest.raises(TaskHetError, match="needs a model whose head outputs class logits"):
         build_algorithm("fedem", Fake("depth_zbuffer"), {"0": 1}, {"mix": "probabilities"})
+
+
+def test_the_mixtures_head_is_every_components_head():
+    """A FedEM model declares the heads of its M components as its head (the TaskModel interface ModelLayout reads):
+    ``components.m.<key>`` for each of the base model's head entries, nothing else."""
+    base = TinyNet()
+    algorithm, model = build_algorithm("fedem", base, {"0": 4}, {"n_components": 3})
+    expected = [f"components.{m}.{key}" for m in range(3) for key in TinyNet().head_keys()]
+    assert len(expected) == 3 * 2 and model.head_keys() == expected  # the head's weight and bias, per component
+    assert algorithm.federation.layout.head_keys == frozenset(expected)
+    assert set(expected) <= set(model.state_dict())
