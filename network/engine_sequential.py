@@ -90,6 +90,7 @@ class SequentialEngine:
         self.model_config, self.logger = model_config, logger or logging.getLogger(__name__)
         self.out_dir = Path(config.out_dir)
         self.checkpoint_path = self.out_dir / CHECKPOINT_FILE
+        self.checkpoint_round = 0  # the round of the last checkpoint.pt written (or resumed from)
         self.store = ClientStore(self.out_dir / "client_states", config.max_state_memory_bytes)
         # The server is built on first use: a resumed run reads it from the checkpoint first, so an expensive
         # init_server (FedLoGe's SSE-C refinement: 10,000 Adam steps) runs once per run, not once per resume.
@@ -330,7 +331,7 @@ class SequentialEngine:
         return results
 
     def _stop_message(self, round_index: int) -> str:
-        return f"the run stopped; the last good checkpoint is {self.checkpoint_path} (round {round_index - 1})"
+        return f"the run stopped; the last good checkpoint is {self.checkpoint_path} (round {self.checkpoint_round})"
 
     def _start(self) -> int:
         """Restore the checkpoint (resume) or evaluate round 0; returns the last finished round."""
@@ -342,6 +343,7 @@ class SequentialEngine:
             torch.set_rng_state(checkpoint["rng"]["torch"])
             self.best_loss = checkpoint["best_loss"]
             self.metrics.truncate_after("round", checkpoint["round"])
+            self.checkpoint_round = checkpoint["round"]
             self.logger.info("resumed from %s after round %d", self.checkpoint_path, checkpoint["round"])
             return checkpoint["round"]
         self.metrics.truncate_after("round", -1)
@@ -361,6 +363,15 @@ class SequentialEngine:
             self.best_loss = test_loss
             atomic_torch_save({"model": global_weights, "models": server.models, "model_config": self.model_config,
                                "round": round_index, "test_loss": test_loss}, self.out_dir / BEST_FILE)
+        if self._checkpoints(round_index):
+            self._write_checkpoint(round_index, server, global_weights)
+
+    def _checkpoints(self, round_index: int) -> bool:
+        every = self.config.checkpoint_every
+        return round_index % every == 0 or round_index == self.config.n_rounds
+
+    def _write_checkpoint(self, round_index: int, server: ServerState, global_weights: Weights) -> None:
+        self.checkpoint_round = round_index
         atomic_torch_save({
             "round": round_index, "model": global_weights, "model_config": self.model_config,
             "server": server.as_dict(), "client_states": self.store.snapshot(), "best_loss": self.best_loss,

@@ -45,7 +45,7 @@ STEP = "step 4"
 ENGINES = ("sequential", "flower")  # round loops over the same algorithm objects
 # Fields that do not change what a run computes: a resumed run may differ in them.
 NOT_IN_SIGNATURE = ("out", "resume", "use_accelerator", "num_workers", "cache_dir", "deterministic", "n_rounds",
-                    "eval_every", "diagnostics", "progress", "client_state_memory_mb", "engine", "flower_mode", "flower_num_cpus",
+                    "eval_every", "checkpoint_every", "diagnostics", "progress", "client_state_memory_mb", "engine", "flower_mode", "flower_num_cpus",
                     "flower_num_gpus", "min_available_clients", "threads", "tensorboard", "round_lines",
                     "diagnostics_every", "diagnostics_max_samples")
 
@@ -93,6 +93,7 @@ class RunConfig:
     diagnostics_every: int = 1
     diagnostics_max_samples: int | None = None
     eval_every: int = 1
+    checkpoint_every: int = 1
     rand_seed: int = 42
     deterministic: bool = False
     use_accelerator: bool = True
@@ -125,6 +126,10 @@ class RunConfig:
             if isinstance(value, float) and not math.isfinite(value):
                 raise TaskHetError(f"--{item.name} must be a finite number, got {value!r}")
         check_diagnostics_options(self.diagnostics_every, self.diagnostics_max_samples)
+        if self.engine == "flower" and self.checkpoint_every != 1:
+            raise TaskHetError(f"--checkpoint_every {self.checkpoint_every}: the Flower engine's clients keep their state "
+                               "on their nodes, so a checkpoint older than the last round could not resume them; "
+                               "it checkpoints every round (drop --checkpoint_every)")
         if not isinstance(self.settings, dict):
             raise TaskHetError(f"the run's settings must map setting names to values, got {self.settings!r}")
         build_settings(get_settings_class(self.method), self.settings, self.method)
@@ -196,7 +201,8 @@ def prepare(config: RunConfig) -> FedSetup:
         out_dir=config.out, n_rounds=config.n_rounds,
         lr_schedule=make_lr_schedule(config.lr_schedule, config.init_lr, config.n_rounds),
         seed=config.rand_seed, local_steps=config.local_steps, local_epochs=config.local_epochs,
-        client_fraction=config.client_fraction, eval_every=config.eval_every, momentum=config.momentum,
+        client_fraction=config.client_fraction, eval_every=config.eval_every,
+        checkpoint_every=config.checkpoint_every, momentum=config.momentum,
         weight_decay=config.weight_decay, resume=config.resume, progress=config.progress,
         max_state_memory_bytes=int(config.client_state_memory_mb * 2**20), finetune_steps=config.finetune_steps,
         diagnostics=config.diagnostics, diagnostics_every=config.diagnostics_every,

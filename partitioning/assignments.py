@@ -108,8 +108,9 @@ def read_meta(csv_path: Path) -> dict[str, Any]:
 def validate_assignments(table: pd.DataFrame, manifest: pd.DataFrame, n_clients: int | None, source: str) -> None:
     """Check assignments against the manifest; one TaskHetError naming every problem row.
 
-    Problems: a sample id not in the manifest, an id on two rows, a sample of the
-    manifest's test split (the global test set never goes to clients), a client id
+    Problems: a sample id not in the manifest, an id on two rows, a train row from the
+    manifest's test split (no client trains on the global test set; a client-test row may
+    come from it: step 3b's ``--client_tests test_split``), a client id
     outside ``0..n_clients-1``, and a client with no train rows (rows named) or no rows
     at all (client named).
 
@@ -125,8 +126,8 @@ def validate_assignments(table: pd.DataFrame, manifest: pd.DataFrame, n_clients:
     # A schedule may hold a sample again in a later, disjoint window (partitioning/temporal.py); never twice at once.
     repeated = overlapping(table) if FROM_ROUND in table.columns else table["sample_id"].duplicated(keep=False)
     problems.append(_describe(table, repeated, "duplicated sample id (held twice in one round)"))
-    in_test = known & (table["sample_id"].map(split_of) == "test")
-    problems.append(_describe(table, in_test, "sample from the manifest's test split"))
+    in_test = known & (table["sample_id"].map(split_of) == "test") & (table["subset"] == "train")
+    problems.append(_describe(table, in_test, "train row from the manifest's test split"))
     expected = int(table["client_id"].max()) + 1 if n_clients is None else int(n_clients)
     problems.append(_describe(table, table["client_id"] >= expected, f"client_id >= n_clients ({expected})"))
     train_rows = table["subset"] == "train"

@@ -69,7 +69,8 @@ SCHEMA: dict[str, Any] = {
         "scheme": "dirichlet_mixture",
         "alphas": [0.1, 1.0],
         "n_clients": 10,
-        "client_test_fraction": 0.2,
+        "client_test_fraction": 0.2,  # client_tests held_out: share of each client's rows held out as its test set
+        "client_tests": "held_out",  # or test_split: the manifest's test rows, dealt to clients (step 3b --client_tests)
         "size_skew": None,
         "temporal": None,  # temporal skew (step 3b's --temporal, scheduled up to federated.n_rounds)
         "skews": {},  # step 3b's per-client skews by flag name, e.g. {feature_noise: 0.2, label_swap: 1, concept_fraction: 0.3}
@@ -89,6 +90,7 @@ SCHEMA: dict[str, Any] = {
         "lr_schedule": "constant",
         "client_fraction": 1.0,
         "eval_every": 1,
+        "checkpoint_every": 1,  # step 4 writes checkpoint.pt every this many rounds (a killed run redoes the rest)
         "init_from": "scratch",
     },
     "seeds": [0, 1],

@@ -152,9 +152,12 @@ class Pipeline:
         params = {
             "manifest": str(manifest), "groups": groups, "scheme": "iid" if iid else partition["scheme"],
             "alpha": None if iid else alpha, "n_clients": partition["n_clients"],
-            "client_test_fraction": partition["client_test_fraction"], "size_skew": partition["size_skew"], "seed": seed,
+            "size_skew": partition["size_skew"], "seed": seed,
             **partition["skews"],  # per-client feature skew / concept shift (partitioning/skews.py), iid reference too
         }
+        # Only a test_split run names --client_tests: the stage keys of held-out runs stay as they were.
+        params.update({"client_tests": "test_split"} if partition["client_tests"] == "test_split"
+                      else {"client_test_fraction": partition["client_test_fraction"]})
         if partition.get("temporal") and not iid:  # only then: the stage keys of static partitions stay as they were
             params.update(temporal=partition["temporal"], n_rounds=self.config["federated"]["n_rounds"])
         inputs = [manifest] + ([Path(groups)] if grouping == EMBEDDING_BASED else [])

@@ -19,7 +19,7 @@ import pandas as pd
 
 from datasets.family import load_manifest, validation_mask
 from partitioning.assignments import assignments_table, resolve_groups, source_record, write_assignments
-from partitioning.partition import client_test_mask, get_partitioner, list_schemes, scheme_parameters
+from partitioning.partition import client_test_mask, get_partitioner, list_schemes, scheme_parameters, deal_test_split
 from partitioning.partition_stats import client_stats, phase_stats, plot_heatmap, plot_schedule
 from partitioning.skew_record import draw_skews, skew_columns, skew_summary
 from partitioning.skews import SKEWS_KEY, SkewContext
@@ -31,8 +31,12 @@ from utils.errors import TaskHetError
 from utils.locks import folder_lock
 from utils.run_dir import claim_folder, setup_logging, unfinished, write_config
 
-STEP = "step 3b"
 from utils.seeding import numpy_rng
+
+STEP = "step 3b"
+HELD_OUT, TEST_SPLIT = "held_out", "test_split"
+CLIENT_TESTS = (HELD_OUT, TEST_SPLIT)
+DEFAULT_TEST_FRACTION = 0.2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--n_clients", type=positive_int, default=10)
     parser.add_argument("--size_skew", default=None, help="quantity skew: lognormal:SIGMA or powerlaw:A (default: equal sizes)")
     parser.add_argument("--groups_per_client", type=positive_int, default=None, help="shards: groups per client (scheme default 2)")
-    parser.add_argument("--client_test_fraction", type=cli.nonnegative_float, default=0.2, help="share of each client's samples held out as client-test")
+    parser.add_argument("--client_tests", choices=CLIENT_TESTS, default=HELD_OUT,
+                        help="where each client's test rows come from: held_out (a share of its own train rows, "
+                             "--client_test_fraction) or test_split (the manifest's test rows, dealt to the clients in "
+                             "proportion to their train rows of each group; every client trains on all of its rows)")
+    parser.add_argument("--client_test_fraction", type=cli.nonnegative_float, default=None,
+                        help=f"--client_tests held_out: share of each client's samples held out as client-test "
+                             f"(default {DEFAULT_TEST_FRACTION})")
     parser.add_argument("--min_client_size", type=cli.nonnegative_int, default=1, help="fewest samples a client may hold")
     parser.add_argument("--temporal", default=None,
                         help="temporal skew (a schedule in assignments.csv): rotate:PHASES:ROUNDS_PER_PHASE or abrupt:ROUND "
@@ -71,11 +81,21 @@ def main(argv: list[str] | None = None) -> Path:
         The path of the assignments.csv written.
     """
     args = cli.apply_runtime_flags(build_parser().parse_args(argv))
+    resolve_client_tests(args)
     spec = parse_temporal(args.temporal)  # refused before the folder is touched
     if spec is not None:
         phase_windows(spec, args.n_rounds)
     with folder_lock(args.out):  # one run at a time writes the folder
         return assign_clients(args)
+
+
+def resolve_client_tests(args: argparse.Namespace) -> None:
+    """Fill in --client_test_fraction's default; a fraction beside --client_tests test_split is one error."""
+    if args.client_tests == TEST_SPLIT and args.client_test_fraction is not None:
+        raise TaskHetError("--client_test_fraction holds out train rows, which --client_tests test_split never does: "
+                           "give one of the two")
+    if args.client_tests == HELD_OUT and args.client_test_fraction is None:
+        args.client_test_fraction = DEFAULT_TEST_FRACTION
 
 
 def assign_clients(args: argparse.Namespace) -> Path:
@@ -87,23 +107,30 @@ def assign_clients(args: argparse.Namespace) -> Path:
     if train.empty:
         raise TaskHetError(f"{args.manifest}: has no train rows to partition")
     args.groups = args.groups or family.label_column
-    # A clusters file covers every sample step 3 embedded: the test and validation rows too.
-    other_ids = manifest.loc[(manifest["split"] == "test") | validation_mask(manifest), "sample_id"]
-    groups, groups_file = resolve_groups(train, args.groups, extra_ids=other_ids)
+    test = manifest[(manifest["split"] == "test") & ~validation_mask(manifest)].reset_index(drop=True)
+    # A clusters file covers every sample step 3 embedded: the test and validation rows too. The test rows' groups
+    # are resolved with the train rows' (one call, so both come back as the same type).
+    grouped = pd.concat([train, test], ignore_index=True) if args.client_tests == TEST_SPLIT else train
+    other_ids = manifest.loc[~manifest["sample_id"].isin(grouped["sample_id"]), "sample_id"]
+    all_groups, groups_file = resolve_groups(grouped, args.groups, extra_ids=other_ids)
+    groups, test_groups = all_groups.iloc[:len(train)].reset_index(drop=True), all_groups.iloc[len(train):]
     skews = draw_skews(skew_settings(args), SkewContext(family.name, family.num_classes(manifest), tuple(family.tasks),
                                                         args.n_clients), args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     write_config(args.out, vars(args), step=STEP)
     logger = setup_logging(args.out, "make_client_assignments")
     with unfinished(args.out, STEP):  # step 4 refuses an assignments.csv of a run that did not finish
-        return write_partition(args, family, train, groups, groups_file, logger, skews)
+        return write_partition(args, family, train, groups, groups_file, logger, skews,
+                               test=test.assign(group=test_groups.to_numpy()) if args.client_tests == TEST_SPLIT else None)
 
 
 def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, groups: pd.Series, groups_file: Path | None,
-              logger, skews: dict | None = None) -> Path:
+              logger, skews: dict | None = None, test: pd.DataFrame | None = None) -> Path:
     """Split ``train`` over clients and write every output of the step; returns assignments.csv.
 
-    ``skews``: the per-client skews drawn by :func:`partitioning.skew_record.draw_skews`, recorded in the sidecar."""
+    ``skews``: the per-client skews drawn by :func:`partitioning.skew_record.draw_skews`, recorded in the sidecar.
+    ``test``: with ``--client_tests test_split``, the manifest's test rows with their ``group``: dealt to the clients
+    as their test rows (:func:`partitioning.partition.deal_test_split`)."""
     given = {"alpha": args.alpha, "size_skew": args.size_skew, "groups_per_client": args.groups_per_client,
              "min_client_size": args.min_client_size, "seed": args.seed}
     accepted = scheme_parameters(args.scheme)
@@ -113,9 +140,17 @@ def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, group
     # Only the natural scheme reads sources; it names the problem when a family has none.
     sources = train[family.source_column].to_numpy() if family.source_column else None
     partition = partitioner.split(groups.to_numpy(), sources=sources)
-    is_test = client_test_mask(partition.client_of, args.client_test_fraction, numpy_rng(args.seed, "client_test"))
-
-    table = assignments_table(train["sample_id"].to_numpy(), groups.to_numpy(), partition.client_of, is_test)
+    if test is None:
+        is_test = client_test_mask(partition.client_of, args.client_test_fraction, numpy_rng(args.seed, "client_test"))
+        table = assignments_table(train["sample_id"].to_numpy(), groups.to_numpy(), partition.client_of, is_test)
+    else:
+        is_test = np.zeros(len(train), dtype=bool)
+        test_client_of = deal_test_split(partition.client_of, groups.to_numpy(), test["group"].to_numpy(),
+                                            numpy_rng(args.seed, "client_test"))
+        table = pd.concat([
+            assignments_table(train["sample_id"].to_numpy(), groups.to_numpy(), partition.client_of, is_test),
+            assignments_table(test["sample_id"].to_numpy(), test["group"].to_numpy(), test_client_of,
+                              np.ones(len(test), dtype=bool))], ignore_index=True)
     spec, phases = parse_temporal(args.temporal), None
     if spec is None and args.n_rounds is not None:
         logger.warning("--n_rounds only shapes a --temporal schedule; ignored")
@@ -127,6 +162,7 @@ def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, group
     meta = {
         "scheme": args.scheme, "alpha": getattr(partitioner, "alpha", None), "seed": args.seed, "n_clients": args.n_clients,
         "groups": args.groups, "parameters": partitioner.get_params(), "client_test_fraction": args.client_test_fraction,
+        "client_tests": args.client_tests,
         "sources": sources, "n_train_samples": len(train), "n_assigned": int(len(table)),
         "n_unused": int(partition.unused.size), "client_labels": partition.client_labels,
         "temporal": None if spec is None else {**spec.as_dict(), "n_rounds": args.n_rounds},
@@ -146,7 +182,7 @@ def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, group
                  + (f"; skews: {', '.join(skews)}" if skews else ""),
                  row_notes=[skew_summary(skews, client) for client in range(args.n_clients)] if skews else None)
     summary = {
-        "n_assigned": len(table), "n_unused": int(partition.unused.size), "n_client_test": int(is_test.sum()),
+        "n_assigned": len(table), "n_unused": int(partition.unused.size), "n_client_test": int((table["subset"] == "test").sum()),
         "client_size_min": int(stats["size"].min()), "client_size_max": int(stats["size"].max()),
         "mean_js_divergence": float(stats["js_divergence"].mean()), "mean_effective_groups": float(stats["effective_groups"].mean()),
     }

@@ -107,6 +107,9 @@ def build_parser(method: str | None = None, prog: str = "test_fed.py", descripti
         help="--diagnostics: each client's gradient over at most this many of its train rows, a sample fixed by "
              "the seed and the client (the same every round) (default: all of them)")
     add("--eval_every", type=positive_int, default=1, help="evaluate every this many rounds (default: 1)")
+    add("--checkpoint_every", type=positive_int, default=1,
+        help="write checkpoint.pt every this many rounds, and at round 0 and the last round; --resume redoes the "
+             "rounds after the last one, bit for bit (default: 1)")
     add("--rand_seed", "--seed", type=int, default=defaults.rand_seed, help="root seed of init, sampling and training (default: 42)")
     add("--deterministic", action=argparse.BooleanOptionalAction, default=False, help="deterministic kernels")
     add("--use_accelerator", action=argparse.BooleanOptionalAction, default=True, help="CUDA/MPS when present")

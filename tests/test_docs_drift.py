@@ -48,11 +48,14 @@ def test_the_readme_describes_the_demo_file_it_runs():
     assert (int(rounds), int(steps)) == (federated["n_rounds"], federated["local_steps"])
     momentum, lr, batch, class_batch, class_lr, class_schedule = _number(
         r"\(momentum ([\d.]+), lr ([\d.]+), batch (\d+); class_scene batch (\d+),\s+lr ([\d.]+) with a (\w+) schedule "
-        r"through `federated.per_task`\)", bullet)
+        r"through `federated.per_task`", bullet)
     class_scene = federated["per_task"]["class_scene"]
     assert (float(momentum), float(lr), int(batch)) == (federated["momentum"], federated["init_lr"], federated["batch_size"])
     assert (int(class_batch), float(class_lr), class_schedule) == (class_scene["batch_size"], class_scene["init_lr"],
                                                                   class_scene["lr_schedule"])
+    class_rounds = _number(r"through `federated.per_task`, and (\d+) rounds\)", bullet)[0]
+    assert int(class_rounds) == class_scene.get("n_rounds", federated["n_rounds"])
+    assert ("client_tests: test_split" in bullet) == (partition.get("client_tests") == "test_split")
     width, size = _number(r"decoder width (\d+)\) at (\d+) px", bullet)
     assert (int(width), int(size)) == (demo["model"]["decoder_width"], demo["model"]["image_size"])
     alphas = _number(r"α ∈ \{([\d., ]+)\} plus iid", bullet)[0]

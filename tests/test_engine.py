@@ -308,3 +308,39 @@ def test_lr_schedules_are_functions_of_the_round():
     for bad in ("linear", "exponential", "step:0:0.1", "exponential:x"):
         with pytest.raises(TaskHetError, match="--lr_schedule"):
             make_lr_schedule(bad, 0.1, 10)
+
+
+@pytest.mark.parametrize("name", ["scaffold", "ditto"])  # server tensors; client state kept between rounds
+def test_checkpoint_every_resumes_from_the_last_one_and_redoes_the_rest_bit_for_bit(tmp_path, name):
+    reference = make_engine(tmp_path / "full", name, rounds=7, checkpoint_every=3).run()
+    assert load_checkpoint(tmp_path / "full" / "checkpoint.pt")["round"] == 7  # the last round always checkpoints
+    written = []
+    with pytest.raises(KeyboardInterrupt):  # 3 clients per round: call 17 is round 6's second client
+        engine = make_engine(tmp_path / "resumed", name, rounds=7, checkpoint_every=3,
+                             clients=make_clients(kill_after_calls=16))
+        save = engine_module.atomic_torch_save
+        engine_module.atomic_torch_save = lambda obj, path: (written.append((path.name, obj["round"])), save(obj, path))
+        try:
+            engine.run()
+        finally:
+            engine_module.atomic_torch_save = save
+    assert [round_index for file, round_index in written if file == "checkpoint.pt"] == [0, 3]  # rounds 1-5 ran
+    resumed = make_engine(tmp_path / "resumed", name, rounds=7, checkpoint_every=3).run()
+    assert_same_weights(reference, resumed)
+    assert (tmp_path / "full" / "metrics.csv").read_bytes() == (tmp_path / "resumed" / "metrics.csv").read_bytes()
+
+
+def test_a_stopped_run_names_the_round_of_its_last_checkpoint(tmp_path):
+    engine = make_engine(tmp_path / "run", "fedavg", rounds=6, checkpoint_every=2,
+                         clients=make_clients(poison_after_calls=10))  # round 4's first client sees NaN
+    with pytest.raises(NonFiniteLossError, match=r"round 4, .*last good checkpoint is .*checkpoint.pt \(round 2\)"):
+        engine.run()
+    assert load_checkpoint(tmp_path / "run" / "checkpoint.pt")["round"] == 2
+
+
+def test_the_flower_engine_refuses_a_sparser_checkpoint(tmp_path):
+    from network.run import RunConfig
+
+    assert RunConfig(task="normal", out=tmp_path, checkpoint_every=5).checkpoint_every == 5  # sequential: taken
+    with pytest.raises(TaskHetError, match="--checkpoint_every 5: the Flower engine"):
+        RunConfig(task="normal", out=tmp_path, engine="flower", checkpoint_every=5)
