@@ -184,7 +184,7 @@ class SequentialEngine:
                   for value in weights.values() if value.is_floating_point()]
         if finite and not bool(torch.stack(finite).all()):  # one device sync per round
             raise NonFiniteLossError(f"round {round_index}: the aggregated server models are not finite; "
-                                     f"{self._stop_message(round_index)}")
+                                     f"{self._stop_message()}")
         rows = [metric_row(round_index, TRAIN_SPLIT, client_id, metric, value)
                 for client_id, metrics in results.items() for metric, value in metrics.items()]
         for metric in dict.fromkeys(metric for metrics in results.values() for metric in metrics):
@@ -302,10 +302,10 @@ class SequentialEngine:
                                   self.client_config(lr, client.num_samples))
         except NonFiniteLossError as error:
             raise NonFiniteLossError(f"round {round_index}, client {client_id}: {error}; "
-                                     f"{self._stop_message(round_index)}") from None
+                                     f"{self._stop_message()}") from None
         except Exception as error:  # any failure inside a client names the client
             raise ClientFailure(f"round {round_index}, client {client_id} failed: {type(error).__name__}: {error}; "
-                                f"{self._stop_message(round_index)}") from error
+                                f"{self._stop_message()}") from error
         self.store.put(client_id, result.client_state)
         return result
 
@@ -322,15 +322,15 @@ class SequentialEngine:
                                     [client_seed(self.config.seed, round_index, client_id) for client_id in client_ids],
                                     [self.client_config(lr, client.num_samples) for client in clients])
         except NonFiniteLossError as error:
-            raise NonFiniteLossError(f"round {round_index}, {error}; {self._stop_message(round_index)}") from None
+            raise NonFiniteLossError(f"round {round_index}, {error}; {self._stop_message()}") from None
         except Exception as error:  # any failure inside a chunk names its clients
             raise ClientFailure(f"round {round_index}, the vectorised chunk of clients {', '.join(client_ids)} failed: "
-                                f"{type(error).__name__}: {error}; {self._stop_message(round_index)}") from error
+                                f"{type(error).__name__}: {error}; {self._stop_message()}") from error
         for client_id, result in zip(client_ids, results):
             self.store.put(client_id, result.client_state)
         return results
 
-    def _stop_message(self, round_index: int) -> str:
+    def _stop_message(self) -> str:
         return f"the run stopped; the last good checkpoint is {self.checkpoint_path} (round {self.checkpoint_round})"
 
     def _start(self) -> int:

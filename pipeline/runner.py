@@ -20,6 +20,7 @@ Layout under ``results/<experiment name>/``::
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import os
 import shlex
@@ -167,21 +168,21 @@ class Pipeline:
         return stage_dir
 
     def meter(self, task: str, grouping: str, alpha: float, seed: int, root: Path, manifest: Path, assignments: Path,
-              model_dir: Path) -> Path:
-        """Step 3c: G² and B² of one partition's clients at the task's centralized model."""
+              model_dir: Path) -> PoolStage:
+        """Step 3c's stage: G² and B² of one partition's clients at the task's centralized model (run later by
+        :meth:`run_pooled`, beside the federated runs: 48 readings one after another were a minute of one core)."""
         params = {"checkpoint": str(model_dir / "best.pt"), "manifest": str(manifest),
                   "assignments": str(assignments / "assignments.csv"), "data_path": str(root),
                   "use_accelerator": self.config["use_accelerator"], "cache_features": self.config["model"]["cache_features"]}
         inputs = [manifest, assignments / "assignments.csv", model_dir / "best.pt"]
         stage_dir = (self.out_dir / "heterogeneity" / task
                      / f"{grouping}-a{alpha:g}-s{seed}-{stage_key(params, inputs, self.out_dir)}")
-        self.step(f"step 3c: meter {task} {grouping} α={alpha:g} seed {seed}", stage_dir, params, step3c,
-                  ["--out", str(stage_dir), *flags(params)])
-        return stage_dir
+        return PoolStage(f"step 3c: meter {task} {grouping} α={alpha:g} seed {seed}", stage_dir, params,
+                         ["--out", str(stage_dir), *flags(params)], script=step3c.__name__)
 
     def federated(self, combination: Combination, root: Path, manifest: Path, assignments: Path,
-                  model_dir: Path) -> FederatedStage:
-        """Step 4's stage of one combination (run later by :meth:`run_federated`)."""
+                  model_dir: Path) -> PoolStage:
+        """Step 4's stage of one combination (run later by :meth:`run_pooled`)."""
         federated = task_federated(self.config, combination.task)
         hyper = self.config["federated"]["algorithms"][combination.algorithm] or {}
         params = {
@@ -202,21 +203,21 @@ class Pipeline:
         stage_dir = (self.out_dir / "federated" / c.task / partition / c.algorithm
                      / f"s{c.seed}-{stage_key(params, [manifest, assignments / 'assignments.csv'], self.out_dir)}")
         argv = ["--out", str(stage_dir), "--resume", *flags(params)]
-        return FederatedStage(f"step 4: {c.label()}", stage_dir, params, argv)
+        return PoolStage(f"step 4: {c.label()}", stage_dir, params, argv)
 
-    def run_federated(self, stages: list[FederatedStage]) -> None:
-        """Every step-4 run: here one after another, or ``jobs`` at a time in worker processes.
+    def run_pooled(self, stages: list[PoolStage]) -> None:
+        """Every step-3c reading and step-4 run: here one after another, or ``jobs`` at a time in worker processes.
 
-        Runs are independent (each has its own seed-derived draws), so the order changes nothing but
+        Stages are independent (each has its own seed-derived draws), so the order changes nothing but
         the floating-point rounding of a different thread count. The first failure stops the rest.
         """
         if self.jobs == 1:
             for stage in stages:
-                self.step(stage.name, stage.stage_dir, stage.params, step4, stage.argv)
+                self.step(stage.name, stage.stage_dir, stage.params, importlib.import_module(stage.script), stage.argv)
             return
         pending = [stage for stage in stages if not is_done(stage.stage_dir)]
         # Said once on the console too: with no bars (--no-progress, or stdout not a terminal) nothing else shows it.
-        print(f"step 4: {len(pending)} runs, {self.jobs} at a time in worker processes")
+        print(pool_summary(pending, self.jobs))
         if self.progress is not None:
             self.progress.update(len(stages) - len(pending))
             self.progress.set_description(f"step 4: {len(pending)} runs, {self.jobs} at a time")
@@ -226,8 +227,9 @@ class Pipeline:
         # signal follows the thread that started a worker: submit() starts them, from this (the main) thread.
         with ProcessPoolExecutor(self.jobs, mp_context=context, initializer=init_worker,
                                  initargs=(self.threads, os.getpid())) as pool:
-            futures = [pool.submit(run_federated_stage, stage.stage_dir, stage.params,
-                                   [*stage.argv, *self.shared_flags(step4)]) for stage in pending]
+            futures = [pool.submit(run_pool_stage, stage.script, stage.stage_dir, stage.params,
+                                   [*stage.argv, *self.shared_flags(importlib.import_module(stage.script))])
+                       for stage in pending]
             try:
                 for future in as_completed(futures):
                     future.result()
@@ -265,7 +267,7 @@ class Pipeline:
             manifest = self.manifest(root)
             model_dirs = {task: self.centralized(task, root, manifest) for task in self.config["tasks"]}
             cluster_dirs = {task: self.clusters(task, root, manifest, model_dirs[task]) for task in self.config["tasks"]}
-            runs, partitions, meters = [], {}, {}
+            runs, partitions, meters, meter_stages = [], {}, {}, []
             for combination in combinations(self.config):
                 key = partition_key(combination)
                 if key not in partitions:
@@ -273,10 +275,11 @@ class Pipeline:
                 assignments = partitions[key]
                 measured = (combination.task, combination.grouping, combination.alpha, combination.seed)
                 if measured in self.metered([combination]) and measured not in meters:
-                    meters[measured] = self.meter(*measured, root, manifest, assignments, model_dirs[combination.task])
+                    meter_stages.append(self.meter(*measured, root, manifest, assignments, model_dirs[combination.task]))
+                    meters[measured] = meter_stages[-1].stage_dir
                 stage = self.federated(combination, root, manifest, assignments, model_dirs[combination.task])
                 runs.append((combination, stage, assignments))
-            self.run_federated([stage for _, stage, _ in runs])
+            self.run_pooled(meter_stages + [stage for _, stage, _ in runs])
         return self.report([(combination, stage.stage_dir, assignments) for combination, stage, assignments in runs],
                            model_dirs, cluster_dirs, meters)
 
@@ -317,17 +320,26 @@ class Pipeline:
 
 
 @dataclass(frozen=True)
-class FederatedStage:
-    """One step-4 run: its progress label, folder, stage parameters and step-4 command line."""
+class PoolStage:
+    """One stage for the worker pool: its progress label, folder, stage parameters, command line and script
+    (a module name with a ``main(argv)``, so that a spawned worker can import it: step 4 or step 3c)."""
 
     name: str
     stage_dir: Path
     params: dict[str, Any]
     argv: list[str]
+    script: str = step4.__name__
+
+
+def pool_summary(stages: list[PoolStage], jobs: int) -> str:
+    """The console line before the pool starts, e.g. ``step 3c: 48 readings; step 4: 216 runs, 2 at a time``."""
+    readings = sum(stage.script == step3c.__name__ for stage in stages)
+    counted = ([f"step 3c: {readings} readings"] if readings else []) + [f"step 4: {len(stages) - readings} runs"]
+    return f"{'; '.join(counted)}, {jobs} at a time in worker processes"
 
 
 def init_worker(threads: int | None, parent_pid: int) -> None:
-    """A step-4 worker process: dies with the pipeline (``parent_pid``); ``threads`` torch threads (None: torch's choice)."""
+    """A pool worker process: dies with the pipeline (``parent_pid``); ``threads`` torch threads (None: torch's choice)."""
     die_with_parent(parent_pid)
     if threads is not None:
         import torch
@@ -335,9 +347,9 @@ def init_worker(threads: int | None, parent_pid: int) -> None:
         torch.set_num_threads(threads)
 
 
-def run_federated_stage(stage_dir: Path, params: dict[str, Any], argv: list[str]) -> None:
-    """One step-4 run in a worker process (module level, so a spawned process can import it)."""
-    run_stage(stage_dir, params, lambda: step4.main(argv))
+def run_pool_stage(script: str, stage_dir: Path, params: dict[str, Any], argv: list[str]) -> None:
+    """One stage in a worker process (module level, so a spawned process can import it)."""
+    run_stage(stage_dir, params, lambda: importlib.import_module(script).main(argv))
 
 
 def partition_key(combination: Combination) -> tuple:

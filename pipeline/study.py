@@ -60,7 +60,7 @@ class Study:
         from pipeline.runner import Pipeline
 
         self.config, self.out_dir, self.command = config, Path(out_dir), command
-        # jobs > 1: the grid's federated runs go through the main job's worker pool (Pipeline.run_federated)
+        # jobs > 1: the grid's federated runs go through the main job's worker pool (Pipeline.run_pooled)
         self.pipeline = Pipeline(config, self.out_dir, command, jobs=jobs, threads=threads, show_progress=show_progress)
 
     def run(self):
@@ -88,7 +88,7 @@ class Study:
             meters = {key: self.meter(*key, root, manifest, assignments[key], centralized[key[1]]) for key in metered}
             stages = {run: self.federated(run, root, manifest, assignments[(run.partition, run.seed)],
                                           starts[run.seed]) for run in runs}
-            self.pipeline.run_federated(list(stages.values()))  # one by one, or --jobs at a time
+            self.pipeline.run_pooled(list(stages.values()))  # one by one, or --jobs at a time
             run_dirs = {run: stage.stage_dir for run, stage in stages.items()}
         report = importlib.import_module(STUDY_REPORTS[self.config["study"]])
         extra = {"meters": meters} if metered else {}  # only the toolbox report reads step 3c
@@ -189,8 +189,8 @@ class Study:
                                   ["--out", str(stage_dir), *flags(params)])
 
     def federated(self, run: StudyRun, root: Path, manifest: Path, assignments: Path, model_dir: Path):
-        """Step 4's stage of one run (a ``pipeline.runner.FederatedStage``, run by ``Pipeline.run_federated``)."""
-        from pipeline.runner import FederatedStage, flags
+        """Step 4's stage of one run (a ``pipeline.runner.PoolStage``, run by ``Pipeline.run_pooled``)."""
+        from pipeline.runner import PoolStage, flags
 
         federated, model = dict(self.config["federated"]), self.config["model"]
         rounds = rounds_for(self.config, run.local_steps)
@@ -217,7 +217,7 @@ class Study:
         stage_dir = (self.out_dir / "federated" / run.partition.label / f"J{run.local_steps}" / run.variant.label
                      / f"s{run.seed}-{stage_key(params, inputs, self.out_dir)}")
         label = f"step 4: {run.partition.label} · J={run.local_steps} · {run.variant.label} · seed {run.seed}"
-        return FederatedStage(label, stage_dir, params, ["--out", str(stage_dir), "--resume", *flags(params)])
+        return PoolStage(label, stage_dir, params, ["--out", str(stage_dir), "--resume", *flags(params)])
 
 
 def unfrozen_copy(checkpoint: Path, out: Path) -> None:

@@ -173,14 +173,17 @@ def test_verdicts_do_not_depend_on_the_thread_count(tmp_path):
     assert (reports[1].gap_percent - reports[2].gap_percent).abs().max() < 1.0  # percentage points
 
 
-def test_parallel_federated_runs_give_the_report_of_sequential_ones(tmp_path):
+def test_parallel_federated_runs_give_the_report_of_sequential_ones(tmp_path, capsys):
     config = tiny_experiment(tmp_path)
     config["federated"]["algorithms"]["fedprox"] = {"mu": 0.01}
     experiment = write_experiment(tmp_path, config)
     run_pipeline.main([str(experiment), "--results", str(tmp_path / "sequential"), "--threads", "1"])
     run_pipeline.main([str(experiment), "--results", str(tmp_path / "parallel"), "--threads", "1", "--jobs", "2"])
-    reports = [pd.read_csv(tmp_path / name / "tiny" / "report.csv") for name in ("sequential", "parallel")]
-    pd.testing.assert_frame_equal(*reports)  # one thread each: the same arithmetic in either process
+    # The meter's readings went through the worker pool too (before the federated runs).
+    assert "step 3c: 2 readings; step 4: 4 runs, 2 at a time in worker processes" in capsys.readouterr().out
+    for report in ("report.csv", "report_heterogeneity.csv"):
+        reports = [pd.read_csv(tmp_path / name / "tiny" / report) for name in ("sequential", "parallel")]
+        pd.testing.assert_frame_equal(*reports)  # one thread each: the same arithmetic in either process
     assert len(list((tmp_path / "parallel" / "tiny").glob("federated/**/stage.json"))) == 4  # 2 groupings x 2 algorithms
 
 

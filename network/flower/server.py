@@ -119,7 +119,7 @@ class FlowerEngine(SequentialEngine):
                 listing = "; ".join(f"client {name}: {why}" for name, why in failed.items())
                 raise ClientFailure(f"round {round_index}: {listing}. {len(sampled) - len(failed)} of {len(sampled)} "
                                     f"sampled clients can still answer, fewer than --min_available_clients "
-                                    f"{self.min_results}; {self._stop_message(round_index)}")
+                                    f"{self.min_results}; {self._stop_message()}")
             self.logger.warning("round %d: client %s failed (%s); the round goes on without it "
                                 "(--min_available_clients %d)", round_index, client_id, reason, self.min_results)
 
