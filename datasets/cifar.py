@@ -27,8 +27,9 @@ from torch.utils.data import Dataset
 
 import utils.tv_compat  # noqa: F401  (before torchvision)
 # Only the classes' attributes (folder and file names, md5s, URL) are used, never an instance: constructing one
-# would unpickle the batches with plain pickle. Every file is read by load_split's restricted unpickler.
-from torchvision.datasets import CIFAR10, CIFAR100
+# would unpickle the batches with plain pickle. Every file is read by load_split's restricted unpickler
+# (tests/test_cifar_files.py::test_torchvisions_cifar_classes_are_never_built checks it).
+from torchvision.datasets import CIFAR10, CIFAR100  # class attributes only; no file is read through them
 from torchvision.datasets.utils import check_integrity, download_and_extract_archive
 
 from datasets.family import (DATASETS, FAMILY_COLUMN, SPLITS, VAL_COLUMN, DataFamily, refuse_repeated_images,

@@ -140,6 +140,23 @@ def test_a_payload_never_runs_where_steps_3_and_4_read(clean, tmp_path):
     assert not marker.exists()
 
 
+def test_torchvisions_cifar_classes_are_never_built(clean, tmp_path, monkeypatch):
+    """datasets/cifar.py imports torchvision's CIFAR10/CIFAR100 for their file names and md5s only: building an
+    instance would read the batches with plain pickle. Steps 1 and 2 and the family's dataset never build one."""
+    from torchvision.datasets import CIFAR10, CIFAR100
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("a torchvision CIFAR dataset was built: it would unpickle the batches unrestricted")
+
+    for dataset_class in (CIFAR10, CIFAR100):
+        monkeypatch.setattr(dataset_class, "__init__", refuse)
+    manifest = select.main(step1(clean[0], tmp_path / "s1"))
+    family, table = load_manifest(manifest)
+    assert len(family.dataset(clean[0], table, get_task("cifar_class"), 32)) == len(table)
+    train_centralized.main(step2(clean[0], manifest, tmp_path / "s2"))
+    assert (tmp_path / "s2" / "best.pt").is_file()
+
+
 def test_cifar100_files_are_read_the_same_way(tmp_path):
     root = write_tiny_cifar(tmp_path / "data", "cifar100", [1] * 100, test_per_class=1)
     marker = tmp_path / "marker"
