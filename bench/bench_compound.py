@@ -32,7 +32,8 @@ def timed(run: Callable[[], object]) -> tuple[tuple[float, float], object]:
 def main() -> None:
     sys.path.insert(0, str(ROOT))
     from partitioning.assignments import assignments_table
-    from partitioning.partition import client_test_mask, get_partitioner
+    from partitioning.client_tests import client_test_mask
+    from partitioning.partition import get_partitioner
     from partitioning.temporal import client_phases, parse_temporal, schedule_rows, schedule_table
     from utils.seeding import numpy_rng
 

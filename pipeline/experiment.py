@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from partitioning.client_tests import DEFAULT_TEST_FRACTION, HELD_OUT
 from partitioning.groupings import GROUPINGS, IID_REFERENCE, canonical_grouping
 from pipeline.checks import check_config
 from pipeline.schema import check_types
@@ -69,8 +70,8 @@ SCHEMA: dict[str, Any] = {
         "scheme": "dirichlet_mixture",
         "alphas": [0.1, 1.0],
         "n_clients": 10,
-        "client_test_fraction": 0.2,  # client_tests held_out: share of each client's rows held out as its test set
-        "client_tests": "held_out",  # or test_split: the manifest's test rows, dealt to clients (step 3b --client_tests)
+        "client_test_fraction": DEFAULT_TEST_FRACTION,  # client_tests held_out: share of each client's rows held out as its test set
+        "client_tests": HELD_OUT,  # or test_split: the manifest's test rows, dealt to clients (step 3b --client_tests)
         "size_skew": None,
         "temporal": None,  # temporal skew (step 3b's --temporal, scheduled up to federated.n_rounds)
         "skews": {},  # step 3b's per-client skews by flag name, e.g. {feature_noise: 0.2, label_swap: 1, concept_fraction: 0.3}

@@ -37,6 +37,7 @@ from models.tasks import get_task
 from network.algorithms.base import ALGORITHMS
 from network.client import GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT
 from network.run_outputs import GLOBAL_CLIENT, METRICS_COLUMNS
+from partitioning.client_tests import TEST_SPLIT
 from partitioning.groupings import EMBEDDING_BASED, GROUPINGS, IID_REFERENCE
 from pipeline.checks import check_input_files
 from pipeline.experiment import DATA_SOURCES, Combination, combinations, split_csv_path, task_federated
@@ -157,7 +158,7 @@ class Pipeline:
             **partition["skews"],  # per-client feature skew / concept shift (partitioning/skews.py), iid reference too
         }
         # Only a test_split run names --client_tests: the stage keys of held-out runs stay as they were.
-        params.update({"client_tests": "test_split"} if partition["client_tests"] == "test_split"
+        params.update({"client_tests": TEST_SPLIT} if partition["client_tests"] == TEST_SPLIT
                       else {"client_test_fraction": partition["client_test_fraction"]})
         if partition.get("temporal") and not iid:  # only then: the stage keys of static partitions stay as they were
             params.update(temporal=partition["temporal"], n_rounds=self.config["federated"]["n_rounds"])

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from partitioning.client_tests import CLIENT_TESTS
 from utils.errors import TaskHetError
 from utils.loaders import PLAIN_NAME
 
@@ -212,7 +213,7 @@ TYPES: dict[str, Check] = {
     "partition.alphas": ListOf(POSITIVE),
     "partition.n_clients": Int(1),
     "partition.client_test_fraction": Float(0, 1, high_open=True),
-    "partition.client_tests": Str(("held_out", "test_split")),
+    "partition.client_tests": Str(CLIENT_TESTS),
     "partition.size_skew": Optional(Str()),
     "partition.temporal": Optional(Str()),
     "partition.skews": Mapping("map step 3b's skew flags to values", "{feature_noise: 0.2, label_swap: 1}", allow_empty=True),

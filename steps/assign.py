@@ -19,7 +19,9 @@ import pandas as pd
 
 from datasets.family import load_manifest, validation_mask
 from partitioning.assignments import assignments_table, resolve_groups, source_record, write_assignments
-from partitioning.partition import client_test_mask, get_partitioner, list_schemes, scheme_parameters, deal_test_split
+from partitioning.client_tests import (CLIENT_TESTS, DEFAULT_TEST_FRACTION, HELD_OUT, TEST_SPLIT, client_test_mask,
+                                       deal_test_split)
+from partitioning.partition import get_partitioner, list_schemes, scheme_parameters
 from partitioning.partition_stats import client_stats, phase_stats, plot_heatmap, plot_schedule
 from partitioning.skew_record import draw_skews, skew_columns, skew_summary
 from partitioning.skews import SKEWS_KEY, SkewContext
@@ -34,9 +36,6 @@ from utils.run_dir import claim_folder, setup_logging, unfinished, write_config
 from utils.seeding import numpy_rng
 
 STEP = "step 3b"
-HELD_OUT, TEST_SPLIT = "held_out", "test_split"
-CLIENT_TESTS = (HELD_OUT, TEST_SPLIT)
-DEFAULT_TEST_FRACTION = 0.2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,7 +129,7 @@ def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, group
 
     ``skews``: the per-client skews drawn by :func:`partitioning.skew_record.draw_skews`, recorded in the sidecar.
     ``test``: with ``--client_tests test_split``, the manifest's test rows with their ``group``: dealt to the clients
-    as their test rows (:func:`partitioning.partition.deal_test_split`)."""
+    as their test rows (:func:`partitioning.client_tests.deal_test_split`)."""
     given = {"alpha": args.alpha, "size_skew": args.size_skew, "groups_per_client": args.groups_per_client,
              "min_client_size": args.min_client_size, "seed": args.seed}
     accepted = scheme_parameters(args.scheme)

@@ -16,7 +16,8 @@ from partitioning.assignments import (
     source_record,
     write_assignments,
 )
-from partitioning.partition import client_test_mask, get_partitioner
+from partitioning.client_tests import client_test_mask
+from partitioning.partition import get_partitioner
 from utils.errors import TaskHetError
 
 

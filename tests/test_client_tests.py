@@ -13,7 +13,7 @@ import pytest
 
 from partitioning.allocation import UNUSED
 from partitioning.assignments import load_assignments
-from partitioning.partition import deal_test_split
+from partitioning.client_tests import deal_test_split
 from pipeline.experiment import load_experiment
 from pipeline.runner import Pipeline
 from steps import assign

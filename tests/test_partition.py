@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from partitioning.allocation import UNUSED, client_sizes, dirichlet, largest_remainder
-from partitioning.partition import client_test_mask, get_partitioner, list_schemes, scheme_parameters
+from partitioning.client_tests import client_test_mask
+from partitioning.partition import get_partitioner, list_schemes, scheme_parameters
 from partitioning.partition_stats import client_stats, group_counts, plot_heatmap
 from utils.errors import TaskHetError
 

@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from partitioning.allocation import client_sizes
-from partitioning.partition import client_test_mask, get_partitioner, list_schemes, scheme_parameters
+from partitioning.client_tests import client_test_mask
+from partitioning.partition import get_partitioner, list_schemes, scheme_parameters
 from utils.errors import TaskHetError
 from utils.seeding import numpy_rng
 
