@@ -221,7 +221,7 @@ class Pipeline:
         print(pool_summary(pending, self.jobs))
         if self.progress is not None:
             self.progress.update(len(stages) - len(pending))
-            self.progress.set_description(f"step 4: {len(pending)} runs, {self.jobs} at a time")
+            self.progress.set_description(pool_summary(pending, self.jobs))
         # spawn, not fork: a forked child of a process that already ran OpenMP threads (steps 2-3) can hang.
         context = multiprocessing.get_context("spawn")
         # Workers die with this process, even when it is killed with SIGKILL (utils/parent_death.py). The death
@@ -268,7 +268,7 @@ class Pipeline:
             manifest = self.manifest(root)
             model_dirs = {task: self.centralized(task, root, manifest) for task in self.config["tasks"]}
             cluster_dirs = {task: self.clusters(task, root, manifest, model_dirs[task]) for task in self.config["tasks"]}
-            runs, partitions, meters, meter_stages = [], {}, {}, []
+            runs, partitions, meters = [], {}, {}
             for combination in combinations(self.config):
                 key = partition_key(combination)
                 if key not in partitions:
@@ -276,13 +276,12 @@ class Pipeline:
                 assignments = partitions[key]
                 measured = (combination.task, combination.grouping, combination.alpha, combination.seed)
                 if measured in self.metered([combination]) and measured not in meters:
-                    meter_stages.append(self.meter(*measured, root, manifest, assignments, model_dirs[combination.task]))
-                    meters[measured] = meter_stages[-1].stage_dir
+                    meters[measured] = self.meter(*measured, root, manifest, assignments, model_dirs[combination.task])
                 stage = self.federated(combination, root, manifest, assignments, model_dirs[combination.task])
                 runs.append((combination, stage, assignments))
-            self.run_pooled(meter_stages + [stage for _, stage, _ in runs])
+            self.run_pooled([*meters.values(), *(stage for _, stage, _ in runs)])
         return self.report([(combination, stage.stage_dir, assignments) for combination, stage, assignments in runs],
-                           model_dirs, cluster_dirs, meters)
+                           model_dirs, cluster_dirs, {key: stage.stage_dir for key, stage in meters.items()})
 
     def partition_for(self, combination: Combination, manifest: Path, cluster_dirs: dict[str, Path]) -> Path:
         owner, grouping, alpha, seed = partition_key(combination)

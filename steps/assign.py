@@ -106,21 +106,23 @@ def assign_clients(args: argparse.Namespace) -> Path:
     if train.empty:
         raise TaskHetError(f"{args.manifest}: has no train rows to partition")
     args.groups = args.groups or family.label_column
-    test = manifest[(manifest["split"] == "test") & ~validation_mask(manifest)].reset_index(drop=True)
-    # A clusters file covers every sample step 3 embedded: the test and validation rows too. The test rows' groups
-    # are resolved with the train rows' (one call, so both come back as the same type).
-    grouped = pd.concat([train, test], ignore_index=True) if args.client_tests == TEST_SPLIT else train
+    # --client_tests test_split deals the test rows to the clients: their groups are resolved with the train rows'
+    # (one call, so both come back as the same type). A clusters file covers every sample step 3 embedded.
+    test = (manifest[(manifest["split"] == "test") & ~validation_mask(manifest)].reset_index(drop=True)
+            if args.client_tests == TEST_SPLIT else None)
+    grouped = train if test is None else pd.concat([train, test], ignore_index=True)
     other_ids = manifest.loc[~manifest["sample_id"].isin(grouped["sample_id"]), "sample_id"]
     all_groups, groups_file = resolve_groups(grouped, args.groups, extra_ids=other_ids)
-    groups, test_groups = all_groups.iloc[:len(train)].reset_index(drop=True), all_groups.iloc[len(train):]
+    groups = all_groups.iloc[:len(train)].reset_index(drop=True)
+    if test is not None:
+        test = test.assign(group=all_groups.iloc[len(train):].to_numpy())
     skews = draw_skews(skew_settings(args), SkewContext(family.name, family.num_classes(manifest), tuple(family.tasks),
                                                         args.n_clients), args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     write_config(args.out, vars(args), step=STEP)
     logger = setup_logging(args.out, "make_client_assignments")
     with unfinished(args.out, STEP):  # step 4 refuses an assignments.csv of a run that did not finish
-        return write_partition(args, family, train, groups, groups_file, logger, skews,
-                               test=test.assign(group=test_groups.to_numpy()) if args.client_tests == TEST_SPLIT else None)
+        return write_partition(args, family, train, groups, groups_file, logger, skews, test)
 
 
 def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, groups: pd.Series, groups_file: Path | None,
@@ -139,17 +141,7 @@ def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, group
     # Only the natural scheme reads sources; it names the problem when a family has none.
     sources = train[family.source_column].to_numpy() if family.source_column else None
     partition = partitioner.split(groups.to_numpy(), sources=sources)
-    if test is None:
-        is_test = client_test_mask(partition.client_of, args.client_test_fraction, numpy_rng(args.seed, "client_test"))
-        table = assignments_table(train["sample_id"].to_numpy(), groups.to_numpy(), partition.client_of, is_test)
-    else:
-        is_test = np.zeros(len(train), dtype=bool)
-        test_client_of = deal_test_split(partition.client_of, groups.to_numpy(), test["group"].to_numpy(),
-                                            numpy_rng(args.seed, "client_test"))
-        table = pd.concat([
-            assignments_table(train["sample_id"].to_numpy(), groups.to_numpy(), partition.client_of, is_test),
-            assignments_table(test["sample_id"].to_numpy(), test["group"].to_numpy(), test_client_of,
-                              np.ones(len(test), dtype=bool))], ignore_index=True)
+    table = assignment_rows(args, train, groups, partition.client_of, test)
     spec, phases = parse_temporal(args.temporal), None
     if spec is None and args.n_rounds is not None:
         logger.warning("--n_rounds only shapes a --temporal schedule; ignored")
@@ -190,6 +182,19 @@ def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, group
                 "mean effective groups %.2f; wrote %s", len(train), args.n_clients, summary["n_unused"],
                 summary["mean_js_divergence"], summary["mean_effective_groups"], args.out / "assignments.csv")
     return args.out / "assignments.csv"
+
+
+def assignment_rows(args: argparse.Namespace, train: pd.DataFrame, groups: pd.Series, client_of: np.ndarray,
+                    test: pd.DataFrame | None) -> pd.DataFrame:
+    """assignments.csv's rows before any schedule: the partitioned train rows, a share of each client's own rows
+    marked client-test (``test`` None: held_out), or all of them trained on and ``test``'s rows dealt as client tests."""
+    ids, group_of, rng = train["sample_id"].to_numpy(), groups.to_numpy(), numpy_rng(args.seed, "client_test")
+    if test is None:
+        return assignments_table(ids, group_of, client_of, client_test_mask(client_of, args.client_test_fraction, rng))
+    test_client_of = deal_test_split(client_of, group_of, test["group"].to_numpy(), rng)
+    return pd.concat([assignments_table(ids, group_of, client_of, np.zeros(len(train), dtype=bool)),
+                      assignments_table(test["sample_id"].to_numpy(), test["group"].to_numpy(), test_client_of,
+                                        np.ones(len(test), dtype=bool))], ignore_index=True)
 
 
 def write_schedule_plot(args: argparse.Namespace, table: pd.DataFrame, phases: np.ndarray, spec: TemporalSpec) -> None:
