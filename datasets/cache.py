@@ -158,6 +158,14 @@ class DecodedSampleCache:
             return None
         return {name: np.array(maps[name][index]) for name in self.layout}
 
+    def get_many(self, indices: np.ndarray) -> dict[str, np.ndarray] | None:
+        """Copies of several rows' arrays, stacked (``[len(indices), ...]``, one read per array), or None if
+        any of them was never filled. A DataLoader batch reads this way (``__getitems__``)."""
+        maps = self._open()
+        if not maps[FILLED][indices].all():
+            return None
+        return {name: np.asarray(maps[name][indices]) for name in self.layout}  # fancy indexing copies
+
     def put(self, index: int, arrays: Mapping[str, np.ndarray]) -> None:
         """Write a row (every array of the layout), then mark it filled."""
         maps = self._open()

@@ -135,6 +135,25 @@ class EncodedDataset(Dataset):
         item[ENCODED_KEY] = [torch.from_numpy(arrays[name]) for name in sorted(arrays, key=lambda name: int(name[3:]))]
         return item
 
+    def __getitems__(self, indices: list[int]) -> list[dict]:
+        """``[self[i] for i in indices]`` with one store read per map, and the base's batched read where it has one.
+
+        torch's DataLoader calls this for a batch (through ``Subset``); see ``TaskonomyDataset.__getitems__``.
+        """
+        arrays = self.store.get_many(self.rows[indices])
+        if arrays is None:  # a row another process has not filled yet: one by one, as __getitem__ reads it
+            return [self[index] for index in indices]
+        maps = [torch.from_numpy(arrays[name]).unbind(0) for name in sorted(arrays, key=lambda name: int(name[3:]))]
+        read_many = getattr(self.base, "__getitems__", None)
+        items = read_many(indices) if callable(read_many) else [self.base[index] for index in indices]
+        samples = []
+        for position, item in enumerate(items):
+            item = dict(item)
+            del item[self.input_key]
+            item[ENCODED_KEY] = [batch[position] for batch in maps]
+            samples.append(item)
+        return samples
+
 
 def encoded_dataset(dataset: Dataset, rows: pd.DataFrame, family, model: nn.Module, data_path: Path, image_size: int,
                     cache_dir: Path | None, manifest: pd.DataFrame) -> EncodedDataset:
@@ -163,6 +182,11 @@ class InMemoryStore:
 
     def get(self, index: int) -> dict[str, np.ndarray]:
         return {name: array[index].copy() for name, array in self.arrays.items()}
+
+    def get_many(self, indices: np.ndarray) -> dict[str, np.ndarray] | None:
+        if not self.is_filled[indices].all():
+            return None
+        return {name: array[indices] for name, array in self.arrays.items()}  # fancy indexing copies
 
     def put(self, index: int, arrays: dict[str, np.ndarray]) -> None:
         for name in self.layout:

@@ -320,6 +320,22 @@ class TaskonomyDataset(Dataset):
         sample["sample_id"] = self.sample_ids[index]
         return sample
 
+    def __getitems__(self, indices: list[int]) -> list[dict]:
+        """``[self[i] for i in indices]``, read with one cache read per array when every row is decoded already.
+
+        torch's DataLoader calls this for a batch (through ``Subset``); per-sample reads were most of a
+        cached federated step's data time (docs/BENCHMARKS.md). The samples are views of one batch
+        tensor per array, which the collate function stacks as it stacks separate ones.
+        """
+        stacked = None if self.cache is None else self.cache.get_many(self.cache_rows[indices])
+        if stacked is None:
+            return [self[index] for index in indices]
+        columns = {name: (torch.from_numpy(array).long() if name == "segment_semantic" else torch.from_numpy(array)).unbind(0)
+                   for name, array in stacked.items()}
+        columns["scene_class"] = torch.from_numpy(self.scene_classes[indices]).unbind(0)
+        return [{**{name: column[position] for name, column in columns.items()}, "sample_id": self.sample_ids[index]}
+                for position, index in enumerate(indices)]
+
 
 class TaskonomyFamily(DataFamily):
     """Taskonomy in the omnidata layout: real downloads and synthetic buildings alike.

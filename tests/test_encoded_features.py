@@ -60,6 +60,26 @@ def test_maps_equal_the_encoder_output_and_are_shared_by_any_order_of_the_same_s
     assert batch_sizes == [1] and len(list((tmp_path / "cache").glob("encoded_*"))) == 1
 
 
+@pytest.mark.parametrize("on_disk", [True, False])
+def test_a_batched_read_equals_reading_one_by_one(tiny_data_root, tiny_manifest, tmp_path, monkeypatch, on_disk):  # noqa: F811
+    # torch's DataLoader reads a batch through __getitems__ (one store read per map, the base's own batched read).
+    manifest = read_manifest(tiny_manifest)
+    model = build_task_model("segment_semantic", "small_cnn", "none", seed=0, freeze_encoder=True)
+    base = TaskonomyDataset(tiny_data_root, manifest, ["segment_semantic"], 32, cache_dir=tmp_path / "decoded")
+    dataset = encoded(model, base, tmp_path / "cache" if on_disk else None)
+    batch = [4, 1, 4, 9]
+    expected = [dataset[index] for index in batch]
+    monkeypatch.setattr(dataset.store, "get", lambda row: (_ for _ in ()).throw(AssertionError("read one by one")))
+    got = dataset.__getitems__(batch)
+    assert len(got) == len(expected) and dataset.__getitems__([]) == []
+    for one, other in zip(got, expected):
+        assert set(one) == set(other) and "rgb" not in one and one["sample_id"] == other["sample_id"]
+        assert one["segment_semantic"].dtype == torch.int64 and torch.equal(one["segment_semantic"], other["segment_semantic"])
+        assert torch.equal(one["mask"], other["mask"]) and torch.equal(one["scene_class"], other["scene_class"])
+        assert len(one[ENCODED_KEY]) == len(other[ENCODED_KEY])
+        assert all(torch.equal(a, b) for a, b in zip(one[ENCODED_KEY], other[ENCODED_KEY]))
+
+
 def test_other_weights_get_another_cache_and_a_trainable_encoder_is_refused(tiny_data_root, tiny_manifest, tmp_path):  # noqa: F811
     base = TaskonomyDataset(tiny_data_root, read_manifest(tiny_manifest), ["depth_euclidean"], 32)
     first = build_task_model("depth_euclidean", "small_cnn", "none", seed=0, freeze_encoder=True)

@@ -233,12 +233,61 @@ def test_cache_is_shared_by_dataloader_workers(tiny_data_root, tiny_manifest, tm
     assert dataset.cache.num_filled() == len(dataset)
 
 
+def assert_same_items(got: list[dict], expected: list[dict]) -> None:
+    """Two lists of sample dicts hold the same keys, dtypes, shapes and values."""
+    assert len(got) == len(expected)
+    for one, other in zip(got, expected):
+        assert set(one) == set(other)
+        for key, value in other.items():
+            if isinstance(value, torch.Tensor):
+                assert one[key].dtype == value.dtype and torch.equal(one[key], value), key
+            else:
+                assert one[key] == value, key
+
+
+def test_a_batched_read_equals_reading_one_by_one_whatever_the_cache_holds(tiny_data_root, tiny_manifest, tmp_path,
+                                                                          monkeypatch):
+    # torch's DataLoader reads a batch through __getitems__: it must give what __getitem__ gives, sample by sample.
+    manifest = read_manifest(tiny_manifest)
+    plain = TaskonomyDataset(tiny_data_root, manifest, ALL_DOMAINS, 16)
+    cached = TaskonomyDataset(tiny_data_root, manifest, ALL_DOMAINS, 16, cache_dir=tmp_path / "cache")
+    batch = [5, 0, 5, 11, 3]  # a repeated sample and an unsorted order
+    expected = [plain[index] for index in batch]
+    assert_same_items(plain.__getitems__(batch), expected)  # no cache: decoded one by one
+    cached[0]
+    assert_same_items(cached.__getitems__(batch), expected)  # partly filled: one by one, filling the rest
+    assert all(cached.cache.filled(int(cached.cache_rows[index])) for index in batch)
+    monkeypatch.setattr(cached.cache, "get", lambda index: (_ for _ in ()).throw(AssertionError("read one by one")))
+    got = cached.__getitems__(batch)  # filled: one read per array
+    assert_same_items(got, expected)
+    assert got[0]["segment_semantic"].dtype == torch.int64 and got[0]["scene_class"].shape == ()
+    assert cached.__getitems__([]) == []
+
+
+def test_a_dataloader_batch_is_the_same_with_batched_reads(tiny_data_root, tiny_manifest, tmp_path):
+    manifest = read_manifest(tiny_manifest)
+    dataset = TaskonomyDataset(tiny_data_root, manifest, ["normal", "segment_semantic"], 16, cache_dir=tmp_path / "cache")
+    one_by_one = [dataset[index] for index in range(len(dataset))]  # fills the cache
+    subset = torch.utils.data.Subset(dataset, [7, 2, 9, 4, 1])
+    batches = list(DataLoader(subset, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(3)))
+    order = [position for positions in DataLoader(range(5), batch_size=2, shuffle=True,  # the same draws, on positions
+                                                 generator=torch.Generator().manual_seed(3)) for position in positions.tolist()]
+    expected = [torch.utils.data.default_collate([one_by_one[subset.indices[i]] for i in order[start:start + 2]])
+                for start in range(0, 5, 2)]
+    assert len(batches) == len(expected)
+    for got, want in zip(batches, expected):
+        assert got["sample_id"] == want["sample_id"]
+        assert all(torch.equal(got[key], want[key]) for key in ("normal", "segment_semantic", "mask", "scene_class"))
+
+
 def test_cache_row_is_unfilled_until_written(tmp_path):
     cache = DecodedSampleCache(tmp_path, "k" * 64, 3, {"x": ((2,), np.dtype(np.float32))})
     assert cache.get(1) is None
     cache.put(1, {"x": np.array([1.5, 2.5], np.float32)})
     np.testing.assert_array_equal(cache.get(1)["x"], [1.5, 2.5])
     assert cache.get(0) is None and cache.num_filled() == 1
+    assert cache.get_many(np.array([1, 0])) is None
+    np.testing.assert_array_equal(cache.get_many(np.array([1, 1]))["x"], [[1.5, 2.5], [1.5, 2.5]])
 
 
 def test_download_fails_at_once_when_offline(tmp_path, monkeypatch):
