@@ -140,7 +140,7 @@ class EncodedDataset(Dataset):
 
         torch's DataLoader calls this for a batch (through ``Subset``); see ``TaskonomyDataset.__getitems__``.
         """
-        arrays = self.store.get_many(self.rows[indices])
+        arrays = self.store.get_many(self.rows[np.asarray(indices, dtype=np.int64)])
         if arrays is None:  # a row another process has not filled yet: one by one, as __getitem__ reads it
             return [self[index] for index in indices]
         maps = [torch.from_numpy(arrays[name]).unbind(0) for name in sorted(arrays, key=lambda name: int(name[3:]))]

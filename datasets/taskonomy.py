@@ -327,14 +327,15 @@ class TaskonomyDataset(Dataset):
         cached federated step's data time (docs/BENCHMARKS.md). The samples are views of one batch
         tensor per array, which the collate function stacks as it stacks separate ones.
         """
-        stacked = None if self.cache is None else self.cache.get_many(self.cache_rows[indices])
+        rows = np.asarray(indices, dtype=np.int64)  # a Subset of a tensor hands 0-dim tensors
+        stacked = None if self.cache is None else self.cache.get_many(self.cache_rows[rows])
         if stacked is None:
             return [self[index] for index in indices]
         columns = {name: (torch.from_numpy(array).long() if name == "segment_semantic" else torch.from_numpy(array)).unbind(0)
                    for name, array in stacked.items()}
-        columns["scene_class"] = torch.from_numpy(self.scene_classes[indices]).unbind(0)
+        columns["scene_class"] = torch.from_numpy(self.scene_classes[rows]).unbind(0)
         return [{**{name: column[position] for name, column in columns.items()}, "sample_id": self.sample_ids[index]}
-                for position, index in enumerate(indices)]
+                for position, index in enumerate(rows.tolist())]
 
 
 class TaskonomyFamily(DataFamily):

@@ -262,6 +262,7 @@ def test_a_batched_read_equals_reading_one_by_one_whatever_the_cache_holds(tiny_
     assert_same_items(got, expected)
     assert got[0]["segment_semantic"].dtype == torch.int64 and got[0]["scene_class"].shape == ()
     assert cached.__getitems__([]) == []
+    assert_same_items(cached.__getitems__([torch.tensor(index) for index in batch]), expected)  # Subset(data, tensor)
 
 
 def test_a_dataloader_batch_is_the_same_with_batched_reads(tiny_data_root, tiny_manifest, tmp_path):
