@@ -83,6 +83,9 @@ class SequentialEngine:
             raise TaskHetError(f"the engine needs at least one client and unique client ids, got {len(ids)} ids")
         if config.vectorize_chunk:
             check_vectorizable(model, algorithm)
+            # vmap cannot ask a channels_last tensor whether it is contiguous (GroupNorm and BatchNorm do), and a
+            # frozen encoder runs inside vmap with the model's own weights: the default layout, in place.
+            model.to(memory_format=torch.contiguous_format)
         self.model, self.algorithm, self.loss_fn, self.evaluate_fn = model, algorithm, loss_fn, evaluate_fn
         self.clients = {client_id: client for client_id, client in zip(ids, clients)}
         self.test_loader, self.val_loader, self.config, self.device = test_loader, val_loader, config, device

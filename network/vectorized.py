@@ -56,7 +56,8 @@ def _masked(active: Tensor | None, new: Tensor, old: Tensor) -> Tensor:
 
 def stack_weights(weights: Sequence[Weights], keys: Iterable[str]) -> Weights:
     """The clients' entries ``keys`` stacked along a new first dimension (client order)."""
-    return {key: torch.stack([client[key].detach() for client in weights]) for key in keys}
+    # contiguous: a channels_last entry (a sequential CUDA run's checkpoint) would stack into strides vmap refuses
+    return {key: torch.stack([client[key].detach() for client in weights]).contiguous() for key in keys}
 
 
 def unstack_weights(stacked: Weights, index: int) -> Weights:

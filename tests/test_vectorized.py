@@ -30,7 +30,7 @@ from network.lr_schedule import make_lr_schedule
 from network.sampling import client_seed, sample_clients
 from network.algorithms.base import ClientConfig
 from network.functional_sgd import SGDOptions, sgd_step
-from network.vectorized import train_lockstep
+from network.vectorized import stack_weights, train_lockstep
 import test_fed
 from tests.fixtures import tiny_data_root, tiny_manifest  # noqa: F401  (session fixtures)
 from tests.test_step4 import argv as step4_argv, assignments  # noqa: F401  (the step-4 fixture)
@@ -195,6 +195,45 @@ def test_a_cumulative_batchnorm_is_refused(tmp_path):
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None), nn.Linear(4, 1))
     with pytest.raises(TaskHetError, match=r"its BatchNorm 1 keeps a cumulative average"):
         make_engine(tmp_path, "fedavg", {}, chunk=4, model=model)
+
+
+class ConvNormNet(nn.Module):
+    """Convolutions with GroupNorm and BatchNorm2d over each sample's 4 features seen as a 2x2 image."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(1, 4, 2, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.Conv2d(4, 4, 2),
+                                  nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten())
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x.view(-1, 1, 2, 2)))
+
+
+def test_a_channels_last_model_trains_vectorised_as_the_default_layout_trains_sequentially(tmp_path):
+    # On CUDA utils.device.prepare_model hands the engine a channels_last model; vmap cannot ask such a tensor
+    # whether it is contiguous (GroupNorm and BatchNorm do), so the engine turns its model back.
+    torch.manual_seed(0)
+    model = ConvNormNet()
+    twin = ConvNormNet()
+    twin.load_state_dict(model.state_dict())
+    for net in (model, twin):  # a frozen layer runs inside vmap with the model's own weights (a frozen encoder)
+        net.body[0].requires_grad_(False)
+    vectorized = make_engine(tmp_path / "vectorized", "fedavg", {}, chunk=2,
+                             model=model.to(memory_format=torch.channels_last))
+    vectorized.run()
+    sequential = make_engine(tmp_path / "sequential", "fedavg", {}, chunk=0, model=twin)
+    sequential.run()
+    assert_same_runs(sequential, vectorized)
+    # the run trained the convolutions: equal runs that never moved would prove nothing
+    assert not torch.allclose(sequential.global_weights["body.3.weight"], vectorized.initial_weights["body.3.weight"])
+
+
+def test_stacked_entries_are_contiguous_whatever_the_clients_layout():
+    # A sequential CUDA run's checkpoint holds channels_last entries; a vectorised resume stacks them.
+    weight = torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last)
+    stacked = stack_weights([{"w": weight}, {"w": weight + 1}], ["w"])["w"]
+    assert stacked.is_contiguous() and torch.equal(stacked[1], weight + 1)
 
 
 def test_a_resumed_vectorised_run_is_bit_identical(tmp_path):

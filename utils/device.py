@@ -24,7 +24,14 @@ def autocast(device: torch.device) -> contextlib.AbstractContextManager:
 
 
 def prepare_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """Move a model to the device; channels_last on CUDA, where convolutions run faster with it."""
+    """Move a model to the device; channels_last on CUDA, where convolutions run faster with it.
+
+    The CPU keeps the default layout although channels_last is faster there too (a training step 1.00-1.52x,
+    docs/BENCHMARKS.md): its convolutions round differently, so a sequential run would no longer equal its
+    vectorised twin (which must use the default layout: ``vmap`` cannot ask a channels_last tensor whether it is
+    contiguous, as GroupNorm and BatchNorm do; the engine converts its model back) nor resume bit for bit in
+    another number of processes.
+    """
     model = model.to(device)
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
