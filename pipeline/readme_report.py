@@ -2,20 +2,26 @@
 
 ``python -m pipeline.readme_report results/demo/report.md README.md`` replaces everything between
 ``<!-- demo report: start -->`` and ``<!-- demo report: end -->``: the report's own title is dropped,
-its ``##`` headings become ``####`` (they sit under "What the demo found"), and its image links point
-into the report's folder. Nothing else of the README changes; without both markers it is an error.
+its ``##`` headings become ``####`` (they sit under "What the demo found"), and its image links point,
+relative to the README's folder, into the report's folder or, with ``--images docs/demo``, into a folder the
+report's PNG plots are copied to (committed, so that the README shows them on a fresh clone). Nothing else of
+the README changes; without both markers it is an error, and a linked plot that is not there is an error
+before anything is written.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import shutil
 from pathlib import Path
 
 from utils.errors import TaskHetError
 from utils.run_dir import atomic_write_text
 
 START, END = "<!-- demo report: start -->", "<!-- demo report: end -->"
+IMAGE = re.compile(r"!\[([^\]]*)\]\(([^/)]+\.png)\)")  # a plot beside report.md
 
 
 def readme_block(report: str, report_dir: str) -> str:
@@ -23,7 +29,7 @@ def readme_block(report: str, report_dir: str) -> str:
     lines = [line for line in report.splitlines() if not line.startswith("# ")]
     lines = ["##" + line if line.startswith("## ") else line for line in lines]
     text = "\n".join(lines).strip("\n")
-    return re.sub(r"!\[([^\]]*)\]\(([^/)]+\.png)\)", rf"![\1]({report_dir}/\2)", text)
+    return IMAGE.sub(rf"![\1]({report_dir}/\2)", text)
 
 
 def paste(readme: str, report: str, report_dir: str) -> str:
@@ -35,15 +41,38 @@ def paste(readme: str, report: str, report_dir: str) -> str:
     return f"{before}{START}\n\n{readme_block(report, report_dir)}\n\n{END}{after}"
 
 
+def plots(report: str, report_dir: Path) -> list[Path]:
+    """The PNG files ``report`` links, in ``report_dir``; a missing one is an error naming it."""
+    files = [report_dir / name for name in dict.fromkeys(match.group(2) for match in IMAGE.finditer(report))]
+    missing = [path for path in files if not path.is_file()]
+    if missing:
+        raise TaskHetError(f"{report_dir / 'report.md'} links {missing[0].name}, but {missing[0]} does not exist")
+    return files
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("report", type=Path, help="an experiment's report.md, e.g. results/demo/report.md")
     parser.add_argument("readme", type=Path, help="the README to update in place")
+    parser.add_argument("--images", type=Path, default=None,
+                        help="copy the report's PNG plots into this folder and link them there (e.g. docs/demo); "
+                             "default: link them in the report's folder")
     args = parser.parse_args(argv)
     if not args.report.is_file():
         raise TaskHetError(f"{args.report}: no such report (run the experiment first)")
-    folder = args.report.parent.as_posix()
-    atomic_write_text(args.readme, paste(args.readme.read_text(), args.report.read_text(), folder))
+    if not args.readme.is_file():
+        raise TaskHetError(f"{args.readme}: no such README")
+    report = args.report.read_text()
+    files = plots(report, args.report.parent)
+    target = args.report.parent if args.images is None else args.images
+    folder = Path(os.path.relpath(target.resolve(), args.readme.resolve().parent)).as_posix()
+    text = paste(args.readme.read_text(), report, folder)  # the markers are checked before any plot is copied
+    if args.images is not None:
+        args.images.mkdir(parents=True, exist_ok=True)
+        for path in files:
+            if (args.images / path.name).resolve() != path.resolve():
+                shutil.copyfile(path, args.images / path.name)
+    atomic_write_text(args.readme, text)
 
 
 if __name__ == "__main__":

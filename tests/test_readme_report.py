@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.readme_report import END, START, paste
+from pipeline.readme_report import END, START, main, paste
 from utils.errors import TaskHetError
 
 REPORT = "# Label-based vs embedding-based heterogeneity\n\nProduced by `x`.\n\n## Summary\n\n- a\n\n![loss vs alpha](loss_vs_alpha.png)\n"
@@ -19,3 +19,35 @@ def test_the_block_between_the_markers_is_replaced_and_nothing_else():
 def test_a_readme_without_both_markers_is_refused():
     with pytest.raises(TaskHetError, match="expected one"):
         paste(f"intro\n{START}\nno end\n", REPORT, "results/demo")
+
+
+def write_demo(tmp_path):
+    """A README with the markers and a report folder with its plot, as the pipeline leaves them."""
+    (tmp_path / "results" / "demo").mkdir(parents=True)
+    (tmp_path / "results" / "demo" / "report.md").write_text(REPORT)
+    (tmp_path / "results" / "demo" / "loss_vs_alpha.png").write_bytes(b"\x89PNG plot")
+    (tmp_path / "README.md").write_text(f"intro\n{START}\n{END}\n")
+    return tmp_path / "results" / "demo" / "report.md", tmp_path / "README.md"
+
+
+def test_plot_links_are_relative_to_the_readme_even_for_an_absolute_report_path(tmp_path):
+    report, readme = write_demo(tmp_path)
+    main([str(report.resolve()), str(readme)])
+    assert "![loss vs alpha](results/demo/loss_vs_alpha.png)" in readme.read_text()
+
+
+def test_images_copies_the_plots_and_links_the_copies(tmp_path):
+    report, readme = write_demo(tmp_path)
+    main([str(report), str(readme), "--images", str(tmp_path / "docs" / "demo")])
+    assert "![loss vs alpha](docs/demo/loss_vs_alpha.png)" in readme.read_text()
+    assert (tmp_path / "docs" / "demo" / "loss_vs_alpha.png").read_bytes() == b"\x89PNG plot"
+    main([str(report), str(readme), "--images", str(report.parent)])  # the report's own folder: nothing to copy
+    assert "![loss vs alpha](results/demo/loss_vs_alpha.png)" in readme.read_text()
+
+
+def test_a_missing_plot_is_named_and_nothing_is_written(tmp_path):
+    report, readme = write_demo(tmp_path)
+    (report.parent / "loss_vs_alpha.png").unlink()
+    with pytest.raises(TaskHetError, match="links loss_vs_alpha.png, but .*loss_vs_alpha.png does not exist"):
+        main([str(report), str(readme), "--images", str(tmp_path / "docs" / "demo")])
+    assert readme.read_text() == f"intro\n{START}\n{END}\n" and not (tmp_path / "docs").exists()
