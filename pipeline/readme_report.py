@@ -14,11 +14,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 from pathlib import Path
 
 from utils.errors import TaskHetError
-from utils.run_dir import atomic_write_text
+from utils.run_dir import atomic_copy_file, atomic_write_text
 
 START, END = "<!-- demo report: start -->", "<!-- demo report: end -->"
 IMAGE = re.compile(r"!\[([^\]]*)\]\(([^/)]+\.png)\)")  # a plot beside report.md
@@ -68,10 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     folder = Path(os.path.relpath(target.resolve(), args.readme.resolve().parent)).as_posix()
     text = paste(args.readme.read_text(), report, folder)  # the markers are checked before any plot is copied
     if args.images is not None:
-        args.images.mkdir(parents=True, exist_ok=True)
         for path in files:
             if (args.images / path.name).resolve() != path.resolve():
-                shutil.copyfile(path, args.images / path.name)
+                atomic_copy_file(path, args.images / path.name)
     atomic_write_text(args.readme, text)
 
 

@@ -1,5 +1,7 @@
 """pipeline/readme_report.py: the README shows report.md as the pipeline wrote it, only re-levelled."""
 
+from pathlib import Path
+
 import pytest
 
 from pipeline.readme_report import END, START, main, paste
@@ -51,3 +53,20 @@ def test_a_missing_plot_is_named_and_nothing_is_written(tmp_path):
     with pytest.raises(TaskHetError, match="links loss_vs_alpha.png, but .*loss_vs_alpha.png does not exist"):
         main([str(report), str(readme), "--images", str(tmp_path / "docs" / "demo")])
     assert readme.read_text() == f"intro\n{START}\n{END}\n" and not (tmp_path / "docs").exists()
+
+
+def test_a_full_disk_while_copying_a_plot_names_it_and_leaves_no_part(tmp_path, monkeypatch):
+    import errno
+
+    from utils import run_dir
+
+    report, readme = write_demo(tmp_path)
+
+    def full_disk(source, target):
+        Path(target).write_bytes(b"\x89PN")  # half a file, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(run_dir.shutil, "copyfile", full_disk)
+    with pytest.raises(TaskHetError, match=r"loss_vs_alpha.png: no space left on device"):
+        main([str(report), str(readme), "--images", str(tmp_path / "docs" / "demo")])
+    assert list((tmp_path / "docs" / "demo").iterdir()) == [] and readme.read_text() == f"intro\n{START}\n{END}\n"

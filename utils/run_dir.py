@@ -8,6 +8,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -60,6 +61,12 @@ def atomic_write_text(path: Path, text: str) -> None:
     """Write a text file via a temp file and rename, so a reader never sees half of it."""
     with _atomic_target(path) as temp_name:
         Path(temp_name).write_text(text)
+
+
+def atomic_copy_file(source: Path, path: Path) -> None:
+    """Copy ``source`` to ``path`` via a temp file and rename (a full disk names ``path``, leaves nothing)."""
+    with _atomic_target(path) as temp_name:
+        shutil.copyfile(source, temp_name)
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
