@@ -2,9 +2,10 @@
 
 The files are torchvision's: ``<data_path>/cifar-10-batches-py/`` (``data_batch_1..5``,
 ``test_batch``, ``batches.meta``) and ``<data_path>/cifar-100-python/`` (``train``,
-``test``, ``meta``). torchvision's ``CIFAR10/CIFAR100`` classes name the files, their md5s and the
-download; the files are read here with a restricted unpickler (:func:`load_split`), never with
-torchvision's reader, which unpickles them with plain ``pickle``.
+``test``, ``meta``), with the names, md5s and download that torchvision's ``CIFAR10/CIFAR100`` classes
+give (:data:`DATASET_CLASSES`, checked against them by a test). The files are read here with a restricted
+unpickler (:func:`load_split`), never through those classes, which unpickle them with plain ``pickle``:
+this module does not import them at all.
 The step-1 manifest has columns :data:`MANIFEST_COLUMNS`: ``dataset`` is cifar10 or
 cifar100, ``image_index`` the row of torchvision's train or test array (``split``),
 ``label`` the class, ``val`` 1 for the validation part of the training set (0
@@ -26,10 +27,6 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 import utils.tv_compat  # noqa: F401  (before torchvision)
-# Only the classes' attributes (folder and file names, md5s, URL) are used, never an instance: constructing one
-# would unpickle the batches with plain pickle. Every file is read by load_split's restricted unpickler
-# (tests/test_cifar_files.py::test_torchvisions_cifar_classes_are_never_built checks it).
-from torchvision.datasets import CIFAR10, CIFAR100  # class attributes only; no file is read through them
 from torchvision.datasets.utils import check_integrity, download_and_extract_archive
 
 from datasets.family import (DATASETS, FAMILY_COLUMN, SPLITS, VAL_COLUMN, DataFamily, refuse_repeated_images,
@@ -51,34 +48,54 @@ FETCH_COMMAND = "make download-cifar DATASET={dataset}"
 
 @dataclass(frozen=True)
 class CifarFiles:
-    """One CIFAR's files: torchvision's class supplies the folder, file names, md5s and download URL.
+    """One CIFAR's files, as torchvision's ``CIFAR10``/``CIFAR100`` class attributes name them.
+
+    The values are copied here rather than read from those classes so that this module never imports a
+    reader that unpickles the batches with plain ``pickle``; tests/test_cifar_files.py checks they equal
+    torchvision's.
 
     Attributes:
         num_classes: C (CIFAR-100: the fine labels).
-        torchvision_class: ``CIFAR10`` / ``CIFAR100`` (only their class attributes and downloader are used).
         label_key: the batch entry holding the labels (``labels`` / ``fine_labels``).
+        folder_name: the folder the archive extracts to (``base_folder``).
+        train_files, test_files: ``(file name, md5)`` of each split's batches (``train_list`` / ``test_list``).
+        meta: ``(file name, md5, key of the class names)`` of the meta file.
+        url, archive, archive_md5: the download (``url``, ``filename``, ``tgz_md5``).
     """
 
     num_classes: int
-    torchvision_class: type[CIFAR10]
     label_key: str
-
-    @property
-    def folder_name(self) -> str:
-        return self.torchvision_class.base_folder
+    folder_name: str
+    train_files: tuple[tuple[str, str], ...]
+    test_files: tuple[tuple[str, str], ...]
+    meta: tuple[str, str, str]
+    url: str
+    archive: str
+    archive_md5: str
 
     def split_files(self, train: bool) -> list[tuple[str, str]]:
         """``(file name, md5)`` of the batches of one split."""
-        return [(name, md5) for name, md5 in (self.torchvision_class.train_list if train else self.torchvision_class.test_list)]
-
-    @property
-    def meta(self) -> tuple[str, str, str]:
-        """``(file name, md5, key of the class names)`` of the meta file."""
-        meta = self.torchvision_class.meta
-        return meta["filename"], meta["md5"], meta["key"]
+        return list(self.train_files if train else self.test_files)
 
 
-DATASET_CLASSES = {"cifar10": CifarFiles(10, CIFAR10, "labels"), "cifar100": CifarFiles(100, CIFAR100, "fine_labels")}
+DATASET_CLASSES = {
+    "cifar10": CifarFiles(
+        10, "labels", "cifar-10-batches-py",
+        (("data_batch_1", "c99cafc152244af753f735de768cd75f"), ("data_batch_2", "d4bba439e000b95fd0a9bffe97cbabec"),
+         ("data_batch_3", "54ebc095f3ab1f0389bbae665268c751"), ("data_batch_4", "634d18415352ddfa80567beed471001a"),
+         ("data_batch_5", "482c414d41f54cd18b22e5b47cb7c3cb")),
+        (("test_batch", "40351d587109b95175f43aff81a1287e"),),
+        ("batches.meta", "5ff9c542aee3614f3951f8cda6e48888", "label_names"),
+        "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz", "cifar-10-python.tar.gz",
+        "c58f30108f718f92721af3b95e74349a"),
+    "cifar100": CifarFiles(
+        100, "fine_labels", "cifar-100-python",
+        (("train", "16019d7e3df5f24257cddd939b257f8d"),),
+        (("test", "f0ef6b0ae62326f3e7ffdfab6717acfc"),),
+        ("meta", "7973b15100ade9c7d40fb424638fde48", "fine_label_names"),
+        "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz", "cifar-100-python.tar.gz",
+        "eb9058c3a382ffc7106e4002c42a8d85"),
+}
 # Pixels of one image in a batch's data rows: 3 channels x 32 x 32, channel-major.
 IMAGE_VALUES = 3 * 32 * 32
 
@@ -99,17 +116,16 @@ def _check_dataset(dataset: str) -> str:
 def download(root: Path, dataset: str) -> None:
     """Fetch ``dataset`` into ``root`` with torchvision's downloader (md5-checked); a TaskHetError when it cannot.
 
-    Only torchvision's download-and-extract is used: constructing its dataset class would unpickle the files.
+    Only torchvision's download-and-extract is used: its dataset classes would unpickle the files.
     """
     files = DATASET_CLASSES[_check_dataset(dataset)]
-    tv_class = files.torchvision_class
     if not _failing_md5(Path(root) / files.folder_name, [*files.split_files(True), *files.split_files(False), files.meta[:2]]):
         return
     try:
-        download_and_extract_archive(tv_class.url, str(root), filename=tv_class.filename, md5=tv_class.tgz_md5)
+        download_and_extract_archive(files.url, str(root), filename=files.archive, md5=files.archive_md5)
     except (urllib.error.URLError, OSError, RuntimeError) as error:
-        raise TaskHetError(f"--download: could not fetch {dataset} from {tv_class.url} into {root} ({error}); "
-                           f"without internet, copy torchvision's {tv_class.base_folder}/ folder there") from None
+        raise TaskHetError(f"--download: could not fetch {dataset} from {files.url} into {root} ({error}); "
+                           f"without internet, copy torchvision's {files.folder_name}/ folder there") from None
 
 
 def _failing_md5(folder: Path, files: list[tuple[str, str]]) -> list[str]:

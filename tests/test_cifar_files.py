@@ -140,9 +140,27 @@ def test_a_payload_never_runs_where_steps_3_and_4_read(clean, tmp_path):
     assert not marker.exists()
 
 
+def test_the_file_table_is_torchvisions():
+    """datasets/cifar.py holds torchvision's file names, md5s and download itself (so that it never imports a
+    reader that unpickles with plain pickle): they must stay the values torchvision's classes give."""
+    import datasets.cifar as cifar
+    from torchvision.datasets import CIFAR10, CIFAR100
+
+    assert not hasattr(cifar, "CIFAR10") and not hasattr(cifar, "CIFAR100")
+    for name, dataset_class in (("cifar10", CIFAR10), ("cifar100", CIFAR100)):
+        files = cifar.DATASET_CLASSES[name]
+        assert files.folder_name == dataset_class.base_folder
+        assert files.split_files(True) == [tuple(entry) for entry in dataset_class.train_list]
+        assert files.split_files(False) == [tuple(entry) for entry in dataset_class.test_list]
+        meta = dataset_class.meta
+        assert files.meta == (meta["filename"], meta["md5"], meta["key"])
+        assert (files.url, files.archive, files.archive_md5) == (dataset_class.url, dataset_class.filename,
+                                                                 dataset_class.tgz_md5)
+
+
 def test_torchvisions_cifar_classes_are_never_built(clean, tmp_path, monkeypatch):
-    """datasets/cifar.py imports torchvision's CIFAR10/CIFAR100 for their file names and md5s only: building an
-    instance would read the batches with plain pickle. Steps 1 and 2 and the family's dataset never build one."""
+    """Building torchvision's CIFAR10/CIFAR100 would read the batches with plain pickle: steps 1 and 2 and the
+    family's dataset never build one."""
     from torchvision.datasets import CIFAR10, CIFAR100
 
     def refuse(self, *args, **kwargs):
