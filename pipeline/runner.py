@@ -172,14 +172,21 @@ class Pipeline:
               model_dir: Path) -> PoolStage:
         """Step 3c's stage: G² and B² of one partition's clients at the task's centralized model (run later by
         :meth:`run_pooled`, beside the federated runs: 48 readings one after another were a minute of one core)."""
+        return self.meter_stage(f"meter {task} {grouping} α={alpha:g} seed {seed}",
+                                self.out_dir / "heterogeneity" / task / f"{grouping}-a{alpha:g}-s{seed}",
+                                root, manifest, assignments, model_dir)
+
+    def meter_stage(self, label: str, stage_prefix: Path, root: Path, manifest: Path, assignments: Path,
+                    model_dir: Path) -> PoolStage:
+        """Step 3c's stage of one partition (``assignments``) at one step-2 model; its folder is ``stage_prefix``
+        plus ``-<stage key>`` (the main job's and a study's meters differ in label and folder only)."""
         params = {"checkpoint": str(model_dir / "best.pt"), "manifest": str(manifest),
                   "assignments": str(assignments / "assignments.csv"), "data_path": str(root),
                   "use_accelerator": self.config["use_accelerator"], "cache_features": self.config["model"]["cache_features"]}
         inputs = [manifest, assignments / "assignments.csv", model_dir / "best.pt"]
-        stage_dir = (self.out_dir / "heterogeneity" / task
-                     / f"{grouping}-a{alpha:g}-s{seed}-{stage_key(params, inputs, self.out_dir)}")
-        return PoolStage(f"step 3c: meter {task} {grouping} α={alpha:g} seed {seed}", stage_dir, params,
-                         ["--out", str(stage_dir), *flags(params)], script=step3c.__name__)
+        stage_dir = stage_prefix.with_name(f"{stage_prefix.name}-{stage_key(params, inputs, self.out_dir)}")
+        return PoolStage(f"step 3c: {label}", stage_dir, params, ["--out", str(stage_dir), *flags(params)],
+                         script=step3c.__name__)
 
     def federated(self, combination: Combination, root: Path, manifest: Path, assignments: Path,
                   model_dir: Path) -> PoolStage:

@@ -88,8 +88,9 @@ class Study:
             meters = {key: self.meter(*key, root, manifest, assignments[key], centralized[key[1]]) for key in metered}
             stages = {run: self.federated(run, root, manifest, assignments[(run.partition, run.seed)],
                                           starts[run.seed]) for run in runs}
-            self.pipeline.run_pooled(list(stages.values()))  # one by one, or --jobs at a time
+            self.pipeline.run_pooled([*meters.values(), *stages.values()])  # one by one, or --jobs at a time
             run_dirs = {run: stage.stage_dir for run, stage in stages.items()}
+            meters = {key: stage.stage_dir for key, stage in meters.items()}
         report = importlib.import_module(STUDY_REPORTS[self.config["study"]])
         extra = {"meters": meters} if metered else {}  # only the toolbox report reads step 3c
         return report.write_report(self.config, self.out_dir, run_dirs, centralized, self.command, **extra)
@@ -174,19 +175,12 @@ class Study:
                                   ["--out", str(stage_dir), *flags(params)])
 
     def meter(self, partition: Partition, seed: int, root: Path, manifest: Path, assignments: Path,
-              model_dir: Path) -> Path:
-        """Step 3c: G² and B² of one partition's clients at the seed's step-2 model (meter.json)."""
-        from pipeline.runner import flags
-        from steps import meter as step3c
-
-        params = {"checkpoint": str(model_dir / "best.pt"), "manifest": str(manifest),
-                  "assignments": str(assignments / "assignments.csv"), "data_path": str(root),
-                  "use_accelerator": self.config["use_accelerator"], "cache_features": self.config["model"]["cache_features"]}
-        inputs = [manifest, assignments / "assignments.csv", model_dir / "best.pt"]
-        stage_dir = (self.out_dir / "heterogeneity"
-                     / f"{partition.label}-s{seed}-{stage_key(params, inputs, self.out_dir)}")
-        return self.pipeline.step(f"step 3c: meter {partition.label} seed {seed}", stage_dir, params, step3c,
-                                  ["--out", str(stage_dir), *flags(params)])
+              model_dir: Path):
+        """Step 3c's stage: G² and B² of one partition's clients at the seed's step-2 model (meter.json; a
+        ``pipeline.runner.PoolStage``, run by ``Pipeline.run_pooled`` beside the federated runs)."""
+        return self.pipeline.meter_stage(f"meter {partition.label} seed {seed}",
+                                         self.out_dir / "heterogeneity" / f"{partition.label}-s{seed}",
+                                         root, manifest, assignments, model_dir)
 
     def federated(self, run: StudyRun, root: Path, manifest: Path, assignments: Path, model_dir: Path):
         """Step 4's stage of one run (a ``pipeline.runner.PoolStage``, run by ``Pipeline.run_pooled``)."""

@@ -154,9 +154,10 @@ def test_a_step3b_option_is_a_study_option_without_study_code(tmp_path, monkeypa
         load_experiment(path)
 
 
-def test_tiny_heterogeneity_study_end_to_end(tmp_path):
-    """The study file at a tiny size: step 3c runs per situation and seed, the class-group file feeds step 3b, and
-    the report holds every method (fedavg+ft included), G² and the table check."""
+def test_tiny_heterogeneity_study_end_to_end(tmp_path, capsys):
+    """The study file at a tiny size: step 3c runs per situation and seed (in the worker pool, beside the federated
+    runs), the class-group file feeds step 3b, and the report holds every method (fedavg+ft included), G² and the
+    table check."""
     config = yaml.safe_load(STUDY_FILE.read_text())
     config.update(name="tiny", seeds=[0], practitioners_table={"groups": "distinct_groups", "mild": "mild_label_skew"})
     config["data"]["n_samples"] = 150
@@ -167,7 +168,9 @@ def test_tiny_heterogeneity_study_end_to_end(tmp_path):
     config["grid"][0]["partitions"] = [situation(config, "mild_label_skew"), dict(LABEL_GROUPS, situation="distinct_groups")]
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    run_pipeline.main([str(path), "--results", str(tmp_path / "results"), "--threads", "1", "--no-progress"])
+    run_pipeline.main([str(path), "--results", str(tmp_path / "results"), "--threads", "1", "--no-progress",
+                       "--jobs", "2"])
+    assert re.search(r"step 3c: 2 readings; step 4: \d+ runs, 2 at a time in worker processes", capsys.readouterr().out)
     out = tmp_path / "results" / "tiny"
     report = pd.read_csv(out / "report.csv")
     assert list(zip(report.situation, report.method)) == [
