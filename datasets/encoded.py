@@ -129,11 +129,8 @@ class EncodedDataset(Dataset):
         return len(self.base)
 
     def __getitem__(self, index: int) -> dict:
-        item = dict(self.base[index])
-        del item[self.input_key]
         arrays = self.store.get(int(self.rows[index]))
-        item[ENCODED_KEY] = [torch.from_numpy(arrays[name]) for name in sorted(arrays, key=lambda name: int(name[3:]))]
-        return item
+        return self._encoded(self.base[index], [torch.from_numpy(arrays[name]) for name in map_names(arrays)])
 
     def __getitems__(self, indices: list[int]) -> list[dict]:
         """``[self[i] for i in indices]`` with one store read per map, and the base's batched read where it has one.
@@ -143,16 +140,22 @@ class EncodedDataset(Dataset):
         arrays = self.store.get_many(self.rows[np.asarray(indices, dtype=np.int64)])
         if arrays is None:  # a row another process has not filled yet: one by one, as __getitem__ reads it
             return [self[index] for index in indices]
-        maps = [torch.from_numpy(arrays[name]).unbind(0) for name in sorted(arrays, key=lambda name: int(name[3:]))]
+        maps = [torch.from_numpy(arrays[name]).unbind(0) for name in map_names(arrays)]
         read_many = getattr(self.base, "__getitems__", None)
         items = read_many(indices) if callable(read_many) else [self.base[index] for index in indices]
-        samples = []
-        for position, item in enumerate(items):
-            item = dict(item)
-            del item[self.input_key]
-            item[ENCODED_KEY] = [batch[position] for batch in maps]
-            samples.append(item)
-        return samples
+        return [self._encoded(item, [batch[position] for batch in maps]) for position, item in enumerate(items)]
+
+    def _encoded(self, item: dict, maps: list[torch.Tensor]) -> dict:
+        """A base item with its image replaced by the encoder's maps."""
+        item = dict(item)
+        del item[self.input_key]
+        item[ENCODED_KEY] = maps
+        return item
+
+
+def map_names(arrays: dict[str, np.ndarray]) -> list[str]:
+    """A store row's map names, finest first (``map0``, ``map1``, ...; numeric order past ``map9``)."""
+    return sorted(arrays, key=lambda name: int(name[3:]))
 
 
 def encoded_dataset(dataset: Dataset, rows: pd.DataFrame, family, model: nn.Module, data_path: Path, image_size: int,

@@ -312,13 +312,7 @@ class TaskonomyDataset(Dataset):
             arrays = self.decode(index)
             if self.cache is not None:
                 self.cache.put(int(self.cache_rows[index]), arrays)
-        sample: dict = {}
-        for name, array in arrays.items():
-            tensor = torch.from_numpy(np.array(array))
-            sample[name] = tensor.long() if name == "segment_semantic" else tensor
-        sample["scene_class"] = torch.tensor(int(self.scene_classes[index]), dtype=torch.int64)
-        sample["sample_id"] = self.sample_ids[index]
-        return sample
+        return self._samples({name: array[None] for name, array in arrays.items()}, [index])[0]
 
     def __getitems__(self, indices: list[int]) -> list[dict]:
         """``[self[i] for i in indices]``, read with one cache read per array when every row is decoded already.
@@ -327,15 +321,22 @@ class TaskonomyDataset(Dataset):
         cached federated step's data time (docs/BENCHMARKS.md). The samples are views of one batch
         tensor per array, which the collate function stacks as it stacks separate ones.
         """
-        rows = np.asarray(indices, dtype=np.int64)  # a Subset of a tensor hands 0-dim tensors
-        stacked = None if self.cache is None else self.cache.get_many(self.cache_rows[rows])
+        indices = np.asarray(indices, dtype=np.int64).tolist()  # a Subset of a tensor hands 0-dim tensors
+        stacked = None if self.cache is None else self.cache.get_many(self.cache_rows[indices])
         if stacked is None:
             return [self[index] for index in indices]
-        columns = {name: (torch.from_numpy(array).long() if name == "segment_semantic" else torch.from_numpy(array)).unbind(0)
-                   for name, array in stacked.items()}
-        columns["scene_class"] = torch.from_numpy(self.scene_classes[rows]).unbind(0)
-        return [{**{name: column[position] for name, column in columns.items()}, "sample_id": self.sample_ids[index]}
-                for position, index in enumerate(rows.tolist())]
+        return self._samples(stacked, indices)
+
+    def _samples(self, stacked: dict[str, np.ndarray], indices: list[int]) -> list[dict]:
+        """The sample dicts of rows ``indices`` from their arrays stacked ``[len(indices), ...]``, which the samples
+        then share (the cache's reads are copies, and decode makes new arrays)."""
+        columns = {name: torch.from_numpy(array) for name, array in stacked.items()}
+        if "segment_semantic" in columns:
+            columns["segment_semantic"] = columns["segment_semantic"].long()
+        columns["scene_class"] = torch.from_numpy(self.scene_classes[indices])
+        views = {name: column.unbind(0) for name, column in columns.items()}
+        return [{**{name: view[position] for name, view in views.items()}, "sample_id": self.sample_ids[index]}
+                for position, index in enumerate(indices)]
 
 
 class TaskonomyFamily(DataFamily):

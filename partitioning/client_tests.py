@@ -15,6 +15,7 @@ HELD_OUT, TEST_SPLIT = "held_out", "test_split"
 CLIENT_TESTS = (HELD_OUT, TEST_SPLIT)  # step 3b's --client_tests, the experiment key partition.client_tests
 DEFAULT_TEST_FRACTION = 0.2  # --client_test_fraction's default under held_out
 
+
 def client_test_mask(client_of: np.ndarray, fraction: float, rng: np.random.Generator) -> np.ndarray:
     """Mark ``round(fraction · size)`` random samples of each client as client-test.
 
@@ -51,7 +52,7 @@ def client_test_mask(client_of: np.ndarray, fraction: float, rng: np.random.Gene
 
 
 def deal_test_split(train_client_of: np.ndarray, train_groups: np.ndarray, test_groups: np.ndarray,
-                       rng: np.random.Generator) -> np.ndarray:
+                    rng: np.random.Generator) -> np.ndarray:
     """Deal the manifest's test rows to the clients: group g's rows in proportion to each client's train rows of g.
 
     The ``test_split`` protocol of client tests (step 3b's ``--client_tests``): client k gets
@@ -76,7 +77,6 @@ def deal_test_split(train_client_of: np.ndarray, train_groups: np.ndarray, test_
     np.add.at(train_counts, (train_codes[held], train_client_of[held]), 1)
     totals = np.bincount(test_codes, minlength=names.size)
     trained = train_counts.sum(axis=1) > 0
-    counts = np.zeros_like(train_counts)
+    counts = np.zeros_like(train_counts)  # a group no client trains on deals none of its test rows
     counts[trained] = largest_remainder(totals[trained], train_counts[trained].astype(np.float64))
-    counts[~trained] = 0
     return assign_counts(test_codes, counts.T, rng)
