@@ -90,3 +90,12 @@ def test_the_flower_app_help_names_itself(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert out.startswith("usage: python -m network.flower.app") and "test_fed.py's flags" in _flat(out)
+
+
+@pytest.mark.parametrize("document", ["README.md", "docs/DESIGN.md", "docs/BENCHMARKS.md", "docs/DATA.md", "docs/FLOWER.md"])
+def test_every_image_a_document_shows_is_in_the_repository(document):
+    # The README once linked the demo's plots under /tmp, a folder nobody else has (readme_report --images fixes it).
+    path = ROOT / document
+    links = re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", path.read_text())
+    missing = [link for link in links if link.startswith("/") or not (path.parent / link).is_file()]
+    assert not missing, f"{document} shows images that are not in the repository: {missing}"
