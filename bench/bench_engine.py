@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -33,20 +33,34 @@ from network.algorithms import build_algorithm  # noqa: E402
 from network.client import ClientData  # noqa: E402
 from network.engine_sequential import EngineConfig, SequentialEngine  # noqa: E402
 from network.lr_schedule import make_lr_schedule  # noqa: E402
+from training.loop import make_loader  # noqa: E402
 from utils.device import pick_device, prepare_model, to_device  # noqa: E402
 
 
 class TensorDicts(Dataset):
-    """Samples ``{"x": ..., "y": ...}`` from two tensors (the batch-dict convention)."""
+    """Samples ``{"x": ..., "y": ...}`` from two tensors (the batch-dict convention), whose DataLoader batches are
+    read whole, as the data families' are (``read_batch``, datasets/batch_reads.py)."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.x, self.y = x, y
+        self.columns = {"x": x, "y": y}
+
+    @classmethod
+    def of(cls, **columns: torch.Tensor) -> "TensorDicts":
+        """Samples with these keys (each column's first dimension indexes the samples)."""
+        dataset = cls.__new__(cls)
+        dataset.columns = columns
+        return dataset
 
     def __len__(self) -> int:
-        return len(self.y)
+        return len(next(iter(self.columns.values())))
 
     def __getitem__(self, index: int) -> dict:
-        return {"x": self.x[index], "y": self.y[index], "sample_id": index}  # ids, as a data family's (FedEM)
+        # ids, as a data family's (FedEM)
+        return {**{name: column[index] for name, column in self.columns.items()}, "sample_id": index}
+
+    def read_batch(self, indices: list[int]) -> dict:
+        rows = torch.tensor(indices)  # indexing with a list would convert it once per column
+        return {**{name: column[rows] for name, column in self.columns.items()}, "sample_id": rows}
 
 
 class SmallCNN(nn.Module):
@@ -83,8 +97,7 @@ def make_clients(count: int, samples: int, shape: tuple[int, ...], batch_size: i
     for index in range(count):
         data = TensorDicts(torch.randn(samples, *shape, generator=generator),
                            torch.randint(0, 10, (samples,), generator=generator))
-        clients.append(ClientData(str(index), samples, lambda seed, data=data: DataLoader(
-            data, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed))))
+        clients.append(ClientData(str(index), samples, lambda seed, data=data: make_loader(data, batch_size, True, seed)))
     return clients
 
 

@@ -11,7 +11,8 @@ the clients one after another, for K = 8, 32, 128 sampled clients × 5 local ste
 * ``mlp``: the tiny MLP of bench/bench_engine.py (32 → 64 → 10, batch 16);
 * ``cnn``: the small CNN of bench/bench_engine.py at 32 px (batch 32).
 
-Each client holds 5 batches, so a round is 5 steps per client; every client is sampled. The
+Each client holds 5 batches, read whole as the families' datasets read them (`--item_reads`: item by item, as
+before datasets/batch_reads.py), so a round is 5 steps per client; every client is sampled. The
 two engines' timed rounds alternate, so background load hits both alike. Beside each ratio:
 the peak memory of the vectorised engine (CUDA: ``max_memory_allocated``; CPU: how much its
 first round raises the process's peak RSS, ``ru_maxrss``, over the sequential engine's).
@@ -41,7 +42,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -50,6 +51,7 @@ from network.algorithms import build_algorithm  # noqa: E402
 from network.client import ClientData  # noqa: E402
 from network.engine_sequential import EngineConfig, SequentialEngine  # noqa: E402
 from network.lr_schedule import make_lr_schedule  # noqa: E402
+from training.loop import make_loader  # noqa: E402
 from utils.device import pick_device, prepare_model  # noqa: E402
 
 STEPS = 5
@@ -59,51 +61,61 @@ def cross_entropy(model: nn.Module, batch: dict, reduction: str = "mean") -> tor
     return nn.functional.cross_entropy(model(batch["x"]), batch["y"], reduction=reduction)
 
 
-def decoder_case(count: int, batch_size: int = 16) -> tuple[nn.Module, list[ClientData], object]:
-    """The demo's TaskModel (normal, frozen EfficientNet-Lite0, width 32, 32 px) and clients of cached maps."""
+def decoder_case(count: int, item_reads: bool, batch_size: int = 16) -> tuple[nn.Module, list[ClientData], object]:
+    """The demo's TaskModel (normal, frozen EfficientNet-Lite0, width 32, 32 px) and clients of cached maps: a
+    ``datasets.encoded.EncodedDataset`` (in memory) over random images, as ``cache_features`` trains it."""
+    from datasets.encoded import ENCODED_KEY, EncodedDataset
     from models import build_task_model, get_task
 
     model = build_task_model("normal", encoder="efficientnet_lite0", weights="none", freeze_encoder=True,
                              decoder_width=32, seed=0)
     task = get_task("normal")
+    samples = batch_size * STEPS
     generator = torch.Generator().manual_seed(0)
-    images = torch.rand(batch_size * STEPS, 3, 32, 32, generator=generator)
-    with torch.no_grad():
-        maps = [feature.detach() for feature in model.encoder(model.normalise(images))]
-    normals = nn.functional.normalize(torch.randn(batch_size * STEPS, 3, 32, 32, generator=generator), dim=1)
-
-    class Maps(torch.utils.data.Dataset):
-        def __len__(self) -> int:
-            return batch_size * STEPS
-
-        def __getitem__(self, index: int) -> dict:
-            return {"rgb": [feature[index] for feature in maps], "normal": normals[index],
-                    "mask": torch.ones(1, 32, 32, dtype=torch.bool)}
+    images = TensorDicts.of(rgb=torch.rand(samples, 3, 32, 32, generator=generator),
+                            normal=nn.functional.normalize(torch.randn(samples, 3, 32, 32, generator=generator), dim=1),
+                            mask=torch.ones(samples, 1, 32, 32, dtype=torch.bool))
+    maps = EncodedDataset(images, [str(index) for index in range(samples)], model.encoder, model.normalise, "rgb", 32, "bench", None,
+                          torch.device("cpu"))
 
     def loss(net: nn.Module, batch: dict, reduction: str = "mean") -> torch.Tensor:
-        return task.loss(net(batch["rgb"])[0].float(), batch, reduction)
+        return task.loss(net(batch[ENCODED_KEY])[0].float(), batch, reduction)
 
-    return model, clients_of(count, lambda index: Maps(), batch_size), loss
-
-
-def clients_of(count: int, dataset_of, batch_size: int) -> list[ClientData]:
-    return [ClientData(str(index), batch_size * STEPS, lambda seed, data=dataset_of(index): DataLoader(
-        data, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed)))
-        for index in range(count)]
+    return model, clients_of(count, lambda index: maps, batch_size, item_reads), loss
 
 
-def tensor_case(count: int, shape: tuple[int, ...], batch_size: int, build) -> tuple[nn.Module, list[ClientData], object]:
+class ItemReads(Dataset):
+    """A dataset read item by item, as every DataLoader batch was before ``datasets/batch_reads.py``."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.dataset[index]
+
+
+def clients_of(count: int, dataset_of, batch_size: int, item_reads: bool) -> list[ClientData]:
+    """Clients of ``batch_size * STEPS`` samples, loaded as TaskHet's runs load them (``make_loader``)."""
+    return [ClientData(str(index), batch_size * STEPS, lambda seed, data=dataset_of(index): make_loader(
+        ItemReads(data) if item_reads else data, batch_size, True, seed)) for index in range(count)]
+
+
+def tensor_case(count: int, shape: tuple[int, ...], batch_size: int, build,
+                item_reads: bool) -> tuple[nn.Module, list[ClientData], object]:
     generator = torch.Generator().manual_seed(0)
     samples = batch_size * STEPS
     data = [TensorDicts(torch.randn(samples, *shape, generator=generator), torch.randint(0, 10, (samples,), generator=generator))
             for _ in range(count)]
-    return build(), clients_of(count, lambda index: data[index], batch_size), cross_entropy
+    return build(), clients_of(count, lambda index: data[index], batch_size, item_reads), cross_entropy
 
 
 CASES = {
     "decoder": decoder_case,
-    "mlp": lambda count: tensor_case(count, (32,), 16, tiny_mlp),
-    "cnn": lambda count: tensor_case(count, (3, 32, 32), 32, small_cnn),
+    "mlp": lambda count, item_reads: tensor_case(count, (32,), 16, tiny_mlp, item_reads),
+    "cnn": lambda count, item_reads: tensor_case(count, (3, 32, 32), 32, small_cnn, item_reads),
 }
 
 
@@ -147,8 +159,8 @@ def time_engines(engines: dict[str, SequentialEngine], rounds: int, device: torc
     return {name: statistics.median(values) for name, values in times.items()}, memory
 
 
-def compare(name: str, count: int, chunk: int, rounds: int, device: torch.device) -> None:
-    model, clients, loss = CASES[name](count)
+def compare(name: str, count: int, chunk: int, rounds: int, device: torch.device, item_reads: bool) -> None:
+    model, clients, loss = CASES[name](count, item_reads)
     with tempfile.TemporaryDirectory() as folder:
         engines = {label: make_engine(model, clients, loss, size, Path(folder) / label, device)
                    for label, size in (("sequential", 0), ("vectorised", min(chunk, count)))}
@@ -208,10 +220,10 @@ def conv_seconds(layers: list[tuple[nn.Conv2d, tuple, bool]], count: int, repeat
     return sequential, best
 
 
-def ceiling(name: str, count: int, device: torch.device) -> None:
+def ceiling(name: str, count: int, device: torch.device, item_reads: bool) -> None:
     """How far vectorising can go on CPU for this model: the sequential round's CPU time ÷ the CPU time of its
     convolutions alone in their fastest form (a ratio no vectorised engine reaches while it runs these kernels)."""
-    model, clients, loss = CASES[name](count)
+    model, clients, loss = CASES[name](count, item_reads)
     layers = conv_layers(model, clients, loss)
     with tempfile.TemporaryDirectory() as folder:
         engine = make_engine(model, clients, loss, 0, Path(folder), device)
@@ -282,8 +294,8 @@ def pfl_rounds_per_second(count: int, rounds: int) -> float:
     return rounds / run(rounds)
 
 
-def compare_pfl(count: int, chunk: int, rounds: int, device: torch.device) -> None:
-    model, clients, loss = CASES["mlp"](count)
+def compare_pfl(count: int, chunk: int, rounds: int, device: torch.device, item_reads: bool) -> None:
+    model, clients, loss = CASES["mlp"](count, item_reads)
     with tempfile.TemporaryDirectory() as folder:
         engines = {name: make_engine(model, clients, loss, chunk_size, Path(folder) / name, device)
                    for name, chunk_size in (("sequential", 0), ("vectorised", min(chunk, count)))}
@@ -306,13 +318,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default: 1, steadier timings on a shared machine)")
     parser.add_argument("--use_accelerator", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--item_reads", action="store_true",
+                        help="read every batch item by item and collate it, as before datasets/batch_reads.py")
     parser.add_argument("--pfl", action="store_true",
                         help="only the side-by-side with pfl-research (needs `pfl`: see docs/BENCHMARKS.md)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = pick_device(args.use_accelerator)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}; "
-          f"FedAvg, {STEPS} local steps, momentum 0.9", flush=True)
+          f"FedAvg, {STEPS} local steps, momentum 0.9; batches read {'item by item' if args.item_reads else 'whole'}",
+          flush=True)
     counts = [int(value) for value in args.counts.split(",")]
     chunks = [int(value) for value in args.chunks.split(",")]
     if args.pfl:
@@ -322,17 +337,17 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--pfl needs pfl-research ({error}); docs/BENCHMARKS.md says how to install it "
                              "beside the project's venv") from error
         for count in counts:
-            compare_pfl(count, chunks[-1], args.rounds, device)
+            compare_pfl(count, chunks[-1], args.rounds, device, args.item_reads)
         return
     if args.ceiling:
         for name in args.models.split(","):
             for count in counts:
-                ceiling(name, count, device)
+                ceiling(name, count, device, args.item_reads)
         return
     for name in args.models.split(","):
         for count in counts:
             for chunk in sorted({min(chunk, count) for chunk in chunks}):
-                compare(name, count, chunk, args.rounds, device)
+                compare(name, count, chunk, args.rounds, device, args.item_reads)
 
 
 if __name__ == "__main__":

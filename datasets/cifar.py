@@ -356,12 +356,23 @@ class CifarDataset(Dataset):
         return len(self.sample_ids)
 
     def __getitem__(self, index: int) -> dict:
-        image = self.images[index].float() / 255.0
-        if image.shape[-1] != self.image_size:
-            image = F.interpolate(image[None], size=(self.image_size, self.image_size), mode="bilinear",
-                                  align_corners=False)[0].clamp(0, 1)
         label = self.labels[index]
-        return {INPUT_KEY: image, TASK: label, "label": label, "sample_id": self.sample_ids[index]}
+        return {INPUT_KEY: self._scaled(self.images[index][None])[0], TASK: label, "label": label,
+                "sample_id": self.sample_ids[index]}
+
+    def read_batch(self, indices: list[int]) -> dict:
+        """The collated items ``indices`` in one read (``datasets.batch_reads``)."""
+        rows = torch.tensor(indices)  # indexing with a list would convert it once per tensor
+        labels = self.labels[rows]
+        return {INPUT_KEY: self._scaled(self.images[rows]), TASK: labels, "label": labels.clone(),
+                "sample_id": [self.sample_ids[index] for index in indices]}
+
+    def _scaled(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 ``[B, 3, 32, 32]`` as float32 in [0, 1] at ``S`` pixels (bilinear, each image on its own)."""
+        images = images.float() / 255.0
+        if images.shape[-1] == self.image_size:
+            return images
+        return F.interpolate(images, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False).clamp(0, 1)
 
 
 class CifarFamily(DataFamily):

@@ -186,6 +186,13 @@ class DigitsDataset(Dataset):
         label = self.labels[index]
         return {INPUT_KEY: self.images[index].expand(3, -1, -1), TASK: label, "label": label, "sample_id": self.sample_ids[index]}
 
+    def read_batch(self, indices: list[int]) -> dict:
+        """The collated items ``indices`` in one read (``datasets.batch_reads``)."""
+        rows = torch.tensor(indices)  # indexing with a list would convert it once per tensor
+        labels = self.labels[rows]
+        return {INPUT_KEY: self.images[rows].expand(-1, 3, -1, -1).contiguous(), TASK: labels, "label": labels.clone(),
+                "sample_id": [self.sample_ids[index] for index in indices]}
+
 
 class DigitsFamily(DataFamily):
     """scikit-learn's handwritten digits: one classification task, no natural owner of a sample."""

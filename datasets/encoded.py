@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 from tqdm.auto import tqdm
 
 from datasets.cache import DecodedSampleCache, cache_rows
@@ -145,8 +145,18 @@ class EncodedDataset(Dataset):
         items = read_many(indices) if callable(read_many) else [self.base[index] for index in indices]
         return [self._encoded(item, [batch[position] for batch in maps]) for position, item in enumerate(items)]
 
+    def read_batch(self, indices: list[int]) -> dict:
+        """The collated items ``indices`` with one store read per map (``datasets.batch_reads``), and the base's
+        batch read where it has one; collated one by one while a row is not filled yet."""
+        arrays = self.store.get_many(self.rows[np.asarray(indices, dtype=np.int64)])
+        if arrays is None:
+            return default_collate(self.__getitems__(indices))
+        read_batch = getattr(self.base, "read_batch", None)
+        batch = read_batch(indices) if callable(read_batch) else default_collate([self.base[index] for index in indices])
+        return self._encoded(batch, [torch.from_numpy(arrays[name]) for name in map_names(arrays)])
+
     def _encoded(self, item: dict, maps: list[torch.Tensor]) -> dict:
-        """A base item with its image replaced by the encoder's maps."""
+        """A base item (or batch) with its image replaced by the encoder's maps."""
         item = dict(item)
         del item[self.input_key]
         item[ENCODED_KEY] = maps

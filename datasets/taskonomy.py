@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from datasets.cache import DecodedSampleCache, cache_key, cache_rows
 from datasets.family import DATASETS, FAMILY_COLUMN, DataFamily, refuse_repeated_images, with_family_column
@@ -327,16 +327,29 @@ class TaskonomyDataset(Dataset):
             return [self[index] for index in indices]
         return self._samples(stacked, indices)
 
+    def read_batch(self, indices: list[int]) -> dict:
+        """The collated samples ``indices`` in one cache read per array (``datasets.batch_reads``); decoded and
+        collated one by one while a row is not cached yet."""
+        stacked = None if self.cache is None else self.cache.get_many(self.cache_rows[indices])
+        if stacked is None:
+            return default_collate(self.__getitems__(indices))
+        return {**self._columns(stacked, indices), "sample_id": [self.sample_ids[index] for index in indices]}
+
     def _samples(self, stacked: dict[str, np.ndarray], indices: list[int]) -> list[dict]:
         """The sample dicts of rows ``indices`` from their arrays stacked ``[len(indices), ...]``, which the samples
         then share (the cache's reads are copies, and decode makes new arrays)."""
+        views = {name: column.unbind(0) for name, column in self._columns(stacked, indices).items()}
+        return [{**{name: view[position] for name, view in views.items()}, "sample_id": self.sample_ids[index]}
+                for position, index in enumerate(indices)]
+
+
+    def _columns(self, stacked: dict[str, np.ndarray], indices: list[int]) -> dict[str, torch.Tensor]:
+        """Rows ``indices``' arrays (stacked ``[len(indices), ...]``) and scene classes as tensors of the sample dtypes."""
         columns = {name: torch.from_numpy(array) for name, array in stacked.items()}
         if "segment_semantic" in columns:
             columns["segment_semantic"] = columns["segment_semantic"].long()
         columns["scene_class"] = torch.from_numpy(self.scene_classes[indices])
-        views = {name: column.unbind(0) for name, column in columns.items()}
-        return [{**{name: view[position] for name, view in views.items()}, "sample_id": self.sample_ids[index]}
-                for position, index in enumerate(indices)]
+        return columns
 
 
 class TaskonomyFamily(DataFamily):

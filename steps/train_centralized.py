@@ -252,7 +252,8 @@ def train_locked(args: argparse.Namespace, accelerator: Accelerator) -> dict:
                                                args.cache_dir, manifest) for split, data in datasets.items()}
     optimizer, scheduler = optimizer_and_scheduler(args, model)
     loader_seed = derive_seed(args.seed, "centralized", args.task)
-    train_loader = make_loader(datasets.pop("train"), args.batch_size, True, loader_seed, args.num_workers)
+    # item reads: accelerator.prepare cuts each batch into per-process slices (split_batches), which needs a batch_size
+    train_loader = make_loader(datasets.pop("train"), args.batch_size, True, loader_seed, args.num_workers, batch_reads=False)
     eval_loaders = {split: make_loader(data, args.batch_size, False, loader_seed, args.num_workers) for split, data in datasets.items()}
     # the scheduler stays unprepared: it steps once per epoch, and it already holds the optimizer's parameter groups
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)

@@ -28,9 +28,10 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import broadcast, broadcast_object_list
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
 from tqdm import tqdm
 
+from datasets.batch_reads import batch_reader
 from models.tasks import TaskSpec, get_task
 from utils.device import autocast, to_device
 from utils.errors import NonFiniteLossError, TaskHetError
@@ -48,23 +49,27 @@ def _spec(task: TaskSpec | str) -> TaskSpec:
 
 
 def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, seed: int, num_workers: int = 0,
-                collate_fn=None) -> DataLoader:
+                collate_fn=None, batch_reads: bool = True) -> DataLoader:
     """A DataLoader whose order comes from its own generator derived from ``seed`` (never the global RNG).
 
     The generator is ``loader.generator``: its state after an epoch decides the
     next epoch's order, which is what a checkpoint saves. ``collate_fn`` (default: torch's)
     builds a batch from items: a client's skews (partitioning/skews.py) transform it there.
+
+    Without a ``collate_fn``, a dataset that reads whole batches (``read_batch``, see
+    :mod:`datasets.batch_reads`) gets each batch in one read: the sampler is the one
+    ``DataLoader(shuffle=...)`` builds, on the same generator, so the batches are the same.
+    ``batch_reads=False`` keeps item reads: for a loader that ``accelerate`` prepares, whose
+    ``split_batches`` needs torch's automatic batching (a ``batch_size``).
     """
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=shuffle,
-        generator=torch_generator(seed, "loader"),
-        num_workers=num_workers,
-        persistent_workers=num_workers > 0,
-        pin_memory=torch.cuda.is_available(),
-        collate_fn=collate_fn,
-    )
+    generator = torch_generator(seed, "loader")
+    options = dict(generator=generator, num_workers=num_workers, persistent_workers=num_workers > 0,
+                   pin_memory=torch.cuda.is_available())
+    reader = batch_reader(dataset) if collate_fn is None and batch_reads else None
+    if reader is not None:
+        order = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
+        return DataLoader(reader, batch_size=None, sampler=BatchSampler(order, batch_size, drop_last=False), **options)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, collate_fn=collate_fn, **options)
 
 
 def train_one_batch(model: nn.Module, batch: dict, task: TaskSpec | str, optimizer: torch.optim.Optimizer,
