@@ -59,7 +59,7 @@ class TensorDicts(Dataset):
         return {**{name: column[index] for name, column in self.columns.items()}, "sample_id": index}
 
     def read_batch(self, indices: list[int]) -> dict:
-        rows = torch.tensor(indices)  # indexing with a list would convert it once per column
+        rows = torch.as_tensor(indices, dtype=torch.long)  # indexing with a list would convert it once per column
         return {**{name: column[rows] for name, column in self.columns.items()}, "sample_id": rows}
 
 

@@ -96,6 +96,10 @@ class ItemReads(Dataset):
     def __getitem__(self, index: int) -> dict:
         return self.dataset[index]
 
+    def __getitems__(self, indices: list[int]) -> list[dict]:  # the cached datasets' batched item reads, as before
+        read_many = getattr(self.dataset, "__getitems__", None)
+        return read_many(indices) if callable(read_many) else [self.dataset[index] for index in indices]
+
 
 def clients_of(count: int, dataset_of, batch_size: int, item_reads: bool) -> list[ClientData]:
     """Clients of ``batch_size * STEPS`` samples, loaded as TaskHet's runs load them (``make_loader``)."""

@@ -362,7 +362,7 @@ class CifarDataset(Dataset):
 
     def read_batch(self, indices: list[int]) -> dict:
         """The collated items ``indices`` in one read (``datasets.batch_reads``)."""
-        rows = torch.tensor(indices)  # indexing with a list would convert it once per tensor
+        rows = torch.as_tensor(indices, dtype=torch.long)  # indexing with a list would convert it once per tensor
         labels = self.labels[rows]
         return {INPUT_KEY: self._scaled(self.images[rows]), TASK: labels, "label": labels.clone(),
                 "sample_id": [self.sample_ids[index] for index in indices]}
