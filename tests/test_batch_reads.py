@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader, Subset, default_collate
 
 from datasets.batch_reads import BatchReads, batch_reader
-from datasets.cifar import CifarDataset, select_cifar
+from datasets.cifar import CifarDataset, load_split, select_cifar
 from datasets.digits import DigitsDataset, select_digits
 from datasets.encoded import ENCODED_KEY, EncodedDataset
 from datasets.family import list_families
@@ -96,6 +96,20 @@ def test_cifar_batches_are_the_collated_items_resized_or_not(cifar_root, image_s
     assert_same_batch(dataset.read_batch(BATCH), collated(dataset, BATCH))
 
 
+def test_cifar_images_are_scaled_and_resized_bilinearly_by_hand(cifar_root):
+    # 32 -> 16 px, bilinear without aligned corners, samples each output pixel halfway between two source
+    # pixels in both directions: the mean of a 2x2 block. 32 px is the file's image / 255.
+    manifest = select_cifar(cifar_root, "cifar10", 1.0, 0.1, seed=0, verify_checksums=False)
+    rows = manifest[manifest["split"] == "test"].iloc[:3]
+    images, _ = load_split(cifar_root, "cifar10", False, verify_checksums=False)
+    raw = torch.from_numpy(images[rows["image_index"].to_numpy()]).permute(0, 3, 1, 2).double() / 255
+    halved = CifarDataset(cifar_root, rows, 16).read_batch([0, 1, 2])["image"]
+    torch.testing.assert_close(halved.double(), raw.reshape(3, 3, 16, 2, 16, 2).mean((3, 5)), rtol=0, atol=1e-6)
+    torch.testing.assert_close(CifarDataset(cifar_root, rows, 32).read_batch([2, 0])["image"].double(), raw[[2, 0]],
+                               rtol=0, atol=1e-7)
+    assert halved.min() >= 0 and halved.max() <= 1
+
+
 def test_taskonomy_batches_whatever_the_cache_holds(tiny_data_root, tiny_manifest, tmp_path, monkeypatch):  # noqa: F811
     plain = taskonomy(tiny_data_root, tiny_manifest)
     want = collated(plain, BATCH)
@@ -104,7 +118,8 @@ def test_taskonomy_batches_whatever_the_cache_holds(tiny_data_root, tiny_manifes
     cached[0]
     assert_same_batch(cached.read_batch(BATCH), want)  # partly filled: one by one, filling the rest
     monkeypatch.setattr(cached.cache, "get", lambda index: (_ for _ in ()).throw(AssertionError("read one by one")))
-    got = cached.read_batch(BATCH)  # filled: one read per array
+    monkeypatch.setattr(cached, "__getitems__", lambda indices: (_ for _ in ()).throw(AssertionError("item reads")))
+    got = cached.read_batch(BATCH)  # filled: one read per array, collated as read
     assert_same_batch(got, want)
     assert got["segment_semantic"].dtype == torch.int64 and got["scene_class"].shape == (len(BATCH),)
 
@@ -118,11 +133,47 @@ def test_encoded_batches_are_the_collated_items(tiny_data_root, tiny_manifest, t
     dataset = EncodedDataset(base, ids, model.encoder, model.normalise, "rgb", 32, "test",
                              tmp_path / "cache" if on_disk else None, torch.device("cpu"))
     want = collated(dataset, BATCH)
-    got = dataset.read_batch(BATCH)
+    with monkeypatch.context() as patch:  # filled: the maps and the base's batch are each read whole
+        patch.setattr(dataset, "__getitems__", lambda indices: (_ for _ in ()).throw(AssertionError("item reads")))
+        patch.setattr(TaskonomyDataset, "__getitem__", lambda self, index: (_ for _ in ()).throw(AssertionError("base item")))
+        got = dataset.read_batch(BATCH)
     assert_same_batch(got, want)
     assert "rgb" not in got and list(got)[-1] == ENCODED_KEY and len(got[ENCODED_KEY]) > 1
     monkeypatch.setattr(dataset.store, "get_many", lambda rows: None)  # a row another process has not filled yet
     assert_same_batch(dataset.read_batch(BATCH), want)
+
+
+class ItemsOnly(torch.utils.data.Dataset):
+    """A family dataset without ``read_batch``."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.dataset[index]
+
+
+def test_encoded_batches_over_a_base_that_reads_items_only():
+    base = digits(32)
+    model = build_task_model("digit_class", "small_cnn", "none", seed=0, freeze_encoder=True, num_classes=10)
+    dataset = EncodedDataset(ItemsOnly(base), base.sample_ids, model.encoder, model.normalise, "image", 32, "test", None,
+                             torch.device("cpu"))
+    assert_same_batch(dataset.read_batch(BATCH), collated(dataset, BATCH))
+
+
+def test_an_empty_read_has_the_item_dtypes(cifar_root):
+    dataset = digits(8)
+    empty = dataset.read_batch([])
+    assert empty["image"].shape == (0, 3, 8, 8) and empty["label"].dtype == torch.int64 and empty["sample_id"] == []
+    assert batch_reader(Subset(dataset, [4, 2]))[[]]["image"].shape == (0, 3, 8, 8)
+    assert cifar(cifar_root, 24).read_batch([])["image"].shape == (0, 3, 24, 24)
+    model = build_task_model("digit_class", "small_cnn", "none", seed=0, freeze_encoder=True, num_classes=10)
+    encoded = EncodedDataset(dataset, dataset.sample_ids, model.encoder, model.normalise, "image", 8, "test", None,
+                             torch.device("cpu"))
+    assert encoded.read_batch([])["label"].shape == (0,)
 
 
 def test_a_dataset_without_read_batch_is_read_item_by_item():
@@ -157,6 +208,8 @@ def test_make_loader_gives_the_batches_an_item_by_item_loader_gives(shuffle):
 def test_make_loader_with_workers_gives_the_same_batches():
     dataset = digits()
     loader = make_loader(Subset(dataset, list(range(0, 40, 3))), 4, True, seed=1, num_workers=1)
+    assert loader.persistent_workers and loader.pin_memory == torch.cuda.is_available()
+    assert not make_loader(dataset, 4, True, seed=1).persistent_workers
     for got, want in zip(list(loader), list(item_by_item(Subset(dataset, list(range(0, 40, 3))), 4, True, seed=1))):
         assert_same_batch(got, want)
 
