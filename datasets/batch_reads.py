@@ -46,7 +46,7 @@ class BatchReads(Dataset):
 def batch_reader(dataset: Dataset) -> BatchReads | None:
     """``dataset`` as a :class:`BatchReads`, or None when the dataset under its ``Subset``s reads items only."""
     base, index_maps = dataset, []
-    while isinstance(base, Subset):
+    while type(base) is Subset:  # noqa: E721 (a subclass may change items; it keeps item reads)
         index_maps.append(np.asarray(base.indices, dtype=np.int64))
         base = base.dataset
     if not callable(getattr(base, "read_batch", None)):

@@ -225,6 +225,22 @@ def test_a_collate_function_keeps_item_reads():
     assert_same_batch(batches[0], collated(dataset, [3, 8]))
 
 
+def test_a_subset_subclass_keeps_item_reads():
+    class Flipped(Subset):  # changes its items, so reading its dataset's batches would skip that
+        def __getitem__(self, index):
+            item = dict(self.dataset[self.indices[index]])
+            item["image"] = item["image"].flip(-1)
+            return item
+
+        def __getitems__(self, indices):  # torch requires it beside __getitem__
+            return [self[index] for index in indices]
+
+    dataset = digits()
+    assert batch_reader(Flipped(dataset, [1, 2])) is None and batch_reader(Subset(Flipped(dataset, [1, 2]), [0])) is None
+    batch = next(iter(make_loader(Flipped(dataset, [1, 2]), 2, False, seed=0)))
+    assert torch.equal(batch["image"], dataset.read_batch([1, 2])["image"].flip(-1))
+
+
 def test_index_maps_compose_outermost_first():
     class Rows(torch.utils.data.Dataset):
         def __len__(self) -> int:
