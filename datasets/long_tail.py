@@ -86,7 +86,7 @@ def groups_by_mass(counts: np.ndarray, head_mass: float = 0.75, middle_mass: flo
     return groups
 
 
-# Metric names of the six class groups (training.metrics.ClassificationMetrics reports top1_<name>).
+# Metric names of the six class groups (models.metrics.ClassificationMetrics reports top1_<name>).
 MASS_GROUPS = {HEAD: "head", MIDDLE: "middle", TAIL: "tail"}
 SHOT_GROUPS = {HEAD: "many", MIDDLE: "medium", TAIL: "few"}
 

@@ -3,7 +3,7 @@
 A :class:`TaskSpec` ties a task name to the sample-dict key holding its target
 (``domain``), the head's output channels and activation (matched to the
 target's range), a loss from :mod:`losses`, a metric accumulator from
-:mod:`training.metrics` and the domains the dataset must load.
+:mod:`models.metrics` and the domains the dataset must load.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 import losses
 from datasets.taskonomy_domains import NUM_SEMANTIC_CLASSES
-from training import metrics
+from models import metrics
 from utils.registry import Registry
 
 

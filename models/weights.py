@@ -10,7 +10,6 @@ Mapping a file's tensors onto an encoder is ``models.encoders.match_state_dict``
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 
 from utils.errors import TaskHetError
+from utils.hashing import file_sha256
 from utils.loaders import error_summary
 
 
@@ -82,13 +82,10 @@ class WeightSource:
         published = self.published_sha256()
         if published is None:
             return
-        digest = hashlib.sha256()
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-        if not digest.hexdigest().startswith(published):
+        digest = file_sha256(path)
+        if not digest.startswith(published):
             raise TaskHetError(f"{path} is not the published {self.description} file: its SHA-256 "
-                               f"{digest.hexdigest()[:16]}… does not start with {published[:16]}; delete it and retry")
+                               f"{digest[:16]}… does not start with {published[:16]}; delete it and retry")
 
     def where(self) -> str:
         """How to provide the file by hand."""

@@ -15,7 +15,7 @@ from network.aggregation import client_summary
 from network.algorithms.base import TRAIN_LOSS
 from network.client import (CLIENT_TEST_SPLIT, FINETUNED_TEST_SPLIT, GLOBAL_TEST_SPLIT, MASKED_SUFFIX,
                             PERSONAL_TEST_SPLIT)
-from training.metrics import HIGHER_IS_BETTER
+from models.metrics import HIGHER_IS_BETTER
 
 # Names in metrics.csv, shared with every engine and with the report.
 TRAIN_SPLIT = "train"  # the clients' local training metrics

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from partitioning.temporal import FROM_ROUND, SCHEDULE_COLUMNS, overlapping, parse_windows
-from pipeline.stages import file_sha256
+from utils.hashing import file_sha256
 from utils.errors import TaskHetError
 from utils.loaders import int_column, load_json, read_csv
 from utils.run_dir import atomic_write_text

@@ -16,19 +16,11 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
+from utils.hashing import file_sha256
 from utils.locks import LOCK_FILE
 from utils.run_dir import atomic_write_text
 
 MARKER = "stage.json"
-
-
-def file_sha256(path: Path) -> str:
-    """Content hash of one file."""
-    digest = hashlib.sha256()
-    with Path(path).open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def stage_key(params: dict[str, Any], inputs: list[Path], root: Path | None = None) -> str:

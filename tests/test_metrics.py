@@ -7,7 +7,7 @@ import torch
 
 from datasets.taskonomy_domains import SEGMENT_IGNORE_INDEX
 from models.tasks import get_task, list_tasks
-from training.metrics import ClassificationMetrics, DepthMetrics, L1Metric, NormalMetrics, SegmentationMetrics
+from models.metrics import ClassificationMetrics, DepthMetrics, L1Metric, NormalMetrics, SegmentationMetrics
 
 
 def logits_for(classes: torch.Tensor, num_classes: int) -> torch.Tensor:

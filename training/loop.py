@@ -129,7 +129,7 @@ def evaluate(model: nn.Module, loader: DataLoader, task: TaskSpec | str, device:
     Returns:
         ``{"loss": ..., **task metrics}``. The loss is the mean of the batch
         losses weighted by batch size; the metrics accumulate over every valid
-        pixel or sample of the split (see :mod:`training.metrics`).
+        pixel or sample of the split (see :mod:`models.metrics`).
     """
     spec = _spec(task)
     was_training = model.training
