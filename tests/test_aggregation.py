@@ -193,6 +193,19 @@ def test_capped_shares_sum_to_one_with_none_above_the_cap_on_random_federations(
     assert max(ratios) - min(ratios) <= 1e-12 * max(ratios) if ratios else True
 
 
+def test_shares_at_the_edges_by_hand():
+    from network.aggregation import client_weights
+
+    # No training rows at all (a check-only build): every client counts the same, whatever the weighting.
+    for weighting in ("samples", "capped"):
+        assert client_weights({"a": 0, "b": 0, "c": 0, "d": 0}, weighting, cap=0.5) == dict.fromkeys("abcd", 0.25)
+    assert client_weights({"a": 1, "b": 0}, "samples") == {"a": 1.0, "b": 0.0}  # one row is still by size
+    # A cap of exactly 1/N is feasible: (0.5, 0.3) are capped, then 0.5 in proportion 1:1 gives the cap to all.
+    assert client_weights({"a": 5, "b": 3, "c": 1, "d": 1}, "capped", cap=0.25) == dict.fromkeys("abcd", 0.25)
+    # The excess goes to clients without rows equally when no uncapped client has any: (1, 0, 0), cap 0.5.
+    assert client_weights({"a": 10, "b": 0, "c": 0}, "capped", cap=0.5) == {"a": 0.5, "b": 0.25, "c": 0.25}
+
+
 def test_an_infeasible_cap_is_one_error_naming_the_setting():
     from network.aggregation import client_weights
 
