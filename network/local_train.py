@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
 
-from network.algorithms.base import LossFn
 from utils.device import autocast, to_device
 from utils.errors import NonFiniteLossError, TaskHetError
+
+if TYPE_CHECKING:  # annotations only: network.algorithms imports this module
+    from network.algorithms.base import LossFn
 
 
 @dataclass(frozen=True)
