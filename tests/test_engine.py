@@ -293,6 +293,9 @@ def test_client_sampling_is_seeded_per_round():
     assert sample_clients(ids, 1.0, seed=3, round_index=1) == ids
     assert clients_per_round(3, 0.01) == 1 and clients_per_round(10, 0.25) == 2
     assert client_seed(3, 1, "a") == client_seed(3, 1, "a") != client_seed(3, 2, "a")
+    # each run seed, round and client draws its own stream
+    assert len({client_seed(seed, round_index, client) for seed in (0, 1, 2) for round_index in (1, 2, 3)
+                for client in ("a", "b", "c")}) == 27
     with pytest.raises(TaskHetError, match="--client_fraction"):
         sample_clients(ids, 0.0, seed=3, round_index=1)
 

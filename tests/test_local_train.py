@@ -46,3 +46,20 @@ def test_exactly_one_budget(budget):
     model = SometimesHead()
     with pytest.raises(ValueError, match="^local_train needs exactly one of steps and epochs$"):
         local_train(model, [], loss, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"), **budget)
+
+
+def test_the_extra_loss_and_the_post_step_act_on_the_trained_model():
+    # One step on w·x (x = 2) with FedProx-like extra loss 0.5·w² (gradient w = 1): w = 1 − 0.1·(2 + 1) = 0.7,
+    # then a proximal map that halves w: 0.35. The extra loss is not part of the reported loss.
+    model = SometimesHead()
+    optimizer = torch.optim.SGD([model.w], lr=0.1)
+    batches = [{"x": torch.tensor(2.0), "use_v": False}]
+    result = local_train(model, batches, loss, optimizer, torch.device("cpu"), steps=1,
+                         extra_loss=lambda net: 0.5 * net.w ** 2, post_step=lambda net: net.w.data.mul_(0.5))
+    assert model.w.item() == pytest.approx(0.35, abs=1e-7) and result.mean_loss == pytest.approx(2.0)
+
+
+def test_an_empty_epoch_takes_no_step_and_reports_a_zero_loss():
+    model = SometimesHead()
+    result = local_train(model, [], loss, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"), epochs=1)
+    assert (result.steps, result.mean_loss) == (0, 0.0) and model.w.item() == 1.0
