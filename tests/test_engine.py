@@ -296,8 +296,9 @@ def test_client_sampling_is_seeded_per_round():
     # each run seed, round and client draws its own stream
     assert len({client_seed(seed, round_index, client) for seed in (0, 1, 2) for round_index in (1, 2, 3)
                 for client in ("a", "b", "c")}) == 27
-    with pytest.raises(TaskHetError, match="--client_fraction"):
-        sample_clients(ids, 0.0, seed=3, round_index=1)
+    for fraction in (0.0, 1.5):
+        with pytest.raises(TaskHetError, match="--client_fraction"):
+            sample_clients(ids, fraction, seed=3, round_index=1)
 
 
 def test_lr_schedules_are_functions_of_the_round():
