@@ -21,11 +21,8 @@ Layout under ``results/<experiment name>/``::
 from __future__ import annotations
 
 import importlib
-import multiprocessing
-import os
 import shlex
 import sys
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -35,13 +32,14 @@ from tqdm.auto import tqdm
 
 from models.tasks import get_task
 from network.algorithms.base import ALGORITHMS
-from network.client import GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT
-from network.run_outputs import GLOBAL_CLIENT, METRICS_COLUMNS
+from network.run_outputs import METRICS_COLUMNS
 from partitioning.client_tests import TEST_SPLIT
 from partitioning.groupings import EMBEDDING_BASED, GROUPINGS, IID_REFERENCE
 from pipeline.checks import check_input_files
 from pipeline.experiment import DATA_SOURCES, Combination, combinations, split_csv_path, task_federated
+from pipeline.pool import PoolStage, pool_summary, run_in_workers
 from pipeline.report import write_report
+from pipeline.run_results import best_validation_loss, final_personal_loss, global_test_history, personal_test_history
 from pipeline.stages import is_done, run_stage, stage_key
 from steps import assign as step3b
 from steps import embed as step3
@@ -51,9 +49,7 @@ from steps.meter import METER_FILE
 from steps import render
 from steps import select as step1
 from steps import train_centralized as step2
-from training.selection import selected_test_metrics
 from utils.loaders import load_json, read_csv
-from utils.parent_death import die_with_parent
 
 
 @dataclass
@@ -229,23 +225,7 @@ class Pipeline:
         if self.progress is not None:
             self.progress.update(len(stages) - len(pending))
             self.progress.set_description(pool_summary(pending, self.jobs))
-        # spawn, not fork: a forked child of a process that already ran OpenMP threads (steps 2-3) can hang.
-        context = multiprocessing.get_context("spawn")
-        # Workers die with this process, even when it is killed with SIGKILL (utils/parent_death.py). The death
-        # signal follows the thread that started a worker: submit() starts them, from this (the main) thread.
-        with ProcessPoolExecutor(self.jobs, mp_context=context, initializer=init_worker,
-                                 initargs=(self.threads, os.getpid())) as pool:
-            futures = [pool.submit(run_pool_stage, stage.script, stage.stage_dir, stage.params,
-                                   [*stage.argv, *self.shared_flags(importlib.import_module(stage.script))])
-                       for stage in pending]
-            try:
-                for future in as_completed(futures):
-                    future.result()
-                    if self.progress is not None:
-                        self.progress.update(1)
-            except BaseException:
-                pool.shutdown(cancel_futures=True)
-                raise
+        run_in_workers(pending, self.jobs, self.threads, self.shared_flags, self.progress)
 
     # ----- the whole experiment -----
     def count_steps(self) -> int:
@@ -326,39 +306,6 @@ class Pipeline:
                             heatmaps, self.command, pd.DataFrame(meter_rows))
 
 
-@dataclass(frozen=True)
-class PoolStage:
-    """One stage for the worker pool: its progress label, folder, stage parameters, command line and script
-    (a module name with a ``main(argv)``, so that a spawned worker can import it: step 4 or step 3c)."""
-
-    name: str
-    stage_dir: Path
-    params: dict[str, Any]
-    argv: list[str]
-    script: str = step4.__name__
-
-
-def pool_summary(stages: list[PoolStage], jobs: int) -> str:
-    """The console line before the pool starts, e.g. ``step 3c: 48 readings; step 4: 216 runs, 2 at a time``."""
-    readings = sum(stage.script == step3c.__name__ for stage in stages)
-    counted = ([f"step 3c: {readings} readings"] if readings else []) + [f"step 4: {len(stages) - readings} runs"]
-    return f"{'; '.join(counted)}, {jobs} at a time in worker processes"
-
-
-def init_worker(threads: int | None, parent_pid: int) -> None:
-    """A pool worker process: dies with the pipeline (``parent_pid``); ``threads`` torch threads (None: torch's choice)."""
-    die_with_parent(parent_pid)
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
-
-
-def run_pool_stage(script: str, stage_dir: Path, params: dict[str, Any], argv: list[str]) -> None:
-    """One stage in a worker process (module level, so a spawned process can import it)."""
-    run_stage(stage_dir, params, lambda: importlib.import_module(script).main(argv))
-
-
 def partition_key(combination: Combination) -> tuple:
     """Combinations with the same key share one assignments file (label and iid partitions are task-free)."""
     owner = combination.task if combination.grouping == EMBEDDING_BASED else "labels"
@@ -378,28 +325,6 @@ def flags(params: dict[str, Any]) -> list[str]:
         else:
             argv += [f"--{key}", str(value)]
     return argv
-
-
-def global_test_history(metrics: pd.DataFrame) -> pd.DataFrame:
-    """The global model's metrics on the global test split, every evaluated round (``metrics``: a run's metrics.csv)."""
-    return metrics[(metrics.split == GLOBAL_TEST_SPLIT) & (metrics.client == GLOBAL_CLIENT)]
-
-
-def personal_test_history(metrics: pd.DataFrame) -> pd.DataFrame:
-    """The clients' own models' mean metrics on their client-test splits, every evaluated round."""
-    return metrics[(metrics.split == PERSONAL_TEST_SPLIT) & (metrics.client == "mean")]
-
-
-def final_personal_loss(metrics: pd.DataFrame, metric: str = "loss") -> float:
-    """Mean ``metric`` of the clients' own models on their client-test splits, last round (NaN without personal models)."""
-    rows = personal_test_history(metrics)
-    rows = rows[rows.metric == metric]
-    return float(rows[rows["round"] == rows["round"].max()].value.iloc[0]) if len(rows) else float("nan")
-
-
-def best_validation_loss(metrics_csv: Path) -> float:
-    """The centralized model's test loss at the epoch best.pt holds (selected on val where the data has one, else on test)."""
-    return float(selected_test_metrics(metrics_csv)["loss"])
 
 
 def command_line(argv: list[str]) -> str:

@@ -177,14 +177,15 @@ class Study:
     def meter(self, partition: Partition, seed: int, root: Path, manifest: Path, assignments: Path,
               model_dir: Path):
         """Step 3c's stage: G² and B² of one partition's clients at the seed's step-2 model (meter.json; a
-        ``pipeline.runner.PoolStage``, run by ``Pipeline.run_pooled`` beside the federated runs)."""
+        ``pipeline.pool.PoolStage``, run by ``Pipeline.run_pooled`` beside the federated runs)."""
         return self.pipeline.meter_stage(f"meter {partition.label} seed {seed}",
                                          self.out_dir / "heterogeneity" / f"{partition.label}-s{seed}",
                                          root, manifest, assignments, model_dir)
 
     def federated(self, run: StudyRun, root: Path, manifest: Path, assignments: Path, model_dir: Path):
-        """Step 4's stage of one run (a ``pipeline.runner.PoolStage``, run by ``Pipeline.run_pooled``)."""
-        from pipeline.runner import PoolStage, flags
+        """Step 4's stage of one run (a ``pipeline.pool.PoolStage``, run by ``Pipeline.run_pooled``)."""
+        from pipeline.pool import PoolStage
+        from pipeline.runner import flags
 
         federated, model = dict(self.config["federated"]), self.config["model"]
         rounds = rounds_for(self.config, run.local_steps)

@@ -1,0 +1,34 @@
+"""Reading finished run folders for the report: a step-4 run's global and personal test curves, and the
+centralized model's selected test loss."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from network.client import GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT
+from network.run_outputs import GLOBAL_CLIENT
+from training.selection import selected_test_metrics
+
+
+def global_test_history(metrics: pd.DataFrame) -> pd.DataFrame:
+    """The global model's metrics on the global test split, every evaluated round (``metrics``: a run's metrics.csv)."""
+    return metrics[(metrics.split == GLOBAL_TEST_SPLIT) & (metrics.client == GLOBAL_CLIENT)]
+
+
+def personal_test_history(metrics: pd.DataFrame) -> pd.DataFrame:
+    """The clients' own models' mean metrics on their client-test splits, every evaluated round."""
+    return metrics[(metrics.split == PERSONAL_TEST_SPLIT) & (metrics.client == "mean")]
+
+
+def final_personal_loss(metrics: pd.DataFrame, metric: str = "loss") -> float:
+    """Mean ``metric`` of the clients' own models on their client-test splits, last round (NaN without personal models)."""
+    rows = personal_test_history(metrics)
+    rows = rows[rows.metric == metric]
+    return float(rows[rows["round"] == rows["round"].max()].value.iloc[0]) if len(rows) else float("nan")
+
+
+def best_validation_loss(metrics_csv: Path) -> float:
+    """The centralized model's test loss at the epoch best.pt holds (selected on val where the data has one, else on test)."""
+    return float(selected_test_metrics(metrics_csv)["loss"])
