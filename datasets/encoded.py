@@ -137,10 +137,9 @@ class EncodedDataset(Dataset):
 
         torch's DataLoader calls this for a batch (through ``Subset``); see ``TaskonomyDataset.__getitems__``.
         """
-        arrays = self.store.get_many(self.rows[np.asarray(indices, dtype=np.int64)])
-        if arrays is None:  # a row another process has not filled yet: one by one, as __getitem__ reads it
+        maps = self._stored_maps(indices)
+        if maps is None:  # a row another process has not filled yet: one by one, as __getitem__ reads it
             return [self[index] for index in indices]
-        maps = [torch.from_numpy(arrays[name]).unbind(0) for name in map_names(arrays)]
         read_many = getattr(self.base, "__getitems__", None)
         items = read_many(indices) if callable(read_many) else [self.base[index] for index in indices]
         return [self._encoded(item, [batch[position] for batch in maps]) for position, item in enumerate(items)]
@@ -148,12 +147,17 @@ class EncodedDataset(Dataset):
     def read_batch(self, indices: list[int]) -> dict:
         """The collated items ``indices`` with one store read per map (``datasets.batch_reads``), and the base's
         batch read where it has one; collated one by one while a row is not filled yet."""
-        arrays = self.store.get_many(self.rows[np.asarray(indices, dtype=np.int64)])
-        if arrays is None:
+        maps = self._stored_maps(indices)
+        if maps is None:
             return default_collate(self.__getitems__(indices))
         read_batch = getattr(self.base, "read_batch", None)
         batch = read_batch(indices) if callable(read_batch) else default_collate([self.base[index] for index in indices])
-        return self._encoded(batch, [torch.from_numpy(arrays[name]) for name in map_names(arrays)])
+        return self._encoded(batch, maps)
+
+    def _stored_maps(self, indices: list[int]) -> list[torch.Tensor] | None:
+        """Rows ``indices``' maps, each stacked ``[len(indices), ...]`` in one store read; None while a row is unfilled."""
+        arrays = self.store.get_many(self.rows[np.asarray(indices, dtype=np.int64)])
+        return None if arrays is None else [torch.from_numpy(arrays[name]) for name in map_names(arrays)]
 
     def _encoded(self, item: dict, maps: list[torch.Tensor]) -> dict:
         """A base item (or batch) with its image replaced by the encoder's maps."""

@@ -322,7 +322,7 @@ class TaskonomyDataset(Dataset):
         tensor per array, which the collate function stacks as it stacks separate ones.
         """
         indices = np.asarray(indices, dtype=np.int64).tolist()  # a Subset of a tensor hands 0-dim tensors
-        stacked = None if self.cache is None else self.cache.get_many(self.cache_rows[indices])
+        stacked = self._cached(indices)
         if stacked is None:
             return [self[index] for index in indices]
         return self._samples(stacked, indices)
@@ -330,10 +330,15 @@ class TaskonomyDataset(Dataset):
     def read_batch(self, indices: list[int]) -> dict:
         """The collated samples ``indices`` in one cache read per array (``datasets.batch_reads``); decoded and
         collated one by one while a row is not cached yet."""
-        stacked = None if self.cache is None else self.cache.get_many(self.cache_rows[indices])
+        stacked = self._cached(indices)
         if stacked is None:
             return default_collate(self.__getitems__(indices))
         return {**self._columns(stacked, indices), "sample_id": [self.sample_ids[index] for index in indices]}
+
+    def _cached(self, indices: list[int]) -> dict[str, np.ndarray] | None:
+        """Rows ``indices``' arrays stacked, in one cache read per array; None without a cache or while a row is not
+        decoded yet."""
+        return None if self.cache is None else self.cache.get_many(self.cache_rows[indices])
 
     def _samples(self, stacked: dict[str, np.ndarray], indices: list[int]) -> list[dict]:
         """The sample dicts of rows ``indices`` from their arrays stacked ``[len(indices), ...]``, which the samples
@@ -341,7 +346,6 @@ class TaskonomyDataset(Dataset):
         views = {name: column.unbind(0) for name, column in self._columns(stacked, indices).items()}
         return [{**{name: view[position] for name, view in views.items()}, "sample_id": self.sample_ids[index]}
                 for position, index in enumerate(indices)]
-
 
     def _columns(self, stacked: dict[str, np.ndarray], indices: list[int]) -> dict[str, torch.Tensor]:
         """Rows ``indices``' arrays (stacked ``[len(indices), ...]``) and scene classes as tensors of the sample dtypes."""
