@@ -1,6 +1,6 @@
 """Class-sharding schemes (McMahan et al.'s ``shards`` and the course's ``nc_shards``): every client
-holds a fixed number of groups. Registered in :data:`partitioning.partition.SCHEMES` when
-:mod:`partitioning.partition` is imported (it imports this module last).
+holds a fixed number of groups. Registered in :data:`partitioning.partitioner.SCHEMES` when
+:mod:`partitioning.partition` is imported (it imports this module).
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from partitioning.allocation import assign_counts, largest_remainder, size_weights, transport
-from partitioning.partition import MAX_DRAWS, SCHEMES, Partition, Partitioner
+from partitioning.partitioner import MAX_DRAWS, SCHEMES, Partition, Partitioner
 from utils.errors import TaskHetError
 
 
