@@ -21,6 +21,8 @@ used as they are.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,6 +31,9 @@ from models.encoders import Encoder
 from models.heads import DenseDecoder, PreLogits, make_activation
 from models.tasks import TaskSpec
 from utils.errors import TaskHetError
+
+if TYPE_CHECKING:
+    from models.frozen_encoder import FrozenEncoder
 
 HEAD_MODULE = "head"
 EMBEDDING_LAYERS = ("penultimate", "bottleneck")
@@ -82,6 +87,9 @@ class TaskModel(nn.Module):
             self.decoder = PreLogits(encoder.channels[-1], encoder.prelogit_hidden)
             self.head = nn.Linear(self.decoder.out_channels, out_channels)
         self.activation = make_activation(task.activation)
+        # A frozen pretrained encoder's name, source and hash (set by build_task_model and load_task_model): its
+        # checkpoints leave the encoder out (models/frozen_encoder.py). None: checkpoints hold the whole model.
+        self.frozen_encoder: FrozenEncoder | None = None
 
     def normalise(self, rgb: torch.Tensor) -> torch.Tensor:
         """Images in [0, 1] -> the encoder's input (its mean and std)."""
@@ -116,7 +124,9 @@ class TaskModel(nn.Module):
         """Freeze the encoder: no gradient and eval mode, so training changes only the decoder and head.
 
         A pretrained encoder kept fixed: every optimizer (step 2's and each client's SGD) only sees
-        parameters that require grad, and its BatchNorm statistics stay those of the pretrained weights.
+        parameters that require grad, and its BatchNorm statistics stay those of the pretrained weights
+        (:meth:`train` keeps it in eval mode), so nothing under ``encoder`` changes and checkpoints can
+        name it instead of storing it (``frozen_encoder``).
         """
         self.config["freeze_encoder"] = True
         self.encoder.requires_grad_(False)

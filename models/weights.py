@@ -137,9 +137,12 @@ def read_weights_file(path: Path, torchscript: bool = False) -> dict[str, torch.
     ``torch.load(weights_only=True)`` never runs code from the file. A TorchScript archive
     can, so it is read only with ``torchscript=True``: the caller passes that for the CLIP
     files the clip package names, after checking their published SHA-256, never for a PATH.
+    A TaskHet checkpoint that leaves out its frozen encoder gets it back from its recorded source
+    (``models.frozen_encoder``), so a best.pt serves as ``--weights`` either way.
 
     Raises:
-        TaskHetError: naming the file: missing, empty, truncated or not a weights file.
+        TaskHetError: naming the file: missing, empty, truncated or not a weights file, or a frozen
+            encoder whose source cannot be rebuilt or no longer has the recorded hash.
     """
     path = Path(path)
     if not path.is_file():
@@ -157,6 +160,11 @@ def read_weights_file(path: Path, torchscript: bool = False) -> dict[str, torch.
                                "download reads so too. TorchScript archives are read only for the CLIP files the clip "
                                "package names (after checking their published SHA-256)") from None
         loaded = torch.jit.load(str(path), map_location="cpu").state_dict()
+    if isinstance(loaded, dict) and "frozen_encoder" in loaded:
+        # a TaskHet checkpoint that names its frozen encoder instead of holding it: put it back (hash checked)
+        from models.frozen_encoder import restore_frozen_encoder  # here: models.frozen_encoder builds encoders
+
+        restore_frozen_encoder(loaded, path, "--weights")
     for key in ("model", "state_dict"):
         if isinstance(loaded, dict) and isinstance(loaded.get(key), dict):
             loaded = loaded[key]
