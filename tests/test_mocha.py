@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 import scipy.linalg
 import torch
 
 from network.algorithms import build_algorithm
 from network.algorithms.base import load_weights
-from network.algorithms.mocha import COUPLING, HEAD_PREFIX, OMEGA, OMEGA_KK, regulariser, task_covariance
-from tests.oracles import DIM, TwoLayer, least_squares_clients, linear_model, run_oracle
+from network.algorithms import mocha as mocha_module
+from network.algorithms.mocha import (COUPLING, HEAD_PREFIX, OMEGA, OMEGA_KK, MochaDivergence, MochaSettings,
+                                      check_head, check_local_step, regulariser, task_covariance)
+from tests.oracles import DIM, TwoLayer, client_config, least_squares_clients, linear_model, run_oracle
 from tests.tiny_models import TinyNet
-from utils.errors import TaskHetError
+from utils.errors import NonFiniteLossError, TaskHetError
 
 
 def test_sigma_and_omega_are_the_closed_form_of_the_heads_not_a_matrix_of_ones():
@@ -113,3 +118,127 @@ def test_a_model_without_a_head_and_bad_settings_are_refused():
         build_algorithm("mocha", linear_model(), {"0": 1})
     with pytest.raises(TaskHetError, match=r"^setting lam must be >= 0, got -1.0$"):
         build_algorithm("mocha", TinyNet(), {"0": 1}, {"lam": -1})
+
+
+# ----- numerical safety: the local step's stability condition and the divergence guard -----
+
+def mocha_settings(lam, eps=1e-3):
+    return MochaSettings(lam=lam, eps=eps)
+
+
+def step_config(lr, momentum=0.0, weight_decay=0.0):
+    return client_config(10, lr=lr, momentum=momentum, weight_decay=weight_decay)
+
+
+@pytest.mark.parametrize("h_times_lr, grows", [(0.98, False), (1.02, True)])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_heavy_ball_on_a_quadratic_is_stable_exactly_below_two_times_one_plus_momentum(h_times_lr, grows, momentum):
+    """The condition itself: torch's SGD on (h/2)·w² contracts for lr·h < 2·(1 + β) and blows up above it."""
+    lr = 0.1
+    curvature = h_times_lr * 2 * (1 + momentum) / lr
+    weight = torch.ones(1, dtype=torch.float64, requires_grad=True)
+    optimizer = torch.optim.SGD([weight], lr=lr, momentum=momentum)
+    for _ in range(200):
+        optimizer.zero_grad()
+        (0.5 * curvature * weight.pow(2).sum()).backward()
+        optimizer.step()
+    assert (weight.abs().item() > 1) == grows
+
+
+def test_the_local_step_is_refused_from_lr_times_lam_omega_kk_plus_weight_decay_at_two_times_one_plus_momentum():
+    # Plain SGD, lr 0.1, λ 0.5: lr·λ·Ω_kk < 2 ⇔ Ω_kk < 40.
+    check_local_step(mocha_settings(0.5), 39.99, step_config(0.1))
+    for omega_kk in (40.0, 40.01):  # equality is the edge of stability (no contraction): refused
+        with pytest.raises(MochaDivergence):
+            check_local_step(mocha_settings(0.5), omega_kk, step_config(0.1))
+    # Weight decay 0.1 adds to the curvature: 0.1·(0.5·39.7 + 0.1) = 1.995 passes, 0.1·(0.5·39.9 + 0.1) = 2.005 not.
+    check_local_step(mocha_settings(0.5), 39.7, step_config(0.1, weight_decay=0.1))
+    with pytest.raises(MochaDivergence):
+        check_local_step(mocha_settings(0.5), 39.9, step_config(0.1, weight_decay=0.1))
+    # Momentum 0.9, lr 0.3, λ 0.05: the bound is 3.8, so Ω_kk < 3.8 / 0.015 = 253.33….
+    check_local_step(mocha_settings(0.05), 253.3, step_config(0.3, momentum=0.9))
+    with pytest.raises(MochaDivergence):
+        check_local_step(mocha_settings(0.05), 253.4, step_config(0.3, momentum=0.9))
+    # Without the regulariser (λ = 0) MOCHA has no term of its own to refuse.
+    check_local_step(mocha_settings(0.0), 1e3, step_config(0.3, momentum=0.9))
+
+
+def test_the_refusal_names_the_settings_and_values_that_meet_the_worst_case():
+    with pytest.raises(MochaDivergence) as refused:
+        check_local_step(mocha_settings(0.05), 700.0, step_config(0.3, momentum=0.9))
+    # lr·λ·Ω_kk = 0.3·0.05·700 = 10.5. Worst case Ω_kk = 1/eps: λ/eps < 3.8/0.3 = 12.67 ⇔ eps > 0.0039474 (up: 0.00395),
+    # λ < 0.012667 (down: 0.0126), lr < 3.8/(0.05/0.001) = 0.076.
+    assert str(refused.value) == (
+        "mocha: the local step on the heads' regulariser is unstable: lr·(lam·Ω_kk + weight_decay) = 10.5 is not below "
+        "2·(1 + momentum) = 3.8 (lam 0.05, eps 0.001, lr 0.3, momentum 0.9, Ω_kk 700; nearly equal heads, as those of "
+        "clients not yet picked are, bring Ω_kk up to 1/eps = 1000): raise eps above 0.00395, or lower lam below 0.0126 "
+        "or lr below 0.076 (then lr·(lam/eps + weight_decay) < 2·(1 + momentum))")
+    # λ 3, lr 1, plain SGD: λ/eps < 2 needs eps > 1.5, which no eps in (0, 1) is: no eps advice; λ < 2·0.001.
+    with pytest.raises(MochaDivergence, match=r"weight_decay 0\.5, Ω_kk 1; .*\): lower lam below 0\.0015 or lr "
+                                              r"below 0\.000666 \(then"):
+        check_local_step(mocha_settings(3.0), 1.0, step_config(1.0, weight_decay=0.5))  # room 2 − 0.5 = 1.5
+    # Weight decay 3 at lr 1 leaves no room for any λ: lr·3 ≥ 2; lr < 2/(0.01/0.5 + 3) = 0.66225.
+    with pytest.raises(MochaDivergence, match=r": lower lr below 0\.662 or weight_decay \(weight decay alone"):
+        check_local_step(mocha_settings(0.01, eps=0.5), 1.0, step_config(1.0, weight_decay=3.0))
+
+
+def test_a_head_is_diverged_when_not_finite_or_over_a_thousand_times_max_of_its_start_and_one():
+    settings, cfg = mocha_settings(0.01), step_config(0.1)
+    small = {"head.weight": torch.tensor([[0.3, 0.4]])}  # norm 0.5: the limit is 1000 × max(0.5, 1) = 1000
+    check_head({"head.weight": torch.tensor([[600.0, 800.0]])}, small, settings, 2.0, cfg)  # norm 1000: kept
+    with pytest.raises(MochaDivergence, match=r"^mocha: a head diverged in local training: its norm is 1001, above "
+                                              r"1000 × max\(the starting head's norm 0\.5, 1\) \(lam 0\.01, eps 0\.001, "
+                                              r"lr 0\.1, momentum 0, Ω_kk 2\): lower lr \(the regulariser's own step"):
+        check_head({"head.weight": torch.tensor([[600.6, 800.8]])}, small, settings, 2.0, cfg)
+    large = {"head.weight": torch.tensor([[3.0, 4.0]])}  # norm 5: the limit is 5000
+    check_head({"head.weight": torch.tensor([[3000.0, 4000.0]])}, large, settings, 2.0, cfg)
+    with pytest.raises(MochaDivergence):
+        check_head({"head.weight": torch.tensor([[3000.0, 4000.1]])}, large, settings, 2.0, cfg)
+    for bad in (math.nan, math.inf):
+        with pytest.raises(MochaDivergence, match=f"its norm is {bad}"):
+            check_head({"head.weight": torch.tensor([[bad, 0.0]])}, small, settings, 2.0, cfg)
+    # Near the regulariser's bound (lr·λ·Ω_kk = 0.1·0.01·1500 = 1.5 ≥ 2/2) the advice is the worst case's values.
+    with pytest.raises(MochaDivergence, match=r"Ω_kk 1500\): raise eps above 0\.0005, or lower lam below 0\.02 or lr"):
+        check_head({"head.weight": torch.tensor([[math.nan]])}, small, settings, 1500.0, cfg)
+
+
+def slow_two_groups():
+    """two_groups with features and targets × 0.1: the task's curvature is small, so only the regulariser can diverge."""
+    return [(a * 0.1, b * 0.1) for a, b in two_groups()]
+
+
+def test_the_partial_participation_case_stops_at_the_first_unstable_round_with_one_line(tmp_path):
+    """λ 0.05, lr 0.3, momentum 0.9, half the clients a round: clients 1, 2 and 4 are not picked in round 1 and keep
+    the starting head, so Ω_kk reaches ≈ 668 (2/3 of 1/eps): lr·λ·Ω_kk ≈ 10 ≥ 3.8 when round 2 picks client 2."""
+    with pytest.raises(NonFiniteLossError) as stopped:
+        run_oracle(tmp_path, "mocha", rounds=6, steps=5, lr=0.3, data=slow_two_groups(), model=TwoLayer(),
+                   momentum=0.9, fraction=0.5, lam=0.05)
+    message = str(stopped.value)
+    assert "\n" not in message
+    assert re.match(r"^round 2, client 2: mocha: the local step on the heads' regulariser is unstable: "
+                    r"lr·\(lam·Ω_kk \+ weight_decay\) = 10\.02 is not below 2·\(1 \+ momentum\) = 3\.8 \(lam 0\.05, eps "
+                    r"0\.001, lr 0\.3, momentum 0\.9, Ω_kk 667\.7; .*: raise eps above 0\.00395, or lower lam below "
+                    r"0\.0126 or lr below 0\.076 .*; the run stopped; the last good checkpoint is .* \(round 1\)$", message)
+
+
+def test_without_the_condition_the_same_run_is_stopped_by_the_divergence_guard(tmp_path, monkeypatch):
+    """What the condition prevents: unguarded, the heads reach norm ≈ 50 in round 2 and ≈ 7e3 in round 3."""
+    monkeypatch.setattr(mocha_module, "check_local_step", lambda *_: None)
+    with pytest.raises(NonFiniteLossError) as stopped:
+        run_oracle(tmp_path, "mocha", rounds=6, steps=5, lr=0.3, data=slow_two_groups(), model=TwoLayer(),
+                   momentum=0.9, fraction=0.5, lam=0.05)
+    message = str(stopped.value)
+    assert "\n" not in message
+    assert re.match(r"^round 3, client 0: mocha: a head diverged in local training: its norm is 7109, above "
+                    r"1000 × max\(the starting head's norm 0\.2068, 1\) \(lam 0\.05, eps 0\.001, lr 0\.3, momentum 0\.9, "
+                    r"Ω_kk 690\.6\): raise eps above 0\.00395, or lower lam below 0\.0126 or lr below 0\.076", message)
+
+
+@pytest.mark.parametrize("change", [{"eps": 0.00395}, {"lam": 0.0126}, {"lr": 0.076}])
+def test_each_suggested_value_runs_the_same_federation_with_bounded_heads(tmp_path, change):
+    settings = {"lam": 0.05, "eps": 1e-3, **change}
+    lr = settings.pop("lr", 0.3)
+    _, engine = run_oracle(tmp_path, "mocha", rounds=4, steps=5, lr=lr, data=slow_two_groups(), model=TwoLayer(),
+                           momentum=0.9, fraction=0.5, **settings)
+    norms = engine.algorithm.head_matrix(engine.server.tensors).norm(dim=0)
+    assert torch.isfinite(norms).all() and norms.max() < 2, norms

@@ -21,11 +21,39 @@ paper's objective in its primal form, on the head:
 Two public implementations build Ω from a matrix of ones (so they penalise ‖Σ_k w_k‖², not the
 learned relationships) and compute the regulariser on detached tensors (so it never acts);
 both are tested against here. A model without a head (``head_keys()``) is refused.
+
+**Numerical safety.** The client's regulariser is a quadratic in w_k of curvature λ·Ω_kk, and
+weight decay adds its own, h = λ·Ω_kk + weight_decay. The local step (torch's heavy-ball SGD,
+v ← β·v + g, w ← w − lr·v) on a quadratic of curvature h contracts only while
+
+    lr·h < 2·(1 + β)            (plain SGD, β = 0: lr·h < 2),
+
+the roots of z² − (1 + β − lr·h)·z + β lying inside the unit circle. Ω_kk is at most 1/eps and
+comes near it whenever heads are nearly collinear, which partial participation makes common:
+clients not yet picked all hold the starting head. A convex task loss only adds curvature, so
+the condition is necessary for the head's iteration to be stable, though not sufficient.
+Two guards, both ending the run with one ``error:`` line (a :class:`MochaDivergence`, which the
+engines report as a non-finite run, naming the round and client) that names lam, eps, lr and
+momentum and says what to change:
+
+* the condition is enforced per client and round, on the actual Ω_kk and the round's lr
+  (:func:`check_local_step`), before the client trains. Not at construction: the algorithm never
+  sees the lr (an engine setting, which a schedule changes by round), and the worst case 1/eps
+  is far from every run (full participation with wide heads keeps Ω_kk near m), so refusing
+  lr·λ/eps ≥ 2·(1 + β) up front would refuse runs that are stable. Not by clamping Ω_kk either:
+  that changes the paper's objective silently, exactly where it is used. The message suggests
+  values that satisfy the worst case, so the rerun cannot stop again for this reason.
+* divergence the condition cannot see (the task's own curvature, a non-convex body) is caught
+  after each local training (:func:`check_head`): a head that is not finite, or whose norm
+  exceeds ``HEAD_GROWTH_LIMIT`` times max(the starting head's norm, 1). The regulariser bounds
+  ‖W‖² by 2/λ times the objective (Ω's eigenvalues are at least 1), so a thousandfold head is
+  a diverging run, not a learning one.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -37,13 +65,18 @@ from network.algorithms.base import (ALGORITHMS, GLOBAL_MODEL, Bundle, ClientCon
                                      ServerState, Upload, copy_state, load_weights, require, trainable)
 from network.algorithms.skeleton import DELTA, ModelAveraging, Phase, run_phases
 from network.settings import check, setting
-from utils.errors import TaskHetError
+from utils.errors import NonFiniteLossError, TaskHetError
 
 HEAD_DELTA = "head_delta"  # upload group: w_k(new) − w_k(old)
 COUPLING = "coupling"  # broadcast group: c_k = Σ_{j≠k} Ω_kj·w_j, by head entry
 OMEGA_KK = "omega_kk"  # broadcast group {"value": Ω_kk}
 OMEGA = "omega"  # server tensor: Ω, m × m in the federation's client order
 HEAD_PREFIX = "head/{}/"  # server tensors: client k's head
+HEAD_GROWTH_LIMIT = 1000.0  # a head norm above this × max(starting head norm, 1) has diverged
+
+
+class MochaDivergence(NonFiniteLossError):
+    """The heads' local step is unstable or has diverged; the run stops (it keeps its last good checkpoint)."""
 
 
 @dataclass(frozen=True)
@@ -117,9 +150,13 @@ class Mocha(ModelAveraging):
         load_weights(model, global_weights)
         load_weights(model, client_state)
         old_head = copy_state(model, self._head)
-        term = regulariser(model, broadcast[COUPLING], float(broadcast[OMEGA_KK]["value"]), self.settings.lam)
+        omega_kk = float(broadcast[OMEGA_KK]["value"])
+        check_local_step(self.settings, omega_kk, cfg)
+        term = regulariser(model, broadcast[COUPLING], omega_kk, self.settings.lam)
         metrics = run_phases(model, [Phase(extra_loss=term if self.settings.lam else None)], loader, cfg)
         state = model.state_dict()
+        check_head({key: state[key] for key in self._head}, {key: global_weights[key] for key in self._head},
+                   self.settings, omega_kk, cfg)
         upload = {DELTA: subtract(state, global_weights, self.shared_keys()),
                   HEAD_DELTA: subtract(state, old_head, self._head)}
         return ClientResult(upload, copy_state(model, self._head), metrics, cfg.num_samples)
@@ -157,3 +194,81 @@ def regulariser(model: nn.Module, coupling: Weights, omega_kk: float, lam: float
         return 0.5 * lam * total
 
     return term
+
+
+def lr_curvature(settings: MochaSettings, omega_kk: float, cfg: ClientConfig) -> float:
+    """lr·h, h = λ·Ω_kk + weight_decay: the regulariser's curvature in units of the local step."""
+    return cfg.lr * (settings.lam * omega_kk + cfg.weight_decay)
+
+
+def stability_bound(cfg: ClientConfig) -> float:
+    """2·(1 + β): heavy-ball SGD on a quadratic contracts while lr·h stays below it."""
+    return 2 * (1 + cfg.momentum)
+
+
+def check_local_step(settings: MochaSettings, omega_kk: float, cfg: ClientConfig) -> None:
+    """Refuse a round whose local step diverges on the regulariser alone: lr·(λ·Ω_kk + weight_decay) ≥ 2·(1 + β).
+
+    Raises:
+        MochaDivergence: naming the settings and values that satisfy the worst case Ω_kk = 1/eps.
+    """
+    if settings.lam == 0:  # no regulariser: weight decay alone is every algorithm's concern, not MOCHA's
+        return
+    size, bound = lr_curvature(settings, omega_kk, cfg), stability_bound(cfg)
+    if size < bound:
+        return
+    raise MochaDivergence(
+        f"mocha: the local step on the heads' regulariser is unstable: lr·(lam·Ω_kk + weight_decay) = {size:.4g} is "
+        f"not below 2·(1 + momentum) = {bound:.4g} ({_described(settings, cfg)}, Ω_kk {omega_kk:.4g}; nearly equal "
+        f"heads, as those of clients not yet picked are, bring Ω_kk up to 1/eps = {1 / settings.eps:.4g}): "
+        f"{_remedy(settings, cfg)}")
+
+
+def check_head(head: Weights, start: Weights, settings: MochaSettings, omega_kk: float, cfg: ClientConfig) -> None:
+    """Refuse a head that is not finite or whose norm exceeds ``HEAD_GROWTH_LIMIT`` × max(‖starting head‖, 1).
+
+    Args:
+        head: the client's head entries after its local training.
+        start: the same entries of the run's starting model (the global model's head, which never trains).
+
+    Raises:
+        MochaDivergence: naming the norms, the settings and what to change.
+    """
+    norms = torch.stack([torch.cat([value.double().flatten() for value in weights.values()]).norm()
+                         for weights in (head, start)]).tolist()  # one device sync
+    norm, start_norm = norms
+    if math.isfinite(norm) and norm <= HEAD_GROWTH_LIMIT * max(start_norm, 1.0):
+        return
+    if settings.lam and lr_curvature(settings, omega_kk, cfg) >= stability_bound(cfg) / 2:
+        advice = _remedy(settings, cfg)
+    else:  # the regulariser's step contracts fast: the task's own curvature is too large for this lr
+        advice = "lower lr (the regulariser's own step was stable, so the task's curvature is too large for it)"
+    raise MochaDivergence(
+        f"mocha: a head diverged in local training: its norm is {norm:.4g}, above {HEAD_GROWTH_LIMIT:g} × max(the "
+        f"starting head's norm {start_norm:.4g}, 1) ({_described(settings, cfg)}, Ω_kk {omega_kk:.4g}): {advice}")
+
+
+def _described(settings: MochaSettings, cfg: ClientConfig) -> str:
+    decay = f", weight_decay {cfg.weight_decay:g}" if cfg.weight_decay else ""
+    return f"lam {settings.lam:g}, eps {settings.eps:g}, lr {cfg.lr:g}, momentum {cfg.momentum:g}{decay}"
+
+
+def _remedy(settings: MochaSettings, cfg: ClientConfig) -> str:
+    """Values meeting lr·(lam/eps + weight_decay) < 2·(1 + momentum), the worst case Ω_kk = 1/eps, one at a time."""
+    bound = stability_bound(cfg)
+    lr_limit = _three_digits(bound / (settings.lam / settings.eps + cfg.weight_decay), up=False)
+    room = bound / cfg.lr - cfg.weight_decay  # the regulariser curvature lam/eps the step can take
+    if room <= 0:
+        return f"lower lr below {lr_limit} or weight_decay (weight decay alone makes the step unstable)"
+    lower = f"lower lam below {_three_digits(room * settings.eps, up=False)} or lr below {lr_limit}"
+    if settings.lam / room < 1:  # eps must stay below 1
+        lower = f"raise eps above {_three_digits(settings.lam / room, up=True)}, or {lower}"
+    return lower + " (then lr·(lam/eps + weight_decay) < 2·(1 + momentum))"
+
+
+def _three_digits(value: float, up: bool) -> str:
+    """``value`` to three significant digits, rounded away from the unsafe side (up for a floor, down for a cap)."""
+    scale = 10.0 ** (math.floor(math.log10(value)) - 2)
+    steps = value / scale  # 0.076 / 1e-5 is 7599.999…: a relative 1e-9 keeps a three-digit value as it is
+    rounded = (math.ceil(steps * (1 - 1e-9)) if up else math.floor(steps * (1 + 1e-9))) * scale
+    return f"{rounded:.3g}"
