@@ -110,3 +110,26 @@ def test_fedrod_needs_the_clients_class_counts_and_a_classifier():
 
     with pytest.raises(TaskHetError, match="^fedrod trains classifier heads, but --task normal is a dense task"):
         build_algorithm("fedrod", build_task_model("normal", "small_cnn", "none", seed=0), {"0": 1})
+
+
+def test_a_float64_run_builds_the_prior_in_float64_so_its_step_is_the_equations_to_the_last_bits():
+    """γ·log n in the logits' dtype: a float32 prior cast to float64 logits is ~6e-8 off γ·log n, and so is the step."""
+    counts, gamma = (5, 1, 3), 0.7
+    exact = torch.tensor([gamma * math.log(count) for count in counts], dtype=torch.float64)
+    prior = log_prior(counts, gamma, torch.float64)
+    assert prior.dtype == torch.float64 and torch.allclose(prior, exact, rtol=1e-15, atol=0)
+    assert (log_prior(counts, gamma).double() - exact).abs().max() > 1e-9  # what float32 costs
+    torch.manual_seed(0)
+    algorithm, worker = build_algorithm("fedrod", LinearNet().double(), {"0": 6, "1": 4}, {"gamma": gamma}, seed=3)
+    server = algorithm.init_server(initial(worker))
+    batch = {"x": batches(1)[0]["x"].double(), "label": batches(1)[0]["label"]}
+    start = {key: value.clone().requires_grad_() for key, value in server.models["global"].items()}
+    # One plain SGD step of lr 1: g moves by −∇ CE(B x W_gᵀ + b_g + γ·log n, y) (the personal loss never reaches g).
+    logits = batch["x"] @ start["body.weight"].T @ start["head.generic.weight"].T + start["head.generic.bias"] + exact
+    grads = torch.autograd.grad(nn.functional.cross_entropy(logits, batch["label"]),
+                                [start["head.generic.weight"], start["head.generic.bias"]])
+    cfg = ClientConfig(lr=1.0, loss_fn=ce_loss, device=CPU, num_samples=6, local_steps=1, class_counts=counts)
+    delta = algorithm.client_update(worker, algorithm.broadcast(server), {}, [batch], cfg).upload["delta"]
+    for key, grad in zip(("head.generic.weight", "head.generic.bias"), grads):
+        assert delta[key].dtype == torch.float64
+        assert torch.allclose(delta[key], -grad, rtol=0, atol=1e-15), (key, (delta[key] + grad).abs().max())

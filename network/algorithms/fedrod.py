@@ -46,9 +46,12 @@ class FedRoDSettings(ServerOptSettings):
         check(self.gamma >= 0 and math.isfinite(self.gamma), "gamma", ">= 0", self.gamma)
 
 
-def log_prior(class_counts: Iterable[int], gamma: float) -> Tensor:
-    """γ·log n_c per class (−∞ where n_c = 0 and γ > 0; all zeros when γ = 0)."""
-    counts = torch.tensor(list(class_counts), dtype=torch.float32)
+def log_prior(class_counts: Iterable[int], gamma: float, dtype: torch.dtype = torch.float32) -> Tensor:
+    """γ·log n_c per class (−∞ where n_c = 0 and γ > 0; all zeros when γ = 0), computed in ``dtype``.
+
+    Build it in the logits' dtype: a float32 prior cast up to float64 logits is off the equation by ~6e-8.
+    """
+    counts = torch.tensor(list(class_counts), dtype=dtype)
     if gamma == 0:
         return torch.zeros_like(counts)
     return gamma * torch.log(counts)
@@ -98,7 +101,8 @@ class FedRoD(ModelAveraging):
                 f"{self.name} needs each client's training class counts over {head.generic.out_features} classes "
                 "(a classification task's data), got " + ("none" if cfg.class_counts is None
                                                           else f"{len(cfg.class_counts)} classes"))
-        head.adjustment = log_prior(cfg.class_counts, self.settings.gamma).to(cfg.device)
+        # The generic logits come out in the generic head's dtype (autocast may lower them; collect_logits casts).
+        head.adjustment = log_prior(cfg.class_counts, self.settings.gamma, head.generic.weight.dtype).to(cfg.device)
         try:
             loss = multi_head_loss(cfg.loss_fn, model, head, HEADS)
             return super().client_update(model, broadcast, client_state, loader, dataclasses.replace(cfg, loss_fn=loss))
