@@ -24,6 +24,13 @@ import numpy as np
 import torch
 
 from network.heterogeneity import dissimilarity
+from utils.cli import floats
+from utils.errors import TaskHetError
+
+# The worked example's scale s (client optima s·e_k): G² grows as s², and every distance and G² stays a finite
+# float for s up to 10^6 (explain_heterogeneity.py --scales).
+MAX_SCALE = 1e6
+SCALES = floats(0.0, MAX_SCALE, low_open=True)
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,8 @@ def worked_example(scale: float = 1.0, stiffness: float = 3.0) -> QuadraticFeder
     Client k is stiffer along its own optimum's direction; with equal Hessians FedAvg would
     have no fixed-point bias at all (see the module docstring).
     """
+    if not SCALES.contains(scale):
+        raise TaskHetError(f"the worked example's scale must be in {SCALES}, got {scale!r}")
     eye = np.eye(4)
     hessians = tuple(eye + stiffness * np.outer(eye[k], eye[k]) for k in range(4))
     return QuadraticFederation(hessians, tuple(scale * eye[k] for k in range(4)), np.full(4, 0.25))

@@ -14,11 +14,18 @@ from typing import Callable
 
 import numpy as np
 
+from utils.cli import floats
 from utils.errors import TaskHetError
 from utils.registry import Registry
 
 UNUSED = -1  # the client of a sample no client holds
 SIZE_SKEWS: Registry[Callable[[np.random.Generator, float, int], np.ndarray]] = Registry("size skew")
+# Each size skew's parameter range: wide enough for any skew worth studying, narrow enough that every drawn weight
+# is a finite float (LogNormal(0, 10) weights stay below e^710 for any number of clients; so do Pareto weights
+# 1 + Pareto(a) for a >= 0.1).
+SIZE_SKEW_RANGES = {"lognormal": floats(0.0, 10.0), "powerlaw": floats(0.1, 1000.0)}
+SIZE_SKEW_HELP = ("lognormal:SIGMA (SIGMA a number in " + str(SIZE_SKEW_RANGES["lognormal"]) + ") or powerlaw:A (A a "
+                  "number in " + str(SIZE_SKEW_RANGES["powerlaw"]) + ")")
 
 
 @SIZE_SKEWS.register("lognormal")
@@ -34,19 +41,19 @@ def powerlaw_weights(rng: np.random.Generator, exponent: float, n_clients: int) 
 
 
 def parse_size_skew(text: str | None) -> tuple[str, float] | None:
-    """Parse ``--size_skew``: ``lognormal:σ`` (σ >= 0) or ``powerlaw:a`` (a > 0); None for equal sizes."""
+    """Parse ``--size_skew`` (:data:`SIZE_SKEW_HELP`): ``lognormal:σ`` or ``powerlaw:a``, the number ASCII digits in
+    its kind's range; None for equal sizes."""
     if text is None:
         return None
     kind, _, value = str(text).partition(":")
     if kind not in SIZE_SKEWS:
-        raise TaskHetError(f"--size_skew {text!r}: unknown kind {kind!r}; use lognormal:SIGMA or powerlaw:A")
+        raise TaskHetError(f"--size_skew {text!r}: unknown kind {kind!r}; use {SIZE_SKEW_HELP}")
+    allowed = SIZE_SKEW_RANGES[kind]
     try:
-        parameter = float(value)
+        return kind, allowed.parse(value)
     except ValueError:
-        raise TaskHetError(f"--size_skew {text!r}: expected {kind}:NUMBER") from None
-    if not np.isfinite(parameter) or parameter < 0 or (kind == "powerlaw" and parameter == 0):
-        raise TaskHetError(f"--size_skew {text!r}: the {kind} parameter must be {'> 0' if kind == 'powerlaw' else '>= 0'}")
-    return kind, parameter
+        raise TaskHetError(f"--size_skew {text!r}: expected {kind}:NUMBER with NUMBER {allowed.describe()}, "
+                           f"got {value!r}") from None
 
 
 def largest_remainder(totals: np.ndarray, weights: np.ndarray) -> np.ndarray:

@@ -25,8 +25,12 @@ from utils.run_dir import atomic_write_text
 
 COLUMNS = ("sample_id", "client_id", "group", "subset")
 SUBSETS = ("train", "test")
-# The largest client id + 1 a file may name: ids beyond it are typos or overflows, never a federation.
-MAX_CLIENT_ID = 2**31
+# The most clients a partition may have (--n_clients of steps 3b and 4, a sidecar's n_clients, the client ids of
+# assignments.csv: 0..MAX_CLIENTS-1). Benchmarks use 1,000; per-client tables and loops stay small at 10,000, and an
+# id beyond it is a typo or an overflow, never a federation.
+MAX_CLIENTS = 10_000
+# The largest cluster id a clusters file may name (groups only label samples: no table is as large as the ids).
+MAX_CLUSTER_ID = 2**31
 # An error message lists at most this many rows per kind of problem (and the total count).
 MAX_LISTED = 50
 
@@ -80,9 +84,9 @@ def read_assignments(csv_path: Path) -> pd.DataFrame:
     blank_id = table["sample_id"].str.strip() == ""
     problems.append(_describe(table, blank_id, "empty sample_id"))
     client = pd.to_numeric(table["client_id"], errors="coerce")
-    # 2**31: far beyond any real federation, and far from float64's and int64's limits (1e30 must not wrap)
-    bad_client = ~np.isfinite(client) | (client < 0) | (client != client.round()) | (client >= MAX_CLIENT_ID)
-    problems.append(_describe(table, bad_client, f"client_id is not an integer in [0, {MAX_CLIENT_ID})"))
+    # Checked as floats before any cast, so 1e30 cannot wrap; the bound keeps the per-client checks below small.
+    bad_client = ~np.isfinite(client) | (client < 0) | (client != client.round()) | (client >= MAX_CLIENTS)
+    problems.append(_describe(table, bad_client, f"client_id is not an integer in [0, {MAX_CLIENTS - 1}]"))
     problems.append(_describe(table, ~table["subset"].isin(SUBSETS), f"subset not in {SUBSETS}"))
     _raise_if_any(csv_path, problems)
     table["client_id"] = client.astype(np.int64)
@@ -99,8 +103,8 @@ def read_meta(csv_path: Path) -> dict[str, Any]:
         raise TaskHetError(f"assignments sidecar {path} must hold a JSON object, got {type(meta).__name__}")
     n_clients = meta.get("n_clients")
     if n_clients is not None and (isinstance(n_clients, bool) or not isinstance(n_clients, int)
-                                  or not 1 <= n_clients <= MAX_CLIENT_ID):
-        raise TaskHetError(f"assignments sidecar {path}: n_clients must be an integer in [1, {MAX_CLIENT_ID}], "
+                                  or not 1 <= n_clients <= MAX_CLIENTS):
+        raise TaskHetError(f"assignments sidecar {path}: n_clients must be an integer in [1, {MAX_CLIENTS}], "
                            f"got {n_clients!r}")
     return meta
 
@@ -196,7 +200,7 @@ def resolve_groups(manifest: pd.DataFrame, groups: str, extra_ids: Iterable[str]
         row = int(np.flatnonzero(~known.to_numpy())[0])
         raise TaskHetError(f"{path}: row {row + 2} has sample_id {clusters['sample_id'].iloc[row]!r}, which is not in "
                            f"the manifest ({int((~known).sum())} unknown rows); was it made from this manifest?")
-    int_column(clusters, "cluster", str(path), low=0, high=MAX_CLIENT_ID)
+    int_column(clusters, "cluster", str(path), low=0, high=MAX_CLUSTER_ID)
     duplicated = clusters["sample_id"].duplicated()
     if duplicated.any():
         raise TaskHetError(f"{path}: sample id {clusters.loc[duplicated, 'sample_id'].iloc[0]!r} appears twice (row {int(np.flatnonzero(duplicated)[0]) + 2})")

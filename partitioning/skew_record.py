@@ -7,13 +7,18 @@ the record back as a user file (a user may edit it), validates it and assembles 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 from partitioning.skew_transforms import ClientSkew
-from partitioning.skews import CONCEPT, FEATURE, SKEWS_KEY, BatchKeys, SkewContext, get_skew, json_object, list_skews
+from partitioning.skews import (CONCEPT, FEATURE, SKEWS_KEY, BatchKeys, SkewContext, flag_context, get_skew, json_object,
+                                list_skews)
 from utils.errors import TaskHetError
 from utils.seeding import derive_seed
+
+# A client id key of the record: ASCII digits, a few of them (ids are below partitioning.assignments.MAX_CLIENTS).
+CLIENT_KEY = re.compile(r"[0-9]{1,9}", re.ASCII)
 
 
 # ----- step 3b: draw and record -----
@@ -30,6 +35,16 @@ def draw_skews(settings: dict[str, dict], context: SkewContext, seed: int) -> di
         drawn = skew.draw(checked, context, derive_seed(seed, "skews"))
         record[name] = {"settings": checked, "clients": {str(client): params for client, params in sorted(drawn.items())}}
     return record
+
+
+def check_skew_settings(settings: dict[str, dict], n_clients: int) -> None:
+    """The checks of :func:`draw_skews` that need no data (step 3b's flags alone): each skew's settings against
+    :func:`partitioning.skews.flag_context` (σ, transform names and limits, class pairs below
+    :data:`partitioning.skews.MAX_CLASSES`, a task with a target variant, the concept fraction). The family's own
+    classes and tasks are checked by :func:`draw_skews` once the manifest is read."""
+    context = flag_context(n_clients)
+    for name, given in settings.items():
+        get_skew(name).check_settings(given, context)
 
 
 def skew_columns(record: dict[str, dict], n_clients: int) -> dict[str, list]:
@@ -104,7 +119,8 @@ def _no_duplicates(pairs: list[tuple[str, Any]], source: Path) -> dict:
 
 
 def _client_id(key: str, n_clients: int, where: str) -> int:
-    if not key.strip().isdigit() or not 0 <= int(key) < n_clients:
+    """A record's client key as its id: ASCII digits (not '²' or '٣', which str.isdigit() takes) in 0..n_clients-1."""
+    if not CLIENT_KEY.fullmatch(key) or not 0 <= int(key) < n_clients:
         raise TaskHetError(f"{where}: {key!r} is not a client id in 0..{n_clients - 1}")
     return int(key)
 

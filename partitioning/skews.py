@@ -42,6 +42,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from partitioning.skew_transforms import AddNoise, ShiftImages, SwapLabels, UseVariant, swap_mapping
+from utils.cli import INTEGER_PATTERN, MAX_SEED, floats, ints
 from utils.errors import TaskHetError
 from utils.registry import Registry
 from utils.seeding import derive_seed, numpy_rng
@@ -53,6 +54,15 @@ TARGET_VARIANTS = {"depth_euclidean": ("depth_zbuffer",), "depth_zbuffer": ("dep
 # feature_shift's transforms: name -> (largest magnitude a flag may ask, what the magnitude means).
 SHIFT_LIMITS = {"brightness": 1.0, "contrast": 1.0, "saturation": 1.0, "hue": 0.5, "blur": 10.0, "rotation": 180.0}
 SHIFT_ORDER = tuple(SHIFT_LIMITS)  # the order the transforms apply in
+# feature_noise's largest σ: ten times the images' whole [0, 1] range is pure noise already, and stays finite in float32.
+MAX_NOISE_SIGMA = 10.0
+# The most classes a classification task may have here (class ids 0..MAX_CLASSES-1): what --label_swap is checked
+# against before the data (and its real number of classes) is read.
+MAX_CLASSES = 100_000
+NOISE_SIGMAS = floats(0.0, MAX_NOISE_SIGMA)
+CONCEPT_FRACTIONS = floats(0.0, 1.0)
+LABEL_SWAP_HELP = (f"K (pairs drawn per affected client, an integer in [1, {MAX_CLASSES // 2}] and at most half the "
+                   f"classes) or A-B,C-D (class ids, integers in [0, {MAX_CLASSES - 1}] below the number of classes)")
 
 
 @dataclass(frozen=True)
@@ -61,15 +71,27 @@ class SkewContext:
 
     Attributes:
         family: the data family's name.
-        num_classes: K of the family's classification task (classes are 0..K-1).
-        tasks: the family's tasks.
+        num_classes: K of the family's classification task (classes are 0..K-1); None: not known yet (the flags
+            alone are checked, against :data:`MAX_CLASSES`).
+        tasks: the family's tasks; None: not known yet (target variants are checked against
+            :data:`TARGET_VARIANTS` only).
         n_clients: clients of the partition (ids 0..n_clients-1).
     """
 
-    family: str
-    num_classes: int
-    tasks: tuple[str, ...]
+    family: str | None
+    num_classes: int | None
+    tasks: tuple[str, ...] | None
     n_clients: int
+
+    @property
+    def class_count(self) -> int:
+        """K, or :data:`MAX_CLASSES` while the data is unknown."""
+        return MAX_CLASSES if self.num_classes is None else self.num_classes
+
+
+def flag_context(n_clients: int) -> SkewContext:
+    """The context of a check from the flags alone (no data read yet): classes up to :data:`MAX_CLASSES`, any task."""
+    return SkewContext(None, None, None, n_clients)
 
 
 # ----- the registry -----
@@ -135,7 +157,9 @@ def get_skew(name: str) -> Skew:
 def _number(value: Any, where: str, low: float, high: float, integer: bool = False) -> float:
     """``value`` as a finite number in [low, high] (an int when ``integer``); NaN, inf, bools and text refused."""
     kind = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value) or not low <= value <= high:
+    # An int is compared as it is (math.isfinite of a 400-digit int overflows); a float must be finite.
+    finite = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
+    if isinstance(value, bool) or not isinstance(value, kind) or not finite or not low <= value <= high:
         what = "an integer" if integer else "a finite number"
         raise TaskHetError(f"{where} must be {what} in [{low:g}, {high:g}], got {value!r}")
     return value
@@ -156,7 +180,7 @@ def json_object(value: Any, where: str, keys: Sequence[str]) -> dict:
 
 def _concept_fraction(settings: dict) -> float:
     """The share of clients a concept shift affects (``--concept_fraction``), in [0, 1]."""
-    return float(_number(settings.get("fraction"), "--concept_fraction", 0.0, 1.0))
+    return float(_number(settings.get("fraction"), "--concept_fraction", CONCEPT_FRACTIONS.low, CONCEPT_FRACTIONS.high))
 
 
 def affected_clients(fraction: float, n_clients: int, rng: np.random.Generator) -> list[int]:
@@ -173,7 +197,7 @@ class FeatureNoise(Skew):
     flag = "--feature_noise"
 
     def check_settings(self, settings: dict, context: SkewContext) -> dict:
-        return {"sigma": float(_number(settings.get("sigma"), f"{self.flag} (σ)", 0.0, math.inf))}
+        return {"sigma": float(_number(settings.get("sigma"), f"{self.flag} (σ)", 0.0, MAX_NOISE_SIGMA))}
 
     def draw(self, settings: dict, context: SkewContext, seed: int) -> dict[int, dict]:
         steps = max(context.n_clients - 1, 1)
@@ -182,8 +206,8 @@ class FeatureNoise(Skew):
 
     def check_client(self, params: Any, context: SkewContext, where: str) -> dict:
         params = json_object(params, where, ("seed", "sigma"))
-        return {"sigma": float(_number(params["sigma"], f"{where}.sigma", 0.0, math.inf)),
-                "seed": int(_number(params["seed"], f"{where}.seed", 0, 2**63 - 1, integer=True))}
+        return {"sigma": float(_number(params["sigma"], f"{where}.sigma", 0.0, MAX_NOISE_SIGMA)),
+                "seed": int(_number(params["seed"], f"{where}.seed", 0, MAX_SEED, integer=True))}
 
     def transform(self, params: dict, keys: BatchKeys) -> Callable[[dict], dict] | None:
         # σ = 0 leaves the batch object alone: client 0's inputs stay bit-identical.
@@ -263,9 +287,9 @@ class LabelSwap(Skew):
         fraction = _concept_fraction(settings)
         pairs = settings.get("pairs")
         if isinstance(pairs, int) and not isinstance(pairs, bool):
-            _number(pairs, f"{self.flag} (pairs per client)", 1, context.num_classes // 2, integer=True)
+            _number(pairs, f"{self.flag} (pairs per client)", 1, context.class_count // 2, integer=True)
             return {"pairs": pairs, "fraction": fraction}
-        return {"pairs": check_pairs(pairs, context.num_classes, self.flag), "fraction": fraction}
+        return {"pairs": check_pairs(pairs, context.class_count, self.flag), "fraction": fraction}
 
     def draw(self, settings: dict, context: SkewContext, seed: int) -> dict[int, dict]:
         clients = affected_clients(settings["fraction"], context.n_clients, numpy_rng(seed, "skew", self.name, "clients"))
@@ -280,7 +304,7 @@ class LabelSwap(Skew):
 
     def check_client(self, params: Any, context: SkewContext, where: str) -> dict:
         params = json_object(params, where, ("pairs",))
-        return {"pairs": check_pairs(params["pairs"], context.num_classes, f"{where}.pairs")}
+        return {"pairs": check_pairs(params["pairs"], context.class_count, f"{where}.pairs")}
 
     def transform(self, params: dict, keys: BatchKeys) -> Callable[[dict], dict] | None:
         if keys.task_kind != "classification":
@@ -311,16 +335,18 @@ def check_pairs(pairs: Any, num_classes: int, where: str) -> list[list[int]]:
 
 
 def parse_pairs(text: str) -> int | list[list[int]]:
-    """``--label_swap``: ``K`` (K pairs drawn per client) or ``A-B,C-D`` (the same pairs for every affected client)."""
+    """``--label_swap`` (:data:`LABEL_SWAP_HELP`): ``K`` (K pairs drawn per client) or ``A-B,C-D`` (the same pairs
+    for every affected client), every number ASCII digits in its range. Pairs are checked (distinct, disjoint, below
+    the number of classes) by :func:`check_pairs`."""
     text = text.strip()
-    if text.isdigit():
-        return int(text)
+    if INTEGER_PATTERN.fullmatch(text):
+        return ints(1, MAX_CLASSES // 2).read(text, f"--label_swap {text!r}: K (pairs per client)")
     pairs = []
     for part in text.split(","):
         ends = part.split("-")
-        if len(ends) != 2 or not all(end.strip().isdigit() for end in ends):
-            raise TaskHetError(f"--label_swap {text!r}: expected K (pairs per client) or pairs A-B,C-D of class ids")
-        pairs.append([int(end) for end in ends])
+        if len(ends) != 2:
+            raise TaskHetError(f"--label_swap {text!r}: expected {LABEL_SWAP_HELP}; got {part.strip()!r}")
+        pairs.append([ints(0, MAX_CLASSES - 1).read(end, f"--label_swap {text!r}: class id") for end in ends])
     return pairs
 
 
@@ -339,12 +365,13 @@ class TargetVariant(Skew):
 
     @staticmethod
     def _check_pair(task: Any, variant: Any, context: SkewContext, where: str) -> None:
-        if task not in context.tasks:
+        known = context.tasks is not None  # else: the flags alone, before the data family is known
+        if known and task not in context.tasks:
             raise TaskHetError(f"{where}: {task!r} is not a task of data family {context.family!r}")
         if task not in TARGET_VARIANTS:
             raise TaskHetError(f"{where}: task {task!r} has no target variant (tasks with one: "
                                f"{', '.join(sorted(TARGET_VARIANTS))})")
-        if variant not in TARGET_VARIANTS[task] or variant not in context.tasks:
+        if variant not in TARGET_VARIANTS[task] or (known and variant not in context.tasks):
             raise TaskHetError(f"{where}: {variant!r} is not a target variant of {task!r} in data family "
                                f"{context.family!r} (its variants: {', '.join(TARGET_VARIANTS[task])})")
 

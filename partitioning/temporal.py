@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from utils.cli import ints
 from utils.errors import TaskHetError
 
 FROM_ROUND, TO_ROUND = "from_round", "to_round"
@@ -37,6 +38,19 @@ SCHEDULE_COLUMNS = (FROM_ROUND, TO_ROUND)
 FIRST_ROUND = 1  # round 0 evaluates the initial model only: nobody trains in it
 NO_END = np.iinfo(np.int64).max  # a blank to_round, in memory
 TEMPORAL_KINDS = ("rotate", "abrupt")
+# The most rounds a federated run may have (--n_rounds of steps 3b and 4) and so the latest round a schedule may
+# name: the paper runs 100; 10,000 keeps every per-round array and loop small.
+MAX_ROUNDS = 10_000
+MAX_PHASES = 1_000  # rotate's PHASES: each is a block of every client's rows
+ROUNDS = ints(FIRST_ROUND, MAX_ROUNDS)
+PHASES = ints(2, MAX_PHASES)
+CHANGE_ROUNDS = ints(FIRST_ROUND + 1, MAX_ROUNDS)  # abrupt:ROUND; round 1 is the first that trains
+# The schedule plot holds a phases × clients × rounds count table; a larger one is refused before anything is drawn.
+MAX_SCHEDULE_CELLS = 10**8
+# A schedule lists a row once per window of its phase; more rows than this is refused before the table is built.
+MAX_SCHEDULED_ROWS = 5 * 10**7
+TEMPORAL_HELP = (f"rotate:PHASES:ROUNDS_PER_PHASE (PHASES an integer in {PHASES}, ROUNDS_PER_PHASE in {ROUNDS}) or "
+                 f"abrupt:ROUND (ROUND an integer in {CHANGE_ROUNDS})")
 # An error message lists at most this many rows per kind of problem (and the total count).
 MAX_LISTED = 20
 
@@ -56,28 +70,41 @@ class TemporalSpec:
 
 
 def parse_temporal(text: str | None) -> TemporalSpec | None:
-    """Parse ``--temporal``: ``rotate:PHASES:ROUNDS_PER_PHASE`` (PHASES >= 2, ROUNDS >= 1) or ``abrupt:ROUND``
-    (ROUND >= 2); None for a static partition."""
+    """Parse ``--temporal`` (:data:`TEMPORAL_HELP`): ``rotate:PHASES:ROUNDS_PER_PHASE`` or ``abrupt:ROUND``, each
+    number ASCII digits in its range; None for a static partition."""
     if text is None:
         return None
     kind, *values = str(text).split(":")
-    usage = "use rotate:PHASES:ROUNDS_PER_PHASE (e.g. rotate:3:5) or abrupt:ROUND (e.g. abrupt:10)"
     arity = {"rotate": 2, "abrupt": 1}
     if kind not in arity or len(values) != arity[kind]:
-        raise TaskHetError(f"--temporal {text!r}: {usage}")
-    try:
-        numbers = [int(value) for value in values]
-    except ValueError:
-        raise TaskHetError(f"--temporal {text!r}: the numbers must be integers; {usage}") from None
+        raise TaskHetError(f"--temporal {text!r}: use {TEMPORAL_HELP}, e.g. rotate:3:5 or abrupt:10")
     if kind == "rotate":
-        phases, rounds = numbers
-        if phases < 2 or rounds < 1:
-            raise TaskHetError(f"--temporal {text!r}: rotate needs PHASES >= 2 and ROUNDS_PER_PHASE >= 1")
+        phases = PHASES.read(values[0], f"--temporal {text!r}: PHASES")
+        rounds = ROUNDS.read(values[1], f"--temporal {text!r}: ROUNDS_PER_PHASE")
+        last_start = FIRST_ROUND + (phases - 1) * rounds
+        if last_start > MAX_ROUNDS:
+            raise TaskHetError(f"--temporal {text!r}: the last phase would start at round {last_start}, after the "
+                               f"{MAX_ROUNDS} rounds a run may have; use fewer or shorter phases")
         return TemporalSpec("rotate", phases, phase_rounds=rounds)
-    if numbers[0] < FIRST_ROUND + 1:
-        raise TaskHetError(f"--temporal {text!r}: the change round must be >= {FIRST_ROUND + 1} "
-                           "(round 1 is the first that trains)")
-    return TemporalSpec("abrupt", 2, change_round=numbers[0])
+    change = CHANGE_ROUNDS.read(values[0], f"--temporal {text!r}: the change ROUND (round 1 is the first that trains)")
+    return TemporalSpec("abrupt", 2, change_round=change)
+
+
+def check_schedule_size(spec: TemporalSpec, n_clients: int, n_rounds: int | None) -> None:
+    """Refuse a schedule whose plot table (phases × clients × rounds shown) would exceed :data:`MAX_SCHEDULE_CELLS`;
+    every number here is a flag, so step 3b refuses it before any work."""
+    shown = n_rounds or schedule_horizon(spec)
+    cells = spec.phases * n_clients * shown
+    if cells > MAX_SCHEDULE_CELLS:
+        raise TaskHetError(f"--temporal {spec.kind} with {spec.phases} phases, --n_clients {n_clients} and {shown} "
+                           f"rounds makes a schedule of {cells:,} phase × client × round cells (at most "
+                           f"{MAX_SCHEDULE_CELLS:,}); use fewer phases, clients or rounds")
+
+
+def schedule_horizon(spec: TemporalSpec) -> int:
+    """The rounds a schedule without --n_rounds shows: one phase past its last change."""
+    last_start = spec.change_round if spec.kind == "abrupt" else FIRST_ROUND + (spec.phases - 1) * spec.phase_rounds
+    return last_start + max(spec.phase_rounds, 1)
 
 
 def client_phases(client_of: np.ndarray, group_codes: np.ndarray, n_phases: int, rng: np.random.Generator) -> np.ndarray:
@@ -157,6 +184,11 @@ def schedule_rows(phase: np.ndarray, spec: TemporalSpec, n_rounds: int | None) -
     """
     windows = phase_windows(spec, n_rounds)
     counts = np.array([len(w) for w in windows], dtype=np.int64)
+    total = int(counts[phase].sum()) if phase.size else 0
+    if total > MAX_SCHEDULED_ROWS:
+        raise TaskHetError(f"--temporal: the schedule would list {total:,} rows ({phase.size:,} train rows, each once "
+                           f"per window of its phase); at most {MAX_SCHEDULED_ROWS:,}: lengthen the phases or lower "
+                           "--n_rounds")
     flat = np.array([window for phase_windows_ in windows for window in phase_windows_], dtype=np.int64).reshape(-1, 2)
     first = np.cumsum(counts) - counts
     repeats = counts[phase]
@@ -208,7 +240,7 @@ def parse_windows(table: pd.DataFrame, source: str) -> pd.DataFrame:
 
     Raises:
         TaskHetError: one message naming the file and every bad row and column: a cell that is not an
-            integer >= 1 (NaN, inf, 2.5, text), an empty window (to_round < from_round), a window on a
+            integer in [1, MAX_ROUNDS] (NaN, inf, 2.5, text, 1e30), an empty window (to_round < from_round), a window on a
             client-test row. (A sample held twice in one round is the assignments check's "duplicated sample
             id": ``partitioning.assignments.validate_assignments`` with :func:`overlapping`.)
     """
@@ -222,8 +254,8 @@ def parse_windows(table: pd.DataFrame, source: str) -> pd.DataFrame:
         text = table[column].astype(str).str.strip()
         values = pd.to_numeric(text.where(text != ""), errors="coerce")
         given = text != ""
-        bad = given & (~np.isfinite(values) | (values != values.round()) | (values < FIRST_ROUND) | (values >= 2**53))
-        problems.append(_rows(table, bad, f"column {column}: not an integer >= {FIRST_ROUND} (blank = "
+        bad = given & (~np.isfinite(values) | (values != values.round()) | (values < FIRST_ROUND) | (values > MAX_ROUNDS))
+        problems.append(_rows(table, bad, f"column {column}: not an integer in {ROUNDS} (blank = "
                                           f"{'from the start' if column == FROM_ROUND else 'to the end'})"))
         rounds = np.full(len(table), blank, dtype=np.int64)
         good = (given & ~bad).to_numpy()

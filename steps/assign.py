@@ -12,23 +12,25 @@ client_stats.csv, client_group_heatmap.png (and client_schedule_heatmap.png with
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from datasets.family import load_manifest, validation_mask
-from partitioning.assignments import assignments_table, resolve_groups, source_record, write_assignments
+from partitioning.allocation import SIZE_SKEW_HELP, parse_size_skew
+from partitioning.assignments import MAX_CLIENTS, assignments_table, resolve_groups, source_record, write_assignments
 from partitioning.client_tests import (CLIENT_TESTS, DEFAULT_TEST_FRACTION, HELD_OUT, TEST_SPLIT, client_test_mask,
                                        deal_test_split)
 from partitioning.partition import get_partitioner, list_schemes, scheme_parameters
 from partitioning.partition_stats import client_stats, phase_stats, plot_heatmap, plot_schedule
-from partitioning.skew_record import draw_skews, skew_columns, skew_summary
+from partitioning.skew_record import check_skew_settings, draw_skews, skew_columns, skew_summary
 from partitioning.skews import SKEWS_KEY, SkewContext
-from partitioning.temporal import FROM_ROUND, NO_END, TO_ROUND, TemporalSpec, parse_temporal, phase_windows, schedule_table
+from partitioning.temporal import (FROM_ROUND, NO_END, ROUNDS, TEMPORAL_HELP, TO_ROUND, TemporalSpec, check_schedule_size,
+                                   parse_temporal, phase_windows, schedule_table)
 from steps.skew_flags import add_skew_flags, skew_settings
 from utils import cli
-from utils.cli import positive_float, positive_int
 from utils.errors import TaskHetError
 from utils.locks import folder_lock
 from utils.run_dir import claim_folder, setup_logging, unfinished, write_config
@@ -36,6 +38,13 @@ from utils.run_dir import claim_folder, setup_logging, unfinished, write_config
 from utils.seeding import numpy_rng
 
 STEP = "step 3b"
+# Dirichlet α: 10^6 is iid for any data set here (and still prints as a folder name, a1e+06).
+MAX_ALPHA = 1e6
+ALPHAS = cli.floats(0.0, MAX_ALPHA, low_open=True)
+CLIENTS = cli.ints(1, MAX_CLIENTS)
+# Groups per client (shards): a client × group slot table is drawn, so both factors are bounded.
+MAX_GROUPS_PER_CLIENT = 1_000
+TEST_FRACTIONS = cli.floats(0.0, 1.0, high_open=True)  # a client keeps some rows to train on
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,25 +54,28 @@ def build_parser() -> argparse.ArgumentParser:
                         help="step-1 manifest.csv; only its train split is partitioned, without its validation rows (val = 1)")
     parser.add_argument("--groups", default=None, help="a manifest column or a step-3 clusters.csv (default: the data family's label column)")
     parser.add_argument("--scheme", default="dirichlet_mixture", choices=list_schemes())
-    parser.add_argument("--alpha", type=positive_float, default=None, help="Dirichlet concentration (Dirichlet schemes; scheme default 1.0)")
-    parser.add_argument("--n_clients", type=positive_int, default=10)
-    parser.add_argument("--size_skew", default=None, help="quantity skew: lognormal:SIGMA or powerlaw:A (default: equal sizes)")
-    parser.add_argument("--groups_per_client", type=positive_int, default=None, help="shards: groups per client (scheme default 2)")
+    parser.add_argument("--alpha", type=ALPHAS, default=None, help="Dirichlet concentration (Dirichlet schemes; scheme default 1.0)")
+    parser.add_argument("--n_clients", type=CLIENTS, default=10, help="clients of the partition")
+    parser.add_argument("--size_skew", default=None, help=f"quantity skew: {SIZE_SKEW_HELP} (default: equal sizes)")
+    parser.add_argument("--groups_per_client", type=cli.ints(1, MAX_GROUPS_PER_CLIENT), default=None,
+                        help="shards: groups per client (scheme default 2)")
     parser.add_argument("--client_tests", choices=CLIENT_TESTS, default=HELD_OUT,
                         help="where each client's test rows come from: held_out (a share of its own train rows, "
                              "--client_test_fraction) or test_split (the manifest's test rows, dealt to the clients in "
                              "proportion to their train rows of each group; every client trains on all of its rows)")
-    parser.add_argument("--client_test_fraction", type=cli.nonnegative_float, default=None,
+    parser.add_argument("--client_test_fraction", type=TEST_FRACTIONS, default=None,
                         help=f"--client_tests held_out: share of each client's samples held out as client-test "
                              f"(default {DEFAULT_TEST_FRACTION})")
-    parser.add_argument("--min_client_size", type=cli.nonnegative_int, default=1, help="fewest samples a client may hold")
+    parser.add_argument("--min_client_size", type=cli.ints(1, cli.MAX_SAMPLES), default=1,
+                        help="fewest samples a client may hold")
     parser.add_argument("--temporal", default=None,
-                        help="temporal skew (a schedule in assignments.csv): rotate:PHASES:ROUNDS_PER_PHASE or abrupt:ROUND "
+                        help=f"temporal skew (a schedule in assignments.csv): {TEMPORAL_HELP} "
                              "(default: none, every row held every round)")
-    parser.add_argument("--n_rounds", type=positive_int, default=None,
+    parser.add_argument("--n_rounds", type=ROUNDS, default=None,
                         help="with --temporal: the step-4 run's rounds; rotate repeats its phases up to it (default: "
                              "each phase once, the last one to the end)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=cli.SEEDS, default=0, help="root seed of the partition, the client tests, the "
+                                                                  "schedule and the skews")
     add_skew_flags(parser)
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     cli.add_runtime_flags(parser)
@@ -79,13 +91,52 @@ def main(argv: list[str] | None = None) -> Path:
     Returns:
         The path of the assignments.csv written.
     """
-    args = cli.apply_runtime_flags(build_parser().parse_args(argv))
-    resolve_client_tests(args)
-    spec = parse_temporal(args.temporal)  # refused before the folder is touched
-    if spec is not None:
-        phase_windows(spec, args.n_rounds)
+    args = cli.apply_runtime_flags(check_arguments(sys.argv[1:] if argv is None else list(argv)))
     with folder_lock(args.out):  # one run at a time writes the folder
         return assign_clients(args)
+
+
+def check_arguments(argv: list[str]) -> argparse.Namespace:
+    """Parse step 3b's command line and make every check the step makes from its arguments alone.
+
+    No file is read (neither the manifest nor a clusters file), nothing is written and no thread count is set:
+    :func:`main` calls this first, and a caller such as the pipeline may call it to refuse a bad partition before
+    any step runs. Checked: every number's range and its ASCII digits (each flag's ``--help`` names its range);
+    ``--client_tests`` against ``--client_test_fraction``; the scheme's parameters (``--alpha``,
+    ``--groups_per_client``, ``--min_client_size``, ``--size_skew``; ``Partitioner.check_parameters``); ``--temporal``
+    and its phases against ``--n_rounds``, and the size of its schedule; every skew flag (``--feature_noise`` σ,
+    ``--feature_shift`` names and magnitudes such as ``blur=99``, ``--label_swap`` pairs such as ``0-0``,
+    ``--target_variant`` names against the tasks that have a variant, ``--concept_fraction``).
+    What needs the data stays with :func:`main`: the manifest's classes and tasks, enough samples for the clients.
+
+    Args:
+        argv: the command line, as ``make_client_assignments.py`` takes it.
+
+    Returns:
+        The parsed arguments (``client_test_fraction`` filled in from its default).
+
+    Raises:
+        TaskHetError: one line naming the flag (``--feature_noise``, ``--temporal``, ...) and what it allows.
+    """
+    args = build_parser().parse_args(argv)
+    resolve_client_tests(args)
+    parse_size_skew(args.size_skew)  # a scheme that ignores it still refuses a malformed value
+    given = scheme_arguments(args)
+    accepted = scheme_parameters(args.scheme)
+    get_partitioner(args.scheme, args.n_clients, **{k: v for k, v in given.items() if k in accepted}).check_parameters()
+    spec = parse_temporal(args.temporal)
+    if spec is not None:
+        phase_windows(spec, args.n_rounds)
+        check_schedule_size(spec, args.n_clients, args.n_rounds)
+    check_skew_settings(skew_settings(args), args.n_clients)
+    return args
+
+
+def scheme_arguments(args: argparse.Namespace) -> dict:
+    """The flags a scheme may take, those given (None: not given)."""
+    given = {"alpha": args.alpha, "size_skew": args.size_skew, "groups_per_client": args.groups_per_client,
+             "min_client_size": args.min_client_size, "seed": args.seed}
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def resolve_client_tests(args: argparse.Namespace) -> None:
@@ -132,12 +183,11 @@ def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, group
     ``skews``: the per-client skews drawn by :func:`partitioning.skew_record.draw_skews`, recorded in the sidecar.
     ``test``: with ``--client_tests test_split``, the manifest's test rows with their ``group``: dealt to the clients
     as their test rows (:func:`partitioning.client_tests.deal_test_split`)."""
-    given = {"alpha": args.alpha, "size_skew": args.size_skew, "groups_per_client": args.groups_per_client,
-             "min_client_size": args.min_client_size, "seed": args.seed}
+    given = scheme_arguments(args)
     accepted = scheme_parameters(args.scheme)
-    for name in sorted(k for k, v in given.items() if v is not None and k not in accepted):
+    for name in sorted(k for k in given if k not in accepted):
         logger.warning("--%s is not used by scheme %r; ignored", name, args.scheme)
-    partitioner = get_partitioner(args.scheme, args.n_clients, **{k: v for k, v in given.items() if v is not None and k in accepted})
+    partitioner = get_partitioner(args.scheme, args.n_clients, **{k: v for k, v in given.items() if k in accepted})
     # Only the natural scheme reads sources; it names the problem when a family has none.
     sources = train[family.source_column].to_numpy() if family.source_column else None
     partition = partitioner.split(groups.to_numpy(), sources=sources)

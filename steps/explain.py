@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from network.quadratic_explainer import (QuadraticFederation, fixed_point, global_optimum, gradient_dissimilarity,
-                                         iid_control, run_fedavg, worked_example)
+from network.quadratic_explainer import (SCALES, QuadraticFederation, fixed_point, global_optimum,
+                                         gradient_dissimilarity, iid_control, run_fedavg, worked_example)
 from utils import cli
 from utils.errors import TaskHetError
 from utils.locks import folder_lock
@@ -33,37 +33,59 @@ FIGURE_FILE = "explainer.png"
 # A squared distance at or below this is float rounding of an exact 0 (E = 1, iid).
 ZERO_DISTANCE2 = 1e-20
 METRICS_COLUMNS = ("round", "case", "scale", "local_steps", "eta", "metric", "value")
+# The simulated runs: every (case, s, E, η) runs --rounds rounds of E steps on each of the 4 clients, step by step in
+# Python, and writes one metrics.csv row per round. Each list and the rounds are bounded, and so is their product.
+MAX_VALUES = 16  # values of --etas, --local_steps and --scales each
+MAX_EXPLAIN_ROUNDS = 10_000
+MAX_LOCAL_STEPS = 1_000
+MAX_SIMULATED_STEPS = 2 * 10**7  # Σ over cases of rounds × E × 4 clients: about a minute
+# η from 10^-6 (smaller ones make FedAvg's round map the identity in float64, with no fixed point to solve for) to 1;
+# the worked example's own bound, 2/L_max = 0.5, is checked after.
+ETAS = cli.floats(1e-6, 1.0)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The explainer's command line (explain_heterogeneity.py --help)."""
     parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("results/explain_heterogeneity"), help="output folder")
-    parser.add_argument("--etas", type=cli.positive_float, nargs="+", default=[0.01, 0.02, 0.05, 0.1, 0.2],
-                        help="local step sizes η (each below 2/L_max = 0.5 for the worked example)")
-    parser.add_argument("--local_steps", type=cli.positive_int, nargs="+", default=[1, 5],
-                        help="local steps E per round")
-    parser.add_argument("--scales", type=cli.positive_float, nargs="+", default=[0.5, 1.0, 2.0],
-                        help="client optima s·e_k (1: the unit vectors of the worked example); G² grows as s²")
-    parser.add_argument("--rounds", type=cli.positive_int, default=500, help="rounds of the simulated FedAvg runs")
+    lists = f"at most {MAX_VALUES} values"
+    parser.add_argument("--etas", type=ETAS, nargs="+", default=[0.01, 0.02, 0.05, 0.1, 0.2],
+                        help=f"local step sizes η (each below 2/L_max = 0.5 for the worked example; {lists})")
+    parser.add_argument("--local_steps", type=cli.ints(1, MAX_LOCAL_STEPS), nargs="+", default=[1, 5],
+                        help=f"local steps E per round ({lists})")
+    parser.add_argument("--scales", type=SCALES, nargs="+", default=[0.5, 1.0, 2.0],
+                        help=f"client optima s·e_k (1: the unit vectors of the worked example); G² grows as s² ({lists})")
+    parser.add_argument("--rounds", type=cli.ints(1, MAX_EXPLAIN_ROUNDS), default=500,
+                        help=f"rounds of the simulated FedAvg runs (with the lists, at most {MAX_SIMULATED_STEPS:,} "
+                             "simulated client steps in all)")
     cli.add_runtime_flags(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     """Run every case; returns the explainer table."""
-    args = cli.apply_runtime_flags(build_parser().parse_args(argv))
-    for flag in ("etas", "local_steps", "scales"):
-        values = getattr(args, flag)
-        if len(set(values)) != len(values):
-            raise TaskHetError(f"--{flag} lists a value twice: {values}")
-    check_stable(worked_example(max(args.scales)), args.etas)
+    args = cli.apply_runtime_flags(check_arguments(argv))
     with folder_lock(args.out):  # one run at a time writes the folder
         claim_folder(args.out, STEP)
         write_config(args.out, vars(args), step=STEP)
         logger = setup_logging(args.out, "explain")
         with unfinished(args.out, STEP):
             return explain(args, logger)
+
+
+def check_arguments(argv: list[str] | None) -> argparse.Namespace:
+    """Parse the command line and refuse, before any folder is touched, a list with a value twice or too many, step
+    sizes that diverge, and more simulated work than :data:`MAX_SIMULATED_STEPS`."""
+    args = build_parser().parse_args(argv)
+    for flag in ("etas", "local_steps", "scales"):
+        cli.check_list(getattr(args, flag), f"--{flag}", MAX_VALUES)
+    check_stable(worked_example(max(args.scales)), args.etas)
+    steps = 2 * len(args.scales) * len(args.etas) * sum(args.local_steps) * args.rounds * 4  # cases × E × clients
+    if steps > MAX_SIMULATED_STEPS:
+        raise TaskHetError(f"--rounds {args.rounds} with {len(args.scales)} --scales, {len(args.etas)} --etas and "
+                           f"--local_steps {' '.join(map(str, args.local_steps))} simulate {steps:,} client steps; at "
+                           f"most {MAX_SIMULATED_STEPS:,}: fewer rounds or values")
+    return args
 
 
 def check_stable(federation: QuadraticFederation, etas: list[float]) -> None:

@@ -12,13 +12,15 @@ import sys
 from pathlib import Path
 
 from network.algorithms import describe_algorithms, list_algorithms
-from network.algorithms.base import get_settings_class
+from network.algorithms.base import ALGORITHMS, get_settings_class
 from network.client_data import LOCAL_TESTS
-from network.run import ENGINES, RunConfig, prepare
+from network.lr_schedule import LR_SCHEDULE_HELP, make_lr_schedule
+from network.run import ENGINES, RunConfig, default_assignments, prepare, resolve
 from partitioning.groupings import GROUPINGS, canonical_grouping
-from network.settings import add_settings_arguments, describe
+from partitioning.temporal import ROUNDS
+from network.settings import add_settings_arguments, build_settings, describe
+from steps.assign import ALPHAS, CLIENTS
 from utils import cli
-from utils.cli import positive_float, positive_int
 from utils.errors import TaskHetError
 from utils.locks import folder_lock
 
@@ -29,6 +31,14 @@ the manifest. Clients train on their 'train' rows; their 'test' rows and the man
 Outputs in --out: config.json, run.log, metrics.csv (round, split, client, metric, value), checkpoint.pt (every
 round; --resume continues from it), best.pt (lowest global test loss) and curves.png.
 Each algorithm's own settings follow --method X: `test_fed.py --method X --help` lists them."""
+# Step 4's own limits (the shared ones are utils.cli's; rounds and clients are partitioning's).
+MAX_LOCAL_STEPS = 10_000  # J per round, and --finetune_steps
+MAX_LOCAL_EPOCHS = 1_000  # E per round
+MAX_CLUSTERS = 10_000  # KMeans clusters (step 3's --n_clusters), which name the default assignments path
+MAX_GPUS_PER_CLIENT = 64.0
+MAX_STATE_MEMORY_MB = float(2**20)  # 1 TiB
+CLIENT_FRACTIONS = cli.floats(0.0, 1.0, low_open=True)
+CALIBRATION_FRACTIONS = cli.floats(0.0, 1.0, high_open=True)  # the clients keep some train rows
 
 
 def build_parser(method: str | None = None, prog: str = "test_fed.py", description: str = DESCRIPTION
@@ -45,13 +55,13 @@ def build_parser(method: str | None = None, prog: str = "test_fed.py", descripti
     add("--vectorize_clients", action=argparse.BooleanOptionalAction, default=False,
         help="train a round's sampled clients in lock-step (torch.func vmap; same results as one after another, "
              "up to float rounding); algorithms that declare support only (default: no)")
-    add("--vectorize_chunk", type=positive_int, default=defaults.vectorize_chunk,
+    add("--vectorize_chunk", type=CLIENTS, default=defaults.vectorize_chunk,
         help="--vectorize_clients: clients per lock-step chunk; memory grows with it (default: 32)")
     add("--flower_mode", choices=("simulation",), default="simulation",
         help="--engine flower: Flower's simulation runtime on this machine (a real deployment: docs/FLOWER.md)")
-    add("--flower_num_cpus", type=positive_float, default=1.0, help="--engine flower: CPU cores per client (default: 1)")
-    add("--flower_num_gpus", type=cli.nonnegative_float, default=0.0, help="--engine flower: share of a GPU per client, e.g. 0.25 (default: 0)")
-    add("--min_available_clients", type=positive_int, default=None,
+    add("--flower_num_cpus", type=cli.floats(0.0, cli.MAX_THREADS, low_open=True), default=1.0, help="--engine flower: CPU cores per client (default: 1)")
+    add("--flower_num_gpus", type=cli.floats(0.0, MAX_GPUS_PER_CLIENT), default=0.0, help="--engine flower: share of a GPU per client, e.g. 0.25 (default: 0)")
+    add("--min_available_clients", type=CLIENTS, default=None,
         help="--engine flower: results a round needs; failed clients beyond that are logged by id (default: all sampled)")
     add("--manifest", type=Path, default=defaults.manifest, help="step-1 manifest.csv")
     add("--data_path", type=Path, default=defaults.data_path, help="data root (default: data/synthetic)")
@@ -59,9 +69,9 @@ def build_parser(method: str | None = None, prog: str = "test_fed.py", descripti
     add("--assignment_files_path", type=Path, default=defaults.assignment_files_path, help="folder of assignment files")
     add("--type", type=canonical_grouping, choices=GROUPINGS, default=None,
         help="partition kind, checked against the file (class_based: the old name of label_based)")
-    add("--alpha", type=positive_float, default=None, help="Dirichlet α of the partition (checked against the file)")
-    add("--n_clients", type=positive_int, default=None, help="number of clients (checked against the file)")
-    add("--n_clusters", type=positive_int, default=10, help="KMeans clusters of an embedding-based partition (default path)")
+    add("--alpha", type=ALPHAS, default=None, help="Dirichlet α of the partition (checked against the file)")
+    add("--n_clients", type=CLIENTS, default=None, help="number of clients (checked against the file)")
+    add("--n_clusters", type=cli.ints(1, MAX_CLUSTERS), default=10, help="KMeans clusters of an embedding-based partition (default path)")
     add("--encoder", default=defaults.encoder, help="encoder of a model built from scratch (default: resnet50)")
     add("--weights", default="none",
         help="encoder weights from scratch: none | imagenet | clip | dino | PATH; which names an encoder offers: "
@@ -69,27 +79,27 @@ def build_parser(method: str | None = None, prog: str = "test_fed.py", descripti
     add("--freeze_encoder", action=argparse.BooleanOptionalAction, default=False,
         help="keep the encoder fixed: clients train only the decoder and head (a centralized init keeps its own choice "
              "unless this is set)")
-    add("--decoder_width", type=positive_int, default=None,
+    add("--decoder_width", type=cli.ints(1, cli.MAX_DECODER_WIDTH), default=None,
         help="channels of a dense task's decoder from scratch (default: the encoder's)")
     add("--cache_features", action=argparse.BooleanOptionalAction, default=False,
         help="with a frozen encoder: compute its feature maps once per sample (in --cache_dir, shared by later runs) "
              "and train the decoder and head on them (default: no)")
     add("--init_from", choices=("scratch", "centralized"), default="scratch", help="initial global model (default: scratch)")
     add("--centralized_checkpoint", type=Path, default=None, help="step-2 best.pt for --init_from centralized")
-    add("--image_size", type=positive_int, default=defaults.image_size, help="image side length (default: 224)")
-    add("--n_rounds", type=positive_int, default=defaults.n_rounds, help="federated rounds (default: 100)")
-    add("--local_steps", "--sgd_per_epoch", type=positive_int, default=None, help="J local SGD steps per round (default: 50)")
-    add("--local_epochs", type=positive_int, default=None, help="E local epochs per round instead of --local_steps")
-    add("--batch_size", type=positive_int, default=defaults.batch_size, help="local batch size (default: 16)")
-    add("--init_lr", type=positive_float, default=defaults.init_lr, help="local learning rate of round 1 (default: 0.01)")
-    add("--lr_schedule", default="constant", help="constant | cosine | exponential:RATE | step:EVERY:GAMMA (per round)")
-    add("--momentum", type=cli.nonnegative_float, default=0.0, help="local SGD momentum (default: 0)")
-    add("--weight_decay", type=cli.nonnegative_float, default=0.0, help="local SGD weight decay (default: 0)")
-    add("--client_fraction", type=positive_float, default=1.0, help="share of clients per round (default: 1)")
-    add("--calibration_fraction", type=cli.nonnegative_float, default=0.0,
+    add("--image_size", type=cli.IMAGE_SIZES, default=defaults.image_size, help="image side length (default: 224)")
+    add("--n_rounds", type=ROUNDS, default=defaults.n_rounds, help="federated rounds (default: 100)")
+    add("--local_steps", "--sgd_per_epoch", type=cli.ints(1, MAX_LOCAL_STEPS), default=None, help="J local SGD steps per round (default: 50)")
+    add("--local_epochs", type=cli.ints(1, MAX_LOCAL_EPOCHS), default=None, help="E local epochs per round instead of --local_steps")
+    add("--batch_size", type=cli.BATCH_SIZES, default=defaults.batch_size, help="local batch size (default: 16)")
+    add("--init_lr", type=cli.LEARNING_RATES, default=defaults.init_lr, help="local learning rate of round 1 (default: 0.01)")
+    add("--lr_schedule", default="constant", help=f"{LR_SCHEDULE_HELP} (default: constant)")
+    add("--momentum", type=cli.MOMENTA, default=0.0, help="local SGD momentum (default: 0)")
+    add("--weight_decay", type=cli.WEIGHT_DECAYS, default=0.0, help="local SGD weight decay (default: 0)")
+    add("--client_fraction", type=CLIENT_FRACTIONS, default=1.0, help="share of clients per round (default: 1)")
+    add("--calibration_fraction", type=CALIBRATION_FRACTIONS, default=0.0,
         help="hold out this share of the manifest's train rows no client holds as the server's calibration split "
              "(sparse_ft --mask_source server; default: 0, none)")
-    add("--finetune_steps", type=cli.nonnegative_int, default=0,
+    add("--finetune_steps", type=cli.ints(0, MAX_LOCAL_STEPS), default=0,
         help="also evaluate each client's model after this many local SGD steps on its train rows (default: 0, off)")
     add("--local_test", choices=LOCAL_TESTS, default="assigned",
         help="client test sets: assigned (each client's test rows of assignments.csv) or proportional (the Fed-LT "
@@ -100,22 +110,22 @@ def build_parser(method: str | None = None, prog: str = "test_fed.py", descripti
              "(diagnostics/round_<r>_cosine.npy, heatmap on evaluation rounds); every --diagnostics_every rounds, G², "
              "B² and each client's ‖∇F_k‖² at the global model over all clients (metrics.csv split diagnostics); "
              "plot diagnostics.png")
-    add("--diagnostics_every", type=positive_int, default=defaults.diagnostics_every,
+    add("--diagnostics_every", type=ROUNDS, default=defaults.diagnostics_every,
         help="--diagnostics: take every client's gradient at the global model every this many rounds, round 0 "
              "included (default: 1)")
-    add("--diagnostics_max_samples", type=positive_int, default=None,
+    add("--diagnostics_max_samples", type=cli.ints(1, cli.MAX_SAMPLES), default=None,
         help="--diagnostics: each client's gradient over at most this many of its train rows, a sample fixed by "
              "the seed and the client (the same every round) (default: all of them)")
-    add("--eval_every", type=positive_int, default=1, help="evaluate every this many rounds (default: 1)")
-    add("--checkpoint_every", type=positive_int, default=1,
+    add("--eval_every", type=ROUNDS, default=1, help="evaluate every this many rounds (default: 1)")
+    add("--checkpoint_every", type=ROUNDS, default=1,
         help="write checkpoint.pt every this many rounds, and at round 0 and the last round; --resume redoes the "
              "rounds after the last one, bit for bit (default: 1)")
-    add("--rand_seed", "--seed", type=int, default=defaults.rand_seed, help="root seed of init, sampling and training (default: 42)")
+    add("--rand_seed", "--seed", type=cli.SEEDS, default=defaults.rand_seed, help="root seed of init, sampling and training (default: 42)")
     add("--deterministic", action=argparse.BooleanOptionalAction, default=False, help="deterministic kernels")
     add("--use_accelerator", action=argparse.BooleanOptionalAction, default=True, help="CUDA/MPS when present")
-    add("--num_workers", type=cli.nonnegative_int, default=0, help="DataLoader worker processes (default: 0)")
+    add("--num_workers", type=cli.WORKERS, default=0, help="DataLoader worker processes (default: 0)")
     add("--cache_dir", type=Path, default=None, help="decoded-sample cache folder (default: none)")
-    add("--client_state_memory_mb", type=cli.nonnegative_float, default=2048, help="client state kept in memory, MB; more spills to disk")
+    add("--client_state_memory_mb", type=cli.floats(0.0, MAX_STATE_MEMORY_MB), default=2048, help="client state kept in memory, MB; more spills to disk")
     cli.add_runtime_flags(parser)
     add("--tensorboard", action=argparse.BooleanOptionalAction, default=False,
         help="also write metrics.csv's rows as TensorBoard scalars under <out>/tensorboard (needs the tensorboard "
@@ -129,37 +139,116 @@ def build_parser(method: str | None = None, prog: str = "test_fed.py", descripti
     return parser
 
 
-def parse_run_config(argv: list[str] | None, prog: str = "test_fed.py", description: str = DESCRIPTION
-                     ) -> RunConfig | None:
-    """The run config of a command line (None after --list_methods); ``prog``/``description``: see :func:`build_parser`."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    first = cli.ArgumentParser(add_help=False)
+def check_arguments(argv: list[str], *, n_clients: int | None = None) -> argparse.Namespace:
+    """Parse step 4's command line and make every check the step makes from its arguments alone.
+
+    No file is read (neither the manifest nor assignments.csv), nothing is written, no model is built and no thread
+    count is set: :func:`main` calls this first, and a caller such as the pipeline may call it to refuse a bad run
+    before any step runs. Checked: every number's range and its ASCII digits (each flag's ``--help`` names its
+    range); that ``--method`` has every setting given (an unknown one lists its settings) and each setting's type,
+    range and ``Settings`` checks (e.g. fedem ``--n_components`` at most 64, sparse_ft ``--density`` in (0, 1]);
+    ``--task``; the run config's own checks (``RunConfig``: the diagnostics options, the Flower engine's
+    checkpointing); ``--assignments`` or ``--type``/``--alpha`` to find it; ``--local_steps`` against
+    ``--local_epochs``, ``--init_from centralized`` needing ``--centralized_checkpoint``, ``--calibration_fraction``
+    and ``--vectorize_clients`` against the engine, ``--local_test``; ``--lr_schedule`` (its form and ranges);
+    sparse_ft's server masks needing ``--calibration_fraction``. With the number of clients N (``n_clients``, or
+    the ``--n_clients`` flag): the method against N (IFCA: ``--n_cluster_models`` <= N), a ``capped`` weighting's
+    ``--cap`` >= 1/N, and the Flower engine's ``--min_available_clients`` against the clients sampled per round.
+    What needs the files stays with :func:`main`: the task against the manifest's family, the assignments against
+    the manifest, a temporal schedule against ``--n_rounds``.
+
+    Args:
+        argv: the command line, as ``test_fed.py`` takes it.
+        n_clients: the number of clients of the assignments the run will read, when the caller knows it (the
+            pipeline knows it from the partition it asks step 3b for); None: the ``--n_clients`` flag, if given.
+
+    Returns:
+        The parsed arguments, algorithm settings included (as given, strings on a command line). With
+        ``--list_methods`` only ``list_methods`` and ``method`` are set and nothing else is checked.
+
+    Raises:
+        TaskHetError: one line naming the flag (``--n_components``, ``--lr_schedule``, ...) and what it allows.
+    """
+    return _checked(argv, n_clients)[0]
+
+
+def _checked(argv: list[str], n_clients: int | None = None, prog: str = "test_fed.py",
+             description: str = DESCRIPTION) -> tuple[argparse.Namespace, RunConfig | None]:
+    """:func:`check_arguments`, also returning the run config it checked (None after --list_methods)."""
+    argv = list(argv)
+    first = cli.ArgumentParser(prog=prog, add_help=False)
     first.add_argument("--method", default="fedavg")
     first.add_argument("--list_methods", action="store_true")
     known, _ = first.parse_known_args(argv)
     if known.list_methods:
-        print(describe_algorithms())
-        return None
+        return argparse.Namespace(list_methods=True, method=known.method), None
     settings_class = get_settings_class(known.method)
     args, unknown = build_parser(known.method, prog, description).parse_known_args(argv)
-    cli.apply_runtime_flags(args)
     if unknown:
         listing = ", ".join(f"--{info.name}" for info in describe(settings_class)) or "none"
         flags = [arg.split("=", 1)[0] for arg in unknown if arg.startswith("-")] or unknown
         raise TaskHetError(f"{known.method} has no setting {', '.join(flags)}; its settings: {listing} "
-                           "(test_fed.py --list_methods shows every algorithm's)")
-    values = vars(args)
-    names = {info.name for info in describe(settings_class)}
+                           f"({prog} --list_methods shows every algorithm's)")
+    config = run_config(args)
+    check_run(config, n_clients if n_clients is not None else config.n_clients)
+    return args, config
+
+
+def run_config(args: argparse.Namespace) -> RunConfig:
+    """The :class:`RunConfig` of parsed arguments (its own checks run as it is made)."""
+    values = dict(vars(args))
+    names = {info.name for info in describe(get_settings_class(args.method))}
     settings = {name: values.pop(name) for name in list(values) if name in names}
     values.pop("list_methods")
     return RunConfig(settings=settings, **values)
 
 
-def main(argv: list[str] | None = None) -> dict | None:
-    config = parse_run_config(argv)
-    if config is None:
+def check_run(config: RunConfig, n_clients: int | None) -> None:
+    """The checks of :func:`network.run.prepare` that need no file, and those of the algorithm against ``n_clients``
+    (None: unknown, skipped)."""
+    from models import get_task
+    from network.aggregation import client_weights
+
+    get_task(config.task)
+    resolve(config.replace(assignments=config.assignments or default_assignments(config)), {})
+    make_lr_schedule(config.lr_schedule, config.init_lr, config.n_rounds)
+    algorithm = ALGORITHMS.get(config.method)
+    settings = build_settings(algorithm.Settings, config.settings, config.method)
+    if getattr(settings, "mask_source", None) == "server" and not config.calibration_fraction:
+        raise TaskHetError(f"{config.method} --mask_source server needs a held-out calibration split: pass "
+                           "--calibration_fraction F (train rows of the manifest that no client holds)")
+    if n_clients is None:
+        return
+    algorithm.check_num_clients(settings, n_clients)
+    if getattr(settings, "weighting", None) == "capped":  # the cap must leave shares that sum to 1
+        client_weights({str(client): 1 for client in range(n_clients)}, "capped", settings.cap)
+    if config.engine == "flower":
+        from network.flower.server import check_min_available
+
+        check_min_available(config.min_available_clients, n_clients, config.client_fraction)
+
+
+def parse_run_config(argv: list[str] | None, prog: str = "test_fed.py", description: str = DESCRIPTION
+                     ) -> RunConfig | None:
+    """The checked run config of a command line (None after --list_methods, which prints the algorithms);
+    ``prog``/``description``: see :func:`build_parser`. Runtime flags are applied (progress bars, threads)."""
+    args, _ = _checked(sys.argv[1:] if argv is None else argv, prog=prog, description=description)
+    if args.list_methods:
+        print(describe_algorithms())
         return None
+    return run_config(cli.apply_runtime_flags(args))
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    """Run step 4 as ``argv`` asks (None reads sys.argv): every argument is checked first (:func:`check_arguments`),
+    before a folder, a lock or a thread count is touched; returns the run folder and its best global test loss."""
+    args = check_arguments(sys.argv[1:] if argv is None else argv)
+    if args.list_methods:
+        print(describe_algorithms())
+        return None
+    config = run_config(cli.apply_runtime_flags(args))
     from network.run import run  # the heavy part: models, data, engines
 
-    with folder_lock(config.out):  # one run at a time writes the folder
-        return run(prepare(config))
+    setup = prepare(config)  # reads the inputs only; it also fills in the default --out, which the lock needs
+    with folder_lock(setup.config.out):  # one run at a time writes the folder
+        return run(setup)

@@ -322,7 +322,8 @@ def duplicate_first_train(table: pd.DataFrame) -> None:
     (set_cell("from_round", "soon"), "column from_round: not an integer"),
     (set_cell("to_round", "nan"), "column to_round: not an integer"),
     (set_cell("to_round", "2.5"), "column to_round: not an integer"),
-    (set_cell("from_round", "0"), "column from_round: not an integer >= 1"),
+    (set_cell("from_round", "0"), "column from_round: not an integer in [1, 10000]"),
+    (set_cell("to_round", "10001"), "column to_round: not an integer in [1, 10000]"),
     (set_cell("from_round", "inf"), "column from_round: not an integer"),
     (lambda table: table.loc.__setitem__((first_train(table), ["from_round", "to_round"]), ["5", "4"]), "empty window"),
     (set_cell("to_round", "4", test_row=True), "a window on a client-test row"),
@@ -349,8 +350,9 @@ def test_a_schedule_round_beyond_n_rounds_is_refused_by_step4_in_one_error_line(
     assert not (tmp_path / "run" / "metrics.csv").exists()
 
 
-@pytest.mark.parametrize("flag, named", [("rotate:1:2", "PHASES >= 2"), ("abrupt:1", "change round must be >= 2"),
-                                         ("spin:3", "use rotate"), ("rotate:3:x", "integers")])
+@pytest.mark.parametrize("flag, named", [("rotate:1:2", r"PHASES must be an integer in \[2, 1000\]"),
+                                         ("abrupt:1", r"change ROUND .* must be an integer in \[2, 10000\]"),
+                                         ("spin:3", "use rotate"), ("rotate:3:x", "ROUNDS_PER_PHASE must be an integer")])
 def test_a_bad_temporal_flag_is_refused_before_anything_is_written(digits_manifest, tmp_path, flag, named):
     with pytest.raises(TaskHetError, match=named):
         compound(digits_manifest, tmp_path / "out", "--temporal", flag)

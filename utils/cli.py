@@ -5,10 +5,139 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 from utils.errors import TaskHetError, is_disk_full
+
+# ----- numbers a user types -----
+# ASCII digits only: written [0-9], never \d or str.isdigit()/int()/float(), which also take '²', '٣' or '1_000'.
+INTEGER_PATTERN = re.compile(r"[+-]?[0-9]+", re.ASCII)
+FLOAT_PATTERN = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
+# No value in range needs more characters; a longer text is refused before int() or float() reads it.
+MAX_NUMBER_CHARS = 40
+# Limits shared by several scripts (each script's own limits are named where its flags are defined).
+MAX_THREADS = 1024  # --threads: torch CPU threads; far above any machine's cores, far below what crashes torch
+MAX_WORKERS = 256  # worker processes: --num_workers, --workers, --jobs
+MAX_SEED = 2**63 - 1  # seeds: non-negative and within int64 (config.json, numpy, torch)
+MAX_LIST_ITEMS = 64  # values of one list flag (a grid searched or simulated item by item)
+MAX_IMAGE_SIZE = 2048  # image side in pixels (Taskonomy's full resolution is 512)
+MAX_BATCH_SIZE = 16_384
+MAX_EPOCHS = 10_000
+MAX_SAMPLES = 10**8  # sample counts (--n_samples, --minibatch_threshold, ...): beyond any data set here
+MAX_LEARNING_RATE = 100.0
+MAX_DECODER_WIDTH = 4096  # channels of a dense decoder
+
+
+@dataclass(frozen=True)
+class Range:
+    """A closed or half-open range of ints or floats: the one parser of every number a user types.
+
+    As an argparse ``type`` it turns a flag's text into a number in the range, or an ``ArgumentTypeError``
+    (``argument --x: must be an integer in [1, 1024], got '0'``); :class:`ArgumentParser` appends the range to the
+    flag's ``--help``. :meth:`read` parses a number inside a mini-language (``--temporal rotate:3:5``) and names the
+    flag in a :class:`TaskHetError`; :meth:`check` checks a number that arrived as one (a YAML or JSON value).
+    """
+
+    low: float
+    high: float
+    integer: bool = True
+    low_open: bool = False
+    high_open: bool = False
+
+    def __str__(self) -> str:
+        left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+        return f"{left}{_number_text(self.low)}, {_number_text(self.high)}{right}"
+
+    def describe(self) -> str:
+        """``an integer in [1, 1024]`` or ``a number in (0, 1]``."""
+        return f"{'an integer' if self.integer else 'a number'} in {self}"
+
+    def parse(self, text: str) -> int | float:
+        """``text`` as a number in the range; a ``ValueError`` saying what is allowed otherwise."""
+        if not isinstance(text, str):
+            raise ValueError(f"must be {self.describe()}, got {quoted(text)}")
+        stripped = text.strip()
+        pattern = INTEGER_PATTERN if self.integer else FLOAT_PATTERN
+        if len(stripped) > MAX_NUMBER_CHARS or not pattern.fullmatch(stripped):
+            raise ValueError(f"must be {self.describe()}, got {quoted(text)}")
+        return self.check(int(stripped) if self.integer else float(stripped), text)
+
+    def check(self, value: Any, shown: Any = None) -> int | float:
+        """``value`` (already a number) in the range; bools, NaN and inf refused. ``shown``: the text messages quote."""
+        shown = value if shown is None else shown
+        kind = int if self.integer else (int, float)
+        # An int is compared as it is (math.isfinite of a 400-digit int overflows); a float must be finite.
+        finite = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
+        if isinstance(value, bool) or not isinstance(value, kind) or not finite or not self.contains(value):
+            raise ValueError(f"must be {self.describe()}, got {quoted(shown)}")
+        return value if self.integer else float(value)
+
+    def contains(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def read(self, text: str, where: str) -> int | float:
+        """:meth:`parse`, with a :class:`TaskHetError` ``WHERE must be ...`` (``where`` names the flag and part)."""
+        try:
+            return self.parse(text)
+        except ValueError as error:
+            raise TaskHetError(f"{where} {error}") from None
+
+    def __call__(self, text: str) -> int | float:  # argparse type
+        try:
+            return self.parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def quoted(value: Any, most: int = 60) -> str:
+    """``repr(value)`` for a message, cut to about ``most`` characters (a huge int is named by its digit count:
+    Python refuses to print one of over 4,300 digits)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value).bit_length() > 3 * most:
+        return f"an integer of about {int(abs(value).bit_length() * 0.30103) + 1} digits"
+    text = repr(value)
+    return text if len(text) <= most else f"{text[:most - 5]}...{text[-2:]}"
+
+
+def ints(low: int, high: int) -> Range:
+    """argparse type: an integer in [low, high]."""
+    return Range(low, high)
+
+
+def floats(low: float, high: float, low_open: bool = False, high_open: bool = False) -> Range:
+    """argparse type: a finite number in [low, high] (``low_open``/``high_open``: that end excluded)."""
+    return Range(low, high, integer=False, low_open=low_open, high_open=high_open)
+
+
+def _number_text(value: float) -> str:
+    """A range end as --help shows it: ints in full (2^63-1 by name), floats in %g form."""
+    if isinstance(value, int):
+        return "2^63-1" if value == 2**63 - 1 else "-2^63+1" if value == -(2**63 - 1) else str(value)
+    return f"{value:g}"
+
+
+def check_list(values: Sequence, flag: str, most: int = MAX_LIST_ITEMS) -> None:
+    """A list flag holds at most ``most`` values, each once (every value is one more case to run)."""
+    if len(values) > most:
+        raise TaskHetError(f"{flag} lists {len(values)} values; at most {most} are allowed")
+    if len(set(values)) != len(values):
+        raise TaskHetError(f"{flag} lists a value twice: {', '.join(map(str, values))}")
+
+
+SEEDS = ints(0, MAX_SEED)
+THREADS = ints(1, MAX_THREADS)
+WORKERS = ints(0, MAX_WORKERS)
+IMAGE_SIZES = ints(1, MAX_IMAGE_SIZE)
+BATCH_SIZES = ints(1, MAX_BATCH_SIZE)
+EPOCHS = ints(1, MAX_EPOCHS)
+LEARNING_RATES = floats(0.0, MAX_LEARNING_RATE, low_open=True)
+MOMENTA = floats(0.0, 1.0, high_open=True)  # SGD momentum: 1 or more never forgets a gradient and diverges
+WEIGHT_DECAYS = floats(0.0, 1.0)
+FRACTIONS = floats(0.0, 1.0)  # a share, both ends allowed
 
 
 def run_main(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:
@@ -31,8 +160,8 @@ def run_main(main: Callable[[list[str] | None], object], argv: list[str] | None 
 
 
 def nonnegative_int(text: str) -> int:
-    """argparse type: an int >= 0."""
-    return _int_at_least(text, 0)
+    """argparse type: an int in [0, 2^63-1] (bench scripts; a step's flag has its own, documented :class:`Range`)."""
+    return _ANY_NONNEGATIVE_INT(text)
 
 
 def fail(message: str) -> None:
@@ -53,54 +182,56 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:
         raise TaskHetError(f"{message} (see {self.prog} --help)")
 
+    def format_help(self) -> str:
+        """argparse's help, every numeric flag's allowed range appended to its line (from its :class:`Range` type)."""
+        for action in self._actions:
+            note = range_note(action.type)
+            if note and action.help != argparse.SUPPRESS and note not in (action.help or ""):
+                action.help = f"{action.help} ({note})" if action.help else note
+        return super().format_help()
+
+
+def range_note(kind: object) -> str | None:
+    """What --help says of a flag's values: ``an integer in [1, 1024]`` (``each ...`` for a list type), or None."""
+    if isinstance(kind, Range):
+        return kind.describe()
+    each = getattr(kind, "each", None)
+    return f"each {each.describe()}" if isinstance(each, Range) else None
+
 
 def finite_float(text: str) -> float:
-    """argparse type: a finite float (nan and inf are refused)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-    return value
+    """argparse type: a finite float of ASCII digits (nan and inf are refused)."""
+    return _ANY_FLOAT(text)
 
 
 def nonnegative_float(text: str) -> float:
     """argparse type: a finite float >= 0."""
-    value = finite_float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+    return _ANY_NONNEGATIVE_FLOAT(text)
 
 
 def positive_float(text: str) -> float:
     """argparse type: a finite float > 0."""
-    value = finite_float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+    return _ANY_POSITIVE_FLOAT(text)
 
 
 def positive_int(text: str) -> int:
-    """argparse type: an int >= 1."""
-    return _int_at_least(text, 1)
+    """argparse type: an int in [1, 2^63-1] (bench scripts; a step's flag has its own, documented :class:`Range`)."""
+    return _ANY_POSITIVE_INT(text)
 
 
-def _int_at_least(text: str, low: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if value < low:
-        raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
-    return value
+_LARGEST_FLOAT = 1.7976931348623157e308
+_ANY_FLOAT = floats(-_LARGEST_FLOAT, _LARGEST_FLOAT)
+_ANY_NONNEGATIVE_FLOAT = floats(0.0, _LARGEST_FLOAT)
+_ANY_POSITIVE_FLOAT = floats(0.0, _LARGEST_FLOAT, low_open=True)
+_ANY_NONNEGATIVE_INT = ints(0, 2**63 - 1)
+_ANY_POSITIVE_INT = ints(1, 2**63 - 1)
 
 
 def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
     """``--progress/--no-progress`` and ``--threads``: how a step runs, never what it computes (every step script)."""
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                         help="progress bars; none are drawn when stdout is not a terminal (a log file, a pipe)")
-    parser.add_argument("--threads", type=positive_int, default=None,
+    parser.add_argument("--threads", type=THREADS, default=None,
                         help="torch CPU threads of this step; default: torch's own choice, one per core. On a machine "
                              "shared with other jobs, 1 is often several times faster. Recorded in config.json")
 

@@ -61,9 +61,12 @@ SAMPLE_ID = "sample_id"  # the batch key the E-step is keyed by
 PI_METRIC = "pi_{}"  # client metrics: π_m after the M-step
 
 
+MAX_COMPONENTS = 64  # n_components: each component is a whole model, trained and kept per client
+
+
 @dataclass(frozen=True)
 class FedEMSettings(ServerOptSettings):
-    n_components: int = setting(3, "M, the number of component models")
+    n_components: int = setting(3, "M, the number of component models", high=MAX_COMPONENTS)
     init_noise: float = setting(0.01, "standard deviation of the noise that makes components 2..M differ at start")
     mix: str = setting("auto", "how a client's prediction mixes its components: probabilities (class logit heads), "
                                "values, or auto", choices=MIXES)

@@ -35,10 +35,13 @@ from network.settings import check, setting
 HEAD_TRAIN_LOSS = "head_train_loss"  # client metric: the head phase's mean loss
 
 
+MAX_PHASE_BUDGETS = 100  # head_epochs, body_epochs: each multiplies a round's local training
+
+
 @dataclass(frozen=True)
 class FedRepSettings(ServerOptSettings):
-    head_epochs: int = setting(1, "head phase length, in local budgets (J steps or E epochs)")
-    body_epochs: int = setting(1, "body phase length, in local budgets")
+    head_epochs: int = setting(1, "head phase length, in local budgets (J steps or E epochs)", high=MAX_PHASE_BUDGETS)
+    body_epochs: int = setting(1, "body phase length, in local budgets", high=MAX_PHASE_BUDGETS)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -41,9 +41,12 @@ CLUSTER = "cluster"  # upload group {"id": ĵ}; client state {"id": ĵ}; client 
 CLUSTER_SAMPLES = "cluster_samples"  # server tensor [k]: training samples per cluster in the last round
 
 
+MAX_CLUSTER_MODELS = 64  # n_cluster_models: each is a whole model, evaluated by every client every round
+
+
 @dataclass(frozen=True)
 class IFCASettings:
-    n_cluster_models: int = setting(2, "k, the number of cluster models")
+    n_cluster_models: int = setting(2, "k, the number of cluster models", high=MAX_CLUSTER_MODELS)
     init_noise: float = setting(0.01, "standard deviation of the noise that makes cluster models 2..k differ at start")
 
     def __post_init__(self) -> None:

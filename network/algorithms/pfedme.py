@@ -36,10 +36,13 @@ from network.local_train import budget_batches, local_train
 from network.settings import check, setting
 
 
+MAX_INNER_STEPS = 1_000  # inner_steps: each local step runs this many SGD steps
+
+
 @dataclass(frozen=True)
 class PFedMeSettings(ServerOptSettings):
     lam: float = setting(15.0, "λ of the inner problem F_i(θ) + (λ/2)·‖θ − w‖²")
-    inner_steps: int = setting(5, "K, SGD steps on the inner problem per local step")
+    inner_steps: int = setting(5, "K, SGD steps on the inner problem per local step", high=MAX_INNER_STEPS)
     personal_lr: float = setting(0.01, "η_p, the learning rate of the inner steps")
 
     def __post_init__(self) -> None:

@@ -68,11 +68,18 @@ BASE_PREFIX = "base/"  # server tensors (keep_local_models): θ_0, the initial g
 LOCAL_PREFIX = "local/"  # client state (keep_local_models): θ_k, the client's model after its last local training
 
 
+# Mask calibration runs rounds × batches backward passes per client: both are bounded.
+MAX_CALIBRATION_ROUNDS = 100
+MAX_CALIBRATION_BATCHES = 10_000
+
+
 @dataclass(frozen=True)
 class SparseFinetuneSettings(ServerOptSettings):
     density: float = setting(0.1, "fraction d of the maskable entries that train, in (0, 1]")
-    calibration_rounds: int = setting(4, "mask calibration rounds R (round r keeps d^((r+1)/R))")
-    calibration_batches: int = setting(4, "batches of calibration data per calibration round")
+    calibration_rounds: int = setting(4, "mask calibration rounds R (round r keeps d^((r+1)/R))",
+                                      high=MAX_CALIBRATION_ROUNDS)
+    calibration_batches: int = setting(4, "batches of calibration data per calibration round",
+                                       high=MAX_CALIBRATION_BATCHES)
     mask_rule: str = setting("least_sensitive", "which entries train (TaLoS: least_sensitive)",
                              choices=tuple(list_rules()))
     score: str = setting("log_prob", "sensitivity: log_prob (Fisher) or logit (TaLoS's sampled logit)",

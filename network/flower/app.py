@@ -10,7 +10,7 @@ split's files; a node needs the manifest, the assignment file and its own client
 
 Run config (``flwr run --run-config FILE.toml``; ``python -m network.flower.app <test_fed.py
 flags>`` prints one): ``run-config`` (string), ``reply-timeout-s`` (0: wait for every reply),
-``node-wait-s``. ``RunConfig.min_available_clients`` is the server's ``--min_available_clients``.
+``node-wait-s`` (both seconds in [0, 604800], a week). ``RunConfig.min_available_clients`` is the server's ``--min_available_clients``.
 
 Node config (``flower-supernode --node-config``), each optional except ``partition-ids``:
 
@@ -35,11 +35,13 @@ from network.flower.node import NodeHost, make_client_app
 from network.flower.protocol import NODE_PATHS, NODE_WAIT, PARTITION_IDS, REPLY_TIMEOUT, RUN_CONFIG, STATE_DIR
 from network.flower.server import FlowerEngine, make_server_app
 from network.run import RunConfig, open_run_folder, prepare
-from utils.cli import run_main
+from utils.cli import floats, run_main
 from utils.errors import TaskHetError
 
 DEFAULT_STATE_DIR = Path("~/.taskhet/node_states")
 DEFAULT_NODE_WAIT_S = 600.0
+# reply-timeout-s and node-wait-s: seconds, at most a week (0: no reply timeout).
+WAIT_SECONDS = floats(0.0, 7 * 86_400.0)
 
 
 def run_config(context: Context, node_paths: bool = False) -> RunConfig:
@@ -51,6 +53,16 @@ def run_config(context: Context, node_paths: bool = False) -> RunConfig:
     overrides = {field: Path(str(context.node_config[key])) for key, field in NODE_PATHS
                  if node_paths and key in context.node_config}
     return config.replace(**overrides)
+
+
+def wait_seconds(run_config: dict, key: str, default: float) -> float:
+    """The run config's ``key`` (a TOML number, or its text of ASCII digits) in :data:`WAIT_SECONDS`; one error line
+    naming the key otherwise."""
+    value = run_config.get(key, default)
+    try:
+        return WAIT_SECONDS.parse(value) if isinstance(value, str) else WAIT_SECONDS.check(value)
+    except ValueError as error:
+        raise TaskHetError(f"the Flower run config's {key} {error}") from None
 
 
 def client_ids(table) -> list[str]:
@@ -69,8 +81,8 @@ def build_engine(grid: Grid, context: Context) -> FlowerEngine:
     test_loader = global_test_loader(config, setup.manifest, setup.task, setup.feature_model)
     return FlowerEngine(grid, setup.model, setup.algorithm, client_ids(setup.table), setup.evaluate_fn,
                         test_loader, setup.engine_config, setup.device, setup.model_config, logger,
-                        config.min_available_clients, float(flower.get(REPLY_TIMEOUT, 0)) or None,
-                        float(flower.get(NODE_WAIT, DEFAULT_NODE_WAIT_S)),
+                        config.min_available_clients, wait_seconds(flower, REPLY_TIMEOUT, 0.0) or None,
+                        wait_seconds(flower, NODE_WAIT, DEFAULT_NODE_WAIT_S),
                         val_loader=global_val_loader(config, setup.manifest, setup.task, setup.feature_model),
                         schedules=table_schedules(setup.table))
 
