@@ -1,0 +1,54 @@
+"""Algorithm settings at their edges, by hand: a setting that starts at a round (the round before, at and after it),
+strict thresholds at equality, and non-default values of secondary settings (each checked against a value computed
+here, so that ignoring the setting, or reading its default, fails a test)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from network.algorithms import build_algorithm
+from network.algorithms.base import ServerState, Upload
+from network.algorithms.cfl import CLUSTER, MEMBERSHIP, ROUNDS
+from network.algorithms.skeleton import DELTA
+from tests.oracles import DIM, linear_model
+
+# ----- CFL: start_round, min_size and the strict ε thresholds -----
+CFL_CLIENTS = ("a", "b", "c", "d")
+# a, b pull along +x and c, d along −x, all with +0.5 along y: the mean update is (0, 0.5) (norm 0.5) and every
+# member's norm is √(2² + 0.5²) = 2.0616: the split criterion ‖mean‖ < ε1, max ‖Δ‖ > ε2 holds for ε1 > 0.5, ε2 < 2.06.
+CFL_DIRECTIONS = {"a": 2.0, "b": 2.0, "c": -2.0, "d": -2.0}
+MEMBER_NORM = math.hypot(2.0, 0.5)
+
+
+def cfl_after_one_aggregation(rounds_before: int, **settings) -> set[int]:
+    """The cluster ids after aggregating the uploads above in round ``rounds_before + 1``."""
+    algorithm, _ = build_algorithm("cfl", linear_model(), {name: 10 for name in CFL_CLIENTS},
+                                   {"eps1": 0.6, "eps2": 1.0, "start_round": 0, "min_size": 2, **settings})
+    server = algorithm.init_server({"weight": torch.zeros(1, DIM, dtype=torch.float64)})
+    server = ServerState(server.models, {**server.tensors, ROUNDS: torch.tensor(rounds_before)})
+    uploads = [Upload(name, {DELTA: {"weight": torch.tensor([[value, 0.5, 0, 0, 0]], dtype=torch.float64)},
+                             CLUSTER: {"id": torch.tensor(0)}}, 10) for name, value in CFL_DIRECTIONS.items()]
+    return set(algorithm.aggregate(server, uploads).models[MEMBERSHIP]["clusters"].tolist())
+
+
+@pytest.mark.parametrize("round_index, splits", [(2, False), (3, True), (4, True)])
+def test_cfl_splits_from_start_round_on_and_not_the_round_before(round_index, splits):
+    assert cfl_after_one_aggregation(round_index - 1, start_round=3) == ({1, 2} if splits else {0})
+
+
+@pytest.mark.parametrize("min_size, splits", [(3, True), (4, True), (5, False)])
+def test_cfl_splits_a_cluster_of_exactly_min_size_members(min_size, splits):
+    assert cfl_after_one_aggregation(0, min_size=min_size) == ({1, 2} if splits else {0})
+
+
+@pytest.mark.parametrize("eps1, eps2, splits", [
+    (0.5, 1.0, False),  # ‖mean‖ = 0.5 is not below ε1 = 0.5
+    (0.5000001, 1.0, True),
+    (0.6, MEMBER_NORM, False),  # max ‖Δ‖ = ε2 is not above ε2
+    (0.6, MEMBER_NORM - 1e-9, True),
+])
+def test_cfl_thresholds_are_strict(eps1, eps2, splits):
+    assert cfl_after_one_aggregation(0, eps1=eps1, eps2=eps2) == ({1, 2} if splits else {0})
