@@ -33,11 +33,11 @@ import torch
 from torch import Tensor, nn
 
 from models.encoders import build_encoder
+from models.weights import FROZEN_ENCODER
 from utils.errors import TaskHetError
 from utils.hashing import tensors_sha256
 from utils.run_dir import atomic_torch_save, load_checkpoint
 
-FROZEN_ENCODER = "frozen_encoder"
 ENCODER_PREFIX = "encoder."
 # An encoder entry inside a longer name: FedEM's "components.0.encoder.x", sparse_ft's "base/encoder.x".
 _ENCODER_ENTRY = re.compile(r"(?:^|[./])(encoder\..+)$")

@@ -21,6 +21,9 @@ from utils.errors import TaskHetError
 from utils.hashing import file_sha256
 from utils.loaders import error_summary
 
+# The checkpoint entry that names a frozen encoder left out of the file (models/frozen_encoder.py writes it).
+FROZEN_ENCODER = "frozen_encoder"
+
 
 @dataclass(frozen=True)
 class WeightSource:
@@ -137,12 +140,12 @@ def read_weights_file(path: Path, torchscript: bool = False) -> dict[str, torch.
     ``torch.load(weights_only=True)`` never runs code from the file. A TorchScript archive
     can, so it is read only with ``torchscript=True``: the caller passes that for the CLIP
     files the clip package names, after checking their published SHA-256, never for a PATH.
-    A TaskHet checkpoint that leaves out its frozen encoder gets it back from its recorded source
-    (``models.frozen_encoder``), so a best.pt serves as ``--weights`` either way.
+    A TaskHet checkpoint that leaves out its frozen encoder (``models.frozen_encoder``) is refused
+    with the source it names, which holds exactly that encoder.
 
     Raises:
-        TaskHetError: naming the file: missing, empty, truncated or not a weights file, or a frozen
-            encoder whose source cannot be rebuilt or no longer has the recorded hash.
+        TaskHetError: naming the file: missing, empty, truncated or not a weights file, or a checkpoint
+            without its frozen encoder.
     """
     path = Path(path)
     if not path.is_file():
@@ -160,17 +163,21 @@ def read_weights_file(path: Path, torchscript: bool = False) -> dict[str, torch.
                                "download reads so too. TorchScript archives are read only for the CLIP files the clip "
                                "package names (after checking their published SHA-256)") from None
         loaded = torch.jit.load(str(path), map_location="cpu").state_dict()
-    if isinstance(loaded, dict) and "frozen_encoder" in loaded:
-        # a TaskHet checkpoint that names its frozen encoder instead of holding it: put it back (hash checked)
-        from models.frozen_encoder import restore_frozen_encoder  # here: models.frozen_encoder builds encoders
-
-        restore_frozen_encoder(loaded, path, "--weights")
+    if isinstance(loaded, dict) and isinstance(loaded.get(FROZEN_ENCODER), dict):
+        raise TaskHetError(frozen_checkpoint_message(path, loaded[FROZEN_ENCODER]))
     for key in ("model", "state_dict"):
         if isinstance(loaded, dict) and isinstance(loaded.get(key), dict):
             loaded = loaded[key]
     if not isinstance(loaded, dict) or not all(torch.is_tensor(value) for value in loaded.values()):
         raise TaskHetError(f"--weights {path}: expected a dict of tensors (a state dict)")
     return {key.removeprefix("module."): value for key, value in loaded.items()}
+
+
+def frozen_checkpoint_message(path: Path, record: dict) -> str:
+    """The one line refusing ``--weights`` of a checkpoint that names its frozen encoder instead of holding it."""
+    name, weights, sha256 = (str(record.get(field, "?")) for field in ("name", "weights", "sha256"))
+    return (f"--weights {path} holds no encoder: it names its frozen encoder {name} (SHA-256 {sha256[:16]}…) by its "
+            f"source; pass --weights {weights}, which is that encoder")
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
