@@ -1,4 +1,9 @@
-"""Step-4 checkpoints: which run a checkpoint belongs to, and loading one for ``--resume``."""
+"""Step-4 checkpoints: which run a checkpoint belongs to, and loading one for ``--resume``.
+
+With a frozen pretrained encoder the engine writes checkpoint.pt and best.pt without it (the model, every
+server model and client state that holds an unchanged copy): ``models.frozen_encoder`` names it by source and
+hash, and :func:`load_resumable` puts it back, refusing an encoder whose hash differs.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,8 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from models.frozen_encoder import FrozenEncoder, load_full_checkpoint
 from utils.errors import TaskHetError
-from utils.run_dir import load_checkpoint
 
 if TYPE_CHECKING:  # the engine imports this module, so only the type is needed here
     from network.algorithms.base import Algorithm
@@ -22,13 +27,15 @@ def run_fingerprint(algorithm: Algorithm, config: EngineConfig, client_ids: list
             "clients": list(client_ids), "signature": dict(config.signature or {})}
 
 
-def load_resumable(path: Path, fingerprint: dict[str, Any]) -> dict[str, Any]:
+def load_resumable(path: Path, fingerprint: dict[str, Any], frozen: FrozenEncoder | None = None) -> dict[str, Any]:
     """The checkpoint at ``path`` if it is a whole step-4 checkpoint of the run ``fingerprint`` describes.
 
-    Callers check before writing anything into the folder, so a refused resume leaves it as it was.
+    Callers check before writing anything into the folder, so a refused resume leaves it as it was. A left-out
+    frozen encoder is put back from ``frozen`` (the run's own; it must have the recorded hash) or, without it,
+    rebuilt from the recorded source.
     """
-    checkpoint = load_checkpoint(path, "--resume: step-4 checkpoint",
-                                 keys=("run", "round", "server", "client_states", "rng", "best_loss"))
+    checkpoint = load_full_checkpoint(path, "--resume: step-4 checkpoint",
+                                      keys=("run", "round", "server", "client_states", "rng", "best_loss"), known=frozen)
     if checkpoint["run"] != fingerprint:
         raise TaskHetError(f"{path} belongs to a different run ({checkpoint['run']}); use --no-resume or another --out")
     return checkpoint

@@ -4,7 +4,9 @@ One explicit, serialisable store (STYLE.md §8): the engine reads a client's sta
 before it trains and writes it back after. States are kept on the CPU; once the
 in-memory total would pass ``max_memory_bytes``, further states go to one file
 per client under ``spill_dir``. ``snapshot``/``restore`` move the whole store in
-and out of a checkpoint, wherever each state lives.
+and out of a checkpoint, wherever each state lives. A spilled state leaves out its copy of a
+frozen pretrained encoder (a personal model's, e.g. Ditto's v_i), as checkpoints do
+(``models.frozen_encoder``); reading it puts the copy back.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from pathlib import Path
 
 from torch import Tensor
 
-from utils.run_dir import atomic_torch_save, load_checkpoint
+from models.frozen_encoder import FrozenEncoder, load_full_checkpoint, strip_frozen_encoder
+from utils.run_dir import atomic_torch_save
 
 State = dict[str, Tensor]
+STATE = "state"  # a spilled file's entry: {"state": the client's state, and the frozen encoder's record if any}
 
 
 class ClientStore:
@@ -25,13 +29,16 @@ class ClientStore:
     Args:
         spill_dir: folder for spilled states (created on first use; emptied by ``restore``).
         max_memory_bytes: largest total size of states kept in memory (``None``: no limit).
+        frozen: the run's frozen pretrained encoder, left out of spilled files (None: files hold whole states).
     """
 
-    def __init__(self, spill_dir: Path | None = None, max_memory_bytes: int | None = None) -> None:
+    def __init__(self, spill_dir: Path | None = None, max_memory_bytes: int | None = None,
+                 frozen: FrozenEncoder | None = None) -> None:
         if max_memory_bytes is not None and spill_dir is None:
             raise ValueError("a memory limit needs a spill_dir")
         self.spill_dir = None if spill_dir is None else Path(spill_dir)
         self.max_memory_bytes = max_memory_bytes
+        self.frozen = frozen
         self._memory: dict[str, State] = {}
         self._spilled: set[str] = set()
         self._memory_bytes = 0
@@ -47,7 +54,7 @@ class ClientStore:
         if key in self._memory:
             return self._memory[key]
         if key in self._spilled:
-            return load_checkpoint(self._path(key))
+            return load_full_checkpoint(self._path(key), "spilled client state", keys=(STATE,), known=self.frozen)[STATE]
         return None
 
     def put(self, client_id: object, state: State) -> None:
@@ -60,7 +67,8 @@ class ClientStore:
             self._memory[key] = state
             self._memory_bytes += size
         else:
-            atomic_torch_save(state, self._path(key))  # a full disk is an error naming the file, not a torch traceback
+            # a full disk is an error naming the file, not a torch traceback
+            atomic_torch_save(strip_frozen_encoder({STATE: state}, self.frozen), self._path(key))
             self._spilled.add(key)
 
     def snapshot(self) -> dict[str, State]:

@@ -13,7 +13,8 @@ after every round (written atomically: the whole server state, every client stat
 the RNG), ``best.pt`` (lowest global test loss; ``{"model", "models", "model_config"}``:
 ``model`` is the global model, so models.load_task_model reads it, ``models`` every
 server model by name), ``curves.png``. A resumed run ends bit-identical to an
-uninterrupted one on CPU.
+uninterrupted one on CPU. With a frozen pretrained encoder both files (and spilled client
+states) leave out every unchanged copy of it, named by source and hash instead (models/frozen_encoder.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from network.algorithms.base import (ALGORITHMS, Algorithm, ClientConfig, Client
 from network.client import (CLIENT_TEST_SPLIT, GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT,
                             ClientData, ClientFailure, EvaluateFn, Finetune, evaluate_client, evaluate_model,
                             finetune_seed, train_client, train_clients)
+from models.frozen_encoder import frozen_encoder_of, strip_frozen_encoder
 from network.checkpoints import BEST_FILE, CHECKPOINT_FILE, load_resumable, run_fingerprint
 from network.client_store import ClientStore
 from network.clients_table import CLIENTS_FILE, write_clients_table
@@ -94,7 +96,8 @@ class SequentialEngine:
         self.out_dir = Path(config.out_dir)
         self.checkpoint_path = self.out_dir / CHECKPOINT_FILE
         self.checkpoint_round = 0  # the round of the last checkpoint.pt written (or resumed from)
-        self.store = ClientStore(self.out_dir / "client_states", config.max_state_memory_bytes)
+        self.frozen = frozen_encoder_of(model)  # checkpoints name a frozen pretrained encoder instead of holding it
+        self.store = ClientStore(self.out_dir / "client_states", config.max_state_memory_bytes, self.frozen)
         # The server is built on first use: a resumed run reads it from the checkpoint first, so an expensive
         # init_server (FedLoGe's SSE-C refinement: 10,000 Adam steps) runs once per run, not once per resume.
         self.initial_weights = {key: value.detach().clone() for key, value in model.state_dict().items()}
@@ -340,7 +343,7 @@ class SequentialEngine:
         """Restore the checkpoint (resume) or evaluate round 0; returns the last finished round."""
         remove_stale_temporaries(self.out_dir)  # half-written files of a killed earlier run of this folder
         if self.config.resume and self.checkpoint_path.exists():
-            checkpoint = load_resumable(self.checkpoint_path, self._fingerprint())
+            checkpoint = load_resumable(self.checkpoint_path, self._fingerprint(), self.frozen)
             self.server = ServerState(**checkpoint["server"]).to(self.device)
             self.store.restore(checkpoint["client_states"])
             torch.set_rng_state(checkpoint["rng"]["torch"])
@@ -364,8 +367,9 @@ class SequentialEngine:
         global_weights = next(iter(self.algorithm.evaluated_models(server).values()))
         if test_loss is not None and test_loss < self.best_loss:
             self.best_loss = test_loss
-            atomic_torch_save({"model": global_weights, "models": server.models, "model_config": self.model_config,
-                               "round": round_index, "test_loss": test_loss}, self.out_dir / BEST_FILE)
+            atomic_torch_save(strip_frozen_encoder({"model": global_weights, "models": server.models,
+                                                    "model_config": self.model_config, "round": round_index,
+                                                    "test_loss": test_loss}, self.frozen), self.out_dir / BEST_FILE)
         if self._checkpoints(round_index):
             self._write_checkpoint(round_index, server, global_weights)
 
@@ -375,12 +379,12 @@ class SequentialEngine:
 
     def _write_checkpoint(self, round_index: int, server: ServerState, global_weights: Weights) -> None:
         self.checkpoint_round = round_index
-        atomic_torch_save({
+        atomic_torch_save(strip_frozen_encoder({
             "round": round_index, "model": global_weights, "model_config": self.model_config,
             "server": server.as_dict(), "client_states": self.store.snapshot(), "best_loss": self.best_loss,
             # Every draw derives from (seed, round, client), so the global torch state is the only RNG left.
             "rng": {"torch": torch.get_rng_state()}, "run": self._fingerprint(),
-        }, self.checkpoint_path)
+        }, self.frozen), self.checkpoint_path)
 
     def _fingerprint(self) -> dict[str, Any]:
         return run_fingerprint(self.algorithm, self.config, list(self.clients))

@@ -14,7 +14,8 @@ metric) and ``loss.png`` / ``<primary metric>.png`` (one metric, every split). `
 model, optimizer, scheduler, epoch, early-stopping counters and the training
 loader's RNG state, so a resumed run ends bit-identical to an uninterrupted one
 (same device, deterministic mode). There is no other randomness to restore: no
-dropout, no augmentation.
+dropout, no augmentation. With a frozen pretrained encoder both checkpoints leave it
+out and name it by source and hash (:mod:`models.frozen_encoder`); reading them puts it back.
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, S
 from tqdm import tqdm
 
 from datasets.batch_reads import batch_reader
+from models.frozen_encoder import FrozenEncoder, frozen_encoder_of, load_full_checkpoint, strip_frozen_encoder
 from models.tasks import TaskSpec, get_task
 from utils.device import autocast, to_device
 from utils.errors import NonFiniteLossError, TaskHetError
 from utils.plots import plot_curves
-from utils.run_dir import MetricsCSV, atomic_torch_save, load_checkpoint, remove_stale_temporaries
+from utils.run_dir import MetricsCSV, atomic_torch_save, remove_stale_temporaries
 from utils.tensorboard_log import mirror_to_tensorboard
 from utils.seeding import torch_generator
 
@@ -168,9 +170,10 @@ def check_resumable(out_dir: Path, run_signature: dict, resume: bool) -> None:
         _check_signature(last_path, _load_last(last_path)["run_signature"], run_signature)
 
 
-def _load_last(path: Path) -> dict:
-    return load_checkpoint(path, "--resume: step-2 checkpoint",
-                           keys=("model", "optimizer", "scheduler", "state", "rng", "run_signature"))
+def _load_last(path: Path, frozen: FrozenEncoder | None = None) -> dict:
+    """last.pt as it was written (a left-out frozen encoder put back: ``frozen``, the run's own, or a rebuild)."""
+    return load_full_checkpoint(path, "--resume: step-2 checkpoint",
+                                keys=("model", "optimizer", "scheduler", "state", "rng", "run_signature"), known=frozen)
 
 
 def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_loaders: dict[str, DataLoader],
@@ -224,7 +227,7 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
         remove_stale_temporaries(out_dir)  # half-written files of a killed earlier run of this folder
     state = {"epoch": 0, "best_epoch": 0, "best_val_loss": math.inf, "epochs_without_improvement": 0, "stopped_early": False}
     if resume and last_path.is_file():
-        checkpoint = _load_last(last_path)
+        checkpoint = _load_last(last_path, run.frozen)
         _check_signature(last_path, checkpoint["run_signature"], run_signature)
         run.module.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
@@ -274,12 +277,12 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
         patience_over = early_stopping_patience is not None and state["epochs_without_improvement"] >= early_stopping_patience
         state["stopped_early"] = patience_over and epoch < n_epochs
         if run.main:
-            atomic_torch_save({
+            atomic_torch_save(strip_frozen_encoder({
                 "model": run.module.state_dict(), "model_config": run.module.config, "optimizer": optimizer.state_dict(),
                 "scheduler": None if scheduler is None else scheduler.state_dict(), "state": dict(state),
                 "scaler": None if accelerator.scaler is None else accelerator.scaler.state_dict(),
                 "rng": {"train_loader": train_loader.generator.get_state()}, "run_signature": run_signature, "task": spec.name,
-            }, last_path)
+            }, run.frozen), last_path)
         logger.info("epoch %d/%d: train loss %.5f, lr %.3g; %s", epoch, n_epochs, loss_sum / max(batches, 1),
                     learning_rate, _format_splits(evaluated))
         if state["stopped_early"]:
@@ -305,6 +308,7 @@ class _Run:
         # the model itself (no DDP wrapper): what checkpoints hold; its forward keeps accelerate's autocast
         self.module = accelerator.unwrap_model(model)
         self.main = accelerator.is_main_process
+        self.frozen = frozen_encoder_of(self.module)  # checkpoints name it instead of holding it
 
     def metrics_csv(self, path: Path, tensorboard: bool, out_dir: Path):
         """metrics.csv (and its TensorBoard mirror) in the main process; a sink elsewhere."""
@@ -362,8 +366,9 @@ def _track_best(run: _Run, epoch: int, val: dict[str, float], state: dict, best_
     if val["loss"] < state["best_val_loss"]:
         state.update(best_epoch=epoch, best_val_loss=val["loss"], epochs_without_improvement=0)
         if run.main:
-            atomic_torch_save({"model": run.module.state_dict(), "model_config": run.module.config, "epoch": epoch,
-                               "val_metrics": val, "task": run.spec.name}, best_path)
+            atomic_torch_save(strip_frozen_encoder({"model": run.module.state_dict(), "model_config": run.module.config,
+                                                    "epoch": epoch, "val_metrics": val, "task": run.spec.name}, run.frozen),
+                              best_path)
     else:
         state["epochs_without_improvement"] += 1
 
