@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from models.frozen_encoder import load_full_checkpoint
 from network.aggregation import Weights
 from network.algorithms.base import load_weights
 from network.algorithms.sparse_finetune import BASE_PREFIX, LOCAL_PREFIX, MASK_PREFIX
 from utils.errors import TaskHetError
-from utils.run_dir import load_checkpoint
 
 # λ's validation data: auto (manifest_val when the manifest has val rows, else held_out), the manifest's own val = 1
 # rows (cifar's, digits'), a seeded share of the manifest train rows no client holds, or the clients' test rows pooled.
@@ -57,8 +57,9 @@ def read_run(run_dir: Path, use_accelerator: bool = False) -> RunModels:
 
     run_dir = Path(run_dir)
     record = _read_config(run_dir)
-    checkpoint = load_checkpoint(run_dir / "checkpoint.pt", "--run: step-4 checkpoint",
-                                 keys=("server", "client_states"), finished=True)
+    # a frozen encoder left out of θ_0 and the θ_k is put back (hash checked), so every model is whole
+    checkpoint = load_full_checkpoint(run_dir / "checkpoint.pt", "--run: step-4 checkpoint",
+                                      keys=("server", "client_states"), finished=True)
     tensors, states = checkpoint["server"]["tensors"], checkpoint["client_states"]
     base = _strip(tensors, BASE_PREFIX)
     local = {client_id: _strip(state, LOCAL_PREFIX) for client_id, state in states.items()}

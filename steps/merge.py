@@ -16,6 +16,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
+from models.frozen_encoder import load_full_checkpoint
 from network.aggregation import Weights
 from sparse.merge import (check_lambda, choose_lambda, cosine_matrix, jaccard_matrix, merge, plot_matrix, support,
                           task_vector)
@@ -23,8 +24,8 @@ from sparse.from_run import VAL_SPLITS
 from utils import cli
 from utils.errors import TaskHetError
 from utils.locks import folder_lock
-from utils.run_dir import (MetricsCSV, atomic_torch_save, atomic_write_text, claim_folder, load_checkpoint,
-                           setup_logging, unfinished, write_config)
+from utils.run_dir import (MetricsCSV, atomic_torch_save, atomic_write_text, claim_folder, setup_logging, unfinished,
+                           write_config)
 
 STEP = "merge"
 COLUMNS = ("split", "model", "other", "metric", "value")
@@ -38,8 +39,9 @@ client: own, merged and base loss; with --run), cosine.npy, jaccard.npy, cosine.
 
 
 def load_model_weights(path: Path) -> Weights:
-    """A state dict from ``path``: a plain state dict, or the ``model`` entry of a best.pt / checkpoint."""
-    loaded = load_checkpoint(path, "checkpoint to merge", finished=True)
+    """A state dict from ``path``: a plain state dict, or the ``model`` entry of a best.pt / checkpoint (with a
+    frozen encoder that the checkpoint names put back, hash checked)."""
+    loaded = load_full_checkpoint(path, "checkpoint to merge", finished=True)
     weights = loaded.get("model", loaded) if isinstance(loaded, dict) else None
     if not isinstance(weights, dict) or not weights or not all(hasattr(value, "shape") for value in weights.values()):
         raise TaskHetError(f"{path} holds no state dict (expected tensors, or a best.pt with a 'model' entry)")
