@@ -21,7 +21,6 @@ from omnidata_tools.dataset.starter_dataset.component_datasets import taskonomy 
 from datasets.synthetic import write_places_file
 from datasets.taskonomy_domains import DOMAINS, get_domain
 from utils import cli
-from utils.cli import positive_float
 from utils.errors import TaskHetError
 from utils.locks import folder_lock
 
@@ -80,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="accept the Taskonomy licence (required; needs --name and --email; make: AGREE=yes)")
     parser.add_argument("--name", default="", help="your name, recorded by omnidata with the licence (make: NAME=...)")
     parser.add_argument("--email", default="", help="your email, recorded by omnidata with the licence (make: EMAIL=...)")
-    parser.add_argument("--timeout_s", type=positive_float, default=5.0, help="connectivity check timeout in seconds (default: 5)")
+    parser.add_argument("--timeout_s", type=cli.floats(0.0, 600.0, low_open=True), default=5.0,
+                        help="connectivity check timeout in seconds (default: 5)")
     cli.add_runtime_flags(parser)
     return parser
 

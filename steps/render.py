@@ -11,7 +11,6 @@ from pathlib import Path
 
 from datasets.synthetic import BUILDINGS_FILE, META_FILE, PLACES_FILE, SPLIT_FILE, RenderConfig, render_dataset
 from utils import cli
-from utils.cli import positive_int
 from utils.errors import TaskHetError
 from utils.loaders import load_json
 from utils.locks import folder_lock
@@ -23,16 +22,27 @@ Read by step 1 (extract_datapoints_for_experiments.py --data_path <out>). Re-run
 arguments keeps the existing render."""
 
 
+MAX_BUILDINGS = 1_000
+MAX_VIEWS = 1_000  # views per building (and per point)
+MAX_RENDERED_VIEWS = 100_000  # buildings × views: each view is 13 image files
+MAX_RENDER_SIZE = 512  # Taskonomy's own resolution
+RENDER_SIZES = cli.ints(8, MAX_RENDER_SIZE)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The step-0 command line (render_synthetic_buildings.py --help)."""
     parser = cli.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("data/synthetic"), help="data root to write (default: data/synthetic)")
-    parser.add_argument("--n_buildings", type=positive_int, default=24, help="buildings (rooms) to render (default: 24)")
-    parser.add_argument("--n_views", type=positive_int, default=50, help="views per building (default: 50)")
-    parser.add_argument("--views_per_point", type=positive_int, default=5, help="views that look at the same point (default: 5)")
-    parser.add_argument("--image_size", type=positive_int, default=64, help="side of the square images in pixels (default: 64)")
-    parser.add_argument("--seed", type=int, default=0, help="root seed; the same seed gives byte-identical files (default: 0)")
-    parser.add_argument("--workers", type=positive_int, default=2, help="processes rendering buildings in parallel (default: 2)")
+    parser.add_argument("--n_buildings", type=cli.ints(1, MAX_BUILDINGS), default=24,
+                        help=f"buildings (rooms) to render; with --n_views at most {MAX_RENDERED_VIEWS:,} views in all "
+                             "(default: 24)")
+    parser.add_argument("--n_views", type=cli.ints(1, MAX_VIEWS), default=50, help="views per building (default: 50)")
+    parser.add_argument("--views_per_point", type=cli.ints(1, MAX_VIEWS), default=5,
+                        help="views that look at the same point (default: 5)")
+    parser.add_argument("--image_size", type=RENDER_SIZES, default=64, help="side of the square images in pixels (default: 64)")
+    parser.add_argument("--seed", type=cli.SEEDS, default=0, help="root seed; the same seed gives byte-identical files (default: 0)")
+    parser.add_argument("--workers", type=cli.ints(1, cli.MAX_WORKERS), default=2,
+                        help="processes rendering buildings in parallel (default: 2)")
     parser.add_argument("--replace", action=argparse.BooleanOptionalAction, default=False,
                         help="replace a finished render with other settings in --out (default: refuse)")
     cli.add_runtime_flags(parser)
@@ -67,6 +77,9 @@ def main(argv: list[str] | None = None) -> Path:
     args = cli.apply_runtime_flags(build_parser().parse_args(argv))
     config = RenderConfig(args.n_buildings, args.n_views, args.views_per_point, args.image_size, args.seed)
     config.validate()
+    if args.n_buildings * args.n_views > MAX_RENDERED_VIEWS:
+        raise TaskHetError(f"--n_buildings {args.n_buildings} × --n_views {args.n_views} = "
+                           f"{args.n_buildings * args.n_views:,} views; at most {MAX_RENDERED_VIEWS:,} are rendered")
     with folder_lock(args.out):  # one run at a time writes the folder
         check_out(args.out, config, args.replace)
         start = time.perf_counter()

@@ -38,13 +38,21 @@ needed, whether the win is clear, the winning scheduler), metrics.csv (every run
 val_top1.png (validation accuracy per epoch, mean over seeds, one line per config), config.json, run.log."""
 
 
+# Each config × seed is one step-2 training: the lists and their product are bounded.
+MAX_SEARCH_RUNS = 1_000
+
+
 def comma_list(convert: Callable[[str], object]) -> Callable[[str], list]:
-    """argparse type: comma-separated values, each through ``convert`` (the pipeline writes lists this way)."""
+    """argparse type: at most :data:`utils.cli.MAX_LIST_ITEMS` comma-separated values, each through ``convert`` (the
+    pipeline writes lists this way); ``convert`` is kept as the type's ``each`` (its range shows in --help)."""
     def parse(text: str) -> list:
         items = [item.strip() for item in text.split(",")]
         if not all(items):
             raise argparse.ArgumentTypeError(f"expected comma-separated values, got {text!r}")
+        if len(items) > cli.MAX_LIST_ITEMS:
+            raise argparse.ArgumentTypeError(f"at most {cli.MAX_LIST_ITEMS} values, got {len(items)}")
         return [convert(item) for item in items]
+    parse.each = convert
     return parse
 
 
@@ -58,13 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     """The search's command line (search_centralized_hparams.py --help)."""
     parser = cli.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
-    add("--lrs", type=comma_list(cli.positive_float), required=True, help="initial learning rates, e.g. 0.1,0.01,0.001")
-    add("--weight_decays", type=comma_list(cli.nonnegative_float), default=[1e-4], help="weight decays (default: 1e-4)")
+    add("--lrs", type=comma_list(cli.LEARNING_RATES), required=True, help="initial learning rates, e.g. 0.1,0.01,0.001")
+    add("--weight_decays", type=comma_list(cli.WEIGHT_DECAYS), default=[1e-4], help="weight decays (default: 1e-4)")
     add("--schedulers", type=comma_list(scheduler_name), default=["cosine"],
         help=f"schedules, from {', '.join(list_schedulers())} (default: cosine)")
-    add("--tolerance", type=cli.positive_float, default=0.01,
+    add("--tolerance", type=cli.floats(0.0, 1.0, low_open=True), default=0.01,
         help="'epochs needed' = first epoch within this relative distance of the best validation accuracy (default: 0.01)")
-    add("--seeds", type=comma_list(cli.nonnegative_int), default=None,
+    add("--seeds", type=comma_list(cli.SEEDS), default=None,
         help="seeds, each config trains once per seed, e.g. 0,1,2 (default: --seed alone; one seed gives no interval)")
     add("--out", type=Path, default=None,
         help="search folder (default: results/search_centralized/<task>/<encoder>-seeds<s1-s2-...>)")
@@ -96,11 +104,14 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         args.out = Path("results/search_centralized") / args.task / f"{args.encoder}-seeds{'-'.join(map(str, args.seeds))}"
     if get_task(args.task).kind != "classification":
         raise TaskHetError(f"--task {args.task}: the search ranks by validation accuracy, so it needs a classification task")
+    configs = grid(args.lrs, args.weight_decays, args.schedulers)
+    if len(configs) * len(args.seeds) > MAX_SEARCH_RUNS:
+        raise TaskHetError(f"the search would train {len(configs)} configs × {len(args.seeds)} seeds = "
+                           f"{len(configs) * len(args.seeds):,} runs; at most {MAX_SEARCH_RUNS:,}")
     _, manifest = load_manifest(args.manifest)
     if "val" not in centralized_splits(manifest, f"manifest {args.manifest}"):
         raise TaskHetError(f"manifest {args.manifest} has no validation part (no train row with val = 1); the search "
                            "scores on it: rerun step 1 with --val_fraction > 0 (cifar, digits)")
-    configs = grid(args.lrs, args.weight_decays, args.schedulers)
     with folder_lock(args.out):  # one run at a time writes the folder
         return search(args, configs)
 

@@ -32,11 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fetch the files with torchvision's downloader first (needs internet; default: no)")
     parser.add_argument("--verify_checksums", action=argparse.BooleanOptionalAction, default=True,
                         help="check torchvision's md5s of the files; turn off only for hand-made test files (default: on)")
-    parser.add_argument("--imbalance_factor", type=float, default=1.0,
-                        help="n_min / n_max of the long-tailed training set, in (0, 1]; 1.0 keeps it balanced (default: 1.0)")
-    parser.add_argument("--val_fraction", type=float, default=0.1,
-                        help="share of each class's training images set aside for validation, in [0, 1) (default: 0.1)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the long-tail draw and the validation split (default: 0)")
+    parser.add_argument("--imbalance_factor", type=cli.floats(0.0, 1.0, low_open=True), default=1.0,
+                        help="n_min / n_max of the long-tailed training set; 1.0 keeps it balanced (default: 1.0)")
+    parser.add_argument("--val_fraction", type=cli.floats(0.0, 1.0, high_open=True), default=0.1,
+                        help="share of each class's training images set aside for validation (default: 0.1)")
+    parser.add_argument("--seed", type=cli.SEEDS, default=0, help="seed of the long-tail draw and the validation split (default: 0)")
     parser.add_argument("--out", type=Path, default=Path("results/datapoints"), help="output folder (default: results/datapoints)")
     cli.add_runtime_flags(parser)
     return parser

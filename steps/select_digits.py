@@ -7,12 +7,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from datasets.digits import select_digits
+from datasets.digits import NUM_CLASSES, select_digits
 from datasets.family import class_counts
 from steps.manifest_output import claim_step1_folder, write_step1_outputs
 from utils import cli
 from utils.locks import folder_lock
-from utils.cli import positive_int
 from utils.run_dir import setup_logging
 
 DESCRIPTION = """Step 1 (--family digits): extract the datapoints used by the experiments.
@@ -23,19 +22,23 @@ Outputs in --out: manifest.csv (family, sample_id, image_index, label, split, va
 run.log. Next: step 2, train_centralized_task_model.py --task digit_class."""
 
 
+DIGIT_IMAGES = 1_797  # scikit-learn's bundled digits: --n_samples keeps at most all of them
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The digits step-1 command line (extract_datapoints_for_experiments.py --family digits --help)."""
     parser = cli.ArgumentParser(prog="extract_datapoints_for_experiments.py --family digits", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--test_fraction", type=float, default=0.2,
+    parser.add_argument("--test_fraction", type=cli.floats(0.0, 1.0, low_open=True, high_open=True), default=0.2,
                         help="share of the samples in the test split; exactly ceil(fraction * samples) (default: 0.2)")
-    parser.add_argument("--n_samples", type=positive_int, default=None, help="samples to keep, stratified by digit (default: all 1,797)")
-    parser.add_argument("--val_fraction", type=float, default=0.1,
-                        help="share of each digit's training images set aside for validation, in [0, 1) (default: 0.1)")
-    parser.add_argument("--imbalance_factor", type=float, default=1.0,
-                        help="digits-LT: n_min / n_max of the training images, in (0, 1] (CIFAR-LT's exponential profile; "
+    parser.add_argument("--n_samples", type=cli.ints(2 * NUM_CLASSES, DIGIT_IMAGES), default=None,
+                        help="samples to keep, stratified by digit (default: all 1,797)")
+    parser.add_argument("--val_fraction", type=cli.floats(0.0, 1.0, high_open=True), default=0.1,
+                        help="share of each digit's training images set aside for validation (default: 0.1)")
+    parser.add_argument("--imbalance_factor", type=cli.floats(0.0, 1.0, low_open=True), default=1.0,
+                        help="digits-LT: n_min / n_max of the training images (CIFAR-LT's exponential profile; "
                              "the test split stays balanced; default: 1.0, every image)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the subsample, the split and the validation part (default: 0)")
+    parser.add_argument("--seed", type=cli.SEEDS, default=0, help="seed of the subsample, the split and the validation part (default: 0)")
     parser.add_argument("--out", type=Path, default=Path("results/datapoints"), help="output folder (default: results/datapoints)")
     cli.add_runtime_flags(parser)
     return parser

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from datasets.selection import SPLIT_BY, SelectionConfig, log_selection, select_datapoints, write_selection
 from datasets.synthetic import PLACES_FILE, SPLIT_FILE
-from datasets.taskonomy_domains import DOMAINS
+from datasets.taskonomy_domains import DOMAINS, NUM_SCENE_SCORES
 from datasets.taskonomy_domains import TASKS as TASKONOMY_TASKS
 from utils import cli
 from utils.errors import TaskHetError
@@ -30,10 +30,14 @@ class_counts.csv, class_distribution.png, config.json, run.log. Next: step 2, tr
 This is the Taskonomy data family (--family taskonomy, the default); --family digits --help shows the digits family's step 1."""
 
 
+BUILDING_COUNTS = cli.ints(1, 100_000)  # --taskonomy_clients_to_include N: far beyond Taskonomy's ~600 buildings
+
+
 def buildings_argument(text: str) -> int | tuple[str, ...]:
-    """argparse type: a count (as in the original script) or a comma-separated list of building ids."""
-    if text.strip().isdigit():
-        return int(text)
+    """argparse type: a count of ASCII digits in :data:`BUILDING_COUNTS` (as in the original script) or a
+    comma-separated list of building ids."""
+    if cli.INTEGER_PATTERN.fullmatch(text.strip()):
+        return BUILDING_COUNTS(text)
     return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
@@ -65,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--taskonomy_clients_to_include",
         type=buildings_argument,
         default=None,
-        help="buildings to use: a number N (the first N of the split CSV) or comma-separated building ids (default: all)",
+        help=f"buildings to use: a number N (the first N of the split CSV; an integer in {BUILDING_COUNTS}) or "
+             "comma-separated building ids (default: all)",
     )
     parser.add_argument("--scene_class_file_name", default=PLACES_FILE, help=f"Places365 names, relative to --data_path (default: {PLACES_FILE})")
     parser.add_argument(
@@ -75,10 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="tasks (or domains) the samples are for, space- or comma-separated: a kept sample has every domain they "
         "need besides rgb and class_scene (default: none, so only rgb and class_scene are required)",
     )
-    parser.add_argument("--top_k_classes", type=int, default=16, help="keep the K most frequent scene classes (default: 16)")
-    parser.add_argument("--test_fraction", type=float, default=0.2, help="share of samples (or buildings) in the test split (default: 0.2)")
+    parser.add_argument("--top_k_classes", type=cli.ints(1, NUM_SCENE_SCORES), default=16,
+                        help="keep the K most frequent scene classes (default: 16)")
+    parser.add_argument("--test_fraction", type=cli.floats(0.0, 1.0, low_open=True, high_open=True), default=0.2,
+                        help="share of samples (or buildings) in the test split (default: 0.2)")
     parser.add_argument("--split_by", choices=SPLIT_BY, default="sample", help="split samples, or whole buildings (default: sample)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the train/test split (default: 0)")
+    parser.add_argument("--seed", type=cli.SEEDS, default=0, help="seed of the train/test split (default: 0)")
     parser.add_argument("--out", type=Path, default=Path("results/datapoints"), help="output folder (default: results/datapoints)")
     cli.add_runtime_flags(parser)
     return parser

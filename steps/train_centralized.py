@@ -22,7 +22,6 @@ from training.loop import check_resumable, fit, make_loader
 from training.schedules import OPTIMIZERS, ScheduleConfig, list_schedulers, make_optimizer, make_scheduler
 from training.selection import centralized_splits, selection_split
 from utils import cli
-from utils.cli import positive_float, positive_int
 from utils.device import prepare_model
 from utils.errors import TaskHetError
 from utils.locks import folder_lock
@@ -49,6 +48,11 @@ NOT_IN_SIGNATURE = ("out", "resume", "use_accelerator", "num_workers", "cache_di
 MIXED_PRECISION = ("no", "bf16", "fp16")
 # The flags a hyperparameter search (steps/search_centralized.py) replaces by lists.
 SEARCHED = ("init_lr", "weight_decay", "scheduler")
+# The embedding's grid side g: C·(1 + g²) numbers per sample, so 8 already gives 65 times the global average's.
+MAX_EMBEDDING_GRID = 8
+# A schedule decays the rate (a factor above 1 would grow it geometrically over up to MAX_EPOCHS epochs).
+DECAY_FACTORS = cli.floats(0.0, 1.0, low_open=True)
+EPOCH_COUNTS = cli.ints(0, cli.MAX_EPOCHS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,7 +75,7 @@ def add_training_arguments(parser: argparse.ArgumentParser, searched: bool = Tru
     add("--encoder", default="resnet50", help=f"{' | '.join(list_encoders())} (default: resnet50)")
     add("--freeze_encoder", action=argparse.BooleanOptionalAction, default=False,
         help="keep the (pretrained) encoder fixed: only the decoder and head train (default: off)")
-    add("--decoder_width", type=positive_int, default=None,
+    add("--decoder_width", type=cli.ints(1, cli.MAX_DECODER_WIDTH), default=None,
         help="channels of a dense task's decoder (default: the encoder's; its cost grows with the square)")
     add("--cache_features", action=argparse.BooleanOptionalAction, default=False,
         help="with --freeze_encoder: compute the encoder's maps once per sample (in --cache_dir) and train on them")
@@ -79,32 +83,32 @@ def add_training_arguments(parser: argparse.ArgumentParser, searched: bool = Tru
         "e.g. dino for vit_s16_dino; none for small_cnn)")
     add("--data_path", type=Path, default=Path("data/synthetic"), help="data root (default: data/synthetic)")
     add("--manifest", type=Path, default=Path("results/datapoints/manifest.csv"), help="step-1 manifest.csv (default: step 1's)")
-    add("--image_size", type=positive_int, default=224, help="side length the images are resized to (default: 224)")
-    add("--n_epochs", type=positive_int, default=20, help="epochs (default: 20)")
-    add("--batch_size", type=positive_int, default=32, help="batch size (default: 32)")
+    add("--image_size", type=cli.IMAGE_SIZES, default=224, help="side length the images are resized to (default: 224)")
+    add("--n_epochs", type=cli.EPOCHS, default=20, help="epochs (default: 20)")
+    add("--batch_size", type=cli.BATCH_SIZES, default=32, help="batch size (default: 32)")
     if searched:
-        add("--init_lr", type=positive_float, default=1e-3, help="initial learning rate (default: 1e-3)")
+        add("--init_lr", type=cli.LEARNING_RATES, default=1e-3, help="initial learning rate (default: 1e-3)")
     add("--optimizer", choices=OPTIMIZERS, default=None, help="default: sgd, or adamw with --use_adam")
     add("--use_adam", action=argparse.BooleanOptionalAction, default=False, help="the original flag: same as --optimizer adamw")
-    add("--momentum", type=cli.nonnegative_float, default=0.9, help="SGD momentum (default: 0.9)")
+    add("--momentum", type=cli.MOMENTA, default=0.9, help="SGD momentum (default: 0.9)")
     if searched:
-        add("--weight_decay", type=cli.nonnegative_float, default=1e-4, help="weight decay (default: 1e-4)")
+        add("--weight_decay", type=cli.WEIGHT_DECAYS, default=1e-4, help="weight decay (default: 1e-4)")
         add("--scheduler", choices=list_schedulers(), default="exponential",
             help="per-epoch learning-rate schedule, after the warmup (default: exponential, by --lr_decay_rate)")
-    add("--warmup_epochs", type=cli.nonnegative_int, default=0,
+    add("--warmup_epochs", type=EPOCH_COUNTS, default=0,
         help="epochs of linear warmup: epoch e <= W trains at init_lr * e / (W + 1) (default: 0)")
-    add("--lr_decay_rate", type=positive_float, default=0.95, help="exponential schedule's factor per epoch (default: 0.95)")
-    add("--step_size", type=positive_int, default=10, help="step schedule: epochs between decays (default: 10)")
-    add("--gamma", type=positive_float, default=0.1, help="step schedule: factor per decay (default: 0.1)")
-    add("--early_stopping_patience", type=cli.nonnegative_int, default=0, help="stop after this many epochs without a lower val loss (0 = off)")
-    add("--embedding_grid", type=cli.nonnegative_int, default=0, help="embedding = global average + this grid's cell averages (default: 0)")
-    add("--seed", type=int, default=0, help="root seed of init and loader order (default: 0)")
+    add("--lr_decay_rate", type=DECAY_FACTORS, default=0.95, help="exponential schedule's factor per epoch (default: 0.95)")
+    add("--step_size", type=cli.EPOCHS, default=10, help="step schedule: epochs between decays (default: 10)")
+    add("--gamma", type=DECAY_FACTORS, default=0.1, help="step schedule: factor per decay (default: 0.1)")
+    add("--early_stopping_patience", type=EPOCH_COUNTS, default=0, help="stop after this many epochs without a lower val loss (0 = off)")
+    add("--embedding_grid", type=cli.ints(0, MAX_EMBEDDING_GRID), default=0, help="embedding = global average + this grid's cell averages (default: 0)")
+    add("--seed", type=cli.SEEDS, default=0, help="root seed of init and loader order (default: 0)")
     add("--deterministic", action=argparse.BooleanOptionalAction, default=False, help="deterministic kernels (bit-identical reruns)")
     add("--use_accelerator", action=argparse.BooleanOptionalAction, default=True, help="use CUDA/MPS when present (default: yes)")
     add("--mixed_precision", choices=MIXED_PRECISION, default=None,
         help="accelerate's autocast of the forward passes: no | bf16 | fp16 (fp16 with loss scaling; GPU only); "
              "default: bf16 on a GPU that has it, else no (or accelerate launch's --mixed_precision). Recorded in config.json")
-    add("--num_workers", type=cli.nonnegative_int, default=0, help="DataLoader worker processes (default: 0)")
+    add("--num_workers", type=cli.WORKERS, default=0, help="DataLoader worker processes (default: 0)")
     add("--cache_dir", type=Path, default=None, help="decoded-sample cache folder (default: none)")
     add("--resume", "--resume_training", action=argparse.BooleanOptionalAction, default=True,
         help="continue from <out>/last.pt if present (default: yes); --no-resume starts over")
@@ -121,6 +125,10 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     args.mixed_precision = resolve_mixed_precision(args.mixed_precision, args.use_accelerator)
     if args.early_stopping_patience < 0 or args.embedding_grid < 0:
         raise TaskHetError("--early_stopping_patience and --embedding_grid must be >= 0")
+    if args.warmup_epochs >= args.n_epochs:  # argument checks come before the folder is locked
+        raise TaskHetError(f"--warmup_epochs {args.warmup_epochs} must be below --n_epochs {args.n_epochs}")
+    if args.cache_features and not args.freeze_encoder:
+        raise TaskHetError("--cache_features needs --freeze_encoder (a trained encoder's maps change every step)")
     if args.out is None:
         weights_name = args.weights if args.weights in ("none", *NAMED_WEIGHTS) else Path(args.weights).stem
         args.out = Path("results/train_centralized") / args.task / f"{args.encoder}-{weights_name}-seed{args.seed}"
@@ -214,10 +222,6 @@ def train(args: argparse.Namespace) -> dict:
 
 def train_locked(args: argparse.Namespace, accelerator: Accelerator) -> dict:
     """:func:`train`'s work, holding the lock of ``args.out`` (in the main process)."""
-    if args.warmup_epochs >= args.n_epochs:
-        raise TaskHetError(f"--warmup_epochs {args.warmup_epochs} must be below --n_epochs {args.n_epochs}")
-    if args.cache_features and not args.freeze_encoder:
-        raise TaskHetError("--cache_features needs --freeze_encoder (a trained encoder's maps change every step)")
     main_process = accelerator.is_main_process
     if main_process:
         claim_folder(args.out, STEP)

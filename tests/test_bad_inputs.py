@@ -388,7 +388,7 @@ CASES = {
     "4 step3 uses an unfinished step-2 best.pt": lambda c, t: case_unfinished_step2(c, t, "step3"),
     "4 step4 --init_from centralized, unfinished": lambda c, t: case_unfinished_step2(c, t, "step4"),
     "4 step2 loss becomes infinite": lambda c, t: Case(
-        train_centralized.main, step2_argv(c, t / "out", "--init_lr", "1e30", "--optimizer", "sgd", "--momentum", "0"),
+        train_centralized.main, step2_argv(c, t / "out", "--init_lr", "1e6", "--optimizer", "sgd", "--momentum", "0"),
         ("training loss is",), [t / "out"]),
     # root 6: paths escape their roots
     "6 manifest rgb_path ../../../../etc/passwd": lambda c, t: case_manifest(
@@ -484,7 +484,7 @@ def test_the_table_covers_every_root():
 def test_a_step2_run_that_fails_stays_incomplete_and_step3_refuses_it(chain, tmp_path):
     out = tmp_path / "diverged"
     with pytest.raises(TaskHetError, match="training loss is"):
-        train_centralized.main(step2_argv(chain, out, "--init_lr", "1e30", "--optimizer", "sgd", "--momentum", "0"))
+        train_centralized.main(step2_argv(chain, out, "--init_lr", "1e6", "--optimizer", "sgd", "--momentum", "0"))
     assert (out / INCOMPLETE).is_file() and (out / "best.pt").is_file()  # epoch 0's model, not to be used
     with pytest.raises(TaskHetError, match="did not finish"):
         embed.main(step3_argv(chain, tmp_path / "embed", checkpoint=out / "best.pt"))

@@ -135,7 +135,7 @@ def test_step1_writes_a_manifest_the_family_reads(root, tmp_path):
 
 
 def test_step1_rejects_bad_flags(root, tmp_path):
-    with pytest.raises(TaskHetError, match="--imbalance_factor must be in \\(0, 1\\], got 0.0"):
+    with pytest.raises(TaskHetError, match="--imbalance_factor: must be a number in \\(0, 1\\], got '0'"):
         select.main(["--family", "cifar", "--data_path", str(root), "--no-verify_checksums", "--imbalance_factor", "0",
                      "--out", str(tmp_path / "bad")])
     with pytest.raises(TaskHetError, match="--dataset: invalid choice: 'cifar20'"):

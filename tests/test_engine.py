@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pandas as pd
@@ -207,8 +208,11 @@ def test_a_resumed_runs_progress_bar_starts_at_the_finished_rounds(tmp_path, cap
 
 
 def test_non_finite_aggregate_stops_before_its_checkpoint(tmp_path):
+    def overflowing(settings, federation):  # built in code: a user's server_lr is bounded (network/settings.py)
+        return FedAvg(dataclasses.replace(settings, server_lr=1e300), federation)
+
     with pytest.raises(NonFiniteLossError, match="round 1: the aggregated server models are not finite"):
-        make_engine(tmp_path, "fedavg", settings={"server_lr": 1e300}).run()
+        make_engine(tmp_path, "fedavg", algorithm_class=overflowing).run()
     assert load_checkpoint(tmp_path / "checkpoint.pt")["round"] == 0
 
 
