@@ -14,6 +14,7 @@ from network.algorithms.base import ServerState, Upload
 from network.algorithms.cfl import CLUSTER, MEMBERSHIP, ROUNDS
 from network.algorithms.skeleton import DELTA
 from tests.oracles import DIM, linear_model
+from tests.test_fedamp import server_with as fedamp_server
 
 # ----- CFL: start_round, min_size and the strict ε thresholds -----
 CFL_CLIENTS = ("a", "b", "c", "d")
@@ -52,3 +53,14 @@ def test_cfl_splits_a_cluster_of_exactly_min_size_members(min_size, splits):
 ])
 def test_cfl_thresholds_are_strict(eps1, eps2, splits):
     assert cfl_after_one_aggregation(0, eps1=eps1, eps2=eps2) == ({1, 2} if splits else {0})
+
+
+# ----- FedAMP's heuristic variant: a self weight and a cosine scale other than the defaults -----
+def test_heurfedamp_row_with_self_weight_and_sigma_by_hand():
+    vectors = {"0": [1.0, 0, 0, 0, 0], "1": [2.0, 2.0, 0, 0, 0], "2": [0, 3.0, 0, 0, 0]}  # cos 1/√2 and 0 from "0"
+    algorithm, _, server = fedamp_server({client: torch.tensor(vector, dtype=torch.float64)
+                                          for client, vector in vectors.items()},
+                                         variant="heuristic", self_weight=0.2, sigma=3.0)
+    near, far = math.exp(3.0 / math.sqrt(2)), math.exp(0.0)  # softmax of σ·cos over the others
+    expected = {"0": 0.2, "1": 0.8 * near / (near + far), "2": 0.8 * far / (near + far)}
+    assert algorithm.attention_row(server, "0") == pytest.approx(expected, rel=1e-14)
