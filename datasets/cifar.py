@@ -26,9 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-import utils.tv_compat  # noqa: F401  (before torchvision)
-from torchvision.datasets.utils import check_integrity, download_and_extract_archive
-
 from datasets.family import (DATASETS, FAMILY_COLUMN, SPLITS, VAL_COLUMN, DataFamily, refuse_repeated_images,
                              stratified_validation, with_family_column)
 from datasets.long_tail import long_tail_indices
@@ -126,6 +123,23 @@ def download(root: Path, dataset: str) -> None:
     except (urllib.error.URLError, OSError, RuntimeError) as error:
         raise TaskHetError(f"--download: could not fetch {dataset} from {files.url} into {root} ({error}); "
                            f"without internet, copy torchvision's {files.folder_name}/ folder there") from None
+
+
+def download_and_extract_archive(url: str, root: str, filename: str, md5: str) -> None:
+    """torchvision's downloader, imported on first use: torchvision takes seconds to import, which a process that
+    only reads the files (a Flower node answering one message) should not pay."""
+    import utils.tv_compat  # noqa: F401  (before torchvision)
+    from torchvision.datasets.utils import download_and_extract_archive as fetch
+
+    fetch(url, root, filename=filename, md5=md5)
+
+
+def check_integrity(path: str, md5: str) -> bool:
+    """torchvision's md5 check, imported on first use (see :func:`download_and_extract_archive`)."""
+    import utils.tv_compat  # noqa: F401  (before torchvision)
+    from torchvision.datasets.utils import check_integrity as check
+
+    return check(path, md5)
 
 
 def _failing_md5(folder: Path, files: list[tuple[str, str]]) -> list[str]:

@@ -18,8 +18,6 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch.utils.data import Dataset
 
 from datasets.family import (DATASETS, FAMILY_COLUMN, SPLITS, VAL_COLUMN, DataFamily, refuse_repeated_images,
@@ -42,6 +40,8 @@ MANIFEST_COLUMNS = (FAMILY_COLUMN, "sample_id", "image_index", "label", "split",
 
 def load_arrays() -> tuple[np.ndarray, np.ndarray]:
     """``(images float64 [1797, 8, 8] in 0..16, labels int64 [1797])`` as scikit-learn ships them."""
+    from sklearn.datasets import load_digits  # here: scikit-learn takes seconds to import; reading a manifest does not
+
     bunch = load_digits()
     return bunch.images, bunch.target.astype(np.int64)
 
@@ -72,6 +72,8 @@ def select_digits(test_fraction: float, seed: int, n_samples: int | None = None,
         raise TaskHetError(f"--test_fraction must be in (0, 1), got {test_fraction}")
     if not 0.0 < imbalance_factor <= 1.0:
         raise TaskHetError(f"--imbalance_factor must be in (0, 1], got {imbalance_factor}")
+    from sklearn.model_selection import train_test_split  # here, as in load_arrays
+
     _, labels = load_arrays()
     kept = np.arange(len(labels))
     if n_samples is not None and not NUM_CLASSES * 2 <= n_samples <= len(labels):

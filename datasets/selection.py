@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from matplotlib.figure import Figure
 from tqdm import tqdm
 
 from datasets.synthetic import PLACES_FILE, SPLIT_FILE
@@ -23,7 +22,6 @@ from datasets.taskonomy import FAMILY, MANIFEST_COLUMNS, check_data_root, discov
 from datasets.taskonomy_domains import DOMAIN_SPECS, get_domain
 from utils.errors import TaskHetError
 from utils.loaders import plain_name, read_csv
-from utils.plots import save_figure
 from utils.run_dir import atomic_write_text
 from utils.seeding import numpy_rng
 
@@ -231,6 +229,9 @@ def select_datapoints(config: SelectionConfig, progress: bool = True) -> Selecti
 
 def plot_class_distribution(class_counts: pd.DataFrame, path: Path) -> None:
     """Bar chart of kept samples per scene class (train and test stacked), as a PNG."""
+    from matplotlib.figure import Figure  # here: matplotlib takes a second to import, and only the plot needs it
+    from utils.plots import save_figure
+
     # The object-oriented Figure renders with Agg and never touches pyplot's global state.
     figure = Figure(figsize=(max(4.0, 0.5 * len(class_counts) + 2), 4.0))
     axis = figure.subplots()

@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import ndimage
 
 KEYPOINT_SIGMA_M = 0.12
 EDGE_TEXTURE_SCALE = 0.3
@@ -321,6 +320,8 @@ def occlusion_edges(depth: np.ndarray, surface: np.ndarray) -> np.ndarray:
 
 def image_features(rgb_uint8: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Texture edges (Sobel magnitude) and 2D keypoints (Harris response) of the written image, in [0, 1]."""
+    from scipy import ndimage  # here: only rendering needs scipy, not reading the rendered data
+
     grey = ndimage.gaussian_filter(rgb_uint8.astype(np.float64) @ np.array([0.299, 0.587, 0.114]) / 255.0, 0.7)
     gx, gy = ndimage.sobel(grey, axis=1) / 8.0, ndimage.sobel(grey, axis=0) / 8.0
     edges = np.clip(np.hypot(gx, gy) / EDGE_TEXTURE_SCALE, 0, 1)

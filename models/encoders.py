@@ -28,9 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import utils.tv_compat  # noqa: F401  (before torchvision)
-import torchvision
-
 from models.heads import conv_block
 from models.weights import WeightSource, fetch_weights, read_weights_file
 from utils.errors import TaskHetError
@@ -188,6 +185,15 @@ def default_weights(name: str) -> str:
 # --------------------------------------------------------------------------- CNNs
 
 
+def torchvision_models():
+    """``torchvision.models``, imported on first use: torchvision takes seconds to import, which a model without a
+    torchvision part (``small_cnn``, the ViTs) should not cost (a Flower node pays imports once per message)."""
+    import utils.tv_compat  # noqa: F401  (before torchvision)
+    import torchvision.models
+
+    return torchvision.models
+
+
 class ResNetEncoder(Encoder):
     """torchvision ResNet; attribute names match torchvision's so its checkpoints load as they are."""
 
@@ -197,7 +203,7 @@ class ResNetEncoder(Encoder):
 
     def __init__(self) -> None:
         super().__init__()
-        net = getattr(torchvision.models, self.arch)(weights=None)
+        net = getattr(torchvision_models(), self.arch)(weights=None)
         self.conv1, self.bn1, self.relu, self.maxpool = net.conv1, net.bn1, net.relu, net.maxpool
         self.layer1, self.layer2, self.layer3, self.layer4 = net.layer1, net.layer2, net.layer3, net.layer4
         self.strides = (2, 4, 8, 16, 32)
@@ -223,7 +229,7 @@ class ResNet50(ResNetEncoder):
 
     @property
     def pretrained(self) -> dict[str, list[WeightSource]]:
-        weights = torchvision.models.ResNet50_Weights
+        weights = torchvision_models().ResNet50_Weights
         return {"imagenet": _torchvision_sources(weights.IMAGENET1K_V2, weights.IMAGENET1K_V1)}
 
 
@@ -237,7 +243,7 @@ class ResNet18(ResNetEncoder):
 
     @property
     def pretrained(self) -> dict[str, list[WeightSource]]:
-        return {"imagenet": _torchvision_sources(torchvision.models.ResNet18_Weights.IMAGENET1K_V1)}
+        return {"imagenet": _torchvision_sources(torchvision_models().ResNet18_Weights.IMAGENET1K_V1)}
 
 
 @ENCODERS.register("resnet34")
@@ -250,7 +256,7 @@ class ResNet34(ResNetEncoder):
 
     @property
     def pretrained(self) -> dict[str, list[WeightSource]]:
-        return {"imagenet": _torchvision_sources(torchvision.models.ResNet34_Weights.IMAGENET1K_V1)}
+        return {"imagenet": _torchvision_sources(torchvision_models().ResNet34_Weights.IMAGENET1K_V1)}
 
 
 @ENCODERS.register("small_cnn")

@@ -14,7 +14,6 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
-import torchvision.transforms.v2.functional as TF
 from torch.utils.data import default_collate
 
 from utils.seeding import torch_generator
@@ -54,6 +53,8 @@ class ShiftImages:
 
 
 def _shift(images: torch.Tensor, name: str, value: float) -> torch.Tensor:
+    import torchvision.transforms.v2.functional as TF  # here: torchvision takes seconds to import; only shifts need it
+
     if name == "brightness":
         return TF.adjust_brightness(images, value)
     if name == "contrast":

@@ -35,8 +35,6 @@ from typing import Iterable
 
 import numpy as np
 import torch
-from scipy.cluster.hierarchy import fcluster, linkage
-from scipy.spatial.distance import squareform
 from torch import nn
 
 from network.aggregation import Weights, WeightedMean, WeightingSettings, apply_update, client_weights, upload_weight
@@ -175,6 +173,9 @@ class CFL(Algorithm):
 
 def bipartition(vectors: torch.Tensor) -> list[int]:
     """Two groups of the rows by complete-linkage clustering on the cosine distance 1 − cos (scipy)."""
+    from scipy.cluster.hierarchy import fcluster, linkage  # here: scipy takes a second to import; only a split needs it
+    from scipy.spatial.distance import squareform
+
     unit = vectors / vectors.norm(dim=1, keepdim=True).clamp(min=1e-300)
     distance = (1 - unit @ unit.T).clamp(min=0).numpy()
     np.fill_diagonal(distance, 0.0)
