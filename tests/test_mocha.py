@@ -159,8 +159,8 @@ def test_the_local_step_is_refused_from_lr_times_lam_omega_kk_plus_weight_decay_
     check_local_step(mocha_settings(0.05), 253.3, step_config(0.3, momentum=0.9))
     with pytest.raises(MochaDivergence):
         check_local_step(mocha_settings(0.05), 253.4, step_config(0.3, momentum=0.9))
-    # Without the regulariser (λ = 0) MOCHA has no term of its own to refuse.
-    check_local_step(mocha_settings(0.0), 1e3, step_config(0.3, momentum=0.9))
+    # Without the regulariser (λ = 0) MOCHA has no term of its own to refuse, whatever weight decay does.
+    check_local_step(mocha_settings(0.0), 1e3, step_config(1.0, weight_decay=3.0))
 
 
 def test_the_refusal_names_the_settings_and_values_that_meet_the_worst_case():
