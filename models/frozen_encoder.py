@@ -70,10 +70,15 @@ class FrozenEncoder:
         """What names it in a checkpoint: ``{"name", "weights", "sha256"}``."""
         return {"name": self.name, "weights": self.weights, "sha256": self.sha256}
 
+    def entry(self, key: str) -> str | None:
+        """The encoder entry (``encoder.<key>``) that the checkpoint entry ``key`` would copy, or None."""
+        match = _ENCODER_ENTRY.search(key)
+        return match.group(1) if match and match.group(1) in self.tensors else None
+
     def reference(self, key: str) -> Tensor | None:
         """The encoder's tensor that the checkpoint entry ``key`` would copy, or None."""
-        match = _ENCODER_ENTRY.search(key)
-        return self.tensors.get(match.group(1)) if match else None
+        entry = self.entry(key)
+        return None if entry is None else self.tensors[entry]
 
     def holds(self, key: str, value: Any) -> bool:
         """Whether ``value`` at ``key`` is this encoder's own tensor, unchanged (dtype, shape and every value)."""
@@ -153,8 +158,9 @@ def restore_frozen_encoder(checkpoint: Any, path: Path, what: str,
     record = checkpoint.pop(FROZEN_ENCODER)
     _check_record(record, path, what)
     frozen = _reference(record, path, what, known)
+    copies: dict[str, Tensor] = {}  # one copy of each tensor, shared by every place that held it (as torch.load shares)
     for entry in record["omitted"]:
-        _fill(checkpoint, entry, frozen, path, what)
+        _fill(checkpoint, entry, frozen, copies, path, what)
     return frozen
 
 
@@ -188,8 +194,9 @@ def _reference(record: dict[str, Any], path: Path, what: str, known: FrozenEncod
     return frozen
 
 
-def _fill(checkpoint: dict[str, Any], entry: dict[str, Any], frozen: FrozenEncoder, path: Path, what: str) -> None:
-    """Put one dict's left-out tensors back at their positions."""
+def _fill(checkpoint: dict[str, Any], entry: dict[str, Any], frozen: FrozenEncoder, copies: dict[str, Tensor],
+          path: Path, what: str) -> None:
+    """Put one dict's left-out tensors back at their positions (``copies``: the reader's copy of each, by name)."""
     parent, node = None, checkpoint
     for step in entry["path"]:
         if not isinstance(node, dict) or step not in node:
@@ -208,7 +215,10 @@ def _fill(checkpoint: dict[str, Any], entry: dict[str, Any], frozen: FrozenEncod
     restored = {}
     for position in range(size):
         if position in at:
-            restored[at[position]] = frozen.reference(at[position]).clone()
+            entry_name = frozen.entry(at[position])
+            if entry_name not in copies:
+                copies[entry_name] = frozen.tensors[entry_name].clone()
+            restored[at[position]] = copies[entry_name]
         else:
             key, value = next(kept)
             restored[key] = value
