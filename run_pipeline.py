@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pipeline.experiment import load_experiment
 from utils import cli
-from utils.cli import positive_int, run_main
+from utils.cli import run_main
 from utils.locks import folder_lock
 
 
@@ -25,7 +25,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("experiment", type=Path, help="YAML experiment file")
     parser.add_argument("--results", type=Path, default=Path("results"), help="parent folder of the experiment's outputs")
     cli.add_runtime_flags(parser)  # --threads reaches every step; the steps draw no bars, the pipeline draws one
-    parser.add_argument("--jobs", type=positive_int, default=1,
+    parser.add_argument("--jobs", type=cli.ints(1, cli.MAX_WORKERS), default=1,
                         help="federated runs at once, each in its own process (default: 1, in this process), for "
                              "experiment and study files alike; with --jobs 2 on 2 cores pass --threads 1")
     return parser.parse_args(argv)

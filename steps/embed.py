@@ -25,7 +25,6 @@ from partitioning.clustering import MINIBATCH_THRESHOLD, cluster_embeddings, emb
 from pipeline.stages import stage_key
 from training.loop import make_loader
 from utils import cli
-from utils.cli import positive_int
 from utils.device import pick_device, prepare_model
 from utils.errors import TaskHetError
 from utils.loaders import load_json, load_npy, require_file, require_finished
@@ -33,18 +32,23 @@ from utils.locks import folder_lock
 from utils.run_dir import atomic_write_text, claim_folder, setup_logging, unfinished, write_config
 
 STEP = "step 3"
+MAX_PCA_DIM = 100_000  # PCA components: beyond any embedding's width here
+MAX_KMEANS_RESTARTS = 1_000
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The step-3 command line (extract_embeddings.py --help)."""
     parser = cli.ArgumentParser(description=__doc__, formatter_class=cli.DefaultsHelpFormatter)
     add_model_input_arguments(parser, "step-1 manifest.csv (train and test rows are embedded)")
-    parser.add_argument("--num_workers", type=cli.nonnegative_int, default=0)
-    parser.add_argument("--pca_dim", type=positive_int, default=None, help="PCA components before KMeans (default: none)")
-    parser.add_argument("--n_clusters", type=positive_int, default=10)
-    parser.add_argument("--n_init", type=positive_int, default=10, help="KMeans restarts")
-    parser.add_argument("--minibatch_threshold", type=positive_int, default=MINIBATCH_THRESHOLD, help="MiniBatchKMeans above this many samples")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num_workers", type=cli.WORKERS, default=0, help="DataLoader worker processes")
+    parser.add_argument("--pca_dim", type=cli.ints(1, MAX_PCA_DIM), default=None,
+                        help="PCA components before KMeans (default: none)")
+    parser.add_argument("--n_clusters", type=cli.ints(1, cli.MAX_CLUSTERS), default=10,
+                        help="KMeans clusters: the groups of an embedding-based partition")
+    parser.add_argument("--n_init", type=cli.ints(1, MAX_KMEANS_RESTARTS), default=10, help="KMeans restarts")
+    parser.add_argument("--minibatch_threshold", type=cli.ints(1, cli.MAX_SAMPLES), default=MINIBATCH_THRESHOLD,
+                        help="MiniBatchKMeans above this many samples")
+    parser.add_argument("--seed", type=cli.SEEDS, default=0, help="seed of the PCA, KMeans and the plots' samples")
     cli.add_runtime_flags(parser)
     return parser
 
@@ -56,8 +60,9 @@ def add_model_input_arguments(parser: argparse.ArgumentParser, manifest_help: st
     parser.add_argument("--data_path", type=Path, required=True,
                         help="data root of the manifest's files (ignored by families that ship their data)")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
-    parser.add_argument("--image_size", type=positive_int, default=None, help="input side; default: the step-2 run's (its config.json)")
-    parser.add_argument("--batch_size", type=positive_int, default=64)
+    parser.add_argument("--image_size", type=cli.IMAGE_SIZES, default=None,
+                        help="input side; default: the step-2 run's (its config.json)")
+    parser.add_argument("--batch_size", type=cli.BATCH_SIZES, default=64, help="samples per forward pass")
     parser.add_argument("--cache_dir", type=Path, default=None, help="decoded-sample cache folder")
     parser.add_argument("--use_accelerator", action=argparse.BooleanOptionalAction, default=True, help="use CUDA/MPS when present")
 

@@ -34,7 +34,6 @@ Each algorithm's own settings follow --method X: `test_fed.py --method X --help`
 # Step 4's own limits (the shared ones are utils.cli's; rounds and clients are partitioning's).
 MAX_LOCAL_STEPS = 10_000  # J per round, and --finetune_steps
 MAX_LOCAL_EPOCHS = 1_000  # E per round
-MAX_CLUSTERS = 10_000  # KMeans clusters (step 3's --n_clusters), which name the default assignments path
 MAX_GPUS_PER_CLIENT = 64.0
 MAX_STATE_MEMORY_MB = float(2**20)  # 1 TiB
 CLIENT_FRACTIONS = cli.floats(0.0, 1.0, low_open=True)
@@ -71,7 +70,7 @@ def build_parser(method: str | None = None, prog: str = "test_fed.py", descripti
         help="partition kind, checked against the file (class_based: the old name of label_based)")
     add("--alpha", type=ALPHAS, default=None, help="Dirichlet α of the partition (checked against the file)")
     add("--n_clients", type=CLIENTS, default=None, help="number of clients (checked against the file)")
-    add("--n_clusters", type=cli.ints(1, MAX_CLUSTERS), default=10, help="KMeans clusters of an embedding-based partition (default path)")
+    add("--n_clusters", type=cli.ints(1, cli.MAX_CLUSTERS), default=10, help="KMeans clusters of an embedding-based partition (default path)")
     add("--encoder", default=defaults.encoder, help="encoder of a model built from scratch (default: resnet50)")
     add("--weights", default="none",
         help="encoder weights from scratch: none | imagenet | clip | dino | PATH; which names an encoder offers: "

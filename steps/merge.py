@@ -9,7 +9,6 @@ fixed λ, the interference diagnostics only). The work is :func:`run_merge`.
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -28,6 +27,9 @@ from utils.run_dir import (MetricsCSV, atomic_torch_save, atomic_write_text, cla
                            write_config)
 
 STEP = "merge"
+# λ scales the summed task vectors: task arithmetic uses λ around [0, 1]; 100 is far beyond and stays finite.
+MAX_LAMBDA = 100.0
+LAMBDAS = cli.floats(-MAX_LAMBDA, MAX_LAMBDA)
 COLUMNS = ("split", "model", "other", "metric", "value")
 DESCRIPTION = """Task arithmetic (TaLoS, issue 15): task vectors τ_k = θ_k − θ_0 of fine-tuned models, the merged
 model θ_0 + λ Σ τ_k with λ chosen on validation data, pairwise cosine of the τ_k, Jaccard overlap of the clients'
@@ -132,16 +134,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--base", type=Path, default=None, help="θ_0: a state dict or a best.pt (without --run)")
     parser.add_argument("--finetuned", nargs="+", default=None, metavar="NAME=PATH",
                         help="fine-tuned checkpoints, each NAME once")
-    parser.add_argument("--lam", type=cli.finite_float, default=None,
+    parser.add_argument("--lam", type=LAMBDAS, default=None,
                         help="one fixed λ, no search (default without --run: 1.0)")
     parser.add_argument("--lambdas", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1",
-                        help="--run: the λ grid searched on the validation split (comma-separated finite numbers)")
+                        help=f"--run: the λ grid searched on the validation split (at most {cli.MAX_LIST_ITEMS} "
+                             f"comma-separated numbers, each in {LAMBDAS})")
     parser.add_argument("--val_split", choices=VAL_SPLITS, default="auto",
                         help="--run: λ's validation data: manifest_val (the manifest's val = 1 rows, which no client "
                              "holds), held_out (--val_fraction of the manifest's train rows no client holds), "
                              "client_test (the clients' test rows), or auto (default: manifest_val when the manifest "
                              "has val rows, else held_out)")
-    parser.add_argument("--val_fraction", type=cli.nonnegative_float, default=0.1,
+    parser.add_argument("--val_fraction", type=cli.floats(0.0, 1.0, high_open=True), default=0.1,
                         help="--val_split held_out: the share of the train rows to hold out (default: 0.1)")
     parser.add_argument("--use_accelerator", action=argparse.BooleanOptionalAction, default=False,
                         help="--run: evaluate on CUDA/MPS when present (default: CPU)")
@@ -152,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> Weights:
     args = cli.apply_runtime_flags(build_parser().parse_args(argv))
+    _grid(args.lambdas)  # refused before the folder is locked
     with folder_lock(args.out):  # one run at a time writes the folder
         return merge_locked(args)
 
@@ -193,17 +197,24 @@ def _merge_checkpoints(args: argparse.Namespace) -> Weights:
 
 
 def _grid(text: str) -> list[float]:
-    """--lambdas as finite numbers, each once."""
+    """--lambdas as numbers of ASCII digits in :data:`LAMBDAS`, each once, at most :data:`utils.cli.MAX_LIST_ITEMS`."""
     items = [item.strip() for item in str(text).split(",") if item.strip()]
-    try:
-        grid = [float(item) for item in items]
-    except ValueError:
-        raise TaskHetError(f"--lambdas takes comma-separated numbers, got {text!r}") from None
-    if not grid:
+    if not items:
         raise TaskHetError("--lambdas is empty")
-    bad = [item for item, value in zip(items, grid) if not math.isfinite(value)]
+    if len(items) > cli.MAX_LIST_ITEMS:
+        raise TaskHetError(f"--lambdas lists {len(items)} values; at most {cli.MAX_LIST_ITEMS} are allowed")
+    bad = [item for item in items if not _is_lambda(item)]
     if bad:
-        raise TaskHetError(f"--lambdas must hold finite numbers, got {', '.join(bad)} in {text!r}")
+        raise TaskHetError(f"--lambdas must hold numbers in {LAMBDAS}, got {', '.join(bad)} in {text!r}")
+    grid = [LAMBDAS.parse(item) for item in items]
     if len(set(grid)) != len(grid):
         raise TaskHetError(f"--lambdas repeats a value: {text!r}")
     return grid
+
+
+def _is_lambda(text: str) -> bool:
+    try:
+        LAMBDAS.parse(text)
+    except ValueError:
+        return False
+    return True

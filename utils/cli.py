@@ -29,6 +29,7 @@ MAX_EPOCHS = 10_000
 MAX_SAMPLES = 10**8  # sample counts (--n_samples, --minibatch_threshold, ...): beyond any data set here
 MAX_LEARNING_RATE = 1e6
 MAX_DECODER_WIDTH = 4096  # channels of a dense decoder
+MAX_CLUSTERS = 10_000  # KMeans clusters (step 3's --n_clusters): the groups of an embedding-based partition
 
 
 @dataclass(frozen=True)
