@@ -24,10 +24,9 @@ import contextlib
 import logging
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import broadcast, broadcast_object_list
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
 from tqdm import tqdm
@@ -37,10 +36,14 @@ from models.frozen_encoder import FrozenEncoder, frozen_encoder_of, load_full_ch
 from models.tasks import TaskSpec, get_task
 from utils.device import autocast, to_device
 from utils.errors import NonFiniteLossError, TaskHetError
-from utils.plots import plot_curves
 from utils.run_dir import MetricsCSV, atomic_torch_save, remove_stale_temporaries
 from utils.tensorboard_log import mirror_to_tensorboard
 from utils.seeding import torch_generator
+
+# accelerate and matplotlib (utils.plots) are imported in the functions that use them: a Flower node, which imports
+# this module in each message's process, uses neither.
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 METRICS_COLUMNS = ("epoch", "split", "metric", "value")
 TRAIN_SPLIT, VAL_SPLIT, TEST_SPLIT = "train", "val", "test"
@@ -318,6 +321,8 @@ class _Run:
 
     def evaluate_all(self) -> dict[str, dict[str, float]]:
         """Every split's metrics, the main process's in every process (each evaluates the whole split)."""
+        from accelerate.utils import broadcast, broadcast_object_list
+
         if self.accelerator.num_processes > 1:
             # BatchNorm running statistics: each process updated its own in its last forward; take process 0's
             # (those that last.pt and best.pt hold), so every process evaluates the same model
@@ -355,6 +360,8 @@ def _rows(epoch: int, evaluated: dict[str, dict[str, float]]) -> list[dict]:
 
 def _plot(csv_path: Path, out_dir: Path, spec: TaskSpec) -> None:
     """curves.png with every metric, and one PNG per headline metric (loss, the task's primary metric) with every split."""
+    from utils.plots import plot_curves  # matplotlib: see the imports above
+
     title = f"{spec.name}: {out_dir.name}"
     plot_curves(csv_path, out_dir / "curves.png", x="epoch", hue="split", title=title)
     for metric in dict.fromkeys(("loss", spec.primary_metric)):
