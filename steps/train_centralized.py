@@ -154,7 +154,7 @@ def make_accelerator(args: argparse.Namespace) -> Accelerator:
     arguments mean the same at any number of processes (the last, smaller batch of an epoch is topped up
     from the epoch's first samples by accelerate, so that every process gets an equal slice).
     """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = cli.world_size()
     # accelerate keeps its settings in process-wide state and refuses a second Accelerator with another mixed
     # precision or device; a pipeline or a search trains several step-2 models in one process. Reset as
     # accelerate's own AccelerateTestCase does, and GradientState too (it keeps the loaders of a run that

@@ -240,9 +240,17 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
 def refuse_several_processes(script: str) -> None:
     """Refuse to run ``script`` as one of several processes (``accelerate launch``/torchrun set WORLD_SIZE):
     each would write the same outputs. Only step 2 (train_centralized_task_model.py) trains data-parallel."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if world_size() > 1:
         raise TaskHetError(f"{script} runs in one process: accelerate launch (several processes) is for "
                            "train_centralized_task_model.py, one run at a time")
+
+
+MAX_PROCESSES = 4096  # WORLD_SIZE: processes of one accelerate launch / torchrun
+
+
+def world_size() -> int:
+    """The processes ``accelerate launch``/torchrun started (``WORLD_SIZE``; 1 when unset), in [1, 4096]."""
+    return ints(1, MAX_PROCESSES).read(os.environ.get("WORLD_SIZE", "1"), "the environment variable WORLD_SIZE")
 
 
 def apply_runtime_flags(args: argparse.Namespace) -> argparse.Namespace:
