@@ -12,9 +12,11 @@ import torch
 from network.algorithms import build_algorithm
 from network.algorithms.base import ServerState, Upload
 from network.algorithms.cfl import CLUSTER, MEMBERSHIP, ROUNDS
+from network.algorithms.fedloge import SSE_WEIGHT, sse_c_weight
 from network.algorithms.skeleton import DELTA
 from tests.oracles import DIM, linear_model
 from tests.test_fedamp import server_with as fedamp_server
+from tests.test_fedloge import LinearNet, initial
 
 # ----- CFL: start_round, min_size and the strict ε thresholds -----
 CFL_CLIENTS = ("a", "b", "c", "d")
@@ -64,3 +66,17 @@ def test_heurfedamp_row_with_self_weight_and_sigma_by_hand():
     near, far = math.exp(3.0 / math.sqrt(2)), math.exp(0.0)  # softmax of σ·cos over the others
     expected = {"0": 0.2, "1": 0.8 * near / (near + far), "2": 0.8 * far / (near + far)}
     assert algorithm.attention_row(server, "0") == pytest.approx(expected, rel=1e-14)
+
+
+# ----- FedLoGe: the SSE-C refinement's learning rate -----
+def test_fedloge_refines_sse_c_with_its_etf_lr():
+    """Adam's first step moves every entry by lr·g/(|g| + 1e-8) = ±lr: one step of etf_lr 0.05 moves each non-zero
+    of the sparse ETF by 0.05 exactly (to Adam's ε), and leaves the zeros."""
+    torch.manual_seed(0)
+    algorithm, worker = build_algorithm("fedloge", LinearNet(dim=6, classes=4), {"0": 6, "1": 4},
+                                        {"etf_steps": 1, "etf_lr": 0.05, "beta": 0.25}, seed=3)
+    refined = algorithm.init_server(initial(worker)).models["global"][SSE_WEIGHT].double()
+    start = sse_c_weight(6, 4, 0.25, 0, 0.05, 3)  # the sparse ETF before refinement, [C, d]
+    nonzero = start != 0
+    assert int((~nonzero).sum()) == 6 and torch.equal(refined[~nonzero], torch.zeros(6, dtype=torch.float64))
+    assert torch.allclose((refined - start)[nonzero].abs(), torch.full((18,), 0.05, dtype=torch.float64), atol=1e-6)
