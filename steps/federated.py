@@ -227,6 +227,20 @@ def check_run(config: RunConfig, n_clients: int | None) -> None:
         check_min_available(config.min_available_clients, n_clients, config.client_fraction)
 
 
+def check_run_config(config: RunConfig, n_clients: int | None = None) -> RunConfig:
+    """:func:`check_arguments` for a run config that came from no command line (a Flower deployment's JSON, which a
+    user may edit): every field the range of its flag, then the same checks. Returns ``config``."""
+    for action in build_parser(config.method)._actions:
+        value = getattr(config, action.dest, None)
+        if isinstance(action.type, cli.Range) and value is not None:
+            try:
+                action.type.check(value)
+            except ValueError as error:
+                raise TaskHetError(f"--{action.dest} {error}") from None
+    check_run(config, n_clients if n_clients is not None else config.n_clients)
+    return config
+
+
 def parse_run_config(argv: list[str] | None, prog: str = "test_fed.py", description: str = DESCRIPTION
                      ) -> RunConfig | None:
     """The checked run config of a command line (None after --list_methods, which prints the algorithms);

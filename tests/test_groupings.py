@@ -37,9 +37,8 @@ def test_test_fed_default_assignments_path_of_an_embedding_partition_and_without
                                "--assignment_files_path", str(tmp_path)])
     assert default_assignments(config) == tmp_path / "embedding_based" / "normal" / "k7" / "a0.1" / "assignments.csv"
     for flags in (["--type", "label_based"], ["--alpha", "0.5"]):  # neither --assignments nor both of --type, --alpha
-        config = parse_run_config(["--task", "normal", *flags, "--assignment_files_path", str(tmp_path)])
-        with pytest.raises(TaskHetError) as refused:
-            default_assignments(config)
+        with pytest.raises(TaskHetError) as refused:  # refused with the other argument checks, before any file
+            parse_run_config(["--task", "normal", *flags, "--assignment_files_path", str(tmp_path)])
         assert str(refused.value) == ("pass --assignments FILE, or --type and --alpha to find it under "
                                       "--assignment_files_path")
 

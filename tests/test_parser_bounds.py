@@ -464,3 +464,26 @@ def test_the_flower_wait_seconds_are_bounded():
 
 def test_decay_factors_keep_a_rate_from_growing():
     assert DECAY_FACTORS.contains(1.0) and not DECAY_FACTORS.contains(1.0000001) and not DECAY_FACTORS.contains(0.0)
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("n_rounds", 10**9, r"--n_rounds must be an integer in \[1, 10000\], got 1000000000"),
+    ("threads", 100_000_000, r"--threads must be an integer in \[1, 1024\]"),
+    ("client_fraction", 1.5, r"--client_fraction must be a number in \(0, 1\], got 1.5"),
+    ("lr_schedule", "exponential:2", r"--lr_schedule 'exponential:2': RATE must be a number in \(0, 1\]"),
+])
+def test_a_deployment_run_config_edited_out_of_range_is_refused_by_the_flower_app(field, value, expected):
+    pytest.importorskip("flwr")
+    from flwr.app import Context, RecordDict
+
+    from network.flower import app, protocol
+    from network.run import RunConfig
+
+    record = json.loads(RunConfig(task="class_scene", assignments="a.csv").to_json())
+    assert app.run_config(Context(run_id=1, node_id=0, state=RecordDict(), node_config={},
+                                  run_config={protocol.RUN_CONFIG: json.dumps(record)})).n_rounds == 100
+    record[field] = value
+    context = Context(run_id=1, node_id=0, state=RecordDict(), node_config={},
+                      run_config={protocol.RUN_CONFIG: json.dumps(record)})
+    with pytest.raises(TaskHetError, match=f"^{expected}"):
+        app.run_config(context)

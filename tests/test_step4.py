@@ -166,4 +166,4 @@ def test_step4_accepts_exactly_the_methods_settings(tiny_data_root, tiny_manifes
     assert not (tmp_path / "x").exists()
     test_fed.main(["--list_methods"])
     listing = capsys.readouterr().out
-    assert "fedprox:" in listing and "--mu (float, default 0.01)" in listing and "ifca:" in listing
+    assert "fedprox:" in listing and "--mu (float, default 0.01; at most 1e+09 in magnitude)" in listing and "ifca:" in listing

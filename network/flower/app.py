@@ -49,7 +49,9 @@ def run_config(context: Context, node_paths: bool = False) -> RunConfig:
     if RUN_CONFIG not in context.run_config:
         raise TaskHetError(f"the Flower run config has no {RUN_CONFIG!r} (a RunConfig as JSON; "
                            "`python -m network.flower.app <test_fed.py flags>` prints it); see docs/FLOWER.md")
-    config = RunConfig.from_json(str(context.run_config[RUN_CONFIG]))
+    from steps.federated import check_run_config  # the flags' ranges and checks, for a config that skipped them
+
+    config = check_run_config(RunConfig.from_json(str(context.run_config[RUN_CONFIG])))
     overrides = {field: Path(str(context.node_config[key])) for key, field in NODE_PATHS
                  if node_paths and key in context.node_config}
     return config.replace(**overrides)
