@@ -5,16 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-import matplotlib
+import numpy as np
+import pandas as pd
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-from scipy.spatial.distance import jensenshannon  # noqa: E402
+from partitioning.allocation import UNUSED
 
-from partitioning.allocation import UNUSED  # noqa: E402
-from utils.plots import save_figure  # noqa: E402
+# matplotlib and scipy are imported in the functions that use them: each takes a second to import, and a process
+# that only reads step 3b's flag ranges (a Flower node checking its run config, once per message) uses neither.
 
 
 def group_counts(client_of: np.ndarray, group_codes: np.ndarray, n_clients: int, n_groups: int) -> np.ndarray:
@@ -39,6 +36,8 @@ def client_stats(client_of: np.ndarray, groups: np.ndarray, n_clients: int) -> p
         divergence, base 2, in [0, 1], between the client's mixture and the global one
         over all samples), then ``count_<group>`` per group.
     """
+    from scipy.spatial.distance import jensenshannon
+
     names, codes = np.unique(np.asarray(groups), return_inverse=True)
     counts = group_counts(np.asarray(client_of), codes, n_clients, names.size)
     sizes = counts.sum(axis=1)
@@ -64,6 +63,8 @@ def plot_heatmap(stats: pd.DataFrame, path: Path, title: str, row_notes: Sequenc
     """Save a clients × groups heatmap of each client's group fractions (rows sum to 1).
 
     ``row_notes``: one short text per client (e.g. its skews: noise σ, swapped pairs), shown after its id."""
+    from utils.plots import plt, save_figure  # pyplot on the Agg backend (utils.plots selects it)
+
     count_columns: Sequence[str] = [c for c in stats.columns if c.startswith("count_")]
     counts = stats[count_columns].to_numpy(dtype=float)
     fractions = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
@@ -98,6 +99,8 @@ def phase_stats(table: pd.DataFrame, phases: np.ndarray, n_clients: int) -> pd.D
         assigned sample, base-2 JS divergence, ``;``-joined; blank for an empty phase) and
         ``mean_phase_js_divergence`` (over the non-empty phases).
     """
+    from scipy.spatial.distance import jensenshannon
+
     names, codes = np.unique(table["group"].to_numpy(), return_inverse=True)
     once = ~table.duplicated(["client_id", "sample_id"]).to_numpy()  # a cycled sample counts once
     global_mixture = np.bincount(codes[once], minlength=names.size) / once.sum()
@@ -130,6 +133,8 @@ def plot_schedule(starts: np.ndarray, ends: np.ndarray, client_of: np.ndarray, p
         starts, ends: int [rows] each train row's window (inclusive; ends beyond ``last_round`` are cut).
         client_of, phase: int [rows] the client and the phase of each row.
     """
+    from utils.plots import plt, save_figure  # pyplot on the Agg backend (utils.plots selects it)
+
     n_phases = int(phase.max(initial=0)) + 1
     held = np.zeros((n_phases, n_clients, last_round + 2), dtype=np.int64)  # +1 at a start, -1 after an end, cumsum
     np.add.at(held, (phase, client_of, np.minimum(starts, last_round + 1)), 1)
