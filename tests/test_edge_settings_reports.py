@@ -65,6 +65,9 @@ BEST = [0.75, 0.75, 0.75]
     # fedprox decidedly below, scaffold's interval holds 0 (+0.25, −0.25, +0.25): one tie suffices
     ({"fedprox": DECIDEDLY_BELOW, "scaffold": [0.5, 1.0, 0.5]}, "agrees", "not decidedly below the best, local",
      "scaffold", "fedprox"),
+    # fedprox's interval holds 0 and scaffold has two seeds only: the tie decides, the untestable one does not matter
+    ({"fedprox": [0.5, 1.0, 0.5], "scaffold": [0.5, 0.5]}, "agrees", "not decidedly below the best, local",
+     "fedprox", "scaffold"),
     # fedprox decidedly below, scaffold on two seeds only: not testable, so no verdict
     ({"fedprox": DECIDEDLY_BELOW, "scaffold": [0.5, 0.5]}, "undecided", "best local 75.0%",
      "scaffold 50.0%, best − it: +25.0 pts, undecided: 2 paired seeds, 3 needed", None),
@@ -102,3 +105,9 @@ def test_round_0_fine_tunes_each_client_on_its_rows_of_round_1_at_round_1s_learn
     read_in_round_0 = sorted({row for clock_round, row in log if clock_round == 0})  # only fine-tuning reads then
     assert read_in_round_0 == sorted(row for client in range(4) for row in expected_rows(client, 1))
     assert [engine.finetune(round_index).lr for round_index in (0, 1, 2)] == [0.05, 0.05, 0.025]
+
+
+def test_the_second_of_several_recommended_methods_may_have_the_best_mean():
+    verdict = table_verdict(runs_frame({"local": BEST, "fedprox": DECIDEDLY_BELOW, "scaffold": [1.0, 1.0, 1.0]}),
+                            MODERATE)
+    assert verdict.outcome == "agrees" and verdict.detail == "scaffold has the best mean 100.0%"
