@@ -173,10 +173,11 @@ def test_the_refusal_names_the_settings_and_values_that_meet_the_worst_case():
         "2·(1 + momentum) = 3.8 (lam 0.05, eps 0.001, lr 0.3, momentum 0.9, Ω_kk 700; nearly equal heads, as those of "
         "clients not yet picked are, bring Ω_kk up to 1/eps = 1000): raise eps above 0.00395, or lower lam below 0.0126 "
         "or lr below 0.076 (then lr·(lam/eps + weight_decay) < 2·(1 + momentum))")
-    # λ 3, lr 1, plain SGD: λ/eps < 2 needs eps > 1.5, which no eps in (0, 1) is: no eps advice; λ < 2·0.001.
+    # λ 1.5, lr 1, plain SGD, weight decay 0.5: λ/eps < 2 − 0.5 needs eps > 1, which no eps in (0, 1) is: no eps
+    # advice; λ < 1.5·0.001, lr < 2/(1500 + 0.5) = 0.0013329.
     with pytest.raises(MochaDivergence, match=r"weight_decay 0\.5, Ω_kk 1; .*\): lower lam below 0\.0015 or lr "
-                                              r"below 0\.000666 \(then"):
-        check_local_step(mocha_settings(3.0), 1.0, step_config(1.0, weight_decay=0.5))  # room 2 − 0.5 = 1.5
+                                              r"below 0\.00133 \(then"):
+        check_local_step(mocha_settings(1.5), 1.0, step_config(1.0, weight_decay=0.5))
     # Weight decay 3 at lr 1 leaves no room for any λ: lr·3 ≥ 2; lr < 2/(0.01/0.5 + 3) = 0.66225.
     with pytest.raises(MochaDivergence, match=r": lower lr below 0\.662 or weight_decay \(weight decay alone"):
         check_local_step(mocha_settings(0.01, eps=0.5), 1.0, step_config(1.0, weight_decay=3.0))
