@@ -19,6 +19,7 @@ import pandas as pd
 
 from partitioning.temporal import FROM_ROUND, SCHEDULE_COLUMNS, overlapping, parse_windows
 from utils.hashing import file_sha256
+from utils.cli import floats
 from utils.errors import TaskHetError
 from utils.loaders import int_column, load_json, read_csv
 from utils.run_dir import atomic_write_text
@@ -29,6 +30,10 @@ SUBSETS = ("train", "test")
 # assignments.csv: 0..MAX_CLIENTS-1). Benchmarks use 1,000; per-client tables and loops stay small at 10,000, and an
 # id beyond it is a typo or an overflow, never a federation.
 MAX_CLIENTS = 10_000
+# Dirichlet α (--alpha of steps 3b and 4, a sidecar's alpha): 10^6 is iid for any data set here. It names folders
+# (a{α}), so a sidecar's must be a number too.
+MAX_ALPHA = 1e6
+ALPHAS = floats(0.0, MAX_ALPHA, low_open=True)
 # The largest cluster id a clusters file may name (groups only label samples: no table is as large as the ids).
 MAX_CLUSTER_ID = 2**31
 # An error message lists at most this many rows per kind of problem (and the total count).
@@ -106,6 +111,12 @@ def read_meta(csv_path: Path) -> dict[str, Any]:
                                   or not 1 <= n_clients <= MAX_CLIENTS):
         raise TaskHetError(f"assignments sidecar {path}: n_clients must be an integer in [1, {MAX_CLIENTS}], "
                            f"got {n_clients!r}")
+    alpha = meta.get("alpha")
+    if alpha is not None:  # step 4 names its default run folder after it
+        try:
+            ALPHAS.check(alpha)
+        except ValueError as error:
+            raise TaskHetError(f"assignments sidecar {path}: alpha {error} (or null)") from None
     return meta
 
 

@@ -20,7 +20,8 @@ import pandas as pd
 
 from datasets.family import load_manifest, validation_mask
 from partitioning.allocation import SIZE_SKEW_HELP, parse_size_skew
-from partitioning.assignments import MAX_CLIENTS, assignments_table, resolve_groups, source_record, write_assignments
+from partitioning.assignments import (ALPHAS, MAX_CLIENTS, assignments_table, resolve_groups, source_record,
+                                     write_assignments)
 from partitioning.client_tests import (CLIENT_TESTS, DEFAULT_TEST_FRACTION, HELD_OUT, TEST_SPLIT, client_test_mask,
                                        deal_test_split)
 from partitioning.partition import get_partitioner, list_schemes, scheme_parameters
@@ -38,9 +39,6 @@ from utils.run_dir import claim_folder, setup_logging, unfinished, write_config
 from utils.seeding import numpy_rng
 
 STEP = "step 3b"
-# Dirichlet α: 10^6 is iid for any data set here (and still prints as a folder name, a1e+06).
-MAX_ALPHA = 1e6
-ALPHAS = cli.floats(0.0, MAX_ALPHA, low_open=True)
 CLIENTS = cli.ints(1, MAX_CLIENTS)
 # Groups per client (shards): a client × group slot table is drawn, so both factors are bounded.
 MAX_GROUPS_PER_CLIENT = 1_000

@@ -487,3 +487,14 @@ def test_a_deployment_run_config_edited_out_of_range_is_refused_by_the_flower_ap
                       run_config={protocol.RUN_CONFIG: json.dumps(record)})
     with pytest.raises(TaskHetError, match=f"^{expected}"):
         app.run_config(context)
+
+
+@pytest.mark.parametrize("alpha", ["../../x", 1e300, -1, 0, True, "0.5"])
+def test_a_sidecar_alpha_out_of_range_is_refused_since_it_names_step4s_folder(tmp_path, alpha):
+    from partitioning.assignments import read_meta
+
+    (tmp_path / "assignments.json").write_text(json.dumps({"alpha": alpha, "n_clients": 3}))
+    with pytest.raises(TaskHetError, match=r"assignments.json: alpha must be a number in \(0, 1e\+06\], got .* \(or null\)$"):
+        read_meta(tmp_path / "assignments.csv")
+    (tmp_path / "assignments.json").write_text(json.dumps({"alpha": 0.5, "n_clients": 3}))
+    assert read_meta(tmp_path / "assignments.csv")["alpha"] == 0.5

@@ -211,11 +211,11 @@ def test_grid_and_epochs_to_within_by_hand():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (("--lrs", "0.1,abc"), "argument --lrs: must be a number, got 'abc'"),
+    (("--lrs", "0.1,abc"), "argument --lrs: must be a number in (0, 1e+06], got 'abc'"),
     (("--schedulers", "cosine,cosinus"), "unknown scheduler 'cosinus'"),
     (("--init_lr", "0.1"), "unrecognized arguments: --init_lr 0.1"),
     (("--task", "normal"), "--task normal: the search ranks by validation accuracy"),
-    (("--seeds", "0,x"), "argument --seeds: must be an integer, got 'x'"),
+    (("--seeds", "0,x"), "argument --seeds: must be an integer in [0, 2^63-1], got 'x'"),
     (("--seeds", "0,1,0"), "--seeds repeats a value: 0, 1, 0"),
     (("--seeds", "0,1", "--seed", "3"), "--seed and --seeds both given"),
 ])

@@ -27,7 +27,7 @@ MAX_IMAGE_SIZE = 2048  # image side in pixels (Taskonomy's full resolution is 51
 MAX_BATCH_SIZE = 16_384
 MAX_EPOCHS = 10_000
 MAX_SAMPLES = 10**8  # sample counts (--n_samples, --minibatch_threshold, ...): beyond any data set here
-MAX_LEARNING_RATE = 1e6
+MAX_LEARNING_RATE = 1e6  # far above any working rate; one that diverges is stopped by the loss check, by name
 MAX_DECODER_WIDTH = 4096  # channels of a dense decoder
 MAX_CLUSTERS = 10_000  # KMeans clusters (step 3's --n_clusters): the groups of an embedding-based partition
 
