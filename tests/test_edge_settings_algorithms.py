@@ -9,14 +9,16 @@ import math
 import pytest
 import torch
 
-from network.algorithms import build_algorithm
+from network.algorithms import build_algorithm, sparse_finetune
 from network.algorithms.base import ServerState, Upload
 from network.algorithms.cfl import CLUSTER, MEMBERSHIP, ROUNDS
 from network.algorithms.fedloge import SSE_WEIGHT, sse_c_weight
 from network.algorithms.skeleton import DELTA
-from tests.oracles import DIM, linear_model
+from sparse.calibration import calibrate_mask, fisher_score_fn, mask_density
+from tests.oracles import CPU, DIM, linear_model
 from tests.test_fedamp import server_with as fedamp_server
 from tests.test_fedloge import LinearNet, initial
+from tests.tiny_models import TinyClassifier
 
 # ----- CFL: start_round, min_size and the strict ε thresholds -----
 CFL_CLIENTS = ("a", "b", "c", "d")
@@ -80,3 +82,53 @@ def test_fedloge_refines_sse_c_with_its_etf_lr():
     nonzero = start != 0
     assert int((~nonzero).sum()) == 6 and torch.equal(refined[~nonzero], torch.zeros(6, dtype=torch.float64))
     assert torch.allclose((refined - start)[nonzero].abs(), torch.full((18,), 0.05, dtype=torch.float64), atol=1e-6)
+
+
+# ----- sparse_ft: every calibration setting reaches the calibration -----
+def calibration_batches(count: int) -> list[dict]:
+    generator = torch.Generator().manual_seed(11)
+    return [{"x": torch.randn(4, 4, generator=generator), "label": torch.tensor([0, 1, 2, 0])} for _ in range(count)]
+
+
+def calibrate_recording(monkeypatch, **settings) -> dict:
+    """Calibrate a TinyClassifier's mask with ``settings``; returns what reached the score and the mask functions."""
+    seen = {}
+
+    def score_fn(model, batches, output_fn=None, **kwargs):
+        seen["batches"], seen["score"] = batches(0), kwargs
+        return fisher_score_fn(model, batches, output_fn, **kwargs)
+
+    def mask_fn(model, score, **kwargs):
+        seen["mask"] = kwargs
+        return calibrate_mask(model, score, **kwargs)
+
+    monkeypatch.setattr(sparse_finetune, "fisher_score_fn", score_fn)
+    monkeypatch.setattr(sparse_finetune, "calibrate_mask", mask_fn)
+    torch.manual_seed(0)
+    algorithm, worker = build_algorithm("sparse_ft", TinyClassifier(), {"0": 12}, settings)
+    seen["masks"] = algorithm.calibrate(worker, calibration_batches(3), torch.Generator().manual_seed(0), CPU)
+    return seen
+
+
+def test_sparse_ft_calibrates_on_its_first_calibration_batches_with_its_rounds_density_and_score(monkeypatch):
+    seen = calibrate_recording(monkeypatch, calibration_batches=2, calibration_rounds=3, density=0.3, score="logit")
+    first_two = calibration_batches(2)
+    assert len(seen["batches"]) == 2 and all(torch.equal(got["x"], want["x"])
+                                             for got, want in zip(seen["batches"], first_two))
+    assert seen["score"]["variant"] == "logit" and seen["score"]["likelihood"] == "categorical"  # auto: 3 logits
+    assert (seen["mask"]["density"], seen["mask"]["rounds"], seen["mask"]["rule"]) == (0.3, 3, "least_sensitive")
+    assert mask_density(seen["masks"]) == round(0.3 * 112) / 112  # TinyNet's body: 112 maskable entries
+
+
+def test_sparse_ft_takes_a_likelihood_other_than_autos_choice(monkeypatch):
+    seen = calibrate_recording(monkeypatch, likelihood="gaussian", calibration_rounds=1)
+    assert seen["score"]["likelihood"] == "gaussian" and seen["score"]["variant"] == "log_prob"
+    assert len(seen["batches"]) == 3  # the default 4 batches, of the 3 there are
+
+
+@pytest.mark.parametrize("density, kept", [(0.5, 2), (0.7, 4), (0.3, 2), (0.9, 4)])
+def test_a_mask_keeps_density_times_entries_rounded_half_to_even(density, kept):
+    """round(d·n) as Python rounds: 2.5 -> 2 and 3.5 -> 4 (half to even); 1.5 -> 2, 4.5 -> 4."""
+    model = torch.nn.Linear(5, 1, bias=False)
+    masks = calibrate_mask(model, None, density=density, rounds=1, rule="random")
+    assert int(masks["weight"].sum()) == kept
