@@ -1,9 +1,9 @@
 """The main job: steps 1–4 for every combination of one experiment file, then the gap report.
 
 Input: a YAML experiment file (experiments/demo.yaml, experiments/paper.yaml; keys
-and defaults in pipeline/experiment.py), or a study file with a ``study:`` key
-(experiments/digits_fedavg.yaml, experiments/digits_heterogeneity.yaml; keys in
-pipeline/study_validation.py): centralized → federated grid → study report. Output:
+and defaults in pipeline/studies/main_job/config.py), or a study file with a ``study:``
+key naming its kind (experiments/digits_fedavg.yaml, experiments/digits_heterogeneity.yaml;
+kinds in pipeline/studies/): centralized → federated grid → the kind's report. Output:
 results/<name>/ with every step's folder, report.md, report.csv and plots.
 Rerunning skips finished steps and resumes an interrupted federated run from its
 checkpoint.
@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.experiment import load_experiment
+from pipeline.argv import command_line
+from pipeline.experiment import load_experiment, run_experiment
+from pipeline.studies import get_study
 from utils import cli
 from utils.cli import run_main
 from utils.locks import folder_lock
@@ -35,22 +37,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     cli.refuse_several_processes("run_pipeline.py")
     config = load_experiment(args.experiment)
-    # Imported after validation so a bad experiment file fails before the heavy imports.
-    from pipeline.runner import Pipeline, command_line
-
     show_progress = cli.apply_runtime_flags(args).progress
     out_dir = args.results / config["name"]
     with folder_lock(out_dir, f"experiment {config['name']!r} in --results"):  # a second run of it is refused
-        if "study" in config:  # a study file (pipeline/study.py): centralized → federated grid → study report
-            from pipeline.study import Study
-
-            table = Study(config, out_dir, command_line([str(args.experiment)]), jobs=args.jobs, threads=args.threads,
-                          show_progress=show_progress).run()
-            print(f"report: {out_dir / 'report.md'} ({len(table)} rows in report.csv)")
-            return
-        table = Pipeline(config, out_dir, command_line([str(args.experiment)]), jobs=args.jobs, threads=args.threads,
-                         show_progress=show_progress).run()
-    print(f"report: {out_dir / 'report.md'} ({len(table)} task × algorithm × α rows)")
+        table = run_experiment(config, out_dir, command_line([str(args.experiment)]), jobs=args.jobs,
+                               threads=args.threads, show_progress=show_progress)
+    print(f"report: {out_dir / 'report.md'} ({len(table)} {get_study(config['study']).report_unit} in report.csv)")
 
 
 if __name__ == "__main__":

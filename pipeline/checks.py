@@ -3,16 +3,16 @@
 The README promises that an experiment file is checked before step 0. The steps check their own
 flags (they also run by hand), but in a pipeline run step 2 starts only after step 1, and step 4
 after steps 1–3c: a mistake they find then has already cost that work and left step folders behind.
-So every check a step makes from its arguments alone is made here first, on the YAML keys
-(issue 19 item 12, issue 24):
+So every check a step makes from its arguments alone is made here first, on the YAML keys, by the study
+kind's ``load`` (pipeline/studies/), before step 0 and without reading any file but the experiment file:
 
-* :func:`check_config` (from ``load_experiment`` / ``load_study``, no file is read): the encoder's
-  weight name (step 2), ``centralized.warmup_epochs`` below ``n_epochs`` (step 2), frozen-encoder
-  feature caching (step 2), the digits subsample size (step 1), each partition's scheme parameters,
-  the family's natural owners and a study's groups per client against the labels the data source
-  can have (step 3b), each algorithm against the number of clients (IFCA:
-  k ≤ clients, step 4), sparse_ft's server masks against the calibration split (step 4, round 0),
-  and partition labels that two α values would share in folder names and the report.
+* :func:`check_model_and_data`: the encoder's weight name (step 2), ``centralized.warmup_epochs`` below
+  ``n_epochs`` (step 2), frozen-encoder feature caching (step 2), the digits subsample size (step 1).
+* :func:`check_partitions`: each partition's scheme parameters, the family's natural owners and groups per
+  client against the labels the data source can have (step 3b).
+* :func:`check_algorithm_settings` and :func:`check_algorithms`: each algorithm's settings, and each
+  algorithm against the number of clients (IFCA: k ≤ clients) and sparse_ft's server masks against the
+  calibration split (step 4).
 * :func:`check_input_files` (from the runner, before step 0): every file the experiment names but no
   step makes — Taskonomy's data root and split CSV, CIFAR's batch files, a ``model.weights`` path.
 
@@ -23,31 +23,48 @@ clusters than samples. They can only be known once step 1 has written the manife
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.sections import DATA_SOURCES, most_label_groups, split_csv_path
 from utils.errors import TaskHetError
 
-IID_REFERENCE_SCHEME = "iid"
+
+@dataclass(frozen=True)
+class Entry:
+    """One partition or algorithm configuration a step will be asked for, and where the file sets it.
+
+    Attributes:
+        key: the YAML key of the entry (``partition``, ``grid[0].partitions[2]``, ``federated.algorithms.fedprox``).
+        name: its scheme or algorithm.
+        params: its parameters, as the step takes them.
+        origins: parameter -> the YAML key that sets it, so that a step's ``--flag`` in a message names the key
+            (a parameter not listed is ``<key>.<parameter>``).
+    """
+
+    key: str
+    name: str
+    params: dict[str, Any]
+    origins: dict[str, str] = field(default_factory=dict)
+
+    def readdress(self, message: str) -> str:
+        """``message`` with every ``--parameter`` of this entry replaced by the YAML key that sets it."""
+        for parameter in sorted(self.params, key=len, reverse=True):  # --size_skew before --size
+            message = message.replace(f"--{parameter}", self.origins.get(parameter, f"{self.key}.{parameter}"))
+        return message
 
 
-def check_config(config: dict[str, Any], source: Path) -> None:
-    """Every check of a merged, type-checked experiment or study file that needs no file (see the module doc)."""
-    study = "study" in config
-    n_clients = config["federated"]["n_clients"] if study else config["partition"]["n_clients"]
+def check_model_and_data(config: dict[str, Any], source: Path) -> None:
+    """What steps 1 and 2 would refuse from the shared sections: the encoder's weight name, the warmup against the
+    epochs, feature caching without a frozen encoder, digits' subsample size."""
     _check_weights_name(config, source)
     _check_centralized(config, source)
     _check_digits_size(config, source)
-    _check_partitions(config, source, n_clients, study)
-    _check_algorithms(config, source, n_clients, study)
-    if not study:
-        _check_alpha_labels(config, source)
 
 
 def check_input_files(config: dict[str, Any]) -> None:
     """Every input file the experiment names but no step makes exists; errors name the key."""
-    from pipeline.experiment import split_csv_path
-
     data = config["data"]
     if data["source"] == "taskonomy":
         if not Path(data["root"]).is_dir():
@@ -110,34 +127,22 @@ def _check_digits_size(config: dict[str, Any], source: Path) -> None:
                            f"digits), got {data['n_samples']}")
 
 
-def _partitions(config: dict[str, Any], study: bool) -> list[tuple[str, str, dict[str, Any]]]:
-    """(YAML key, scheme, parameters) of every partition step 3b will be asked for."""
-    if study:
-        return [(f"grid[{index}].partitions", partition.scheme, dict(partition.params))
-                for index, block in enumerate(config["grid"]) for partition in block["partitions"]]
-    partition = config["partition"]
-    found = [("partition", partition["scheme"], {"alpha": alpha, "size_skew": partition["size_skew"]})
-             for alpha in partition["alphas"]]
-    if partition["iid_reference"]:
-        found.append(("partition.iid_reference", IID_REFERENCE_SCHEME, {"size_skew": partition["size_skew"]}))
-    return found
-
-
-def _check_partitions(config: dict[str, Any], source: Path, n_clients: int, study: bool) -> None:
-    """Each scheme with its parameters as step 3b builds it (parameters it does not take are left out, as step 3b
-    leaves them), and the natural scheme only for a family with natural owners."""
+def check_partitions(config: dict[str, Any], source: Path, entries: list[Entry], n_clients: int) -> None:
+    """Each partition :class:`Entry` as step 3b builds it (parameters the scheme does not take are left out, as
+    step 3b leaves them); the natural scheme only for a family with natural owners; groups per client no more
+    than the labels the source can have. Errors name the YAML key."""
     from datasets.family import get_family
-    from pipeline.experiment import DATA_SOURCES
     from partitioning.partition import get_partitioner, scheme_parameters
 
     family = get_family(DATA_SOURCES[config["data"]["source"]])
-    for key, scheme, params in _partitions(config, study):
+    most = most_label_groups(config)
+    for entry in entries:
+        key, scheme, params = entry.key, entry.name, entry.params
         if scheme == "natural" and family.source_column is None:
             raise TaskHetError(f"{source}: {key}: scheme natural needs each sample's natural owner, which data family "
                                f"{family.name} (data.source {config['data']['source']}) does not have")
-        most = most_label_groups(config)
         per_client = params.get("groups_per_client")
-        if study and per_client is not None and most is not None and per_client > most:
+        if per_client is not None and most is not None and per_client > most:
             raise TaskHetError(f"{source}: {key}: {scheme} groups_per_client {per_client} exceeds the {most} labels "
                                f"data.source {config['data']['source']} can have (step 3b refuses it)")
         accepted = scheme_parameters(scheme)
@@ -145,42 +150,35 @@ def _check_partitions(config: dict[str, Any], source: Path, n_clients: int, stud
         try:
             get_partitioner(scheme, n_clients, **given).check_parameters()
         except TaskHetError as error:
-            raise TaskHetError(f"{source}: {key}: {error}") from None
+            raise TaskHetError(f"{source}: {key}: {entry.readdress(str(error))}") from None
 
 
-def most_label_groups(config: dict[str, Any]) -> int | None:
-    """The most distinct labels the manifest of this data source can have (a study partitions by label): digits'
-    and CIFAR's class counts, Taskonomy's top_k_classes."""
-    source = config["data"]["source"]
-    if source == "digits":
-        from datasets.digits import NUM_CLASSES
+def check_algorithm_settings(algorithms: dict[str, Any], source: Path, prefix: str) -> None:
+    """Each algorithm's settings against its own ``Settings`` (types, ranges, no foreign keys); ``prefix``: the
+    YAML key of the mapping (``federated.algorithms``)."""
+    from network.algorithms.base import get_settings_class
+    from network.settings import build_settings
 
-        return NUM_CLASSES
-    if source in ("cifar10", "cifar100"):
-        from datasets.cifar import DATASET_CLASSES
-
-        return DATASET_CLASSES[source].num_classes
-    return config["data"]["top_k_classes"]
-
-
-def _variants(config: dict[str, Any], study: bool) -> list[tuple[str, str, dict[str, Any]]]:
-    """(YAML key, algorithm, settings) of every algorithm configuration step 4 will run."""
-    if study:
-        return [(f"grid[{index}].algorithms.{variant.algorithm}", variant.algorithm, dict(variant.settings))
-                for index, block in enumerate(config["grid"]) for variant in block["variants"]]
-    return [(f"federated.algorithms.{name}", name, settings or {})
-            for name, settings in config["federated"]["algorithms"].items()]
+    for name, settings in algorithms.items():
+        if settings is not None and not isinstance(settings, dict):
+            raise TaskHetError(f"{source}: {prefix}.{name} must be a mapping of its settings")
+        try:
+            build_settings(get_settings_class(name), settings or {}, name)
+        except TaskHetError as error:
+            raise TaskHetError(f"{source}: {prefix}.{name}: {error}") from None
 
 
-def _check_algorithms(config: dict[str, Any], source: Path, n_clients: int, study: bool) -> None:
-    """What step 4 refuses from the settings and the run: more IFCA clusters than clients, and sparse_ft server
-    masks without the held-out calibration split they are calibrated on."""
+def check_algorithms(config: dict[str, Any], source: Path, entries: list[Entry], n_clients: int, clients_key: str,
+                     calibration_hint: str) -> None:
+    """What step 4 refuses from each algorithm :class:`Entry` (its settings) and the run: more IFCA clusters than
+    clients, and sparse_ft server masks without the held-out calibration split they are calibrated on
+    (``calibration_hint`` says where the kind sets one)."""
     from network.algorithms.base import ALGORITHMS
     from network.settings import build_settings
 
     calibration = config["federated"].get("calibration_fraction", 0.0)
-    clients_key = "federated.n_clients" if study else "partition.n_clients"
-    for key, name, values in _variants(config, study):
+    for entry in entries:
+        key, name, values = entry.key, entry.name, entry.params
         algorithm = ALGORITHMS.get(name)
         settings = build_settings(algorithm.Settings, values, name)
         try:
@@ -188,17 +186,4 @@ def _check_algorithms(config: dict[str, Any], source: Path, n_clients: int, stud
         except TaskHetError as error:
             raise TaskHetError(f"{source}: {key}: {error} ({clients_key})") from None
         if getattr(settings, "mask_source", None) == "server" and not calibration:
-            where = ("set federated.calibration_fraction (train rows held out for the server)" if study else
-                     "an experiment file has no calibration split: use a study file with federated.calibration_fraction")
-            raise TaskHetError(f"{source}: {key}: mask_source server calibrates on held-out train rows; {where}")
-
-
-def _check_alpha_labels(config: dict[str, Any], source: Path) -> None:
-    """Two α that print alike (``a{α:g}``) would share folder names and report rows: refuse them."""
-    seen: dict[str, float] = {}
-    for alpha in config["partition"]["alphas"]:
-        label = f"{float(alpha):g}"
-        if label in seen:
-            raise TaskHetError(f"{source}: partition.alphas {seen[label]!r} and {alpha!r} both print as α={label} (folder "
-                               f"a{label}, the report's rows); give values that differ in 6 significant digits")
-        seen[label] = alpha
+            raise TaskHetError(f"{source}: {key}: mask_source server calibrates on held-out train rows; {calibration_hint}")

@@ -1,6 +1,6 @@
 """The worker pool of run_pipeline.py (``--jobs N``): step-3c readings and step-4 runs in spawned processes.
 
-Each stage is a module's ``main(argv)`` run through ``pipeline.stages.run_stage`` (skip if done, resume
+Each stage is a module's ``main(argv)`` run through ``utils.stages.run_stage`` (skip if done, resume
 otherwise), so a worker runs exactly what the user's numbered script runs. Workers die with the pipeline
 (utils/parent_death.py), and the first failure cancels the stages not yet started.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from pipeline.stages import run_stage
+from utils.stages import run_stage
 from steps import federated as step4
 from steps import meter as step3c
 from utils.parent_death import die_with_parent

@@ -1,17 +1,18 @@
 """The type of every experiment-file key: checked before step 0, errors name the YAML key.
 
-:data:`TYPES` maps each dotted key of ``pipeline.experiment.SCHEMA`` to a check (a type, a
-range, a list of items, or None allowed); a test keeps the two in step. A check returns the
-value to use (a float given as the string ``"1e-3"``, as YAML 1.1 reads it, becomes 1e-3) or
-raises a :class:`TaskHetError` naming the file and the key. Names the registries know (tasks,
-encoders, algorithms, schemes) are checked afterwards by ``pipeline.experiment.validate_names``.
+:data:`SHARED_TYPES` maps each dotted key of the shared sections (pipeline/sections.py) to a check (a
+type, a range, a list of items, or None allowed); each study kind (pipeline/studies/) adds its own keys'
+checks, and a test keeps every kind's schema and types in step. A check returns the value to use (a float
+given as the string ``"1e-3"``, as YAML 1.1 reads it, becomes 1e-3) or raises a :class:`TaskHetError`
+naming the file and the key. Names the registries know (tasks, encoders, algorithms, schemes) are checked
+afterwards by the kind's validation.
 
-Why this is not pydantic v2 (issue 24; measured on 2026-11-24, pydantic 2.14.4): a trial moved the
+Why this is not pydantic v2 (measured on 2026-11-24, pydantic 2.14.4): a trial moved the
 experiment schema to pydantic models (``extra="forbid"``, strict typed fields with their defaults, a
 BeforeValidator for YAML 1.1's ``1e-3`` strings, the first ``ValidationError`` turned into one line
 naming the file and the dotted key, and today's ``unknown key 'federated.n_round'; allowed here: ...``
 kept through a lookup of the model's fields). It took 174 lines for what is now this file's 228 plus
-``experiment.SCHEMA`` (63) and ``experiment._merge`` (13): shorter. But of 12 bad inputs tried, 5
+the experiment schema (63 lines) and its merge (13): shorter. But of 12 bad inputs tried, 5
 messages were as clear as today's (the unknown key, ``n_rounds: 0``, ``true`` for an integer, a
 negative alpha, an unknown optimizer), 4 differed by pydantic's ``Value error, `` prefix (strippable),
 and 3 were less clear: a range names only the bound that failed (``data.test_fraction: Input should be
@@ -19,8 +20,8 @@ less than 1`` against ``must be a finite number > 0 and < 1``; ``'abc'`` for ``i
 ``> 0``), an empty ``federated.algorithms`` loses its example (``Dictionary should have at least 1 item
 after validation, not 0``) and a scalar section names pydantic's class (``Input should be a valid
 dictionary or instance of Data``). Keeping today's wording needs a layer that rebuilds it from
-pydantic's error types and the fields' constraints, and ``pipeline/study.py`` builds the study schema
-from ``SCHEMA``, ``_merge`` and the checks below, so it would have to move as well. That was not done:
+pydantic's error types and the fields' constraints, and the study kinds build their schemas
+from the shared sections, their merge and the checks below, so it would have to move as well. That was not done:
 the checks stay hand-written, and a move to pydantic should bring that wording layer with it.
 """
 
@@ -31,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from partitioning.client_tests import CLIENT_TESTS
 from utils.errors import TaskHetError
 from utils.loaders import PLAIN_NAME
 
@@ -169,7 +169,8 @@ class Mapping:
 
 POSITIVE, FRACTION = Float(0, low_open=True), Float(0, 1, low_open=True, high_open=True)
 
-TYPES: dict[str, Check] = {
+# The types of the sections every kind shares (pipeline/sections.py); each kind adds its own keys' types.
+SHARED_TYPES: dict[str, Check] = {
     "name": Str(plain=True),
     "data.source": Str(),
     "data.root": Str(),
@@ -186,7 +187,6 @@ TYPES: dict[str, Check] = {
     "data.imbalance_factor": Optional(Float(0, 1, low_open=True)),
     "data.val_fraction": Optional(Float(0, 1, high_open=True)),
     "data.verify_checksums": Optional(Bool()),
-    "tasks": ListOf(Str()),
     "model.encoder": Str(),
     "model.weights": Str(),
     "model.image_size": Int(1),
@@ -206,42 +206,14 @@ TYPES: dict[str, Check] = {
     "centralized.lr_decay_rate": POSITIVE,
     "centralized.weight_decay": Float(0),
     "centralized.early_stopping_patience": Int(0),
-    "embeddings.n_clusters": Int(1),
-    "embeddings.pca_dim": Optional(Int(1)),
-    "partition.groupings": ListOf(Str()),
-    "partition.scheme": Str(),
-    "partition.alphas": ListOf(POSITIVE),
-    "partition.n_clients": Int(1),
-    "partition.client_test_fraction": Float(0, 1, high_open=True),
-    "partition.client_tests": Str(CLIENT_TESTS),
-    "partition.size_skew": Optional(Str()),
-    "partition.temporal": Optional(Str()),
-    "partition.skews": Mapping("map step 3b's skew flags to values", "{feature_noise: 0.2, label_swap: 1}", allow_empty=True),
-    "partition.iid_reference": Bool(),
-    "federated.algorithms": Mapping(),
-    "federated.n_rounds": Int(1),
-    "federated.local_steps": Int(1),
-    "federated.batch_size": Int(1),
-    "federated.init_lr": POSITIVE,
-    "federated.task_init_lr": Mapping("map task names to their learning rates", "{class_scene: 0.05}", allow_empty=True),
-    "federated.per_task": Mapping("map task names to the federated keys their runs change",
-                                  "{class_scene: {batch_size: 64, lr_schedule: cosine}}", allow_empty=True),
-    "federated.momentum": Float(0, 1, high_open=True),
-    "federated.weight_decay": Float(0),
-    "federated.lr_schedule": Str(),
-    "federated.client_fraction": Float(0, 1, low_open=True),
-    "federated.eval_every": Int(1),
-    "federated.checkpoint_every": Int(1),
-    "federated.init_from": Str(("scratch", "centralized")),
     "seeds": ListOf(Int(0)),
     "use_accelerator": Bool(),
-    "heterogeneity_meter": Bool(),
 }
 
 
-def check_types(config: dict[str, Any], source: Path, types: dict[str, Check] | None = None) -> None:
-    """Check every key of a merged config against ``types`` (default :data:`TYPES`), in place (values may be normalised)."""
-    for dotted, check in (TYPES if types is None else types).items():
+def check_types(config: dict[str, Any], source: Path, types: dict[str, Check]) -> None:
+    """Check every key of a merged config against ``types`` (dotted key -> check), in place (values may be normalised)."""
+    for dotted, check in types.items():
         *sections, leaf = dotted.split(".")
         parent = config
         for section in sections:

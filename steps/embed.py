@@ -22,7 +22,7 @@ import pandas as pd
 from datasets.family import DataFamily, load_manifest
 from models import load_task_model
 from partitioning.clustering import MINIBATCH_THRESHOLD, cluster_embeddings, embed_samples, write_diagnostics
-from pipeline.stages import stage_key
+from utils.stages import stage_key
 from training.loop import make_loader
 from utils import cli
 from utils.device import pick_device, prepare_model

@@ -397,7 +397,7 @@ def test_evaluation_fine_tuning_starts_from_the_clients_own_model(tmp_path, monk
 
 @pytest.mark.parametrize("name", list_algorithms())
 def test_an_algorithm_whose_global_head_never_trains_reports_its_personal_models(tmp_path, name):
-    """result_is_personal (the reports read the clients' own models, pipeline/report.py) exactly when the
+    """result_is_personal (the reports read the clients' own models, pipeline/studies/main_job/report.py) exactly when the
     algorithm has personal models and keeps the whole head private, so the server's head stays at its init."""
     engine = make_engine(tmp_path, name, rounds=2, client_fraction=1.0)
     head = set(engine.model.head_keys())

@@ -8,7 +8,7 @@ import os
 import pandas as pd
 import pytest
 
-from pipeline.stages import MARKER, is_done, run_stage
+from utils.stages import MARKER, is_done, run_stage
 from utils import run_dir
 from utils.run_dir import TEMP_PREFIX, TEMP_SUFFIX, MetricsCSV, atomic_write_text
 

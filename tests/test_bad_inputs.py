@@ -516,8 +516,8 @@ def test_a_symlink_inside_the_data_root_is_followed(chain, tmp_path):
 
 
 def test_every_experiment_key_has_a_type():
-    from pipeline.experiment import FREE_FORM, SCHEMA
-    from pipeline.schema import TYPES
+    from pipeline.studies.main_job.config import FREE_FORM, SCHEMA
+    from pipeline.studies.main_job.config import TYPES
 
     def leaves(section: dict, prefix: str = "") -> set[str]:
         keys = set()

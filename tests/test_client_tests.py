@@ -15,7 +15,8 @@ from partitioning.allocation import UNUSED
 from partitioning.assignments import load_assignments
 from partitioning.client_tests import deal_test_split
 from pipeline.experiment import load_experiment
-from pipeline.runner import Pipeline
+from pipeline.argv import flags
+from pipeline.studies.main_job.config import assignment_params
 from steps import assign
 from tests.test_assignments import manifest
 from utils.errors import TaskHetError
@@ -117,11 +118,6 @@ def test_the_pipeline_passes_test_split_and_no_fraction(tmp_path):
     bad.write_text("name: bad\ndata: {source: synthetic}\ntasks: [normal]\npartition: {client_tests: both}\n")
     with pytest.raises(TaskHetError, match="partition.client_tests"):
         load_experiment(bad)
-    calls = []
-    runner = Pipeline.__new__(Pipeline)
-    runner.config, runner.out_dir = experiment, tmp_path / "results"
-    runner.step = lambda name, stage_dir, params, step, argv: calls.append(argv)
-    manifest().to_csv(tmp_path / "manifest.csv", index=False)
-    runner.assignments("labels", "label_based", "scene_class", 0.5, 0, tmp_path / "manifest.csv")
-    assert "--client_tests" in calls[0] and calls[0][calls[0].index("--client_tests") + 1] == "test_split"
-    assert "--client_test_fraction" not in calls[0]
+    argv = flags(assignment_params(experiment, "label_based", 0.5, 0, tmp_path / "manifest.csv", None))
+    assert "--client_tests" in argv and argv[argv.index("--client_tests") + 1] == "test_split"
+    assert "--client_test_fraction" not in argv

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 import run_pipeline
-from pipeline.experiment import MAX_RUNS, load_experiment
-from pipeline.study_grid import study_runs
+from pipeline.experiment import load_experiment
+from pipeline.sections import MAX_RUNS
+from pipeline.studies.grid.runs import study_runs
 from tests.test_study import tiny_study, write
 from utils.errors import TaskHetError
 
@@ -130,7 +131,7 @@ LATE_CHECKS = {
 EXPERIMENT_ONLY = {
     # step 3b: the scheme's own parameters and the family's natural owners
     "size skew": (lambda c: c["partition"].update(scheme="nc_shards", size_skew="lognormal:1"),
-                  r"partition: nc_shards: client sizes are equal by construction; --size_skew cannot be combined"),
+                  r"partition: nc_shards: client sizes are equal by construction; partition.size_skew cannot be combined"),
     "natural on digits": (lambda c: c["partition"].update(scheme="natural"),
                           r"partition: scheme natural needs each sample's natural owner, which data family digits"),
     # step 4: the algorithm against the clients and the calibration split
@@ -146,10 +147,10 @@ EXPERIMENT_ONLY = {
 }
 STUDY_ONLY = {
     "groups per client": (lambda c: c["grid"][1]["partitions"][1].update(groups_per_client=11),
-                          r"grid\[1\].partitions: nc_shards groups_per_client 11 exceeds the 10 labels data.source "
+                          r"grid\[1\].partitions\[1\]: nc_shards groups_per_client 11 exceeds the 10 labels data.source "
                           r"digits can have"),
     "natural on digits": (lambda c: c["grid"][0].update(partitions=[{"scheme": "natural"}]),
-                          r"grid\[0\].partitions: scheme natural needs each sample's natural owner"),
+                          r"grid\[0\].partitions\[0\]: scheme natural needs each sample's natural owner"),
     "ifca clusters": (lambda c: c["grid"][0].update(algorithms={"ifca": {"n_cluster_models": [2, 11]}}),
                       r"grid\[0\].algorithms.ifca: ifca setting n_cluster_models must be <= the number of clients "
                       r"\(10\), got 11 \(federated.n_clients\)"),

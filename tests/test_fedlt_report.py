@@ -9,9 +9,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pipeline.fedlt_report import claim_lines, local_split, report_table, run_rows, write_report
-from pipeline.study_grid import Partition, StudyRun, Variant
-from pipeline.study_validation import load_study
+from pipeline.studies.fed_lt import claim_lines, local_split, report_table, run_rows, write_report
+from pipeline.studies.grid.runs import Partition, StudyRun, Variant
+from pipeline.experiment import load_experiment as load_study
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,7 +81,7 @@ def test_the_embedded_study_file_is_valid_and_asks_for_the_protocol():
     config = load_study(ROOT / "experiments" / "digits_lt_fedloge.yaml")
     assert config["study"] == "fed_lt" and config["federated"]["local_test"] == "proportional"
     assert config["data"]["imbalance_factor"] == 0.1
-    from pipeline.study_grid import study_runs
+    from pipeline.studies.grid.runs import study_runs
 
     assert {run.variant.algorithm for run in study_runs(config)} == {"fedloge", "fedrod", "fedbabu", "fedavg", "fedprox",
                                                                      "ditto", "fedrep"}

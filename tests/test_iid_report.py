@@ -1,9 +1,9 @@
-"""The iid reference's "within 10% of the centralized loss" (pipeline/iid_report.py) on hand-made numbers."""
+"""The iid reference's "within 10% of the centralized loss" (pipeline/studies/main_job/iid.py) on hand-made numbers."""
 
 import numpy as np
 import pandas as pd
 
-from pipeline.iid_report import MEAN_ONLY, NO, NOT_COMPARED, YES, iid_clause, iid_section, iid_table
+from pipeline.studies.main_job.iid import MEAN_ONLY, NO, NOT_COMPARED, YES, iid_clause, iid_section, iid_table
 
 
 def _iid_runs() -> pd.DataFrame:

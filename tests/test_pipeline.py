@@ -16,7 +16,7 @@ import yaml
 import run_pipeline
 from models import build_task_model, load_task_model
 from pipeline.experiment import load_experiment
-from pipeline.report import REPORT_COLUMNS
+from pipeline.studies.main_job.report import REPORT_COLUMNS
 from utils.errors import TaskHetError
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -57,7 +57,7 @@ def _finals() -> pd.DataFrame:
 
 
 def test_loss_vs_alpha_has_one_panel_per_algorithm_bounded_bands_and_the_legend_off_the_data(tmp_path, figures):
-    from pipeline.report_plots import plot_loss_vs_alpha
+    from pipeline.studies.main_job.plots import plot_loss_vs_alpha
 
     plot_loss_vs_alpha(_finals(), tmp_path / "loss_vs_alpha.png")
     figure = figures[-1]
@@ -75,7 +75,7 @@ def test_loss_vs_alpha_has_one_panel_per_algorithm_bounded_bands_and_the_legend_
 
 
 def test_round_curves_say_which_style_is_which_grouping(tmp_path, figures):
-    from pipeline.report_plots import plot_round_curves
+    from pipeline.studies.main_job.plots import plot_round_curves
 
     curves = pd.concat([_finals().assign(round=r) for r in (1, 2)])
     plot_round_curves(curves, tmp_path / "round_curves.png")
@@ -91,7 +91,7 @@ def test_round_curves_say_which_style_is_which_grouping(tmp_path, figures):
 
 
 def test_the_meter_band_is_labelled(tmp_path, figures):
-    from pipeline.heterogeneity_report import plot_meter
+    from pipeline.studies.main_job.meter import plot_meter
 
     meters = pd.DataFrame([dict(task="normal", grouping=grouping, alpha=alpha, seed=seed, g2=1.0 + seed, b2=1.5)
                            for grouping in ("label_based", "embedding_based") for alpha in (0.1, 1.0) for seed in (0, 1)])

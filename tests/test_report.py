@@ -1,7 +1,7 @@
 import numpy as np
 import pandas as pd
 
-from pipeline.report import REPORT_COLUMNS, gap_table, personal_gap_table, summary_sentences, write_report
+from pipeline.studies.main_job.report import REPORT_COLUMNS, gap_table, personal_gap_table, summary_sentences, write_report
 
 
 def _finals(embedding_loss: float) -> pd.DataFrame:
@@ -95,7 +95,7 @@ def test_one_decided_cell_of_eight_claims_no_direction_and_bh_is_counted_beside(
 
 
 def test_iid_loss_intervals_never_go_below_zero():
-    from pipeline.iid_report import iid_table
+    from pipeline.studies.main_job.iid import iid_table
 
     iid = pd.DataFrame([dict(task="normal", grouping="iid", alpha=float("inf"), algorithm="fedavg", seed=seed, loss=loss,
                              metric="mean_angle", metric_value=30.0) for seed, loss in enumerate((0.05, 0.4, 0.1))])
@@ -104,7 +104,7 @@ def test_iid_loss_intervals_never_go_below_zero():
 
 
 def test_the_iid_reference_is_compared_with_the_centralized_loss():
-    from pipeline.iid_report import iid_table
+    from pipeline.studies.main_job.iid import iid_table
 
     iid = pd.DataFrame([dict(task="normal", grouping="iid", alpha=float("inf"), algorithm=algorithm, seed=seed,
                              loss=loss, metric="mean_angle", metric_value=30.0)
@@ -119,7 +119,7 @@ def test_the_iid_reference_is_compared_with_the_centralized_loss():
 
 
 def test_the_heterogeneity_meter_table_and_its_link_to_the_gap():
-    from pipeline.heterogeneity_report import gap_correlation, meter_sentence, meter_table
+    from pipeline.studies.main_job.meter import gap_correlation, meter_sentence, meter_table
 
     meters = pd.DataFrame([dict(task="normal", grouping=grouping, alpha=alpha, seed=seed, g2=g2 * (1 + 0.1 * seed), b2=1.5)
                            for alpha, label_g2, embedding_g2 in ((0.1, 2.0, 4.0), (1.0, 1.0, 1.5), (10.0, 0.5, 0.4))
@@ -184,7 +184,7 @@ def _fedavg_and_fedrep() -> pd.DataFrame:
 def test_fedrep_enters_the_table_the_counts_and_the_plots_through_its_personal_models(tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
 
-    from pipeline import report_plots
+    from pipeline.studies.main_job import plots as report_plots
 
     drawn = {}
     monkeypatch.setattr(report_plots, "save_figure", lambda figure, path, dpi: drawn.setdefault(path.name, figure))

@@ -14,8 +14,8 @@ import yaml
 import run_pipeline
 from models import list_encoders
 from pipeline.experiment import load_experiment
-from pipeline.sparse_report import SPARSE_COLUMNS, dense_lines, talos_lines
-from pipeline.study_grid import study_runs
+from pipeline.studies.sparse_finetuning import SPARSE_COLUMNS, dense_lines, talos_lines
+from pipeline.studies.grid.runs import study_runs
 from utils.errors import TaskHetError
 from utils.loaders import load_checkpoint
 
@@ -147,7 +147,7 @@ def test_cifar100_sparse_study_file_is_valid(tmp_path):
     (lambda c: c["model"].update(freeze_encoder=False), "federated.init_from head needs model.freeze_encoder"),
     (lambda c: c["federated"].update(init_from="pretrained"), "federated.init_from"),
     (lambda c: c["federated"].update(calibration_fraction=1.0), "federated.calibration_fraction"),
-    (lambda c: c.update(study="sparse"), "study must be one of fedavg_sharding, sparse_finetuning"),
+    (lambda c: c.update(study="sparse"), "study: unknown study kind 'sparse'; choose one of: fed_lt, fedavg_sharding"),
     (lambda c: c["grid"][0]["algorithms"]["sparse_ft"].update(density=[0.5, 1.5]), "grid[0].algorithms.sparse_ft"),
     (lambda c: c["grid"][0]["algorithms"]["sparse_ft"].update(mask_rule=["talos"]), "grid[0].algorithms.sparse_ft"),
 ])
@@ -180,7 +180,7 @@ def test_server_masks_calibrate_on_rows_no_client_holds(tmp_path, one_thread):
 
 
 def test_the_report_says_why_final_and_best_by_validation_disagree():
-    from pipeline.sparse_report import criteria_lines
+    from pipeline.studies.sparse_finetuning import criteria_lines
 
     runs = runs_frame({("nc_shards-nc1", 1, "dense", 0.0): [0.50, 0.52, 0.51],
                        ("nc_shards-nc1", 1, "least_sensitive", 0.9): [0.60, 0.61, 0.62]})

@@ -1,4 +1,4 @@
-"""Studies (pipeline/study.py): the embedded FedAvg study end to end at a tiny size, its report's numbers, the
+"""Studies (pipeline/studies/grid/runner.py): the embedded FedAvg study end to end at a tiny size, its report's numbers, the
 validation split that "best by validation" reads, the cifar wiring, and study-file errors that name the key."""
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import run_pipeline
 from datasets.family import load_manifest
 from models import list_encoders
 from pipeline.experiment import load_experiment
-from pipeline.study_grid import rounds_for, study_runs
-from pipeline.study_report import STUDY_COLUMNS, run_accuracy
+from pipeline.studies.grid.runs import rounds_for, study_runs
+from pipeline.studies.fedavg_sharding import STUDY_COLUMNS
+from pipeline.studies.grid.results import run_accuracy
 from steps import assign as step3b
 from tests.fixtures import write_tiny_cifar
 from utils.errors import TaskHetError
@@ -145,7 +146,7 @@ def test_cifar_source_makes_a_manifest_with_validation_rows_that_no_client_holds
     (lambda c: c["federated"].update(n_round=3), "unknown key 'federated.n_round'"),
     (lambda c: c["federated"].update(client_fraction=0), "federated.client_fraction"),
     (lambda c: c.update(task="depth_euclidean"), "task 'depth_euclidean' must be a registered classification task"),
-    (lambda c: c.update(study="fedprox_sweep"), "study must be one of fedavg_sharding"),
+    (lambda c: c.update(study="fedprox_sweep"), "study: unknown study kind 'fedprox_sweep'; choose one of: fed_lt, fedavg_sharding"),
     (lambda c: c["data"].update(val_fraction=0.1), "data.val_fraction is only for data.source cifar10 or cifar100"),
     (lambda c: c.update(grid=[]), "grid must list at least one block"),
 ])

@@ -1,4 +1,4 @@
-"""The heterogeneity study's report (pipeline/toolbox_report.py) on hand-made metrics: which splits it reads, the
+"""The heterogeneity study's report (pipeline/studies/heterogeneity_toolbox.py) on hand-made metrics: which splits it reads, the
 winner and its paired intervals against FedAvg, the practitioners'-table verdicts and their undecided cases."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pipeline.study_grid import Partition, StudyRun, Variant
-from pipeline.toolbox_report import TABLE, Row, run_rows, table_check, table_verdict, winner, write_report
+from pipeline.studies.grid.runs import Partition, StudyRun, Variant
+from pipeline.studies.heterogeneity_toolbox import TABLE, Row, run_rows, table_check, table_verdict, winner, write_report
 
 T_975_2 = 4.302652729911275  # Student's t, 97.5% quantile, 2 degrees of freedom (3 paired seeds)
 

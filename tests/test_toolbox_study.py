@@ -14,8 +14,9 @@ import yaml
 
 import run_pipeline
 from pipeline.experiment import load_experiment
-from pipeline.study import Study
-from pipeline.study_grid import Partition, study_runs
+from pipeline.runner import Pipeline
+from pipeline.studies.grid.runner import GridStudy
+from pipeline.studies.grid.runs import Partition, study_runs
 from steps import select_digits
 from utils.cli import run_main
 from utils.errors import TaskHetError
@@ -53,7 +54,7 @@ def test_distinct_groups_clients_each_hold_one_class_group(tmp_path):
     manifest = select_digits.main(["--n_samples", "300", "--out", str(tmp_path / "step1"), "--no-progress"])
     config = load_experiment(STUDY_FILE)
     config["federated"]["client_test_fraction"] = 0.0
-    study = Study(config, tmp_path / "study", "test", show_progress=False)
+    study = GridStudy(Pipeline(config, tmp_path / "study", "test", show_progress=False))
     partition = Partition("nc_shards", (("groups_per_client", 1),), "distinct_groups", GROUPS)
     groups = pd.read_csv(study.class_groups_file(partition, manifest))
     labels = pd.read_csv(manifest).set_index("sample_id")["label"]
@@ -84,9 +85,9 @@ def situation(config: dict, name: str) -> dict:
     (lambda c: situation(c, "distinct_label_groups").update(groups_per_client=4),
      "grid[0].partitions[9].groups_per_client 4 exceeds the 3 class groups"),
     (lambda c: situation(c, "quantity_skew").update(size_skew="lognormal:x"),
-     "grid[0].partitions: --size_skew 'lognormal:x': expected lognormal:NUMBER"),
+     "grid[0].partitions[5]: grid[0].partitions[5].size_skew 'lognormal:x': expected lognormal:NUMBER"),
     (lambda c: situation(c, "severe_label_skew").update(size_skew="lognormal:1.0"),
-     "grid[0].partitions: nc_shards: client sizes are equal by construction"),
+     "grid[0].partitions[2]: nc_shards: client sizes are equal by construction"),
     (lambda c: situation(c, "mild_label_skew").update(colour_skew=0.1),
      "grid[0].partitions[0].colour_skew: not a step-3b option a study may set"),
     (lambda c: situation(c, "mild_label_skew").update(n_clients=5),
@@ -102,7 +103,7 @@ def situation(config: dict, name: str) -> dict:
      "practitioners_table.severe_skew: not a row of the practitioners' table"),
     (lambda c: c["practitioners_table"].update(personal="no_such_situation"),
      "practitioners_table.personal: 'no_such_situation' is not a situation of the grid"),
-    (lambda c: c.update(study="fed_lt"), "practitioners_table is read by study heterogeneity_toolbox only"),
+    (lambda c: c.update(study="fed_lt"), "unknown key 'practitioners_table'; allowed here:"),
     (lambda c: c.update(heterogeneity_meter="yes"), "heterogeneity_meter must be true or false"),
     (lambda c: c["grid"][0]["algorithms"].update(ifca={"n_cluster_models": 11}), "grid[0].algorithms.ifca"),
 ])
@@ -123,7 +124,7 @@ def test_bad_study_file_stops_with_one_error_line_before_any_work(tmp_path, caps
 def test_a_step3b_option_is_a_study_option_without_study_code(tmp_path, monkeypatch):
     """A flag step 3b gains (here a stand-in flag, --feature_blur) is accepted, converted by the
     flag's own type and handed to step 3b; its bad values stop with the key named."""
-    from pipeline.runner import flags
+    from pipeline.argv import flags
     from steps import assign
 
     original = assign.build_parser

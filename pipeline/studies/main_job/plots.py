@@ -1,6 +1,6 @@
 """The main report's plots: final loss against α, loss per round, the partition heatmaps, clusters vs labels.
 
-Inputs are pipeline/report.py's tables. An algorithm whose result is its clients' own models
+Inputs are pipeline/studies/main_job/report.py's tables. An algorithm whose result is its clients' own models
 (column ``result_is_personal``, e.g. FedRep, whose global head is never trained) is drawn from those
 models' loss on the clients' own test splits, never from its global loss: that loss measures an
 untrained head, and on a shared axis it would squash every other curve.

@@ -1,7 +1,7 @@
 """The sparse fine-tuning study's report (issue 15): dense FedAvg against ``sparse_ft`` per sparsity, rounds and rule.
 
 Every run's numbers come from step 4's ``metrics.csv`` exactly as in the FedAvg study
-(pipeline/study_report.py: the global model's test accuracy at the last round, *final*, and at
+(pipeline/studies/fedavg_sharding.py: the global model's test accuracy at the last round, *final*, and at
 the earliest round of the highest validation accuracy, *best by validation*). A ``sparse_ft``
 variant is described by its settings (defaults filled in from its ``Settings``): sparsity
 1 − density, calibration rounds R, mask rule, and any other setting it varies (``extra``, e.g.
@@ -37,8 +37,9 @@ import numpy as np
 import pandas as pd
 
 from models.tasks import get_task
-from pipeline.study_report import (CENTRALIZED, _cell, _difference, centralized_accuracy, ledger_line, run_accuracy,
-                                   summarize)
+from pipeline.studies.grid.kind import register_grid_kind
+from pipeline.studies.grid.results import (CENTRALIZED, centralized_accuracy, difference_text, interval_cell,
+                                           ledger_line, run_accuracy, summarize)
 from utils.statistics import UNIT, count, direction, metric_scale, paired_difference
 from utils.run_dir import atomic_write_text
 
@@ -157,7 +158,7 @@ def best_rule_lines(sparse: pd.DataFrame, column: str, ledger: list | None = Non
         if len(means) > 1:
             first, second = (_by_seed(cell[cell.mask_rule == rule], column) for rule in means.index[:2])
             common = first.index.intersection(second.index)
-            line += (f"; over {means.index[1]}: {_difference(second[common].tolist(), first[common].tolist(), ledger)}"
+            line += (f"; over {means.index[1]}: {difference_text(second[common].tolist(), first[common].tolist(), ledger)}"
                      if len(common) else "")
         lines.append(line + ".")
     return lines
@@ -216,7 +217,7 @@ def dense_lines(runs: pd.DataFrame, column: str, ledger: list | None = None) -> 
                      f"sparse variants noticeably above it, {counts.below} below (after Benjamini–Hochberg over the "
                      f"{counts.cells}: {counts.above_adjusted} above, {counts.below_adjusted} below); the best, "
                      f"{_short(mine[mine.variant == best].iloc[0])}: "
-                     f"{_difference(reference.tolist(), _by_seed(mine[mine.variant == best], column).tolist(), ledger)}.")
+                     f"{difference_text(reference.tolist(), _by_seed(mine[mine.variant == best], column).tolist(), ledger)}.")
     lines += interference_lines(runs, gains, column, exceptions, ledger)
     return lines, exceptions
 
@@ -257,7 +258,7 @@ def interference_lines(runs: pd.DataFrame, gains: dict, column: str, exceptions:
             if len(common):
                 lines.append(f"  - sparsity {row.sparsity:g}, R={row.calibration_rounds:g}{', ' + row.extra if row.extra else ''}: gain over dense at "
                              f"Nc={nc_min:g} {skewed_gain.mean():+.3f}, on iid {iid_gain.mean():+.3f}; "
-                             f"Nc={nc_min:g} − iid: {_difference(iid_gain[common].tolist(), skewed_gain[common].tolist(), ledger)}.")
+                             f"Nc={nc_min:g} − iid: {difference_text(iid_gain[common].tolist(), skewed_gain[common].tolist(), ledger)}.")
     return lines
 
 
@@ -341,8 +342,8 @@ def report_lines(config: dict[str, Any], table: pd.DataFrame, runs: pd.DataFrame
             return "" if value is None or pd.isna(value) else form.format(value)
         lines.append(f"| {row.partition} | {text(row.nc)} | {text(row.local_steps)} | {text(row.rounds)} | {row.algorithm} "
                      f"| {row.mask_rule} | {text(row.sparsity) if row.algorithm == SPARSE else ''} "
-                     f"| {text(row.calibration_rounds)} | {row.extra} | {_cell(row.final_mean, row.final_low, row.final_high)} "
-                     f"| {_cell(row.best_val_mean, row.best_val_low, row.best_val_high)} | {row.seeds} |")
+                     f"| {text(row.calibration_rounds)} | {row.extra} | {interval_cell(row.final_mean, row.final_low, row.final_high)} "
+                     f"| {interval_cell(row.best_val_mean, row.best_val_low, row.best_val_high)} | {row.seeds} |")
     lines += [""] + [f"![accuracy against sparsity]({png})" for png in pngs]
     return lines
 
@@ -387,3 +388,7 @@ def plot_accuracy_vs_sparsity(table: pd.DataFrame, out_png: Path, column: str, m
         row_axes[0].set_ylabel(f"test {metric}" + (" (best by val)" if column == "best_val" else ""))
     axes[0][0].legend(fontsize=7)
     save_figure(figure, out_png, dpi=110)
+
+
+register_grid_kind("sparse_finetuning", "dense FedAvg against sparse fine-tuning (TaLoS) per sparsity, calibration "
+                   "rounds and mask rule", write_report, report_unit="partition × J × variant rows")

@@ -27,51 +27,17 @@ import numpy as np
 import pandas as pd
 
 from models.tasks import get_task
-from network.run_outputs import GLOBAL_CLIENT, GLOBAL_VAL_SPLIT, METRICS_COLUMNS
-from network.client import GLOBAL_TEST_SPLIT
-from utils.statistics import UNIT, count, mean_interval, metric_scale, paired_difference
-from utils.loaders import read_csv
+from pipeline.studies.grid.kind import register_grid_kind
+from pipeline.studies.grid.results import (CENTRALIZED, centralized_accuracy, difference_text, interval_cell,
+                                           ledger_line, run_accuracy, summarize)
 from utils.run_dir import atomic_write_text
+from utils.statistics import UNIT, metric_scale, paired_difference
 
-CENTRALIZED = "centralized"
 STUDY_COLUMNS = ["partition", "scheme", "nc", "local_steps", "rounds", "algorithm", "n_seeds", "final_mean", "final_low",
                  "final_high", "best_val_mean", "best_val_low", "best_val_high", "seeds"]
 
 
-def run_accuracy(metrics_csv: Path, metric: str) -> dict[str, Any]:
-    """Final and best-by-validation test ``metric`` of one step-4 run, and its test curve.
-
-    Returns:
-        ``{"final", "best_val" (NaN without validation rows), "rounds", "best_round" (the round best_val comes
-        from; 0 is the start model; NaN without validation rows), "curve": DataFrame(round, value)}``.
-    """
-    metrics = read_csv(metrics_csv, "step-4 metrics", METRICS_COLUMNS, finished=True)
-    global_rows = metrics[(metrics.client == GLOBAL_CLIENT) & (metrics.metric == metric)]
-    test = global_rows[global_rows.split == GLOBAL_TEST_SPLIT].set_index("round")["value"]
-    val = global_rows[global_rows.split == GLOBAL_VAL_SPLIT].set_index("round")["value"]
-    best_val = float(test.loc[val.idxmax()]) if len(val) else math.nan  # idxmax: the earliest best round
-    return {"final": float(test.loc[test.index.max()]), "best_val": best_val, "rounds": int(test.index.max()),
-            "best_round": int(val.idxmax()) if len(val) else math.nan, "curve": test.reset_index()}
-
-
-def centralized_accuracy(metrics_csv: Path, metric: str) -> dict[str, float]:
-    """Last-epoch test ``metric`` of a step-2 run and, when it logged a ``val`` split, the test value at its best val epoch."""
-    metrics = read_csv(metrics_csv, "step-2 metrics", ("epoch", "split", "metric", "value"), finished=True)
-    rows = metrics[metrics.metric == metric]
-    test = rows[rows.split == "test"].set_index("epoch")["value"]
-    val = rows[rows.split == "val"].set_index("epoch")["value"]
-    best_val = float(test.loc[val.idxmax()]) if len(val) and val.idxmax() in test.index else math.nan
-    return {"final": float(test.loc[test.index.max()]), "best_val": best_val}
-
-
-def summarize(values: list[float], scale: str = UNIT) -> tuple[float, float, float]:
-    """Mean and 95% t interval inside ``scale``'s range (default: accuracies, [0, 1]), NaN throughout when every
-    value is NaN."""
-    finite = [value for value in values if not math.isnan(value)]
-    return mean_interval(finite, scale) if finite else (math.nan, math.nan, math.nan)
-
-
-def write_study_report(config: dict[str, Any], out_dir: Path, run_dirs: dict, centralized: dict[int, Path],
+def write_report(config: dict[str, Any], out_dir: Path, run_dirs: dict, centralized: dict[int, Path],
                        command: str) -> pd.DataFrame:
     """Collect every run, write report.csv, report.md and the plots; returns the report table."""
     metric = get_task(config["task"]).primary_metric
@@ -117,31 +83,6 @@ def study_table(runs: pd.DataFrame, central: pd.DataFrame, scale: str = UNIT) ->
     return pd.DataFrame(rows, columns=STUDY_COLUMNS).astype({"nc": "Int64", "local_steps": "Int64", "rounds": "Int64"})
 
 
-def _cell(mean: float, low: float, high: float) -> str:
-    if math.isnan(mean):
-        return "–"
-    return f"{mean:.3f}" if math.isnan(low) else f"{mean:.3f} [{low:.3f}, {high:.3f}]"
-
-
-def _difference(a: list[float], b: list[float], ledger: list | None = None) -> str:
-    """``b − a`` paired by seed, with its interval and whether it is noticeable (decided) or why not; the
-    comparison is appended to ``ledger`` (the report's list, for the adjusted count)."""
-    difference = paired_difference(a, b)
-    if ledger is not None:
-        ledger.append(difference)
-    interval = "" if math.isnan(difference.low) else f" [{difference.low:+.3f}, {difference.high:+.3f}]"
-    return f"{difference.mean:+.3f}{interval}, {'noticeable' if difference.decided else difference.explain()}"
-
-
-def ledger_line(ledger: list, what: str) -> str:
-    """How many of the summary's paired comparisons are noticeable, raw and after Benjamini–Hochberg over them all."""
-    counts = count(ledger)
-    return (f"- {what}: {counts.decided} of {counts.cells} paired comparisons above are noticeable; after "
-            f"Benjamini–Hochberg at 5% over the {counts.cells}: {counts.above_adjusted + counts.below_adjusted}. "
-            f"Undecided: {counts.too_few} with too few seeds, {counts.zero_variance} with zero variance, "
-            f"{counts.contains_zero} whose interval contains 0.")
-
-
 def _paired(runs: pd.DataFrame, column: str, **where: Any) -> pd.Series:
     selected = runs
     for key, value in where.items():
@@ -164,13 +105,13 @@ def summary_lines(runs: pd.DataFrame, central: pd.DataFrame, column: str, what: 
                 low, high = _paired(at_j, column, nc=ncs[0]), _paired(at_j, column, nc=ncs[-1])
                 common = low.index.intersection(high.index)
                 line += (f" Nc={ncs[-1]:g} − Nc={ncs[0]:g}: "
-                         f"{_difference(low[common].tolist(), high[common].tolist(), ledger)}.")
+                         f"{difference_text(low[common].tolist(), high[common].tolist(), ledger)}.")
             iid = runs[(runs.scheme == "iid") & (runs.algorithm == algorithm) & (runs.local_steps == local_steps)]
             if len(iid) and len(ncs):
                 skewed = _paired(at_j, column, nc=ncs[0])
                 common = skewed.index.intersection(iid.set_index("seed").index)
                 line += (f" iid {iid[column].mean():.3f}; Nc={ncs[0]:g} − iid: "
-                         f"{_difference(_paired(iid, column)[common].tolist(), skewed[common].tolist(), ledger)}.")
+                         f"{difference_text(_paired(iid, column)[common].tolist(), skewed[common].tolist(), ledger)}.")
             lines.append(line)
         if len(steps) > 1 and len(ncs) > 1:
             lines += interaction_lines(mine, column, what, algorithm, ncs, steps, ledger)
@@ -178,7 +119,7 @@ def summary_lines(runs: pd.DataFrame, central: pd.DataFrame, column: str, what: 
     if not math.isnan(centralized[0]):
         best = runs.groupby(["partition", "local_steps", "algorithm"])[column].mean()
         partition, local_steps, algorithm = best.idxmax()
-        lines.append(f"- {what}: centralized {_cell(*centralized)}; the best federated cell "
+        lines.append(f"- {what}: centralized {interval_cell(*centralized)}; the best federated cell "
                      f"({partition}, J={local_steps}, {algorithm}) reaches {best.max():.3f}.")
     if ledger:
         lines.append(ledger_line(ledger, what))
@@ -200,7 +141,7 @@ def interaction_lines(runs: pd.DataFrame, column: str, what: str, algorithm: str
     common = first.index.intersection(last.index)
     if len(common):
         line += (f" Interaction (J effect at Nc={ncs[0]:g} − at Nc={ncs[-1]:g}): "
-                 f"{_difference(last[common].tolist(), first[common].tolist(), ledger)}")
+                 f"{difference_text(last[common].tolist(), first[common].tolist(), ledger)}")
         smaller = (first[common] - last[common]).mean() < 0
         line += (f"; J's effect is {'smaller' if smaller else 'larger'} at Nc={ncs[0]:g} "
                  f"({'more local steps help less or hurt more' if smaller else 'more local steps help more or hurt less'} "
@@ -229,8 +170,8 @@ def report_lines(config: dict[str, Any], table: pd.DataFrame, runs: pd.DataFrame
         steps = "" if pd.isna(row.local_steps) else f"{row.local_steps:g}"
         rounds = "" if pd.isna(row.rounds) else f"{row.rounds:g}"
         lines.append(f"| {row.partition} | {nc} | {steps} | {rounds} | {row.algorithm} | "
-                     f"{_cell(row.final_mean, row.final_low, row.final_high)} | "
-                     f"{_cell(row.best_val_mean, row.best_val_low, row.best_val_high)} | {row.seeds} |")
+                     f"{interval_cell(row.final_mean, row.final_low, row.final_high)} | "
+                     f"{interval_cell(row.best_val_mean, row.best_val_low, row.best_val_high)} | {row.seeds} |")
     lines += ["", "![accuracy against Nc](accuracy_vs_nc.png)", "", "![test accuracy per round](accuracy_curves.png)"]
     return lines
 
@@ -291,4 +232,7 @@ def plot_curves(curves: pd.DataFrame, out_png: Path, metric: str) -> None:
             handles.setdefault(label, handle)
     axes[0][0].legend(list(handles.values()), list(handles), fontsize=7)
     save_figure(figure, out_png, dpi=120)
-write_report = write_study_report  # the name pipeline/study.py calls (STUDY_REPORTS)
+
+
+register_grid_kind("fedavg_sharding", "FedAvg's accuracy against classes per client (Nc) for each number of local steps J, "
+                   "beside iid and centralized", write_report, report_unit="partition × J × algorithm rows")

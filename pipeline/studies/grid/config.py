@@ -1,15 +1,15 @@
-"""A study file's keys, types and grid, checked before any work (errors name the key).
+"""The keys, types and grid of a grid study (fedavg_sharding, sparse_finetuning, fed_lt,
+heterogeneity_toolbox), checked before any work (errors name the key).
 
-``load_study`` reads a study file, merges it with :data:`STUDY_SCHEMA`, type-checks every key
-(:data:`STUDY_TYPES`), checks the names against the registries and turns the ``grid`` into the
-validated blocks of pipeline/study_grid.py. A partition entry of a block is a registered scheme
-with *its step-3b options*: the scheme's parameters (``alpha``, ``groups_per_client``,
-``size_skew``, ``min_client_size``) and any other option of step 3b's command line (so a
-partition option step 3b gains is a study option with no change here), plus two study keys:
-``situation`` (the entry's name in reports and folders) and ``class_groups`` (clients drawn
-from groups of classes; see :class:`pipeline.study_grid.Partition`). The options the study
-sets itself (manifest, output folder, clients, seed, client-test share, groups) and the
-runtime flags are refused with the key named.
+:func:`load_grid_study` merges a study file with its kind's schema (:func:`grid_schema`: the shared keys of
+every grid study plus the kind's own), type-checks every key, checks the names against the registries and
+turns the ``grid`` into the validated blocks of pipeline/studies/grid/runs.py. A partition entry of a block is
+a registered scheme with *its step-3b options*: the scheme's parameters (``alpha``, ``groups_per_client``,
+``size_skew``, ``min_client_size``) and any other option of step 3b's command line (so a partition option
+step 3b gains is a study option with no change here), plus two study keys: ``situation`` (the entry's name in
+reports and folders) and ``class_groups`` (clients drawn from groups of classes; see
+:class:`pipeline.studies.grid.runs.Partition`). The options the study sets itself (manifest, output folder,
+clients, seed, client-test share, groups) and the runtime flags are refused with the key named.
 """
 
 from __future__ import annotations
@@ -19,30 +19,25 @@ import copy
 import itertools
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from pipeline.checks import check_config, most_label_groups
-from pipeline.experiment import (DATA_SOURCES, SCHEMA, _merge, check_run_count, validate_family_tasks,
-                                 validate_source_keys, validate_split_csv)
-from pipeline.schema import TYPES, Bool, Float, Int, ListOf, Mapping, Str, check_types
-from pipeline.study_grid import Partition, Variant
+from pipeline import checks
+from pipeline.checks import Entry
+from pipeline.schema import SHARED_TYPES, Bool, Check, Float, Int, ListOf, Str, check_types
+from pipeline.sections import (check_run_count, merge_keys, most_label_groups, shared_sections, validate_data,
+                               validate_encoder, validate_lr_schedule)
+from pipeline.studies.grid.runs import Partition, StudyRun, Variant, rounds_for
 from utils.errors import TaskHetError
-from utils.loaders import load_yaml
 
-# study name -> the module whose ``write_report(config, out_dir, run_dirs, centralized, command)`` writes its report
-# (imported when the study runs: the report modules import matplotlib and pandas).
-STUDY_REPORTS = {"fedavg_sharding": "pipeline.study_report", "sparse_finetuning": "pipeline.sparse_report",
-                 "fed_lt": "pipeline.fedlt_report", "heterogeneity_toolbox": "pipeline.toolbox_report"}
 INIT_FROM = ("scratch", "centralized", "head")
 
-# Every key of a study file with its default (the sections shared with the main job have its defaults).
-STUDY_SCHEMA: dict[str, Any] = {
+# Every key of a grid study with its default (the sections shared with the main job have its defaults); a kind
+# adds its own keys (grid_schema).
+GRID_SCHEMA: dict[str, Any] = {
     "name": "study",
     "study": "fedavg_sharding",
-    "data": copy.deepcopy(SCHEMA["data"]),
+    **shared_sections(),
     "task": "digit_class",  # one classification task of the data family
-    "model": copy.deepcopy(SCHEMA["model"]),
-    "centralized": copy.deepcopy(SCHEMA["centralized"]),
     "federated": {
         "n_clients": 100,  # K
         "client_fraction": 0.1,  # C
@@ -62,79 +57,86 @@ STUDY_SCHEMA: dict[str, Any] = {
     "grid": [],  # blocks: {partitions: [{scheme, ...}], local_steps: [J, ...], algorithms: {name: settings}}
     "seeds": [0, 1, 2],
     "use_accelerator": True,
-    "heterogeneity_meter": False,  # step 3c per partition and seed: G², B² at step 2's model (the toolbox report's G²)
-    "practitioners_table": {},  # heterogeneity_toolbox: table row -> the situation that tests it (toolbox_report.TABLE)
+    "heterogeneity_meter": False,  # step 3c per partition and seed: G², B² at step 2's model
 }
-STUDY_TYPES = {**{key: check for key, check in TYPES.items() if key.split(".")[0] in ("name", "data", "model", "centralized",
-                                                                                      "seeds", "use_accelerator")},
-               "study": Str(tuple(STUDY_REPORTS)), "task": Str(),
-               "federated.n_clients": Int(1), "federated.client_fraction": Float(0, 1, low_open=True),
-               "federated.rounds_x_local_steps": Int(1), "federated.evaluations": Int(1),
-               "federated.batch_size": Int(1), "federated.init_lr": Float(0, low_open=True),
-               "federated.lr_schedule": Str(), "federated.momentum": Float(0), "federated.weight_decay": Float(0),
-               "federated.client_test_fraction": Float(0, 1, high_open=True),
-               "federated.init_from": Str(INIT_FROM), "federated.calibration_fraction": Float(0, 1, high_open=True),
-               "federated.local_test": Str(("assigned", "proportional")), "federated.finetune_steps": Int(0),
-               "heterogeneity_meter": Bool(),
-               "practitioners_table": Mapping("map rows of the practitioners' table to situation names",
-                                              "{mild: mild_label_skew, severe: severe_label_skew}", allow_empty=True)}
+GRID_TYPES: dict[str, Check] = {
+    **SHARED_TYPES, "study": Str(), "task": Str(),
+    "federated.n_clients": Int(1), "federated.client_fraction": Float(0, 1, low_open=True),
+    "federated.rounds_x_local_steps": Int(1), "federated.evaluations": Int(1),
+    "federated.batch_size": Int(1), "federated.init_lr": Float(0, low_open=True),
+    "federated.lr_schedule": Str(), "federated.momentum": Float(0), "federated.weight_decay": Float(0),
+    "federated.client_test_fraction": Float(0, 1, high_open=True),
+    "federated.init_from": Str(INIT_FROM), "federated.calibration_fraction": Float(0, 1, high_open=True),
+    "federated.local_test": Str(("assigned", "proportional")), "federated.finetune_steps": Int(0),
+    "heterogeneity_meter": Bool(),
+}
 BLOCK_KEYS = ("partitions", "local_steps", "algorithms")
 # Step-3b options a study sets itself (from federated.* and the seeds, or a class_groups file), never a partition entry.
 STUDY_SET_OPTIONS = ("manifest", "out", "n_clients", "seed", "client_test_fraction", "groups", "help")
 STUDY_KEYS = ("scheme", "situation", "class_groups")  # the keys of a partition entry that are not step-3b options
+Extra = Callable[[dict[str, Any], Path], None]  # a kind's own check of a merged, validated study config
 
 
-def load_study(path: Path) -> dict[str, Any]:
-    """Read, type-check, merge with :data:`STUDY_SCHEMA` and validate a study file (errors name the key)."""
-    path = Path(path)
-    raw = load_yaml(path, "experiment file")
-    if not isinstance(raw, dict):
-        raise TaskHetError(f"{path}: expected a mapping of keys at the top level, got {type(raw).__name__}")
-    config = _merge(copy.deepcopy(STUDY_SCHEMA), raw, prefix="", source=path)
-    check_types(config, path, STUDY_TYPES)
+def grid_schema(extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The schema of a grid-study kind: :data:`GRID_SCHEMA` and the kind's own top-level keys (``extra``)."""
+    return {**copy.deepcopy(GRID_SCHEMA), **copy.deepcopy(extra or {})}
+
+
+def load_grid_study(raw: dict[str, Any], source: Path, schema: dict[str, Any], types: dict[str, Check],
+                    extra_checks: tuple[Extra, ...] = (), free_form: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """Merge ``raw`` (a study file's mapping) with ``schema``, type-check it with ``types`` and validate it: names,
+    the grid, the rounds budget, labels, the kind's ``extra_checks`` and every check steps 1–4 would make from their
+    arguments (errors name the key)."""
+    config = merge_keys(copy.deepcopy(schema), raw, source, free_form)
+    check_types(config, source, types)
     config["tasks"] = [config["task"]]  # what the shared Pipeline steps read
-    validate_study_names(config, path)
+    validate_study_names(config, source)
     if config["federated"]["init_from"] == "head" and not config["model"]["freeze_encoder"]:
-        raise TaskHetError(f"{path}: federated.init_from head needs model.freeze_encoder: true (step 2 then trains the "
+        raise TaskHetError(f"{source}: federated.init_from head needs model.freeze_encoder: true (step 2 then trains the "
                            "head on the frozen encoder's features, which the federated runs start from)")
     size = grid_size(config["grid"], len(config["seeds"]))
     if size is not None:  # a malformed grid is reported key by key by validate_grid
-        check_run_count(size, path, "Σ over grid blocks of partitions × local_steps × algorithm variants × seeds")
-    config["grid"] = validate_grid(config["grid"], path, most_label_groups(config))
+        check_run_count(size, source, "Σ over grid blocks of partitions × local_steps × algorithm variants × seeds")
+    config["grid"] = validate_grid(config["grid"], source, most_label_groups(config))
     budget = config["federated"]["rounds_x_local_steps"]
     for index, block in enumerate(config["grid"]):
         for position, local_steps in enumerate(block["local_steps"]):
             if budget % local_steps:
-                raise TaskHetError(f"{path}: grid[{index}].local_steps[{position}] = {local_steps} does not divide "
+                raise TaskHetError(f"{source}: grid[{index}].local_steps[{position}] = {local_steps} does not divide "
                                    f"federated.rounds_x_local_steps {budget}: rounds × J could not stay constant")
-    validate_labels(config["grid"], path)
-    validate_practitioners_table(config, path)
-    check_config(config, path)  # what steps 1-4 would refuse from their arguments, before step 0 (pipeline/checks.py)
+    validate_labels(config["grid"], source)
+    for check in extra_checks:
+        check(config, source)
+    n_clients = config["federated"]["n_clients"]
+    checks.check_model_and_data(config, source)
+    checks.check_partitions(config, source, partition_entries(config), n_clients)
+    checks.check_algorithms(config, source, algorithm_entries(config), n_clients, "federated.n_clients",
+                            calibration_hint="set federated.calibration_fraction (train rows held out for the server)")
     return config
+
+
+def partition_entries(config: dict[str, Any]) -> list[Entry]:
+    """Every partition of the grid with its step-3b options (each set by ``<entry key>.<option>``)."""
+    return [Entry(f"grid[{index}].partitions[{position}]", partition.scheme, dict(partition.params))
+            for index, block in enumerate(config["grid"]) for position, partition in enumerate(block["partitions"])]
+
+
+def algorithm_entries(config: dict[str, Any]) -> list[Entry]:
+    """Every algorithm variant of the grid with its settings."""
+    return [Entry(f"grid[{index}].algorithms.{variant.algorithm}", variant.algorithm, dict(variant.settings))
+            for index, block in enumerate(config["grid"]) for variant in block["variants"]]
 
 
 def validate_study_names(config: dict[str, Any], source: Path) -> None:
     """Data source, task (a classification task of the family), encoder and schedule against the registries."""
-    from models import list_encoders
     from models.tasks import get_task, list_tasks
-    from network.lr_schedule import make_lr_schedule
 
-    data = config["data"]
-    if data["source"] not in DATA_SOURCES:
-        raise TaskHetError(f"{source}: data.source {data['source']!r} is unknown; choose from: {', '.join(DATA_SOURCES)}")
-    validate_split_csv(data, source)
-    validate_source_keys(data, source)
     if config["task"] not in list_tasks() or get_task(config["task"]).kind != "classification":
         raise TaskHetError(f"{source}: task {config['task']!r} must be a registered classification task (the study "
                            "reports accuracy)")
-    validate_family_tasks(config, source)
-    if config["model"]["encoder"] not in list_encoders():
-        raise TaskHetError(f"{source}: model.encoder {config['model']['encoder']!r} is unknown; choose from: "
-                           f"{', '.join(list_encoders())}")
-    try:
-        make_lr_schedule(config["federated"]["lr_schedule"], 1.0, 1)
-    except TaskHetError as error:
-        raise TaskHetError(f"{source}: {str(error).replace('--lr_schedule', 'federated.lr_schedule')}") from None
+    validate_data(config, source)
+    validate_encoder(config, source)
+    validate_lr_schedule(config["federated"]["lr_schedule"], "federated.lr_schedule", source)
 
 
 def validate_grid(grid: Any, source: Path, n_labels: int | None = None) -> list[dict[str, Any]]:
@@ -188,26 +190,6 @@ def validate_labels(blocks: list[dict[str, Any]], source: Path) -> None:
             if other != partition:
                 raise TaskHetError(f"{source}: grid[{index}].partitions[{position}] is named {partition.label!r} like "
                                    "another, different partition; give each situation its own name")
-
-
-def validate_practitioners_table(config: dict[str, Any], source: Path) -> None:
-    """``practitioners_table``: only for the heterogeneity study; rows of its table, each naming a situation of the grid."""
-    table = config["practitioners_table"]
-    if not table:
-        return
-    if config["study"] != "heterogeneity_toolbox":
-        raise TaskHetError(f"{source}: practitioners_table is read by study heterogeneity_toolbox only, not {config['study']}")
-    from pipeline.toolbox_report import TABLE
-
-    situations = {partition.situation for block in config["grid"] for partition in block["partitions"]}
-    for row, situation in table.items():
-        if row not in TABLE:
-            raise TaskHetError(f"{source}: practitioners_table.{row}: not a row of the practitioners' table; rows: "
-                               f"{', '.join(TABLE)}")
-        if situation not in situations:
-            named = ", ".join(sorted(name for name in situations if name)) or "none (give partitions a situation name)"
-            raise TaskHetError(f"{source}: practitioners_table.{row}: {situation!r} is not a situation of the grid; "
-                               f"situations: {named}")
 
 
 def grid_size(grid: Any, n_seeds: int) -> int | None:
@@ -345,3 +327,43 @@ def expand_settings(algorithm: str, settings: Any, key: str) -> list[Variant]:
                                f"({options!r}); each value of a grid must be distinct after conversion to "
                                f"{infos[name].type.__name__}")
     return [Variant(algorithm, tuple(zip(names, combination))) for combination in itertools.product(*values)]
+
+
+# ----- stage parameters: what the runner passes to steps 3b and 4, and what the validation checks -----
+def assignment_params(config: dict[str, Any], partition: Partition, seed: int, manifest: Path | str,
+                      groups: Path | str | None = None) -> dict[str, Any]:
+    """Step 3b's parameters for one partition and seed (``groups``: its class-groups file, if any)."""
+    federated = config["federated"]
+    params = {"manifest": str(manifest), "scheme": partition.scheme, **dict(partition.params),
+              "n_clients": federated["n_clients"], "client_test_fraction": federated["client_test_fraction"],
+              "seed": seed}
+    if groups is not None:
+        params["groups"] = str(groups)
+    return params
+
+
+def federated_params(config: dict[str, Any], run: StudyRun, root: Path | str, manifest: Path | str,
+                     assignments_csv: Path | str, start_checkpoint: Path | str) -> dict[str, Any]:
+    """Step 4's parameters for one run of the grid (``start_checkpoint``: the model it starts from, unless scratch)."""
+    federated, model = config["federated"], config["model"]
+    rounds = rounds_for(config, run.local_steps)
+    params = {
+        "task": config["task"], "method": run.variant.algorithm, "rand_seed": run.seed,
+        "data_path": str(root), "manifest": str(manifest), "assignments": str(assignments_csv),
+        "encoder": model["encoder"], "weights": model["weights"],
+        "freeze_encoder": model["freeze_encoder"] and federated["init_from"] != "head",
+        "image_size": model["image_size"], "use_accelerator": config["use_accelerator"],
+        "n_rounds": rounds, "local_steps": run.local_steps, "eval_every": max(1, rounds // federated["evaluations"]),
+        **{key: federated[key] for key in ("batch_size", "init_lr", "lr_schedule", "momentum", "weight_decay",
+                                           "client_fraction", "init_from")},
+        **dict(run.variant.settings),
+    }
+    if federated["init_from"] != "scratch":
+        params.update(init_from="centralized", centralized_checkpoint=str(start_checkpoint))
+    if federated["calibration_fraction"]:
+        params["calibration_fraction"] = federated["calibration_fraction"]
+    if federated["local_test"] != "assigned":
+        params["local_test"] = federated["local_test"]
+    if federated["finetune_steps"]:
+        params["finetune_steps"] = federated["finetune_steps"]
+    return params

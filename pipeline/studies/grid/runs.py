@@ -1,8 +1,8 @@
 """A study's grid: partitions (or named situations) × local steps J × algorithm variants × seeds.
 
-The values here are already validated (pipeline/study_validation.py builds them from the study file);
+The values here are already validated (pipeline/studies/grid/config.py builds them from the study file);
 this module only names them, expands the grid into runs and derives each run's rounds. The runner
-(pipeline/study.py) and every study report read runs through these classes.
+(pipeline/studies/grid/runner.py) and every grid study report read runs through these classes.
 """
 
 from __future__ import annotations

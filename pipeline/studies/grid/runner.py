@@ -1,8 +1,8 @@
-"""Studies: one experiment file with a ``study:`` key runs centralized → a federated grid → a study report.
+"""The runner of every grid study: centralized → a federated grid → the kind's report.
 
-A study is the main job's machinery (pipeline/runner.py's ``Pipeline`` for data, step 1 and
-step 2; pipeline/stages.py's skip-if-done stages; step 3b and step 4 through their
-``main(argv)``) over a different grid: a list of *blocks*, each the product
+A grid study is the main job's machinery (pipeline/runner.py's ``Pipeline`` for data, step 1 and
+step 2; utils/stages.py's skip-if-done stages; step 3b and step 4 through their ``main(argv)``)
+over a different grid: a list of *blocks*, each the product
 
     partitions × local steps J × algorithm variants × seeds
 
@@ -10,21 +10,14 @@ where a partition is a registered scheme with its parameters (``{scheme: nc_shar
 groups_per_client: 5}``), J sets the rounds through the fixed budget
 ``federated.rounds_x_local_steps`` (rounds = budget / J, so every run does the same local
 work), and an algorithm's setting given as a list expands into one variant per value
-(``sparse_ft: {density: [0.01, 0.1]}``), so a later study (dense FedAvg against sparse
-fine-tuning over its settings) reuses the grid and only adds a report. ``study:`` names
-the report (:data:`STUDY_REPORTS`): ``fedavg_sharding`` (pipeline/study_report.py) or
-``sparse_finetuning`` (pipeline/sparse_report.py: dense FedAvg against ``sparse_ft`` per
-sparsity, calibration rounds and mask rule), ``fed_lt`` (pipeline/fedlt_report.py) or
-``heterogeneity_toolbox`` (pipeline/toolbox_report.py: which method for which heterogeneity,
-each partition a named *situation*).
+(``sparse_ft: {density: [0.01, 0.1]}``), so a new kind reuses the grid and only adds a report
+(pipeline/studies/<kind>.py). The grid's classes live in pipeline/studies/grid/runs.py and the
+study file's checks in pipeline/studies/grid/config.py.
 
-This module is the runner; the grid's classes live in pipeline/study_grid.py and the study
-file's checks in pipeline/study_validation.py.
-
-``federated.init_from: head`` is issue 15's step 0: step 2 runs with ``model.freeze_encoder``
-(a linear head on the frozen pretrained features), the study copies its ``best.pt`` with the
-encoder unfrozen into ``head/s<seed>-<key>/``, and every federated run (dense or sparse)
-fine-tunes the whole model from there (``sparse_ft`` keeps the head frozen, as TaLoS does).
+``federated.init_from: head``: step 2 runs with ``model.freeze_encoder`` (a linear head on the
+frozen pretrained features), the study copies its ``best.pt`` with the encoder unfrozen into
+``head/s<seed>-<key>/``, and every federated run (dense or sparse) fine-tunes the whole model
+from there (``sparse_ft`` keeps the head frozen, as TaLoS does).
 
 Layout under ``results/<name>/``::
 
@@ -41,33 +34,44 @@ Layout under ``results/<name>/``::
 
 from __future__ import annotations
 
-import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from tqdm.auto import tqdm
+from pipeline.argv import flags
+from pipeline.pool import PoolStage
+from steps import assign as step3b
+from pipeline.studies.grid.config import assignment_params, federated_params
+from pipeline.studies.grid.runs import Partition, StudyRun, study_runs
+from utils.stages import run_stage, stage_key
 
-from pipeline.stages import stage_key
-from pipeline.study_grid import Partition, StudyRun, rounds_for, study_runs
-from pipeline.study_validation import STUDY_REPORTS
+if TYPE_CHECKING:
+    from pipeline.runner import Pipeline
 
 
-class Study:
-    """Runs one study (a config from :func:`load_study`) into ``out_dir``, reusing the main job's steps."""
+@dataclass(frozen=True)
+class GridResult:
+    """The finished folders of a grid study, for its kind's report.
 
-    def __init__(self, config: dict[str, Any], out_dir: Path, command: str, jobs: int = 1,
-                 threads: int | None = None, show_progress: bool = True) -> None:
-        from pipeline.runner import Pipeline
+    Attributes:
+        run_dirs: each :class:`StudyRun` -> its step-4 folder.
+        centralized: each seed -> its step-2 folder.
+        meters: (partition, seed) -> step 3c's folder (empty without ``heterogeneity_meter``).
+    """
 
-        self.config, self.out_dir, self.command = config, Path(out_dir), command
-        # jobs > 1: the grid's federated runs go through the main job's worker pool (Pipeline.run_pooled)
-        self.pipeline = Pipeline(config, self.out_dir, command, jobs=jobs, threads=threads, show_progress=show_progress)
+    run_dirs: dict[StudyRun, Path]
+    centralized: dict[int, Path]
+    meters: dict[tuple[Partition, int], Path]
 
-    def run(self):
-        """Step 1, step 2 per seed, step 3b (and 3c) per partition and seed, step 4 per run, then the report; returns
-        its table."""
-        import importlib
 
+class GridStudy:
+    """The steps of one grid study (a validated config) through the shared step runner ``pipeline``."""
+
+    def __init__(self, pipeline: "Pipeline") -> None:
+        self.pipeline, self.config, self.out_dir = pipeline, pipeline.config, pipeline.out_dir
+
+    def run(self) -> GridResult:
+        """Step 1, step 2 per seed, step 3b (and 3c) per partition and seed, step 4 per run (``--jobs`` at a time)."""
         self.pipeline.check_inputs()  # every input file the study names, before step 0
         runs = study_runs(self.config)
         seeds = [int(seed) for seed in self.config["seeds"]]
@@ -76,8 +80,7 @@ class Study:
         grouped = list(dict.fromkeys(partition for partition, _ in partitions if partition.class_groups))
         total = ((self.config["data"]["source"] == "synthetic") + 1 + len(seeds) + len(grouped) + len(partitions)
                  + len(metered) + len(runs))
-        with tqdm(total=total, desc="study", unit="step", file=sys.stdout,
-                  disable=not self.pipeline.show_progress) as self.pipeline.progress:
+        with self.pipeline.progress_bar(total, "study") as self.pipeline.progress:
             root = self.pipeline.data_root()
             manifest = self.pipeline.manifest(root)
             centralized = {seed: self.pipeline.centralized(self.config["task"], root, manifest, seed) for seed in seeds}
@@ -89,17 +92,12 @@ class Study:
             stages = {run: self.federated(run, root, manifest, assignments[(run.partition, run.seed)],
                                           starts[run.seed]) for run in runs}
             self.pipeline.run_pooled([*meters.values(), *stages.values()])  # one by one, or --jobs at a time
-            run_dirs = {run: stage.stage_dir for run, stage in stages.items()}
-            meters = {key: stage.stage_dir for key, stage in meters.items()}
-        report = importlib.import_module(STUDY_REPORTS[self.config["study"]])
-        extra = {"meters": meters} if metered else {}  # only the toolbox report reads step 3c
-        return report.write_report(self.config, self.out_dir, run_dirs, centralized, self.command, **extra)
+        return GridResult({run: stage.stage_dir for run, stage in stages.items()}, centralized,
+                          {key: stage.stage_dir for key, stage in meters.items()})
 
     def start_model(self, seed: int, model_dir: Path) -> Path:
         """The folder whose ``best.pt`` the federated runs start from: step 2's, or (init_from head) a copy with
         the encoder unfrozen, since a checkpoint's model config keeps step 2's ``freeze_encoder``."""
-        from pipeline.stages import run_stage
-
         if self.config["federated"]["init_from"] != "head":
             return model_dir
         params = {"checkpoint": str(model_dir / "best.pt")}
@@ -119,7 +117,6 @@ class Study:
 
         from datasets.family import load_manifest
         from network.calibration_split import calibration_ids
-        from pipeline.stages import run_stage
 
         fraction = self.config["federated"]["calibration_fraction"]
         if not fraction:
@@ -142,7 +139,6 @@ class Study:
         import pandas as pd
 
         from datasets.family import load_manifest
-        from pipeline.stages import run_stage
 
         params = {"manifest": str(manifest), "class_groups": [list(group) for group in partition.class_groups]}
         stage_dir = self.out_dir / "groups" / f"{partition.label}-{stage_key(params, [manifest], self.out_dir)}"
@@ -158,17 +154,9 @@ class Study:
         return stage_dir / "groups.csv"
 
     def assignments(self, partition: Partition, seed: int, manifest: Path, groups: Path | None = None) -> Path:
-        from pipeline.runner import flags
-        from steps import assign as step3b
-
-        federated = self.config["federated"]
-        params = {"manifest": str(manifest), "scheme": partition.scheme, **dict(partition.params),
-                  "n_clients": federated["n_clients"], "client_test_fraction": federated["client_test_fraction"],
-                  "seed": seed}
-        inputs = [manifest]
-        if groups is not None:
-            params["groups"] = str(groups)
-            inputs.append(groups)
+        """Step 3b: one partition's assignments.csv for one seed (``groups``: its class-groups file, if any)."""
+        params = assignment_params(self.config, partition, seed, manifest, groups)
+        inputs = [manifest] + ([groups] if groups is not None else [])
         stage_dir = (self.out_dir / "assignments"
                      / f"{partition.label}-s{seed}-{stage_key(params, inputs, self.out_dir)}")
         return self.pipeline.step(f"step 3b: {partition.label} seed {seed}", stage_dir, params, step3b,
@@ -184,30 +172,8 @@ class Study:
 
     def federated(self, run: StudyRun, root: Path, manifest: Path, assignments: Path, model_dir: Path):
         """Step 4's stage of one run (a ``pipeline.pool.PoolStage``, run by ``Pipeline.run_pooled``)."""
-        from pipeline.pool import PoolStage
-        from pipeline.runner import flags
-
-        federated, model = dict(self.config["federated"]), self.config["model"]
-        rounds = rounds_for(self.config, run.local_steps)
-        params = {
-            "task": self.config["task"], "method": run.variant.algorithm, "rand_seed": run.seed,
-            "data_path": str(root), "manifest": str(manifest), "assignments": str(assignments / "assignments.csv"),
-            "encoder": model["encoder"], "weights": model["weights"],
-            "freeze_encoder": model["freeze_encoder"] and federated["init_from"] != "head",
-            "image_size": model["image_size"], "use_accelerator": self.config["use_accelerator"],
-            "n_rounds": rounds, "local_steps": run.local_steps, "eval_every": max(1, rounds // federated["evaluations"]),
-            **{key: federated[key] for key in ("batch_size", "init_lr", "lr_schedule", "momentum", "weight_decay",
-                                               "client_fraction", "init_from")},
-            **dict(run.variant.settings),
-        }
-        if federated["init_from"] != "scratch":
-            params.update(init_from="centralized", centralized_checkpoint=str(model_dir / "best.pt"))
-        if federated["calibration_fraction"]:
-            params["calibration_fraction"] = federated["calibration_fraction"]
-        if federated["local_test"] != "assigned":
-            params["local_test"] = federated["local_test"]
-        if federated["finetune_steps"]:
-            params["finetune_steps"] = federated["finetune_steps"]
+        params = federated_params(self.config, run, root, manifest, assignments / "assignments.csv",
+                                  model_dir / "best.pt")
         inputs = [manifest, assignments / "assignments.csv"]
         stage_dir = (self.out_dir / "federated" / run.partition.label / f"J{run.local_steps}" / run.variant.label
                      / f"s{run.seed}-{stage_key(params, inputs, self.out_dir)}")
@@ -216,10 +182,7 @@ class Study:
 
 
 def unfrozen_copy(checkpoint: Path, out: Path) -> None:
-    """Write step 2's checkpoint with ``freeze_encoder`` off in its model config (the weights unchanged)."""
-    from utils.loaders import load_checkpoint
-    from utils.run_dir import atomic_torch_save
+    """Write step 2's checkpoint whole (its frozen encoder put back) with ``freeze_encoder`` off in its model config."""
+    from models.frozen_encoder import write_unfrozen_copy
 
-    loaded = load_checkpoint(checkpoint, "step-2 best.pt", keys=("model", "model_config"), finished=True)
-    # atomic and content-only bytes: the federated runs' stage keys hash this file
-    atomic_torch_save({"model": loaded["model"], "model_config": {**loaded["model_config"], "freeze_encoder": False}}, out)
+    write_unfrozen_copy(checkpoint, out)

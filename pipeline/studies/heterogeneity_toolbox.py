@@ -43,6 +43,9 @@ import pandas as pd
 
 from network.client import CLIENT_TEST_SPLIT, FINETUNED_TEST_SPLIT, GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT
 from network.run_outputs import GLOBAL_CLIENT, METRICS_COLUMNS
+from pipeline.schema import Mapping
+from pipeline.studies.grid.kind import register_grid_kind
+from utils.errors import TaskHetError
 from utils.loaders import load_json, read_csv
 from utils.run_dir import atomic_write_text
 from utils.statistics import NONNEGATIVE, UNIT, PairedDifference, mean_interval, paired_difference
@@ -373,3 +376,26 @@ def write_report(config: dict[str, Any], out_dir: Path, run_dirs: dict, centrali
     check.to_csv(out_dir / "table_check.csv", index=False)
     atomic_write_text(out_dir / "report.md", "\n".join(report_lines(config, command, runs, table, situations, check)) + "\n")
     return table
+
+
+def validate_practitioners_table(config: dict[str, Any], source: Path) -> None:
+    """``practitioners_table``: rows of :data:`TABLE`, each naming a situation of the grid."""
+    situations = {partition.situation for block in config["grid"] for partition in block["partitions"]}
+    for row, situation in config["practitioners_table"].items():
+        if row not in TABLE:
+            raise TaskHetError(f"{source}: practitioners_table.{row}: not a row of the practitioners' table; rows: "
+                               f"{', '.join(TABLE)}")
+        if situation not in situations:
+            named = ", ".join(sorted(name for name in situations if name)) or "none (give partitions a situation name)"
+            raise TaskHetError(f"{source}: practitioners_table.{row}: {situation!r} is not a situation of the grid; "
+                               f"situations: {named}")
+
+
+register_grid_kind(
+    "heterogeneity_toolbox", "which method for which heterogeneity: named situations × personalised, clustered and "
+    "multi-task methods, checked against the practitioners' table", write_report,
+    report_unit="situation × method rows",
+    extra_schema={"practitioners_table": {}},  # table row -> the situation that tests it (TABLE)
+    extra_types={"practitioners_table": Mapping("map rows of the practitioners' table to situation names",
+                                                "{mild: mild_label_skew, severe: severe_label_skew}", allow_empty=True)},
+    extra_checks=(validate_practitioners_table,), free_form=frozenset({"practitioners_table"}), reads_meters=True)

@@ -25,6 +25,7 @@ from typing import Any
 import pandas as pd
 
 from network.run_outputs import SKIPPED_CLIENT, SUMMARY_CLIENTS
+from pipeline.studies.grid.kind import register_grid_kind
 from utils.statistics import UNIT, mean_interval, paired_difference
 from utils.run_dir import atomic_write_text
 
@@ -171,3 +172,7 @@ def write_report(config: dict[str, Any], out_dir: Path, run_dirs: dict, centrali
                      + " |")
     atomic_write_text(out_dir / "report.md", "\n".join(lines) + "\n")
     return table
+
+
+register_grid_kind("fed_lt", "long-tailed federated learning: global accuracy by head/middle/tail classes and local "
+                   "accuracy, FedLoGe against its baselines", write_report, report_unit="partition × method rows")

@@ -1,6 +1,6 @@
 """The iid reference's part of the report: is each federated model trained enough to be compared?
 
-Input ``finals`` (pipeline/report.py's table of final losses). Its rows of grouping ``iid`` are the
+Input ``finals`` (pipeline/studies/main_job/report.py's table of final losses). Its rows of grouping ``iid`` are the
 same algorithms and seeds run on an iid partition of the same clients. Without heterogeneity a
 federated model that has converged ends near the centralized model, so the gap between the two
 says how far training stopped short; a label-vs-embedding gap measured on models that stopped

@@ -17,7 +17,7 @@ Inputs are plain tables the pipeline collects from the run folders:
   (step 3c's heterogeneity meter at the centralized model).
 
 Runs with grouping ``iid`` (the iid reference partition) are reported in their own table
-(pipeline/iid_report.py); the plots are drawn by pipeline/report_plots.py. An algorithm whose global
+(pipeline/studies/main_job/iid.py); the plots are drawn by pipeline/studies/main_job/plots.py. An algorithm whose global
 model is not its result (``result_is_personal``: FedRep's global head is never trained, so its global
 loss measures an untrained head) enters the gap table, the summary's counts and the plots with its
 clients' own models' loss on their own test splits (:func:`results_finals`).
@@ -39,8 +39,8 @@ import numpy as np
 import pandas as pd
 
 from partitioning.groupings import EMBEDDING_BASED, LABEL_BASED
-from pipeline.iid_report import iid_clause, iid_section, iid_table
-from pipeline.report_plots import plot_agreement, plot_heatmaps, plot_loss_vs_alpha, plot_round_curves
+from pipeline.studies.main_job.iid import iid_clause, iid_section, iid_table
+from pipeline.studies.main_job.plots import plot_agreement, plot_heatmaps, plot_loss_vs_alpha, plot_round_curves
 from utils.statistics import (CONTAINS_ZERO, TOO_FEW, ZERO_VARIANCE, Counts, adjusted_decided, direction,
                               paired_difference)
 from utils.run_dir import atomic_write_text
@@ -226,7 +226,7 @@ def write_report(
     meters: pd.DataFrame | None = None,
 ) -> pd.DataFrame:
     """Write report.csv, report.md and the PNG plots into ``out_dir``; returns the gap table."""
-    from pipeline.heterogeneity_report import meter_markdown, meter_sentence, meter_table, plot_meter
+    from pipeline.studies.main_job.meter import meter_markdown, meter_sentence, meter_table, plot_meter
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,15 @@
+"""The main job (a file without a ``study:`` key): does an embedding-based partition hurt federated learning
+more than a label-based one at equal Dirichlet α? Steps 1–4 for every task × grouping × α × algorithm × seed,
+then the gap report (config: the file's keys; runner: the steps; report, iid, meter, plots: the report)."""
+
+from pipeline.studies.main_job import config, runner
+from pipeline.studies.registry import MAIN_JOB, StudyKind, register
+
+register(StudyKind(
+    name=MAIN_JOB,
+    summary="label- vs embedding-based partitions: the federated loss gap per task × algorithm × α (the paper's question)",
+    schema=config.SCHEMA,
+    load=config.load,
+    run=runner.run,
+    report_unit="task × algorithm × α rows",
+))

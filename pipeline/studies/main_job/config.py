@@ -1,0 +1,324 @@
+"""The main job's experiment file: its keys with their defaults, their types, and every check made before
+step 0 (errors name the YAML key).
+
+The schema below is the complete list of keys with their defaults. A key that is not in it, a task,
+algorithm or partition scheme that is not registered, is an error naming the key, so a typo never silently
+falls back to a default. The stage parameters of steps 3b and 4 are built here too (:func:`assignment_params`,
+:func:`federated_params`), so the runner runs exactly what the validation checked.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from partitioning.client_tests import CLIENT_TESTS, DEFAULT_TEST_FRACTION, HELD_OUT, TEST_SPLIT
+from partitioning.groupings import EMBEDDING_BASED, GROUPINGS, IID_REFERENCE, canonical_grouping
+from pipeline import checks
+from pipeline.checks import Entry
+from pipeline.schema import POSITIVE, SHARED_TYPES, Bool, Check, Float, Int, ListOf, Mapping, Optional, Str, check_types
+from pipeline.sections import check_run_count, merge_keys, shared_sections, validate_data, validate_encoder, validate_lr_schedule
+from utils.errors import TaskHetError
+
+IID_SCHEME = "iid"
+# Every key an experiment file may set, with its default. Nested dicts are sections.
+SCHEMA: dict[str, Any] = {
+    "name": "experiment",
+    **shared_sections(),
+    "tasks": ["depth_euclidean", "normal", "segment_semantic", "class_scene"],
+    "embeddings": {"n_clusters": 10, "pca_dim": None},
+    "partition": {
+        "groupings": list(GROUPINGS),
+        "scheme": "dirichlet_mixture",
+        "alphas": [0.1, 1.0],
+        "n_clients": 10,
+        "client_test_fraction": DEFAULT_TEST_FRACTION,  # client_tests held_out: share of each client's rows held out as its test set
+        "client_tests": HELD_OUT,  # or test_split: the manifest's test rows, dealt to clients (step 3b --client_tests)
+        "size_skew": None,
+        "temporal": None,  # temporal skew (step 3b's --temporal, scheduled up to federated.n_rounds)
+        "skews": {},  # step 3b's per-client skews by flag name, e.g. {feature_noise: 0.2, label_swap: 1, concept_fraction: 0.3}
+        "iid_reference": False,  # also run every algorithm and seed on an iid partition (the report's reference)
+    },
+    "heterogeneity_meter": True,  # step 3c: G² and B² of every label/embedding partition at the centralized model
+    "federated": {
+        "algorithms": {"fedavg": {}, "fedprox": {"mu": 0.01}, "scaffold": {}, "fedrep": {}},
+        "n_rounds": 10,
+        "local_steps": 5,
+        "batch_size": 16,
+        "init_lr": 0.01,
+        "task_init_lr": {},  # task -> its own local learning rate (tasks not listed use init_lr)
+        "per_task": {},  # task -> {federated key: value} for that task's runs (e.g. a cheap head trains longer)
+        "momentum": 0.0,  # local SGD momentum (a fresh buffer each round)
+        "weight_decay": 0.0,  # local SGD weight decay
+        "lr_schedule": "constant",
+        "client_fraction": 1.0,
+        "eval_every": 1,
+        "checkpoint_every": 1,  # step 4 writes checkpoint.pt every this many rounds (a killed run redoes the rest)
+        "init_from": "scratch",
+    },
+    "seeds": [0, 1],
+    "use_accelerator": True,
+}
+# Sections whose values are free-form mappings (algorithm name -> its hyperparameters).
+FREE_FORM = frozenset({"federated.algorithms", "federated.task_init_lr", "federated.per_task", "partition.skews"})
+# federated keys that federated.per_task may not change: the grid and the other per-task mappings.
+NOT_PER_TASK = ("algorithms", "task_init_lr", "per_task")
+
+TYPES: dict[str, Check] = {
+    **SHARED_TYPES,
+    "tasks": ListOf(Str()),
+    "embeddings.n_clusters": Int(1),
+    "embeddings.pca_dim": Optional(Int(1)),
+    "partition.groupings": ListOf(Str()),
+    "partition.scheme": Str(),
+    "partition.alphas": ListOf(POSITIVE),
+    "partition.n_clients": Int(1),
+    "partition.client_test_fraction": Float(0, 1, high_open=True),
+    "partition.client_tests": Str(CLIENT_TESTS),
+    "partition.size_skew": Optional(Str()),
+    "partition.temporal": Optional(Str()),
+    "partition.skews": Mapping("map step 3b's skew flags to values", "{feature_noise: 0.2, label_swap: 1}", allow_empty=True),
+    "partition.iid_reference": Bool(),
+    "federated.algorithms": Mapping(),
+    "federated.n_rounds": Int(1),
+    "federated.local_steps": Int(1),
+    "federated.batch_size": Int(1),
+    "federated.init_lr": POSITIVE,
+    "federated.task_init_lr": Mapping("map task names to their learning rates", "{class_scene: 0.05}", allow_empty=True),
+    "federated.per_task": Mapping("map task names to the federated keys their runs change",
+                                  "{class_scene: {batch_size: 64, lr_schedule: cosine}}", allow_empty=True),
+    "federated.momentum": Float(0, 1, high_open=True),
+    "federated.weight_decay": Float(0),
+    "federated.lr_schedule": Str(),
+    "federated.client_fraction": Float(0, 1, low_open=True),
+    "federated.eval_every": Int(1),
+    "federated.checkpoint_every": Int(1),
+    "federated.init_from": Str(("scratch", "centralized")),
+    "heterogeneity_meter": Bool(),
+}
+
+
+@dataclass(frozen=True)
+class Combination:
+    """One federated run of the experiment grid."""
+
+    task: str
+    grouping: str
+    alpha: float
+    algorithm: str
+    seed: int
+
+    def label(self) -> str:
+        partition = self.grouping if self.grouping == IID_REFERENCE else f"{self.grouping} · α={self.alpha:g}"
+        return f"{self.task} · {partition} · {self.algorithm} · seed {self.seed}"
+
+
+def load(raw: dict[str, Any], source: Path) -> dict[str, Any]:
+    """Merge, type-check and validate a main-job file (``raw``: its YAML mapping); errors name the key.
+
+    Every key is checked against :data:`TYPES` (type, range, list-ness) before any name is looked up, and all of
+    it before step 0 runs; an empty file is an error, not a default run.
+    """
+    config = merge_keys(copy.deepcopy(SCHEMA), raw, source, FREE_FORM)
+    check_types(config, source, TYPES)
+    # Old names (class_based) are replaced before anything reads them: folders and the report use one name.
+    config["partition"]["groupings"] = [canonical_grouping(name) for name in config["partition"]["groupings"]]
+    validate_names(config, source)
+    check_run_count(count_combinations(config), source, "tasks × partition.groupings × partition.alphas × "
+                    "federated.algorithms × seeds (+ the iid reference)")
+    checks.check_model_and_data(config, source)
+    checks.check_partitions(config, source, partition_entries(config), config["partition"]["n_clients"])
+    checks.check_algorithms(config, source, algorithm_entries(config), config["partition"]["n_clients"],
+                            "partition.n_clients", calibration_hint="an experiment file has no calibration split: use "
+                            "a study file with federated.calibration_fraction")
+    check_alpha_labels(config, source)
+    return config
+
+
+def count_combinations(config: dict[str, Any]) -> int:
+    """How many runs :func:`combinations` will list, from the list lengths alone (nothing is expanded)."""
+    partition = config["partition"]
+    per_partition = len(config["federated"]["algorithms"]) * len(config["seeds"])
+    grid = len(config["tasks"]) * len(partition["groupings"]) * len(partition["alphas"]) * per_partition
+    return grid + (len(config["tasks"]) * per_partition if partition["iid_reference"] else 0)
+
+
+def validate_names(config: dict[str, Any], source: Path) -> None:
+    """Check tasks, encoder, algorithms, scheme and groupings against the registries."""
+    from models.tasks import list_tasks
+    from network.algorithms import list_algorithms
+    from partitioning.partition import list_schemes
+    from steps.skew_flags import SKEW_FLAGS
+
+    def check(key: str, values: list[str], known: list[str]) -> None:
+        for value in values:
+            if value not in known:
+                raise TaskHetError(f"{source}: {key} {value!r} is unknown; choose from: {', '.join(known)}")
+
+    check("tasks", list(config["tasks"]), list_tasks())
+    validate_data(config, source)
+    validate_encoder(config, source)
+    algorithms = config["federated"]["algorithms"]
+    check("federated.algorithms", list(algorithms), list_algorithms())
+    checks.check_algorithm_settings(algorithms, source, "federated.algorithms")
+    check("partition.scheme", [config["partition"]["scheme"]], list_schemes())
+    validate_lr_schedule(config["federated"]["lr_schedule"], "federated.lr_schedule", source)
+    check_partition_flags(config, source)
+    check("partition.groupings", list(config["partition"]["groupings"]), list(GROUPINGS))
+    check("partition.skews", list(config["partition"]["skews"]), list(SKEW_FLAGS))
+    if sorted(set(config["partition"]["groupings"])) != sorted(GROUPINGS):
+        raise TaskHetError(f"{source}: partition.groupings must list both {' and '.join(GROUPINGS)}: the report "
+                           f"compares them; got {config['partition']['groupings']}")
+    validate_per_task(config, source)
+    for task, lr in config["federated"]["task_init_lr"].items():
+        if task not in config["tasks"]:
+            raise TaskHetError(f"{source}: federated.task_init_lr names task {task!r}, which is not in tasks {config['tasks']}")
+        POSITIVE(lr, f"{source}: federated.task_init_lr.{task}")
+
+
+def check_partition_flags(config: dict[str, Any], source: Path) -> None:
+    """partition.size_skew and partition.temporal through step 3b's own parsers, their messages naming the key."""
+    from partitioning.allocation import parse_size_skew
+    from partitioning.temporal import parse_temporal, phase_windows
+
+    def temporal_fits() -> None:
+        spec = parse_temporal(config["partition"]["temporal"])
+        if spec is not None:
+            phase_windows(spec, config["federated"]["n_rounds"])
+
+    for key, flag, parse in (("partition.size_skew", "--size_skew", lambda: parse_size_skew(config["partition"]["size_skew"])),
+                             ("partition.temporal", "--temporal", temporal_fits)):
+        try:
+            parse()
+        except TaskHetError as error:
+            raise TaskHetError(f"{source}: {str(error).replace(flag, key)}") from None
+
+
+def validate_per_task(config: dict[str, Any], source: Path) -> None:
+    """federated.per_task: each task one of ``tasks``, each key a federated key, each value of that key's type."""
+    allowed = [key for key in config["federated"] if key not in NOT_PER_TASK]
+    for task, changes in config["federated"]["per_task"].items():
+        where = f"federated.per_task.{task}"
+        if task not in config["tasks"]:
+            raise TaskHetError(f"{source}: {where} names task {task!r}, which is not in tasks {config['tasks']}")
+        if not isinstance(changes, dict) or not changes:
+            raise TaskHetError(f"{source}: {where} must map federated keys to this task's values, e.g. "
+                               f"{{batch_size: 64, lr_schedule: cosine}}, got {changes!r}")
+        for key, value in changes.items():
+            if key not in allowed:
+                raise TaskHetError(f"{source}: {where}.{key} is not a federated key a task may change; allowed: "
+                                   f"{', '.join(allowed)}")
+            try:
+                changes[key] = TYPES[f"federated.{key}"](value, f"{where}.{key}")
+            except TaskHetError as error:
+                raise TaskHetError(f"{source}: {error}") from None
+            if key == "lr_schedule":
+                validate_lr_schedule(value, f"{where}.lr_schedule", source)
+
+
+def task_federated(config: dict[str, Any], task: str) -> dict[str, Any]:
+    """The federated keys of ``task``'s runs: the shared ones, its task_init_lr, then its per_task changes."""
+    federated = {key: value for key, value in config["federated"].items() if key not in NOT_PER_TASK}
+    federated["init_lr"] = config["federated"]["task_init_lr"].get(task, federated["init_lr"])
+    return {**federated, **config["federated"]["per_task"].get(task, {})}
+
+
+def check_alpha_labels(config: dict[str, Any], source: Path) -> None:
+    """Two α that print alike (``a{α:g}``) would share folder names and report rows: refuse them."""
+    seen: dict[str, float] = {}
+    for alpha in config["partition"]["alphas"]:
+        label = f"{float(alpha):g}"
+        if label in seen:
+            raise TaskHetError(f"{source}: partition.alphas {seen[label]!r} and {alpha!r} both print as α={label} (folder "
+                               f"a{label}, the report's rows); give values that differ in 6 significant digits")
+        seen[label] = alpha
+
+
+def combinations(config: dict[str, Any]) -> list[Combination]:
+    """Every federated run of the grid, in the order the pipeline runs them (the iid reference runs last; α = inf)."""
+    algorithms = list(config["federated"]["algorithms"])
+    grid = [
+        Combination(task, grouping, float(alpha), algorithm, int(seed))
+        for task, grouping, alpha, algorithm, seed in itertools.product(
+            config["tasks"], config["partition"]["groupings"], config["partition"]["alphas"], algorithms,
+            config["seeds"])
+    ]
+    if config["partition"]["iid_reference"]:
+        grid += [Combination(task, IID_REFERENCE, math.inf, algorithm, int(seed))
+                 for task, algorithm, seed in itertools.product(config["tasks"], algorithms, config["seeds"])]
+    return grid
+
+
+def partition_key(combination: Combination) -> tuple:
+    """Combinations with the same key share one assignments file (label and iid partitions are task-free)."""
+    owner = combination.task if combination.grouping == EMBEDDING_BASED else "labels"
+    return owner, combination.grouping, combination.alpha, combination.seed
+
+
+# ----- stage parameters: what the runner passes to steps 3b and 4, and what the validation checks -----
+def assignment_params(config: dict[str, Any], grouping: str, alpha: float, seed: int, manifest: Path | str,
+                      groups: str | None) -> dict[str, Any]:
+    """Step 3b's parameters for one partition (``groups``: the clusters file of an embedding-based one)."""
+    partition = config["partition"]
+    iid = grouping == IID_REFERENCE
+    params = {
+        "manifest": str(manifest), "groups": groups, "scheme": IID_SCHEME if iid else partition["scheme"],
+        "alpha": None if iid else alpha, "n_clients": partition["n_clients"],
+        "size_skew": partition["size_skew"], "seed": seed,
+        **partition["skews"],  # per-client feature skew / concept shift (partitioning/skews.py), iid reference too
+    }
+    # Only a test_split run names --client_tests: the stage keys of held-out runs stay as they were.
+    params.update({"client_tests": TEST_SPLIT} if partition["client_tests"] == TEST_SPLIT
+                  else {"client_test_fraction": partition["client_test_fraction"]})
+    if partition.get("temporal") and not iid:  # only then: the stage keys of static partitions stay as they were
+        params.update(temporal=partition["temporal"], n_rounds=config["federated"]["n_rounds"])
+    return params
+
+
+def federated_params(config: dict[str, Any], combination: Combination, root: Path | str, manifest: Path | str,
+                     assignments_csv: Path | str, centralized_checkpoint: Path | str) -> dict[str, Any]:
+    """Step 4's parameters for one combination."""
+    federated = task_federated(config, combination.task)
+    model = config["model"]
+    hyper = config["federated"]["algorithms"][combination.algorithm] or {}
+    params = {
+        "task": combination.task, "method": combination.algorithm, "rand_seed": combination.seed,
+        "alpha": None if combination.grouping == IID_REFERENCE else combination.alpha,
+        "data_path": str(root), "manifest": str(manifest), "assignments": str(assignments_csv),
+        "encoder": model["encoder"],
+        # the same pretrained weights and decoder as step 2's model, for runs that start from scratch
+        "weights": model["weights"], "decoder_width": model["decoder_width"],
+        "freeze_encoder": model["freeze_encoder"], "cache_features": model["cache_features"],
+        "image_size": model["image_size"], "use_accelerator": config["use_accelerator"],
+        **federated, **hyper,
+    }
+    if federated["init_from"] == "centralized":
+        params["centralized_checkpoint"] = str(centralized_checkpoint)
+    return params
+
+
+# Step 3b's parameters -> the key of the main job's file that sets them (a skew flag is partition.skews.<flag>).
+PARTITION_ORIGINS = {"alpha": "partition.alphas", "scheme": "partition.scheme", "n_clients": "partition.n_clients",
+                     "size_skew": "partition.size_skew", "temporal": "partition.temporal", "n_rounds": "federated.n_rounds",
+                     "client_tests": "partition.client_tests", "client_test_fraction": "partition.client_test_fraction"}
+
+
+def partition_entries(config: dict[str, Any]) -> list[Entry]:
+    """Every partition step 3b will be asked for, with the keys that set its parameters."""
+    partition = config["partition"]
+    origins = {**PARTITION_ORIGINS, **{flag: f"partition.skews.{flag}" for flag in partition["skews"]}}
+    found = [Entry("partition", partition["scheme"], {"alpha": alpha, "size_skew": partition["size_skew"]}, origins)
+             for alpha in partition["alphas"]]
+    if partition["iid_reference"]:
+        found.append(Entry("partition.iid_reference", IID_SCHEME, {"size_skew": partition["size_skew"]}, origins))
+    return found
+
+
+def algorithm_entries(config: dict[str, Any]) -> list[Entry]:
+    """Every algorithm configuration step 4 will run."""
+    return [Entry(f"federated.algorithms.{name}", name, settings or {})
+            for name, settings in config["federated"]["algorithms"].items()]

@@ -1,0 +1,168 @@
+"""The main job's steps: 1–4 for every combination of the experiment grid, then the gap report.
+
+Layout under ``results/<experiment name>/`` (beside the shared folders of pipeline/runner.py)::
+
+    embeddings/<task>-<key>/            step 3 (clusters.csv, diagnostics)
+    assignments/<task|labels>/<grouping>-a<α>-s<seed>-<key>/   step 3b
+    heterogeneity/<task>/<grouping>-a<α>-s<seed>-<key>/        step 3c
+    federated/<task>/<grouping>/a<α>/<algorithm>/s<seed>-<key>/ step 4 run folder
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from models.tasks import get_task
+from network.algorithms.base import ALGORITHMS
+from network.run_outputs import METRICS_COLUMNS
+from partitioning.groupings import EMBEDDING_BASED, GROUPINGS, IID_REFERENCE
+from pipeline.argv import flags
+from pipeline.pool import PoolStage
+from pipeline.run_results import best_validation_loss, final_personal_loss, global_test_history, personal_test_history
+from pipeline.runner import Pipeline
+from pipeline.studies.main_job.config import (Combination, assignment_params, combinations, federated_params,
+                                              partition_key)
+from pipeline.studies.main_job.report import write_report
+from steps import assign as step3b
+from steps import embed as step3
+from steps.meter import METER_FILE
+from utils.loaders import load_json, read_csv
+from utils.stages import stage_key
+
+
+@dataclass
+class MainJob:
+    """The main job of one validated experiment, run through the shared step runner ``pipeline``."""
+
+    pipeline: Pipeline
+    partitions: dict[tuple, Path] = field(default_factory=dict)  # partition_key -> step 3b's folder
+
+    @property
+    def config(self) -> dict:
+        return self.pipeline.config
+
+    @property
+    def out_dir(self) -> Path:
+        return self.pipeline.out_dir
+
+    def run(self) -> pd.DataFrame:
+        """Every step for every combination, then the report; returns the report table."""
+        pipeline = self.pipeline
+        pipeline.check_inputs()
+        runs = combinations(self.config)
+        with pipeline.progress_bar(self.count_steps(runs), "pipeline") as pipeline.progress:
+            root = pipeline.data_root()
+            manifest = pipeline.manifest(root)
+            model_dirs = {task: pipeline.centralized(task, root, manifest) for task in self.config["tasks"]}
+            cluster_dirs = {task: self.clusters(task, root, manifest, model_dirs[task]) for task in self.config["tasks"]}
+            stages, meters = [], {}
+            for combination in runs:
+                assignments = self.partition_for(combination, manifest, cluster_dirs)
+                measured = (combination.task, combination.grouping, combination.alpha, combination.seed)
+                if measured in self.metered([combination]) and measured not in meters:
+                    meters[measured] = self.meter(*measured, root, manifest, assignments, model_dirs[combination.task])
+                stage = self.federated(combination, root, manifest, assignments, model_dirs[combination.task])
+                stages.append((combination, stage, assignments))
+            pipeline.run_pooled([*meters.values(), *(stage for _, stage, _ in stages)])
+        return self.report([(combination, stage.stage_dir, assignments) for combination, stage, assignments in stages],
+                           model_dirs, cluster_dirs, {key: stage.stage_dir for key, stage in meters.items()})
+
+    def count_steps(self, runs: list[Combination]) -> int:
+        """Steps the top-level bar counts: one per script call, each shared partition once."""
+        n_partitions = len({partition_key(combination) for combination in runs})
+        synthetic = self.config["data"]["source"] == "synthetic"
+        return synthetic + 1 + 2 * len(self.config["tasks"]) + n_partitions + len(self.metered(runs)) + len(runs)
+
+    def metered(self, runs: list[Combination]) -> list[tuple]:
+        """(task, grouping, α, seed) of every label/embedding partition step 3c measures (none when it is off)."""
+        if not self.config["heterogeneity_meter"]:
+            return []
+        return list(dict.fromkeys((c.task, c.grouping, c.alpha, c.seed) for c in runs if c.grouping in GROUPINGS))
+
+    # ----- steps -----
+    def clusters(self, task: str, root: Path, manifest: Path, model_dir: Path) -> Path:
+        """Step 3: the embeddings of ``task``'s centralized model and their KMeans clusters."""
+        params = {
+            "checkpoint": str(model_dir / "best.pt"), "manifest": str(manifest), "data_path": str(root),
+            "seed": self.config["seeds"][0], **self.config["embeddings"],
+        }
+        stage_dir = self.out_dir / "embeddings" / f"{task}-{stage_key(params, [manifest, model_dir / 'best.pt'], self.out_dir)}"
+        return self.pipeline.step(f"step 3: embed + cluster {task}", stage_dir, params, step3,
+                                  ["--out", str(stage_dir), *flags(params)])
+
+    def partition_for(self, combination: Combination, manifest: Path, cluster_dirs: dict[str, Path]) -> Path:
+        """Step 3b's folder of ``combination``'s partition (run once per partition key, shared by its runs)."""
+        key = partition_key(combination)
+        if key not in self.partitions:
+            owner, grouping, alpha, seed = key
+            # Label-based and iid: no --groups, so step 3b uses the manifest's family's label column.
+            groups = str(cluster_dirs[combination.task] / "clusters.csv") if grouping == EMBEDDING_BASED else None
+            self.partitions[key] = self.assignments(owner, grouping, groups, alpha, seed, manifest)
+        return self.partitions[key]
+
+    def assignments(self, owner: str, grouping: str, groups: str | None, alpha: float, seed: int, manifest: Path) -> Path:
+        """Step 3b: one partition's assignments.csv."""
+        params = assignment_params(self.config, grouping, alpha, seed, manifest, groups)
+        inputs = [manifest] + ([Path(groups)] if grouping == EMBEDDING_BASED else [])
+        name = f"{grouping}-s{seed}" if grouping == IID_REFERENCE else f"{grouping}-a{alpha:g}-s{seed}"
+        stage_dir = self.out_dir / "assignments" / owner / f"{name}-{stage_key(params, inputs, self.out_dir)}"
+        return self.pipeline.step(f"step 3b: {name}", stage_dir, params, step3b, ["--out", str(stage_dir), *flags(params)])
+
+    def meter(self, task: str, grouping: str, alpha: float, seed: int, root: Path, manifest: Path, assignments: Path,
+              model_dir: Path) -> PoolStage:
+        """Step 3c's stage: G² and B² of one partition's clients at the task's centralized model (run later in the
+        pool, beside the federated runs: 48 readings one after another were a minute of one core)."""
+        return self.pipeline.meter_stage(f"meter {task} {grouping} α={alpha:g} seed {seed}",
+                                         self.out_dir / "heterogeneity" / task / f"{grouping}-a{alpha:g}-s{seed}",
+                                         root, manifest, assignments, model_dir)
+
+    def federated(self, combination: Combination, root: Path, manifest: Path, assignments: Path,
+                  model_dir: Path) -> PoolStage:
+        """Step 4's stage of one combination (run later in the pool)."""
+        params = federated_params(self.config, combination, root, manifest, assignments / "assignments.csv",
+                                  model_dir / "best.pt")
+        c = combination
+        partition = c.grouping if c.grouping == IID_REFERENCE else Path(c.grouping, f"a{c.alpha:g}")
+        stage_dir = (self.out_dir / "federated" / c.task / partition / c.algorithm
+                     / f"s{c.seed}-{stage_key(params, [manifest, assignments / 'assignments.csv'], self.out_dir)}")
+        argv = ["--out", str(stage_dir), "--resume", *flags(params)]
+        return PoolStage(f"step 4: {c.label()}", stage_dir, params, argv)
+
+    # ----- the report -----
+    def report(self, runs: list[tuple[Combination, Path, Path]], model_dirs: dict[str, Path],
+               cluster_dirs: dict[str, Path], meters: dict[tuple, Path]) -> pd.DataFrame:
+        """Read every finished run folder and write the gap report."""
+        finals, curves, heatmaps = [], [], {}
+        for combination, run_dir, assignments in runs:
+            keys = {"task": combination.task, "grouping": combination.grouping, "alpha": combination.alpha,
+                    "algorithm": combination.algorithm, "seed": combination.seed}
+            metric = get_task(combination.task).primary_metric
+            metrics = read_csv(run_dir / "metrics.csv", "step-4 metrics", METRICS_COLUMNS, finished=True)
+            history = global_test_history(metrics)
+            last = history[history["round"] == history["round"].max()].set_index("metric").value
+            personal = ALGORITHMS.get(combination.algorithm).result_is_personal
+            finals.append({**keys, "loss": last["loss"], "metric": metric, "metric_value": last[metric],
+                           "personal_loss": final_personal_loss(metrics),
+                           "personal_metric_value": final_personal_loss(metrics, metric), "result_is_personal": personal})
+            # The curve of what the algorithm delivers: for FedRep its clients' own models (its global head is untrained).
+            curve = personal_test_history(metrics) if personal else history
+            for round_index, loss in curve[curve.metric == "loss"][["round", "value"]].itertuples(index=False):
+                curves.append({**keys, "round": round_index, "loss": loss, "model": "personal" if personal else "global"})
+            if combination.seed == self.config["seeds"][0] and combination.grouping in GROUPINGS:
+                heatmaps[(combination.task, combination.grouping, combination.alpha)] = assignments / "client_group_heatmap.png"
+        centralized = {task: best_validation_loss(model_dir / "metrics.csv") for task, model_dir in model_dirs.items()}
+        agreement = {task: load_json(cluster_dir / "agreement.json", "step-3 agreement", finished=True)
+                     for task, cluster_dir in cluster_dirs.items()}
+        meter_rows = [{"task": task, "grouping": grouping, "alpha": alpha, "seed": seed,
+                       **load_json(stage_dir / METER_FILE, "step-3c meter", finished=True)}
+                      for (task, grouping, alpha, seed), stage_dir in meters.items()]
+        return write_report(self.out_dir, pd.DataFrame(finals), pd.DataFrame(curves), centralized, agreement,
+                            heatmaps, self.pipeline.command, pd.DataFrame(meter_rows))
+
+
+def run(pipeline: Pipeline) -> pd.DataFrame:
+    """The study kind's ``run``: the main job of ``pipeline.config``."""
+    return MainJob(pipeline).run()
