@@ -1,7 +1,7 @@
 """The statistics every report uses: bounded intervals over seeds, paired verdicts, adjusted counts, headlines.
 
-One module so that the main report (pipeline/report.py), the studies (pipeline/study_report.py,
-pipeline/sparse_report.py) and the hyperparameter search (training/search.py) decide the same way.
+One module so that the main report (pipeline/studies/main_job/report.py), the studies (pipeline/studies/fedavg_sharding.py,
+pipeline/studies/sparse_finetuning.py) and the hyperparameter search (training/search.py) decide the same way.
 
 **Paired differences.** The same seed gives the same initial model and client sampling on both
 sides, so runs pair up by seed. With differences d_s = b_s − a_s over n seeds, the interval is
