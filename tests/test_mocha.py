@@ -239,7 +239,7 @@ def test_without_the_condition_the_same_run_is_stopped_by_the_divergence_guard(t
 def test_each_suggested_value_runs_the_same_federation_with_bounded_heads(tmp_path, change):
     settings = {"lam": 0.05, "eps": 1e-3, **change}
     lr = settings.pop("lr", 0.3)
-    _, engine = run_oracle(tmp_path, "mocha", rounds=4, steps=5, lr=lr, data=slow_two_groups(), model=TwoLayer(),
+    _, engine = run_oracle(tmp_path, "mocha", rounds=3, steps=5, lr=lr, data=slow_two_groups(), model=TwoLayer(),
                            momentum=0.9, fraction=0.5, **settings)
     norms = engine.algorithm.head_matrix(engine.server.tensors).norm(dim=0)
     assert torch.isfinite(norms).all() and norms.max() < 2, norms
