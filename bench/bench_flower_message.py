@@ -29,7 +29,10 @@ Then, for this checkout's TaskHet and the bare app: ``python -X importtime`` of 
 (the cumulative import time of each heavy package), and one TaskHet message with timers
 around the node's work (prepare and its parts, the data opening, the train step).
 
-Run: ``.venv/bin/python bench/bench_flower_message.py [--before DIR]`` (``--help`` for the repeats).
+``--threads N`` starts every app's processes with N torch threads (``OMP_NUM_THREADS``; default:
+torch's own choice, one per core).
+
+Run: ``.venv/bin/python bench/bench_flower_message.py [--before DIR] [--threads N]`` (``--help`` for the repeats).
 """
 
 from __future__ import annotations
@@ -226,12 +229,15 @@ def bare_message(folder: Path) -> dict:
             "node_config": {"partition-id": 0, "num-partitions": 2}}
 
 
-def spawn(spec_path: Path, folder: Path, root: Path = ROOT, breakdown: bool = False, importtime: bool = False) -> dict:
-    """One message in a fresh process whose code is the checkout ``root``; its wall time and phase times (seconds)."""
+def spawn(spec_path: Path, folder: Path, root: Path = ROOT, breakdown: bool = False, importtime: bool = False,
+          threads: int | None = None) -> dict:
+    """One message in a fresh process whose code is the checkout ``root`` (with ``threads`` torch threads); its wall
+    time and phase times (seconds)."""
     out = folder / f"result-{time.time_ns()}.json"
     command = [sys.executable, *(["-X", "importtime"] if importtime else []), str(Path(__file__).resolve()),
                "--child", str(spec_path), "--child_out", str(out), *(["--breakdown"] if breakdown else [])]
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+                   **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     began = time.time()
     done = subprocess.run(command, cwd=root, env=environment, capture_output=True, text=True)
     wall = time.time() - began
@@ -272,6 +278,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="messages per app, interleaved (default: 5)")
     parser.add_argument("--before", type=Path, default=None,
                         help="another TaskHet checkout whose ClientApp is measured too (taskhet-before)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads of every message's process (default: torch's choice, one per core)")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--child_out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--breakdown", action="store_true", help=argparse.SUPPRESS)
@@ -285,7 +293,8 @@ def main(argv: list[str] | None = None) -> None:
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1  # as in a ServerApp process
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown CPU")
-    print(f"{cpu}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start")
+    print(f"{cpu}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start; torch threads per "
+          f"message: {args.threads or 'one per core'}")
     with tempfile.TemporaryDirectory() as name:
         folder = Path(name)
         specs = {"bare": bare_message(folder), "taskhet": taskhet_message(folder)}
@@ -300,11 +309,11 @@ def main(argv: list[str] | None = None) -> None:
         for repeat in range(args.repeats):
             apps = list(roots)
             for app in apps[repeat % len(apps):] + apps[:repeat % len(apps)]:  # each app first in turn
-                runs[app].append(spawn(paths[app], folder, roots[app]))
+                runs[app].append(spawn(paths[app], folder, roots[app], threads=args.threads))
                 print(f"  {app:15s} {runs[app][-1]['wall']:6.2f} s", flush=True)
-        detail = spawn(paths["taskhet"], folder, breakdown=True)
-        imports = {app: import_breakdown(spawn(paths[app], folder, roots[app], importtime=True)["importtime"])
-                   for app in roots}
+        detail = spawn(paths["taskhet"], folder, breakdown=True, threads=args.threads)
+        imports = {app: import_breakdown(spawn(paths[app], folder, roots[app], importtime=True,
+                                               threads=args.threads)["importtime"]) for app in roots}
     report(runs, detail, imports)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
 

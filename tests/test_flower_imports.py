@@ -1,15 +1,17 @@
-"""A Flower node's message imports only what a client message needs (docs/FLOWER.md, "Deployment cost").
+"""A Flower node's message process imports only what a client message needs (docs/FLOWER.md, "Deployment cost").
 
 A deployment runs every message in a fresh ``flwr-clientapp`` process, so each import of the
 ClientApp's path is paid once per message: torchvision, scikit-learn, scipy and matplotlib
-(and accelerate, step 2's) made TaskHet's message cost 1.7 times a bare Flower PyTorch
-app's (bench/bench_flower_message.py). One fresh process imports the deployment's ClientApp
-module and answers a real train message through it, then reports what it imported.
+(and accelerate, step 2's) made TaskHet's message cost twice a bare Flower PyTorch app's
+(bench/bench_flower_message.py). One fresh process imports the deployment's ClientApp module
+and answers a real train message through it, then reports what it imported and how many torch
+threads it ran (the run's ``--threads``, which a node sets in each message's process).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -48,23 +50,26 @@ message = Message(RecordDict({**records, P.ORDERS_RECORD: orders}), dst_node_id=
 message.metadata.__dict__["_message_id"] = "train-0"
 reply = app.client_app(message, context)
 answer = reply.error.reason if reply.has_error() else int(reply.content[P.REPLY_RECORD][P.NUM_SAMPLES])
-print(json.dumps({"answer": answer, "imported": sorted(name for name in spec["never"] if name in sys.modules)}))
+import torch
+print(json.dumps({"answer": answer, "imported": sorted(name for name in spec["never"] if name in sys.modules),
+                  "threads": torch.get_num_threads()}))
 """
 
 
-def test_a_node_answers_a_train_message_without_plotting_or_other_unneeded_libraries(tiny_data_root,  # noqa: F811
-                                                                                     tiny_manifest, tmp_path):
+def test_a_node_answers_a_train_message_with_the_runs_threads_and_no_unneeded_library(tiny_data_root,  # noqa: F811
+                                                                                        tiny_manifest, tmp_path):
     from network.flower import protocol
     from steps.federated import parse_run_config
 
-    argv = tiny_run_argv(tiny_data_root, tiny_manifest, tmp_path) + ["--out", str(tmp_path / "run")]
+    argv = tiny_run_argv(tiny_data_root, tiny_manifest, tmp_path) + ["--out", str(tmp_path / "run"), "--threads", "1"]
     table = pd.read_csv(tmp_path / "assignments.csv")
     train_rows_of_client_0 = int(((table.client_id == 0) & (table.subset == "train")).sum())
     spec = {"run_config": {protocol.RUN_CONFIG: parse_run_config(argv).to_json()}, "never": NEVER,
             "node_config": {protocol.PARTITION_IDS: "0,2", protocol.STATE_DIR: str(tmp_path / "states")}}
+    # torch would start with 2 threads: only the run's --threads 1 makes it 1, on any machine
     done = subprocess.run([sys.executable, "-c", NODE_PROCESS, json.dumps(spec)], cwd=ROOT, capture_output=True,
-                          text=True)
+                          text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result == {"answer": train_rows_of_client_0, "imported": []}
+    assert result == {"answer": train_rows_of_client_0, "imported": [], "threads": 1}
     assert train_rows_of_client_0 > 0

@@ -10,7 +10,9 @@ split's files; a node needs the manifest, the assignment file and its own client
 
 Run config (``flwr run --run-config FILE.toml``; ``python -m network.flower.app <test_fed.py
 flags>`` prints one): ``run-config`` (string), ``reply-timeout-s`` (0: wait for every reply),
-``node-wait-s`` (both seconds in [0, 604800], a week). ``RunConfig.min_available_clients`` is the server's ``--min_available_clients``.
+``node-wait-s`` (both seconds in [0, 604800], a week). ``RunConfig.min_available_clients`` is the
+server's ``--min_available_clients``; ``RunConfig.threads`` (``--threads``) sets torch's CPU threads
+in the server's process and in each message's process on a node, as test_fed.py does in its own.
 
 Node config (``flower-supernode --node-config``), each optional except ``partition-ids``:
 
@@ -28,6 +30,7 @@ import sys
 from pathlib import Path
 
 import utils.tv_compat  # noqa: F401  (before anything imports torchvision)
+import torch
 from flwr.app import Context
 from flwr.serverapp import Grid
 
@@ -57,6 +60,18 @@ def run_config(context: Context, node_paths: bool = False) -> RunConfig:
     return config.replace(**overrides)
 
 
+def use_threads(config: RunConfig) -> RunConfig:
+    """Set this process's torch CPU threads to the run's ``--threads`` (unset: torch's own choice, one per core).
+
+    A node answers each message in a fresh process, so this runs once per message. On a node shared with other
+    jobs, one per core oversubscribes the cores: the first step of a small model took 3.7 s with 2 threads and 0.17 s
+    with 1 on the project's busy 2-core machine (docs/FLOWER.md).
+    """
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    return config
+
+
 def wait_seconds(run_config: dict, key: str, default: float) -> float:
     """The run config's ``key`` (a TOML number, or its text of ASCII digits) in :data:`WAIT_SECONDS`; one error line
     naming the key otherwise."""
@@ -77,7 +92,7 @@ def build_engine(grid: Grid, context: Context) -> FlowerEngine:
     from network.client_data import global_test_loader, global_val_loader
     from network.schedule import table_schedules
 
-    setup = prepare(run_config(context))
+    setup = prepare(use_threads(run_config(context)))
     config, flower = setup.config, context.run_config
     logger = open_run_folder(setup)
     test_loader = global_test_loader(config, setup.manifest, setup.task, setup.feature_model)
@@ -97,7 +112,7 @@ def build_node(context: Context) -> NodeHost:
     wanted = [part.strip() for part in str(context.node_config[PARTITION_IDS]).split(",") if part.strip()]
     from network.client_data import make_clients
 
-    setup = prepare(run_config(context, node_paths=True))
+    setup = prepare(use_threads(run_config(context, node_paths=True)))
     unknown = sorted(set(wanted) - set(client_ids(setup.table)))
     if unknown:
         raise TaskHetError(f"{PARTITION_IDS} lists client(s) {', '.join(unknown)}, not in {setup.config.assignments}")
