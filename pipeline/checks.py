@@ -23,9 +23,10 @@ clusters than samples. They can only be known once step 1 has written the manife
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from pipeline.sections import DATA_SOURCES, most_label_groups, split_csv_path
 from utils.errors import TaskHetError
@@ -49,10 +50,18 @@ class Entry:
     origins: dict[str, str] = field(default_factory=dict)
 
     def readdress(self, message: str) -> str:
-        """``message`` with every ``--parameter`` of this entry replaced by the YAML key that sets it."""
+        """``message`` with every ``--parameter`` of this entry replaced by the YAML key that sets it (and without
+        a parser's ``(see script --help)``: the file, not a command line, is what the user edits)."""
+        message = re.sub(r" \(see \S+ --help\)$", "", message)
         for parameter in sorted(self.params, key=len, reverse=True):  # --size_skew before --size
             message = message.replace(f"--{parameter}", self.origins.get(parameter, f"{self.key}.{parameter}"))
-        return message
+        return re.sub(r"^argument ", "", message)  # argparse's "argument --x: ..."
+
+    def error(self, message: str, source: Path) -> TaskHetError:
+        """One line: the file, this entry's key (unless the re-addressed message starts with a key of it) and
+        ``message`` re-addressed."""
+        text = self.readdress(message)
+        return TaskHetError(f"{source}: {text}" if text.startswith(self.key) else f"{source}: {self.key}: {text}")
 
 
 def check_model_and_data(config: dict[str, Any], source: Path) -> None:
@@ -150,7 +159,7 @@ def check_partitions(config: dict[str, Any], source: Path, entries: list[Entry],
         try:
             get_partitioner(scheme, n_clients, **given).check_parameters()
         except TaskHetError as error:
-            raise TaskHetError(f"{source}: {key}: {entry.readdress(str(error))}") from None
+            raise entry.error(str(error), source) from None
 
 
 def check_algorithm_settings(algorithms: dict[str, Any], source: Path, prefix: str) -> None:
@@ -187,3 +196,55 @@ def check_algorithms(config: dict[str, Any], source: Path, entries: list[Entry],
             raise TaskHetError(f"{source}: {key}: {error} ({clients_key})") from None
         if getattr(settings, "mask_source", None) == "server" and not calibration:
             raise TaskHetError(f"{source}: {key}: mask_source server calibrates on held-out train rows; {calibration_hint}")
+
+
+def check_stage(entry: Entry, check: Callable[[list[str]], Any], params: dict[str, Any], source: Path) -> Any:
+    """Run a step's own argument checks (``check``: ``steps.federated.check_arguments``) on the parameters a stage
+    will pass it, before step 0; a failure is one line naming ``entry``'s YAML key, with every ``--flag``
+    re-addressed to the key that sets it. Returns what ``check`` returns (the parsed arguments)."""
+    from pipeline.argv import flags
+
+    try:  # the folder a runner passes is made by the runner; the checks read and write nothing
+        return check([*flags(params), "--out", "out"])
+    except TaskHetError as error:
+        raise entry.error(str(error), source) from None
+
+
+def check_partition_stage(config: dict[str, Any], entry: Entry, params: dict[str, Any], source: Path) -> None:
+    """Step 3b's own argument checks on the parameters of one partition (scheme, temporal schedule, skews), then
+    its skews against what the data source can hold (its classes and tasks: a label pair or a target variant the
+    family lacks), before step 0; errors name the YAML key."""
+    from datasets.family import get_family
+    from partitioning.skews import SkewContext, get_skew
+    from steps import assign as step3b
+    from steps.skew_flags import skew_settings
+
+    args = check_stage(entry, step3b.check_arguments, params, source)
+    family = get_family(DATA_SOURCES[config["data"]["source"]])
+    context = SkewContext(family.name, most_label_groups(config), tuple(family.tasks), args.n_clients)
+    try:
+        for name, given in skew_settings(args).items():
+            get_skew(name).check_settings(given, context)
+    except TaskHetError as error:
+        raise entry.error(str(error), source) from None
+
+
+def check_schedule_fits(entry: Entry, temporal: str | None, schedule_rounds: int | None, run_rounds: int,
+                        rounds_key: str, source: Path) -> None:
+    """A temporal schedule (step 3b's ``--temporal`` over ``schedule_rounds``) must fit a run of ``run_rounds``: no
+    phase starts after its last round, no window ends after it, and every round up to it is in some window (what
+    step 4 refuses once it reads the schedule). ``rounds_key`` names the key that sets the run's rounds."""
+    from partitioning.temporal import NO_END, parse_temporal, phase_windows
+
+    spec = parse_temporal(temporal)
+    if spec is None:
+        return
+    windows = [window for phase in phase_windows(spec, schedule_rounds) for window in phase]
+    starts = [start for start, _ in windows]
+    ends = [end for _, end in windows]
+    covered = NO_END in ends or max(ends) >= run_rounds
+    if max(starts) > run_rounds or any(end != NO_END and end > run_rounds for end in ends) or not covered:
+        last = "to its end" if NO_END in ends else f"to round {max(ends)}"
+        raise TaskHetError(f"{source}: {entry.key}: temporal schedule {temporal!r} runs from round 1 {last} "
+                           f"(phases start at rounds {', '.join(map(str, sorted(set(starts))))}), but {rounds_key} "
+                           f"gives the federated runs {run_rounds} rounds; make the schedule cover exactly those rounds")

@@ -32,6 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from steps.render import MAX_BUILDINGS, MAX_RENDER_SIZE, MAX_VIEWS
+from steps.train_centralized import MAX_EMBEDDING_GRID
+from utils.cli import (MAX_BATCH_SIZE, MAX_DECODER_WIDTH, MAX_EPOCHS, MAX_IMAGE_SIZE, MAX_LEARNING_RATE, MAX_SAMPLES,
+                       MAX_SEED)
 from utils.errors import TaskHetError
 from utils.loaders import PLAIN_NAME
 
@@ -168,45 +172,49 @@ class Mapping:
 
 
 POSITIVE, FRACTION = Float(0, low_open=True), Float(0, 1, low_open=True, high_open=True)
+# The ranges of the flags the keys become (utils/cli.py and the steps name them), so a file's number is bounded as a
+# typed one is, and refused before step 0.
+LEARNING_RATE = Float(0, MAX_LEARNING_RATE, low_open=True)
+MOMENTUM = Float(0, 1, high_open=True)  # 1 or more never forgets a gradient
 
 # The types of the sections every kind shares (pipeline/sections.py); each kind adds its own keys' types.
 SHARED_TYPES: dict[str, Check] = {
     "name": Str(plain=True),
     "data.source": Str(),
     "data.root": Str(),
-    "data.synthetic.n_buildings": Int(1),
-    "data.synthetic.n_views": Int(1),
-    "data.synthetic.image_size": Int(8),
-    "data.synthetic.seed": Int(0),
+    "data.synthetic.n_buildings": Int(1, MAX_BUILDINGS),
+    "data.synthetic.n_views": Int(1, MAX_VIEWS),
+    "data.synthetic.image_size": Int(8, MAX_RENDER_SIZE),
+    "data.synthetic.seed": Int(0, MAX_SEED),
     "data.buildings": Optional(ListOf(Str(plain=True))),
-    "data.top_k_classes": Int(1),
+    "data.top_k_classes": Int(1, 365),  # Places365 has 365 scene classes
     "data.test_fraction": FRACTION,
     "data.split_by": Str(("building", "sample")),
-    "data.n_samples": Optional(Int(1)),
+    "data.n_samples": Optional(Int(1, MAX_SAMPLES)),
     "data.split_csv": Optional(Str()),
     "data.imbalance_factor": Optional(Float(0, 1, low_open=True)),
     "data.val_fraction": Optional(Float(0, 1, high_open=True)),
     "data.verify_checksums": Optional(Bool()),
     "model.encoder": Str(),
     "model.weights": Str(),
-    "model.image_size": Int(1),
-    "model.embedding_grid": Int(0),
+    "model.image_size": Int(1, MAX_IMAGE_SIZE),
+    "model.embedding_grid": Int(0, MAX_EMBEDDING_GRID),
     "model.freeze_encoder": Bool(),
     "model.cache_features": Bool(),
-    "model.decoder_width": Optional(Int(2)),
-    "centralized.n_epochs": Int(1),
-    "centralized.batch_size": Int(1),
-    "centralized.init_lr": POSITIVE,
+    "model.decoder_width": Optional(Int(2, MAX_DECODER_WIDTH)),
+    "centralized.n_epochs": Int(1, MAX_EPOCHS),
+    "centralized.batch_size": Int(1, MAX_BATCH_SIZE),
+    "centralized.init_lr": LEARNING_RATE,
     "centralized.optimizer": Str(("sgd", "adamw")),
     "centralized.scheduler": Str(("cosine", "exponential", "none", "step")),
-    "centralized.warmup_epochs": Int(0),
-    "centralized.step_size": Int(1),
-    "centralized.gamma": POSITIVE,
-    "centralized.momentum": Float(0),
-    "centralized.lr_decay_rate": POSITIVE,
-    "centralized.weight_decay": Float(0),
-    "centralized.early_stopping_patience": Int(0),
-    "seeds": ListOf(Int(0)),
+    "centralized.warmup_epochs": Int(0, MAX_EPOCHS),
+    "centralized.step_size": Int(1, MAX_EPOCHS),
+    "centralized.gamma": Float(0, 1, low_open=True),
+    "centralized.momentum": MOMENTUM,
+    "centralized.lr_decay_rate": Float(0, 1, low_open=True),
+    "centralized.weight_decay": Float(0, 1),
+    "centralized.early_stopping_patience": Int(0, MAX_EPOCHS),
+    "seeds": ListOf(Int(0, MAX_SEED)),
     "use_accelerator": Bool(),
 }
 

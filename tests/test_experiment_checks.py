@@ -1,5 +1,6 @@
-"""Experiment and study files: grid limits, duplicate values and every check made before step 0 (issue 19 items 9,
-10, 12 and 13, issue 24). Each refused file must leave the results folder without a single step folder."""
+"""Experiment and study files: grid limits, duplicate values and every check made before step 0. Each refused file
+must leave the results folder without a single step folder, and its one line names the YAML key (not a step's
+command-line flag)."""
 
 from __future__ import annotations
 
@@ -158,6 +159,77 @@ STUDY_ONLY = {
                      r"grid\[0\].algorithms.sparse_ft: mask_source server calibrates on held-out train rows; set "
                      r"federated.calibration_fraction"),
 }
+
+
+# Steps 3b and 4 check these from their arguments only when they run, after steps 1-3: the pipeline runs the steps'
+# own checks on every partition and run before step 0, and names the key of the file.
+def first_partition(change):
+    return lambda c: c["grid"][0]["partitions"][0].update(change)
+
+
+STAGE_CHECKS_STUDY = {
+    "feature noise nan": (first_partition({"feature_noise": float("nan")}),
+                          r"grid\[0\].partitions\[0\].feature_noise: .*must be a number in \[0, 10\]"),
+    "temporal without rounds per phase": (first_partition({"scheme": "dirichlet_mixture", "alpha": 0.5,
+                                                           "temporal": "rotate:3"}),
+                                          r": grid\[0\].partitions\[0\].temporal 'rotate:3': use "),
+    "label swap of a class with itself": (first_partition({"label_swap": "0-0"}),
+                                          r": grid\[0\].partitions\[0\].label_swap"),
+    "label swap of a class digits lacks": (first_partition({"label_swap": "3-12"}),
+                                           r": grid\[0\].partitions\[0\].label_swap must be an integer in \[0, 9\], got 12"),
+    "target variant the family lacks": (first_partition({"target_variant": "depth_euclidean:depth_zbuffer"}),
+                                        r": grid\[0\].partitions\[0\].target_variant: 'depth_euclidean' is not a task of data family 'digits'"),
+    "blur beyond its limit": (first_partition({"feature_shift": "blur=99"}),
+                              r": grid\[0\].partitions\[0\].feature_shift .*blur"),
+    "fedem components": (lambda c: c["grid"][0].update(algorithms={"fedem": {"n_components": 100000000}}),
+                         r"grid\[0\].algorithms.fedem.n_components: fedem setting n_components must be at most 64"),
+    "capped below 1/N": (lambda c: c["grid"][0].update(algorithms={"fedavg": {"weighting": "capped", "cap": 0.05}}),
+                         r"grid\[0\].algorithms.fedavg: .*cap"),
+    "schedule longer than the runs": (first_partition({"scheme": "dirichlet_mixture", "alpha": 0.5,
+                                                       "temporal": "rotate:2:3", "n_rounds": 6}),
+                                      r"grid\[0\] \(dirichlet_mixture.*J=1\): temporal schedule 'rotate:2:3' runs from "
+                                      r"round 1 to round 6 .* federated.rounds_x_local_steps / J gives the federated runs 2 "
+                                      r"rounds"),
+}
+STAGE_CHECKS_EXPERIMENT = {
+    "feature noise nan": (lambda c: c["partition"].update(skews={"feature_noise": ".nan"}),
+                          r": partition.skews.feature_noise: must be a number in \[0, 10\], got '.nan'$"),
+    "blur beyond its limit": (lambda c: c["partition"].update(skews={"feature_shift": "blur=99"}),
+                              r": partition.skews.feature_shift blur must be a finite number in \[0, 10\], got 99.0"),
+    "capped below 1/N": (lambda c: c["federated"].update(algorithms={"fedavg": {"weighting": "capped", "cap": 0.2}}),
+                         r"federated \(digit_class, fedavg\): .*cap"),
+    "a task's rounds shorter than its schedule": (
+        lambda c: (c["partition"].update(temporal="rotate:2:1"), c["federated"].update(n_rounds=2),
+                   c["federated"].update(per_task={"digit_class": {"n_rounds": 1}})),
+        r"partition.temporal: temporal schedule 'rotate:2:1' .* but federated.per_task.digit_class.n_rounds gives the "
+        r"federated runs 1 rounds"),
+}
+
+
+@pytest.mark.parametrize("name", list(STAGE_CHECKS_STUDY))
+def test_a_study_partition_or_algorithm_the_steps_would_refuse_is_refused_before_step_0(tmp_path, name):
+    change, message = STAGE_CHECKS_STUDY[name]
+    refused(tmp_path, study_with(tmp_path, change), message)
+
+
+@pytest.mark.parametrize("name", list(STAGE_CHECKS_EXPERIMENT))
+def test_an_experiment_partition_or_run_the_steps_would_refuse_is_refused_before_step_0(tmp_path, name):
+    change, message = STAGE_CHECKS_EXPERIMENT[name]
+    refused(tmp_path, experiment_with(tmp_path, change), message)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("federated.n_rounds", 10**20, r"federated.n_rounds must be an integer >= 1 <= 10000"),
+    ("centralized.n_epochs", 10**9, r"centralized.n_epochs must be an integer >= 1 <= 10000"),
+    ("partition.alphas", [1e200], r"partition.alphas\[0\] must be a finite number > 0 and <= 1e\+06"),
+    ("federated.momentum", 1.0, r"federated.momentum must be a finite number >= 0 and < 1"),
+    ("seeds", [2**64], r"seeds\[0\] must be an integer >= 0 <= 9223372036854775807"),
+])
+def test_every_number_of_an_experiment_file_has_a_finite_range(tmp_path, key, value, message):
+    config = tiny_experiment(tmp_path)
+    section, _, leaf = key.rpartition(".")
+    (config[section] if section else config)[leaf] = value
+    refused(tmp_path, config, message)
 
 
 @pytest.mark.parametrize("name", [*LATE_CHECKS, *EXPERIMENT_ONLY])

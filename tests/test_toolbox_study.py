@@ -85,7 +85,7 @@ def situation(config: dict, name: str) -> dict:
     (lambda c: situation(c, "distinct_label_groups").update(groups_per_client=4),
      "grid[0].partitions[9].groups_per_client 4 exceeds the 3 class groups"),
     (lambda c: situation(c, "quantity_skew").update(size_skew="lognormal:x"),
-     "grid[0].partitions[5]: grid[0].partitions[5].size_skew 'lognormal:x': expected lognormal:NUMBER"),
+     ": grid[0].partitions[5].size_skew 'lognormal:x': expected lognormal:NUMBER"),
     (lambda c: situation(c, "severe_label_skew").update(size_skew="lognormal:1.0"),
      "grid[0].partitions[2]: nc_shards: client sizes are equal by construction"),
     (lambda c: situation(c, "mild_label_skew").update(colour_skew=0.1),

@@ -23,7 +23,7 @@ and a 95% interval excluding 0; otherwise the report says why it is undecided.
 
 **Against the practitioners' table** (:data:`TABLE`): each row names the methods it recommends and
 the metric they aim at; ``practitioners_table`` in the study file maps rows to situations. A row
-*agrees* when a recommended method has the best mean or is not decidedly below the best (its
+*agrees* when a recommended method has the best mean (an exact tie too, whatever the order) or is not decidedly below the best (its
 interval against the best contains 0), *disagrees* when every recommended method is decidedly below
 the best, and is *undecided* when neither can be said (too few seeds, zero variance). A row no
 situation of the run tests is listed as not measured.
@@ -180,8 +180,10 @@ def table_verdict(runs: pd.DataFrame, row: Row) -> Verdict:
     if not recommended:
         return Verdict("not measured", f"none of {', '.join(row.recommended)} ran in this situation")
     best = means.index[0]
-    if best in recommended:
-        return Verdict("agrees", f"{best} has the best mean {_pct(means[best])}")
+    # A recommended method with the best mean agrees however the runs are ordered (an exact tie has no interval).
+    top = next((method for method in recommended if means[method] == means.iloc[0]), None)
+    if top is not None:
+        return Verdict("agrees", f"{top} has the best mean {_pct(means[top])}")
     tied, untestable, below = [], [], []
     for method in recommended:
         difference = paired(runs, method, best, column)  # best − recommended

@@ -23,10 +23,14 @@ from typing import Any, Callable
 
 from pipeline import checks
 from pipeline.checks import Entry
-from pipeline.schema import SHARED_TYPES, Bool, Check, Float, Int, ListOf, Str, check_types
+from partitioning.assignments import MAX_CLIENTS
+from partitioning.temporal import MAX_ROUNDS
+from pipeline.schema import LEARNING_RATE, MOMENTUM, SHARED_TYPES, Bool, Check, Float, Int, ListOf, Str, check_types
 from pipeline.sections import (check_run_count, merge_keys, most_label_groups, shared_sections, validate_data,
                                validate_encoder, validate_lr_schedule)
 from pipeline.studies.grid.runs import Partition, StudyRun, Variant, rounds_for
+from steps.federated import MAX_LOCAL_STEPS
+from utils.cli import MAX_BATCH_SIZE
 from utils.errors import TaskHetError
 
 INIT_FROM = ("scratch", "centralized", "head")
@@ -61,13 +65,14 @@ GRID_SCHEMA: dict[str, Any] = {
 }
 GRID_TYPES: dict[str, Check] = {
     **SHARED_TYPES, "study": Str(), "task": Str(),
-    "federated.n_clients": Int(1), "federated.client_fraction": Float(0, 1, low_open=True),
-    "federated.rounds_x_local_steps": Int(1), "federated.evaluations": Int(1),
-    "federated.batch_size": Int(1), "federated.init_lr": Float(0, low_open=True),
-    "federated.lr_schedule": Str(), "federated.momentum": Float(0), "federated.weight_decay": Float(0),
+    "federated.n_clients": Int(1, MAX_CLIENTS), "federated.client_fraction": Float(0, 1, low_open=True),
+    # rounds = this / J, at most MAX_ROUNDS for every J (step 4's --n_rounds checks each run before step 0)
+    "federated.rounds_x_local_steps": Int(1, MAX_ROUNDS * MAX_LOCAL_STEPS), "federated.evaluations": Int(1, MAX_ROUNDS),
+    "federated.batch_size": Int(1, MAX_BATCH_SIZE), "federated.init_lr": LEARNING_RATE,
+    "federated.lr_schedule": Str(), "federated.momentum": MOMENTUM, "federated.weight_decay": Float(0, 1),
     "federated.client_test_fraction": Float(0, 1, high_open=True),
     "federated.init_from": Str(INIT_FROM), "federated.calibration_fraction": Float(0, 1, high_open=True),
-    "federated.local_test": Str(("assigned", "proportional")), "federated.finetune_steps": Int(0),
+    "federated.local_test": Str(("assigned", "proportional")), "federated.finetune_steps": Int(0, MAX_LOCAL_STEPS),
     "heterogeneity_meter": Bool(),
 }
 BLOCK_KEYS = ("partitions", "local_steps", "algorithms")
@@ -112,7 +117,43 @@ def load_grid_study(raw: dict[str, Any], source: Path, schema: dict[str, Any], t
     checks.check_partitions(config, source, partition_entries(config), n_clients)
     checks.check_algorithms(config, source, algorithm_entries(config), n_clients, "federated.n_clients",
                             calibration_hint="set federated.calibration_fraction (train rows held out for the server)")
+    check_stages(config, source)
     return config
+
+
+# Step 3b's and step 4's parameters a grid study sets from its own keys, by the key that sets them.
+STUDY_ORIGINS = {"n_clients": "federated.n_clients", "client_test_fraction": "federated.client_test_fraction",
+                 "seed": "seeds", "rand_seed": "seeds", "task": "task", "encoder": "model.encoder",
+                 "weights": "model.weights", "freeze_encoder": "model.freeze_encoder", "image_size": "model.image_size",
+                 "use_accelerator": "use_accelerator", "n_rounds": "federated.rounds_x_local_steps",
+                 "eval_every": "federated.evaluations", **{key: f"federated.{key}" for key in GRID_SCHEMA["federated"]}}
+
+
+def check_stages(config: dict[str, Any], source: Path) -> None:
+    """Steps 3b and 4's own argument checks on every partition and every run of the grid, and each temporal
+    schedule against the rounds of the runs that use it, before step 0 (errors name the YAML key)."""
+    from steps import federated as step4
+
+    seed = config["seeds"][0]
+    for entry, partition in zip(partition_entries(config), (p for block in config["grid"] for p in block["partitions"])):
+        params = assignment_params(config, partition, seed, "manifest.csv", "groups.csv" if partition.class_groups else None)
+        origins = {**STUDY_ORIGINS, **{name: f"{entry.key}.{name}" for name in partition.params}}
+        checks.check_partition_stage(config, Entry(entry.key, partition.scheme, params, origins), params, source)
+    n_clients = config["federated"]["n_clients"]
+    for index, block in enumerate(config["grid"]):
+        for partition, local_steps, variant in itertools.product(block["partitions"], block["local_steps"],
+                                                                 block["variants"]):
+            run = StudyRun(partition, local_steps, variant, seed)
+            params = federated_params(config, run, "data", "manifest.csv", "assignments.csv", "best.pt")
+            key = f"grid[{index}].algorithms.{variant.algorithm}"
+            origins = {**STUDY_ORIGINS, "local_steps": f"grid[{index}].local_steps", "method": f"grid[{index}].algorithms",
+                       **{name: f"{key}.{name}" for name, _ in variant.settings}}
+            entry = Entry(key, variant.algorithm, params, origins)
+            checks.check_stage(entry, lambda argv: step4.check_arguments(argv, n_clients=n_clients), params, source)
+            options = dict(partition.params)
+            checks.check_schedule_fits(Entry(f"grid[{index}] ({partition.label}, J={local_steps})", partition.scheme, {}),
+                                       options.get("temporal"), options.get("n_rounds"), params["n_rounds"],
+                                       f"federated.rounds_x_local_steps / J", source)
 
 
 def partition_entries(config: dict[str, Any]) -> list[Entry]:
@@ -161,7 +202,7 @@ def validate_grid(grid: Any, source: Path, n_labels: int | None = None) -> list[
             raise TaskHetError(f"{source}: {key} must be a mapping with exactly the keys {', '.join(BLOCK_KEYS)}, got {block!r}")
         try:
             partitions = ListOf(PartitionCheck(n_labels))(block["partitions"], f"{key}.partitions")
-            local_steps = ListOf(Int(1))(block["local_steps"], f"{key}.local_steps")
+            local_steps = ListOf(Int(1, MAX_LOCAL_STEPS))(block["local_steps"], f"{key}.local_steps")
         except TaskHetError as error:
             raise TaskHetError(f"{source}: {error}") from None
         algorithms = block["algorithms"]

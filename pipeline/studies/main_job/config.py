@@ -20,8 +20,13 @@ from partitioning.client_tests import CLIENT_TESTS, DEFAULT_TEST_FRACTION, HELD_
 from partitioning.groupings import EMBEDDING_BASED, GROUPINGS, IID_REFERENCE, canonical_grouping
 from pipeline import checks
 from pipeline.checks import Entry
-from pipeline.schema import POSITIVE, SHARED_TYPES, Bool, Check, Float, Int, ListOf, Mapping, Optional, Str, check_types
+from partitioning.assignments import MAX_ALPHA, MAX_CLIENTS
+from partitioning.temporal import MAX_ROUNDS
+from pipeline.schema import LEARNING_RATE, MOMENTUM, SHARED_TYPES, Bool, Check, Float, Int, ListOf, Mapping, Optional, Str, check_types
 from pipeline.sections import check_run_count, merge_keys, shared_sections, validate_data, validate_encoder, validate_lr_schedule
+from steps.embed import MAX_PCA_DIM
+from steps.federated import MAX_LOCAL_STEPS
+from utils.cli import MAX_BATCH_SIZE, MAX_CLUSTERS
 from utils.errors import TaskHetError
 
 IID_SCHEME = "iid"
@@ -71,12 +76,12 @@ NOT_PER_TASK = ("algorithms", "task_init_lr", "per_task")
 TYPES: dict[str, Check] = {
     **SHARED_TYPES,
     "tasks": ListOf(Str()),
-    "embeddings.n_clusters": Int(1),
-    "embeddings.pca_dim": Optional(Int(1)),
+    "embeddings.n_clusters": Int(1, MAX_CLUSTERS),
+    "embeddings.pca_dim": Optional(Int(1, MAX_PCA_DIM)),
     "partition.groupings": ListOf(Str()),
     "partition.scheme": Str(),
-    "partition.alphas": ListOf(POSITIVE),
-    "partition.n_clients": Int(1),
+    "partition.alphas": ListOf(Float(0, MAX_ALPHA, low_open=True)),
+    "partition.n_clients": Int(1, MAX_CLIENTS),
     "partition.client_test_fraction": Float(0, 1, high_open=True),
     "partition.client_tests": Str(CLIENT_TESTS),
     "partition.size_skew": Optional(Str()),
@@ -84,19 +89,19 @@ TYPES: dict[str, Check] = {
     "partition.skews": Mapping("map step 3b's skew flags to values", "{feature_noise: 0.2, label_swap: 1}", allow_empty=True),
     "partition.iid_reference": Bool(),
     "federated.algorithms": Mapping(),
-    "federated.n_rounds": Int(1),
-    "federated.local_steps": Int(1),
-    "federated.batch_size": Int(1),
-    "federated.init_lr": POSITIVE,
+    "federated.n_rounds": Int(1, MAX_ROUNDS),
+    "federated.local_steps": Int(1, MAX_LOCAL_STEPS),
+    "federated.batch_size": Int(1, MAX_BATCH_SIZE),
+    "federated.init_lr": LEARNING_RATE,
     "federated.task_init_lr": Mapping("map task names to their learning rates", "{class_scene: 0.05}", allow_empty=True),
     "federated.per_task": Mapping("map task names to the federated keys their runs change",
                                   "{class_scene: {batch_size: 64, lr_schedule: cosine}}", allow_empty=True),
-    "federated.momentum": Float(0, 1, high_open=True),
-    "federated.weight_decay": Float(0),
+    "federated.momentum": MOMENTUM,
+    "federated.weight_decay": Float(0, 1),
     "federated.lr_schedule": Str(),
     "federated.client_fraction": Float(0, 1, low_open=True),
-    "federated.eval_every": Int(1),
-    "federated.checkpoint_every": Int(1),
+    "federated.eval_every": Int(1, MAX_ROUNDS),
+    "federated.checkpoint_every": Int(1, MAX_ROUNDS),
     "federated.init_from": Str(("scratch", "centralized")),
     "heterogeneity_meter": Bool(),
 }
@@ -136,6 +141,7 @@ def load(raw: dict[str, Any], source: Path) -> dict[str, Any]:
                             "partition.n_clients", calibration_hint="an experiment file has no calibration split: use "
                             "a study file with federated.calibration_fraction")
     check_alpha_labels(config, source)
+    check_stages(config, source)
     return config
 
 
@@ -177,7 +183,7 @@ def validate_names(config: dict[str, Any], source: Path) -> None:
     for task, lr in config["federated"]["task_init_lr"].items():
         if task not in config["tasks"]:
             raise TaskHetError(f"{source}: federated.task_init_lr names task {task!r}, which is not in tasks {config['tasks']}")
-        POSITIVE(lr, f"{source}: federated.task_init_lr.{task}")
+        LEARNING_RATE(lr, f"{source}: federated.task_init_lr.{task}")
 
 
 def check_partition_flags(config: dict[str, Any], source: Path) -> None:
@@ -322,3 +328,46 @@ def algorithm_entries(config: dict[str, Any]) -> list[Entry]:
     """Every algorithm configuration step 4 will run."""
     return [Entry(f"federated.algorithms.{name}", name, settings or {})
             for name, settings in config["federated"]["algorithms"].items()]
+
+
+def check_stages(config: dict[str, Any], source: Path) -> None:
+    """Steps 3b and 4's own argument checks on every partition and every kind of run the grid will ask for, and
+    each task's rounds against a temporal schedule, before step 0 (errors name the YAML key)."""
+    from steps import federated as step4
+
+    partition, seed = config["partition"], config["seeds"][0]
+    for entry in partition_entries(config):
+        groupings = [IID_REFERENCE] if entry.name == IID_SCHEME else partition["groupings"]
+        for grouping in groupings:
+            groups = "clusters.csv" if grouping == EMBEDDING_BASED else None
+            params = assignment_params(config, grouping, entry.params.get("alpha", math.inf), seed, "manifest.csv", groups)
+            checks.check_partition_stage(config, Entry(entry.key, params["scheme"], params, entry.origins), params, source)
+    references = [IID_REFERENCE] if partition["iid_reference"] else []
+    n_clients = partition["n_clients"]
+    for task, algorithm, grouping in itertools.product(config["tasks"], config["federated"]["algorithms"],
+                                                       [partition["groupings"][0], *references]):
+        combination = Combination(task, grouping, float(partition["alphas"][0]), algorithm, seed)
+        params = federated_params(config, combination, "data", "manifest.csv", "assignments.csv", "best.pt")
+        entry = Entry(f"federated ({task}, {algorithm})", algorithm, params, run_origins(config, task, algorithm))
+        checks.check_stage(entry, lambda argv: step4.check_arguments(argv, n_clients=n_clients), params, source)
+    for task in config["tasks"]:
+        rounds = task_federated(config, task)["n_rounds"]
+        rounds_key = f"federated.per_task.{task}.n_rounds" if "n_rounds" in config["federated"]["per_task"].get(task, {}) \
+            else "federated.n_rounds"
+        checks.check_schedule_fits(Entry("partition.temporal", partition["scheme"], {}), partition["temporal"],
+                                   config["federated"]["n_rounds"], rounds, rounds_key, source)
+
+
+def run_origins(config: dict[str, Any], task: str, algorithm: str) -> dict[str, str]:
+    """Step 4's parameters of ``task``'s ``algorithm`` runs -> the key of the file that sets each."""
+    federated = config["federated"]
+    origins = {key: f"federated.{key}" for key in federated if key not in NOT_PER_TASK}
+    origins.update({key: f"federated.per_task.{task}.{key}" for key in federated["per_task"].get(task, {})})
+    if task in federated["task_init_lr"]:
+        origins["init_lr"] = f"federated.task_init_lr.{task}"
+    origins.update({key: f"federated.algorithms.{algorithm}.{key}" for key in federated["algorithms"][algorithm] or {}})
+    origins.update({"task": "tasks", "method": "federated.algorithms", "rand_seed": "seeds", "alpha": "partition.alphas",
+                    "image_size": "model.image_size", "encoder": "model.encoder", "weights": "model.weights",
+                    "decoder_width": "model.decoder_width", "freeze_encoder": "model.freeze_encoder",
+                    "cache_features": "model.cache_features", "use_accelerator": "use_accelerator"})
+    return origins
