@@ -32,8 +32,9 @@ JOBS ?= 2
 demo: setup
 	$(PY) run_pipeline.py experiments/demo.yaml --jobs $(JOBS) --threads 1
 
+# One pytest worker per core (pytest-xdist); tests share no temporary path, port or global state.
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n auto tests
 
 bench: setup
 	$(PIP) install --quiet --disable-pip-version-check -c constraints.txt -r bench/requirements.txt

@@ -46,7 +46,10 @@ def test_maps_equal_the_encoder_output_and_are_shared_by_any_order_of_the_same_s
         maps = model.encoder.eval()(model.normalise(base[3]["rgb"][None]))
     assert len(item[ENCODED_KEY]) == len(maps)
     for cached, direct in zip(item[ENCODED_KEY], maps):
-        torch.testing.assert_close(cached, direct[0], rtol=1e-5, atol=1e-6)
+        # The cache encodes a whole batch and this a single image: the CPU's convolution may pick another
+        # algorithm for another batch size (seen on an AMD EPYC: 1.3e-6 apart on maps of size ~1), so float32
+        # rounding, not a wrong map, sets the tolerance.
+        torch.testing.assert_close(cached, direct[0], rtol=1e-4, atol=1e-5)
 
     # Another order of the same samples reads the same cache: the encoder runs once, on one image (the shape probe).
     shuffled = manifest.iloc[np.random.default_rng(1).permutation(len(manifest))].reset_index(drop=True)
