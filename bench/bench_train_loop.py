@@ -74,6 +74,43 @@ def timed(run, device: torch.device) -> float:
     return seen / (time.perf_counter() - start)
 
 
+def rendered_samples(task_name: str, image_size: int, num_buildings: int, views_per_building: int,
+                     render_size: int | None = None) -> list[dict]:
+    """Every sample of freshly rendered synthetic buildings (the Taskonomy layout) with the task's domains, decoded at
+    ``image_size`` and held in memory, so that a timing measures the training loop and not PNG decoding.
+
+    Args:
+        render_size: the side the buildings are rendered at (default: ``image_size``); a smaller one renders faster
+            and the dataset resizes its PNGs to ``image_size``.
+    """
+    task = get_task(task_name)
+    with tempfile.TemporaryDirectory() as temp:
+        config = RenderConfig(num_buildings, views_per_building, 4, render_size or image_size, 0)
+        root = render_dataset(Path(temp) / "data", config, progress=False)
+        manifest = select_datapoints(SelectionConfig(data_path=root, domains=(task.domain,)), progress=False).manifest
+        dataset = TaskonomyDataset(root, manifest, task.required_domains, image_size)
+        return [dataset[index] for index in range(len(dataset))]
+
+
+def compare_loops(model: torch.nn.Module, samples: list[dict], task_name: str, batch_size: int, device: torch.device,
+                  rounds: int) -> dict[str, float]:
+    """Median samples/s of the plain loop and TaskHet's over ``rounds`` timed passes each (one warm-up pass each
+    first: allocator, kernels, oneDNN/cuDNN choices), passes alternating so load drifts hit both."""
+    domain = get_task(task_name).domain
+    loops = {
+        "plain": lambda: plain_epoch(model, samples, domain, batch_size, device),
+        "taskhet": lambda: taskhet_epoch(model, samples, task_name, batch_size, device),
+    }
+    for run in loops.values():
+        timed(run, device)
+    rates: dict[str, list[float]] = {name: [] for name in loops}
+    for round_index in range(rounds):
+        order = list(loops) if round_index % 2 == 0 else list(reversed(loops))
+        for name in order:
+            rates[name].append(timed(loops[name], device))
+    return {name: statistics.median(values) for name, values in rates.items()}
+
+
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", default="depth_euclidean", help="a dense task with a masked L1 loss")
@@ -87,25 +124,10 @@ def main(argv: list[str] | None = None) -> float:
     args = parser.parse_args(argv)
     task = get_task(args.task)
     device = pick_device(args.use_accelerator)
-    with tempfile.TemporaryDirectory() as temp:
-        config = RenderConfig(args.num_buildings, args.views_per_building, 4, args.image_size, 0)
-        root = render_dataset(Path(temp) / "data", config, progress=False)
-        manifest = select_datapoints(SelectionConfig(data_path=root, domains=(task.domain,)), progress=False).manifest
-        dataset = TaskonomyDataset(root, manifest, task.required_domains, args.image_size)
-        samples = [dataset[index] for index in range(len(dataset))]
+    samples = rendered_samples(task.name, args.image_size, args.num_buildings, args.views_per_building)
     model = prepare_model(build_task_model(args.task, args.encoder, "none", seed=0), device).train()
-    loops = {
-        "plain": lambda: plain_epoch(model, samples, task.domain, args.batch_size, device),
-        "taskhet": lambda: taskhet_epoch(model, samples, task.name, args.batch_size, device),
-    }
-    for run in loops.values():  # warm-up: allocator, kernels, oneDNN/cuDNN choices
-        timed(run, device)
-    rates: dict[str, list[float]] = {name: [] for name in loops}
-    for round_index in range(args.rounds):
-        order = list(loops) if round_index % 2 == 0 else list(reversed(loops))
-        for name in order:
-            rates[name].append(timed(loops[name], device))
-    plain, ours = statistics.median(rates["plain"]), statistics.median(rates["taskhet"])
+    medians = compare_loops(model, samples, task.name, args.batch_size, device, args.rounds)
+    plain, ours = medians["plain"], medians["taskhet"]
     ratio = ours / plain
     print(f"training loop, {args.task} / {args.encoder}, {len(samples)} samples at {args.image_size}px, "
           f"batch {args.batch_size}, device {device}, median of {args.rounds} passes")
@@ -113,7 +135,6 @@ def main(argv: list[str] | None = None) -> float:
     print(f"  TaskHet loop:       {ours:8.1f} samples/s")
     print(f"  ratio TaskHet/plain: {ratio:7.3f}")
     return ratio
-
 
 if __name__ == "__main__":
     run_main(main)

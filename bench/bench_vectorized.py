@@ -38,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -137,6 +138,8 @@ def peak_rss_mb() -> float:
 
 
 def timed_round(engine: SequentialEngine, round_index: int, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # no queued work of the round before (a warm-up's) counts in this one
     began = time.perf_counter()
     engine.train_round(round_index)
     if device.type == "cuda":
@@ -144,9 +147,9 @@ def timed_round(engine: SequentialEngine, round_index: int, device: torch.device
     return time.perf_counter() - began
 
 
-def time_engines(engines: dict[str, SequentialEngine], rounds: int, device: torch.device) -> tuple[dict, str]:
+def time_engines(engines: dict[str, SequentialEngine], rounds: int, device: torch.device) -> tuple[dict, str, float]:
     """Median seconds per round of each engine, rounds interleaved (background load hits both alike), and the
-    peak memory the last engine adds (its warm-up runs after the others')."""
+    peak memory the last engine adds (its warm-up runs after the others'): as text, and in MB."""
     names = list(engines)
     for name in names[:-1]:
         engines[name].train_round(1)  # warm-up
@@ -158,20 +161,40 @@ def time_engines(engines: dict[str, SequentialEngine], rounds: int, device: torc
     for round_index in range(2, 2 + rounds):
         for name in names:
             times[name].append(timed_round(engines[name], round_index, device))
-    memory = (f"peak CUDA memory {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MB" if device.type == "cuda"
-              else f"peak RSS +{peak_rss_mb() - before:.0f} MB (process peak {peak_rss_mb():.0f} MB)")
-    return {name: statistics.median(values) for name, values in times.items()}, memory
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+        memory = f"peak CUDA memory {peak:.0f} MB"
+    else:
+        peak = peak_rss_mb() - before
+        memory = f"peak RSS +{peak:.0f} MB (process peak {peak_rss_mb():.0f} MB)"
+    return {name: statistics.median(values) for name, values in times.items()}, memory, peak
 
 
-def compare(name: str, count: int, chunk: int, rounds: int, device: torch.device, item_reads: bool) -> None:
+@dataclass(frozen=True)
+class CaseTiming:
+    """One model at K clients: median seconds per round of each engine and the vectorised engine's peak memory."""
+
+    sequential: float
+    vectorised: float
+    memory: str  # as printed: CUDA's max_memory_allocated, or the CPU's peak RSS increase
+    peak_mb: float
+
+
+def measure(name: str, count: int, chunk: int, rounds: int, device: torch.device, item_reads: bool) -> CaseTiming:
+    """Time the sequential engine and the vectorised one (chunks of ``min(chunk, count)``) on one case."""
     model, clients, loss = CASES[name](count, item_reads)
     with tempfile.TemporaryDirectory() as folder:
         engines = {label: make_engine(model, clients, loss, size, Path(folder) / label, device)
                    for label, size in (("sequential", 0), ("vectorised", min(chunk, count)))}
-        seconds, memory = time_engines(engines, rounds, device)
-    sequential, vectorized = seconds["sequential"], seconds["vectorised"]
+        seconds, memory, peak = time_engines(engines, rounds, device)
+    return CaseTiming(seconds["sequential"], seconds["vectorised"], memory, peak)
+
+
+def compare(name: str, count: int, chunk: int, rounds: int, device: torch.device, item_reads: bool) -> None:
+    timing = measure(name, count, chunk, rounds, device, item_reads)
+    sequential, vectorized = timing.sequential, timing.vectorised
     print(f"{name:8s} K={count:4d} chunk={min(chunk, count):4d}: sequential {sequential:.3f} s/round, "
-          f"vectorised {vectorized:.3f} s/round; ratio {sequential / vectorized:.2f}x; {memory}", flush=True)
+          f"vectorised {vectorized:.3f} s/round; ratio {sequential / vectorized:.2f}x; {timing.memory}", flush=True)
 
 
 KERNEL_LAYERS = (nn.Conv2d, nn.MaxPool2d)
@@ -273,6 +296,15 @@ def ceiling(name: str, count: int, device: torch.device, item_reads: bool) -> No
           f"ceiling {round_seconds / best:.2f}x ({len(layers) - pools} conv, {pools} max-pool layers)", flush=True)
 
 
+def pfl_unavailable() -> str | None:
+    """Why pfl-research cannot be imported here (its ImportError), or None when it can."""
+    try:
+        import pfl  # noqa: F401  (bench-only, never a project dependency)
+    except ImportError as error:
+        return str(error)
+    return None
+
+
 def pfl_rounds_per_second(count: int, rounds: int) -> float:
     """pfl-research's FedAvg on the tiny MLP case: K users of 5 batches of 16, 1 local epoch (5 steps), SGD
     momentum 0.9, every user sampled each round (cohort K), no evaluation; rounds per second after a warm-up."""
@@ -330,16 +362,22 @@ def pfl_rounds_per_second(count: int, rounds: int) -> float:
     return rounds / run(rounds)
 
 
-def compare_pfl(count: int, chunk: int, rounds: int, device: torch.device, item_reads: bool) -> None:
+def taskhet_and_pfl(count: int, chunk: int, rounds: int, device: torch.device, item_reads: bool) -> dict[str, float]:
+    """Rounds per second on the tiny-MLP FedAvg workload: TaskHet's sequential and vectorised engines, and pfl's."""
     model, clients, loss = CASES["mlp"](count, item_reads)
     with tempfile.TemporaryDirectory() as folder:
         engines = {name: make_engine(model, clients, loss, chunk_size, Path(folder) / name, device)
                    for name, chunk_size in (("sequential", 0), ("vectorised", min(chunk, count)))}
-        taskhet = {name: 1 / seconds for name, seconds in time_engines(engines, rounds, device)[0].items()}
-    pfl = pfl_rounds_per_second(count, rounds)
+        rates = {name: 1 / seconds for name, seconds in time_engines(engines, rounds, device)[0].items()}
+    return {**rates, "pfl": pfl_rounds_per_second(count, rounds)}
+
+
+def compare_pfl(count: int, chunk: int, rounds: int, device: torch.device, item_reads: bool) -> None:
+    rates = taskhet_and_pfl(count, chunk, rounds, device, item_reads)
+    pfl = rates["pfl"]
     print(f"pfl      K={count:4d} (tiny MLP, FedAvg, 5 steps): pfl {pfl:.2f} rounds/s; TaskHet sequential "
-          f"{taskhet['sequential']:.2f} ({taskhet['sequential'] / pfl:.2f}x pfl), vectorised "
-          f"{taskhet['vectorised']:.2f} ({taskhet['vectorised'] / pfl:.2f}x pfl)", flush=True)
+          f"{rates['sequential']:.2f} ({rates['sequential'] / pfl:.2f}x pfl), vectorised "
+          f"{rates['vectorised']:.2f} ({rates['vectorised'] / pfl:.2f}x pfl)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -368,11 +406,10 @@ def main(argv: list[str] | None = None) -> None:
     counts = [int(value) for value in args.counts.split(",")]
     chunks = [int(value) for value in args.chunks.split(",")]
     if args.pfl:
-        try:
-            import pfl  # noqa: F401  (bench-only, never a project dependency)
-        except ImportError as error:
-            raise SystemExit(f"--pfl needs pfl-research ({error}); docs/BENCHMARKS.md says how to install it "
-                             "beside the project's venv") from error
+        missing = pfl_unavailable()
+        if missing:
+            raise SystemExit(f"--pfl needs pfl-research ({missing}); docs/BENCHMARKS.md says how to install it "
+                             "beside the project's venv")
         for count in counts:
             compare_pfl(count, chunks[-1], args.rounds, device, args.item_reads)
         return
