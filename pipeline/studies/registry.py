@@ -8,9 +8,9 @@ to that kind, so adding a kind is one module under ``pipeline/studies/`` plus it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from utils.registry import Registry
 
@@ -35,6 +35,8 @@ class StudyKind:
         run: ``(pipeline) -> report table``: every step of the validated config through the shared step runner,
             then the kind's report (report.md, report.csv, plots) in ``pipeline.out_dir``.
         report_unit: what one row of report.csv is, for the console line after a run.
+        types: every dotted key of ``schema`` -> its check (pipeline/schema.py), which ``load`` applies; the
+            documentation's experiment-file reference reads it too.
     """
 
     name: str
@@ -43,6 +45,7 @@ class StudyKind:
     load: Callable[[dict[str, Any], Path], dict[str, Any]]
     run: Callable[["Pipeline"], "pd.DataFrame"]
     report_unit: str = "rows"
+    types: Mapping[str, Any] = field(default_factory=dict)
 
 
 STUDIES: Registry[StudyKind] = Registry("study kind")

@@ -44,4 +44,4 @@ def register_grid_kind(name: str, summary: str, write_report: WriteReport, repor
                             **extra)
 
     return register(StudyKind(name=name, summary=summary, schema=schema, load=load, run=run,
-                              report_unit=report_unit))
+                              report_unit=report_unit, types=types))

@@ -12,4 +12,5 @@ register(StudyKind(
     load=config.load,
     run=runner.run,
     report_unit="task × algorithm × α rows",
+    types=config.TYPES,
 ))
