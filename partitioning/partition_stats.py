@@ -59,6 +59,87 @@ def client_stats(client_of: np.ndarray, groups: np.ndarray, n_clients: int) -> p
     return pd.concat([table, count_columns], axis=1)
 
 
+def js_distance(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Jensen–Shannon *distance* between distributions, base 2, in [0, 1]: one value per row.
+
+    JS(p, q) = √(½·KL(p‖m) + ½·KL(q‖m)) with m = ½(p + q) and KL in bits (log base 2): 0 for equal
+    distributions, 1 for disjoint supports. It is the square root of the base-2 Jensen–Shannon divergence
+    (``js_divergence`` of :func:`client_stats`), and a metric (the triangle inequality holds); computed by
+    ``scipy.spatial.distance.jensenshannon(p, q, base=2)``.
+
+    Args:
+        p, q: [..., G] probability vectors over the last axis (broadcast against each other); rows of
+            ``p`` may be all-NaN (an empty client), which gives NaN.
+    """
+    from scipy.spatial.distance import jensenshannon
+
+    p, q = np.broadcast_arrays(np.asarray(p, dtype=float), np.asarray(q, dtype=float))
+    with np.errstate(invalid="ignore"):
+        return np.asarray(jensenshannon(p, q, axis=-1, base=2))
+
+
+def hellinger_distance(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Hellinger distance between distributions, in [0, 1]: one value per row.
+
+    H(p, q) = (1/√2)·‖√p − √q‖₂ = √(1 − Σ_g √(p_g·q_g)): 0 for equal distributions, 1 for disjoint
+    supports. Hand-written (scipy has no Hellinger distance); the first form is used, which has no
+    cancellation near 0.
+
+    Args:
+        p, q: [..., G] probability vectors over the last axis (broadcast against each other).
+    """
+    p, q = np.broadcast_arrays(np.asarray(p, dtype=float), np.asarray(q, dtype=float))
+    return np.sqrt(np.sum((np.sqrt(p) - np.sqrt(q)) ** 2, axis=-1) / 2)
+
+
+# Kinds of distance of :func:`partition_distances`, with their functions: the columns are ``<space>_<kind>``.
+DISTANCES = {"js_distance": js_distance, "hellinger": hellinger_distance}
+
+
+def partition_distances(client_of: np.ndarray, groups: np.ndarray, n_clients: int, space: str) -> pd.DataFrame:
+    """How far each client's mixture over ``groups`` lies from the pooled mixture of every client.
+
+    The client's mixture is the share of each group among the samples it holds (``client_of``: every assigned
+    row, the client-train and held-out client-test rows alike); the pooled mixture is that of all assigned rows
+    together (samples no client holds are left out, so a scheme that leaves samples unused is compared with what
+    the federation holds). Distances: :func:`js_distance` (base 2) and :func:`hellinger_distance`, both in [0, 1].
+
+    Args:
+        client_of: int [n_samples], client per sample, ``UNUSED`` (-1) for none.
+        groups: [n_samples] what the distance is measured over: class labels (``space`` "label") or embedding
+            clusters ("cluster").
+        n_clients: number of clients.
+        space: the column prefix.
+
+    Returns:
+        ``client_id``, ``<space>_js_distance``, ``<space>_hellinger``: one row per client; NaN for a client
+        without samples.
+    """
+    client_of = np.asarray(client_of)
+    _, codes = np.unique(np.asarray(groups), return_inverse=True)
+    n_groups = int(codes.max(initial=-1)) + 1
+    counts = group_counts(client_of, codes.reshape(-1), n_clients, n_groups).astype(float)
+    sizes = counts.sum(axis=1)
+    pooled = counts.sum(axis=0) / max(sizes.sum(), 1.0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mixtures = counts / sizes[:, None]
+    table = {"client_id": np.arange(n_clients)}
+    for kind, distance in DISTANCES.items():
+        table[f"{space}_{kind}"] = np.where(sizes > 0, distance(mixtures, pooled[None, :]), np.nan)
+    return pd.DataFrame(table)
+
+
+def mean_distances(distances: pd.DataFrame, space: str) -> dict[str, float]:
+    """``{"mean_<space>_<kind>": unweighted mean over the clients that hold samples}`` (each client counts once,
+    whatever its size, as ``mean_js_divergence`` of step 3b's metrics.csv)."""
+    means = {}
+    for kind in DISTANCES:
+        values = distances[f"{space}_{kind}"].to_numpy(dtype=float)
+        held = values[~np.isnan(values)]
+        means[f"mean_{space}_{kind}"] = float(held.mean()) if held.size else float("nan")
+    return means
+
+
 def plot_heatmap(stats: pd.DataFrame, path: Path, title: str, row_notes: Sequence[str] | None = None) -> None:
     """Save a clients × groups heatmap of each client's group fractions (rows sum to 1).
 

@@ -7,6 +7,10 @@ Outputs in --out: assignments.csv (sample_id, client_id, group, subset; with
 --temporal also from_round, to_round) with its assignments.json sidecar,
 client_stats.csv, client_group_heatmap.png (and client_schedule_heatmap.png with
 --temporal), unused_samples.csv, metrics.csv, config.json, run.log.
+Every client's Jensen–Shannon and Hellinger distances to the pooled mixture are
+reported over the labels and, given the clusters (--groups or --distance_groups a
+clusters.csv), over the embedding clusters: client_stats.csv's label_* and
+cluster_* columns, assignments.json's "distances".
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from partitioning.assignments import (ALPHAS, MAX_CLIENTS, assignments_table, re
 from partitioning.client_tests import (CLIENT_TESTS, DEFAULT_TEST_FRACTION, HELD_OUT, TEST_SPLIT, client_test_mask,
                                        deal_test_split)
 from partitioning.partition import get_partitioner, list_schemes, scheme_parameters
-from partitioning.partition_stats import client_stats, phase_stats, plot_heatmap, plot_schedule
+from partitioning.partition_stats import (DISTANCES, client_stats, mean_distances, partition_distances, phase_stats,
+                                         plot_heatmap, plot_schedule)
 from partitioning.skew_record import check_skew_settings, draw_skews, skew_columns, skew_summary
 from partitioning.skews import SKEWS_KEY, SkewContext
 from partitioning.temporal import (FROM_ROUND, NO_END, ROUNDS, TEMPORAL_HELP, TO_ROUND, TemporalSpec, check_schedule_size,
@@ -51,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--manifest", type=Path, required=True,
                         help="step-1 manifest.csv; only its train split is partitioned, without its validation rows (val = 1)")
     parser.add_argument("--groups", default=None, help="a manifest column or a step-3 clusters.csv (default: the data family's label column)")
+    parser.add_argument("--distance_groups", default=None,
+                        help="a step-3 clusters.csv (or a manifest column) to measure every client's embedding-space "
+                             "distances over (client_stats.csv's cluster_* columns); default: --groups when it is a "
+                             "clusters file, else none. Label-space distances (label_*) are always measured")
     parser.add_argument("--scheme", default="dirichlet_mixture", choices=list_schemes())
     parser.add_argument("--alpha", type=ALPHAS, default=None, help="Dirichlet concentration (Dirichlet schemes; scheme default 1.0)")
     parser.add_argument("--n_clients", type=CLIENTS, default=10, help="clients of the partition")
@@ -155,6 +164,11 @@ def assign_clients(args: argparse.Namespace) -> Path:
     if train.empty:
         raise TaskHetError(f"{args.manifest}: has no train rows to partition")
     args.groups = args.groups or family.label_column
+    # A folder family's manifest may hold no labels or sources (no groups.csv): one line, not a silent one-group split.
+    if args.groups == family.label_column and args.scheme not in ("iid", "natural"):
+        family.require_values(manifest, args.groups, f"--groups {args.groups} (manifest {args.manifest})")
+    if args.scheme == "natural" and family.source_column:
+        family.require_values(manifest, family.source_column, f"--scheme natural (manifest {args.manifest})")
     # --client_tests test_split deals the test rows to the clients: their groups are resolved with the train rows'
     # (one call, so both come back as the same type). A clusters file covers every sample step 3 embedded.
     test = (manifest[(manifest["split"] == "test") & ~validation_mask(manifest)].reset_index(drop=True)
@@ -167,20 +181,23 @@ def assign_clients(args: argparse.Namespace) -> Path:
         test = test.assign(group=all_groups.iloc[len(train):].to_numpy())
     skews = draw_skews(skew_settings(args), SkewContext(family.name, family.num_classes(manifest), tuple(family.tasks),
                                                         args.n_clients), args.seed)
+    spaces = distance_spaces(args, train, family.label_column, groups, groups_file, manifest["sample_id"])
     args.out.mkdir(parents=True, exist_ok=True)
     write_config(args.out, vars(args), step=STEP)
     logger = setup_logging(args.out, "make_client_assignments")
     with unfinished(args.out, STEP):  # step 4 refuses an assignments.csv of a run that did not finish
-        return write_partition(args, family, train, groups, groups_file, logger, skews, test)
+        return write_partition(args, family, train, groups, groups_file, logger, skews, test, spaces)
 
 
 def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, groups: pd.Series, groups_file: Path | None,
-              logger, skews: dict | None = None, test: pd.DataFrame | None = None) -> Path:
+              logger, skews: dict | None = None, test: pd.DataFrame | None = None,
+              spaces: dict[str, tuple[str, pd.Series]] | None = None) -> Path:
     """Split ``train`` over clients and write every output of the step; returns assignments.csv.
 
     ``skews``: the per-client skews drawn by :func:`partitioning.skew_record.draw_skews`, recorded in the sidecar.
     ``test``: with ``--client_tests test_split``, the manifest's test rows with their ``group``: dealt to the clients
-    as their test rows (:func:`partitioning.client_tests.deal_test_split`)."""
+    as their test rows (:func:`partitioning.client_tests.deal_test_split`).
+    ``spaces``: what the distances are measured over (:func:`distance_spaces`); None: none."""
     given = scheme_arguments(args)
     accepted = scheme_parameters(args.scheme)
     for name in sorted(k for k in given if k not in accepted):
@@ -208,6 +225,9 @@ def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, group
     }
     if skews:
         meta[SKEWS_KEY] = skews
+    distances = {space: partition_distances(partition.client_of, values.to_numpy(), args.n_clients, space)
+                 for space, (_, values) in (spaces or {}).items()}
+    meta[DISTANCES_KEY] = distances_record(distances, spaces or {})
     write_assignments(args.out / "assignments.csv", table, meta)
     train.loc[partition.unused, ["sample_id"]].assign(group=groups.to_numpy()[partition.unused]).to_csv(args.out / "unused_samples.csv", index=False)
 
@@ -216,6 +236,7 @@ def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, group
     if spec is not None:
         stats = stats.merge(phase_stats(table, phases, args.n_clients), on="client_id")
         write_schedule_plot(args, table, phases, spec)
+    stats = stats.assign(**distance_columns(distances, args.n_clients))  # after every other column
     stats.to_csv(args.out / "client_stats.csv", index=False)
     plot_heatmap(stats, args.out / "client_group_heatmap.png", f"{args.scheme}, α={meta['alpha']}; groups: {Path(args.groups).name}"
                  + (f"; skews: {', '.join(skews)}" if skews else ""),
@@ -225,11 +246,86 @@ def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, group
         "client_size_min": int(stats["size"].min()), "client_size_max": int(stats["size"].max()),
         "mean_js_divergence": float(stats["js_divergence"].mean()), "mean_effective_groups": float(stats["effective_groups"].mean()),
     }
+    for space, table_of_space in distances.items():
+        summary.update(mean_distances(table_of_space, space))
     pd.DataFrame({"metric": list(summary), "value": list(summary.values())}).to_csv(args.out / "metrics.csv", index=False)
     logger.info("%d train samples -> %d clients (%d unused, listed in unused_samples.csv); mean JS divergence %.3f, "
                 "mean effective groups %.2f; wrote %s", len(train), args.n_clients, summary["n_unused"],
                 summary["mean_js_divergence"], summary["mean_effective_groups"], args.out / "assignments.csv")
+    for space in distances:
+        logger.info("%s-space distance to the pooled mixture, mean over clients: JS %.3f, Hellinger %.3f", space,
+                    summary[f"mean_{space}_js_distance"], summary[f"mean_{space}_hellinger"])
     return args.out / "assignments.csv"
+
+
+DISTANCES_KEY = "distances"  # assignments.json's block of client-to-pooled distances
+LABEL_SPACE, CLUSTER_SPACE = "label", "cluster"  # the spaces distances are measured in: column prefixes and keys
+
+
+def distance_spaces(args: argparse.Namespace, train: pd.DataFrame, label_column: str, groups: pd.Series,
+                    groups_file: Path | None, manifest_ids: pd.Series) -> dict[str, tuple[str, pd.Series]]:
+    """What step 3b measures distances over: ``{space: (source, value per train row)}``.
+
+    ``label``: the manifest's label column, always. ``cluster``: the embedding clusters, from ``--distance_groups``
+    when given, else from ``--groups`` when it is a clusters file (an embedding-based partition), else absent: a
+    label-based partition knows no clusters unless the pipeline passes step 3's clusters.csv.
+
+    Raises:
+        TaskHetError: a ``--distance_groups`` that is neither a manifest column nor a clusters file covering the
+            train rows (the message names the flag and the file's row).
+    """
+    spaces = {LABEL_SPACE: (label_column, train[label_column])}
+    if args.distance_groups is not None:
+        try:
+            # a clusters file covers every sample step 3 embedded: any manifest id may be listed
+            values, path = resolve_groups(train, args.distance_groups, extra_ids=manifest_ids)
+        except TaskHetError as error:  # resolve_groups speaks of --groups; this file came with --distance_groups
+            raise TaskHetError(str(error).replace("--groups", "--distance_groups")) from None
+        spaces[CLUSTER_SPACE] = (str(path if path is not None else args.distance_groups), values)
+    elif groups_file is not None:
+        spaces[CLUSTER_SPACE] = (str(groups_file), groups)
+    return spaces
+
+
+def distance_columns(distances: dict[str, pd.DataFrame], n_clients: int) -> dict[str, np.ndarray]:
+    """client_stats.csv's distance columns: ``<space>_<kind>`` for both spaces; a space without groups (no clusters)
+    is blank, so every client_stats.csv has the same header."""
+    return {f"{space}_{kind}": (distances[space][f"{space}_{kind}"].to_numpy() if space in distances
+                                else np.full(n_clients, np.nan))
+            for space in (LABEL_SPACE, CLUSTER_SPACE) for kind in DISTANCES}
+
+
+def distances_record(distances: dict[str, pd.DataFrame], spaces: dict[str, tuple[str, pd.Series]]) -> dict:
+    """assignments.json's ``distances`` block (docs/DESIGN.md §3, "assignments.json's distances").
+
+    ``label`` and ``cluster`` (None without clusters) each hold ``groups`` (the manifest column or clusters file),
+    ``mean_js_distance`` and ``mean_hellinger`` (unweighted means over the clients) and the per-client lists
+    ``js_distance`` and ``hellinger`` (client 0 first; None for a client without samples). ``js_gap`` and
+    ``hellinger_gap`` are the cluster mean minus the label mean (None without clusters): > 0 when label-space
+    distances under-state the heterogeneity the embedding clusters show.
+    """
+    record: dict = {"definition": "each client's group mixture against the pooled mixture of every assigned row; "
+                                  "js_distance: sqrt of the base-2 Jensen-Shannon divergence; hellinger: "
+                                  "(1/sqrt 2)*||sqrt p - sqrt q||_2; both in [0, 1]; means unweighted over clients"}
+    for space in (LABEL_SPACE, CLUSTER_SPACE):
+        if space not in distances:
+            record[space] = None
+            continue
+        table, means = distances[space], mean_distances(distances[space], space)
+        record[space] = {"groups": spaces[space][0],
+                         **{f"mean_{kind}": _json_number(means[f"mean_{space}_{kind}"]) for kind in DISTANCES},
+                         **{kind: [_json_number(value) for value in table[f"{space}_{kind}"]] for kind in DISTANCES}}
+    for kind in DISTANCES:
+        record[f"{kind.removesuffix('_distance')}_gap"] = (
+            None if record[CLUSTER_SPACE] is None or record[LABEL_SPACE][f"mean_{kind}"] is None
+            or record[CLUSTER_SPACE][f"mean_{kind}"] is None
+            else record[CLUSTER_SPACE][f"mean_{kind}"] - record[LABEL_SPACE][f"mean_{kind}"])
+    return record
+
+
+def _json_number(value: float) -> float | None:
+    """A float for JSON: NaN (a client without samples) becomes null, which every JSON reader takes."""
+    return None if np.isnan(value) else float(value)
 
 
 def assignment_rows(args: argparse.Namespace, train: pd.DataFrame, groups: pd.Series, client_of: np.ndarray,
