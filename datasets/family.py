@@ -92,6 +92,16 @@ class DataFamily(ABC):
             scalar, ``"sample_id"`` -> str.
         """
 
+    def output_channels(self, manifest: pd.DataFrame, task: TaskSpec) -> int | None:
+        """The model head's outputs for ``task`` (``build_task_model``'s ``num_classes``): K for a classification
+        task; for a dense task, None (its own ``out_channels``), but where the family's data declares them (the
+        folder families: a target's channels or classes, recorded in the manifest)."""
+        return self.num_classes(manifest) if task.kind == "classification" else None
+
+    def require_values(self, manifest: pd.DataFrame, column: str, where: str) -> None:
+        """Refuse, naming ``where``, a partition over ``column`` (the label or source column) of a manifest that holds
+        none there; every row of the built-in families has both (a family without a source has no source column)."""
+
     def check_task(self, task: str, source: str) -> None:
         """Raise a :class:`TaskHetError` naming ``source`` unless the family supports ``task``."""
         if task not in self.tasks:

@@ -234,7 +234,7 @@ def train_locked(args: argparse.Namespace, accelerator: Accelerator) -> dict:
     splits = centralized_splits(manifest, f"manifest {args.manifest}")
     datasets = {split: family.dataset(args.data_path, rows, task, args.image_size, args.cache_dir)
                 for split, rows in splits.items()}
-    num_classes = family.num_classes(manifest) if task.kind == "classification" else None
+    num_classes = family.output_channels(manifest, task)
     model = build_task_model(args.task, args.encoder, args.weights, num_classes=num_classes,
                              embedding_grid=args.embedding_grid, seed=args.seed, freeze_encoder=args.freeze_encoder,
                              decoder_width=args.decoder_width)
