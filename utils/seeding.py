@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
+# torch is imported by the two functions that use it: the partition code seeds numpy generators only, and
+# partitioning/flwr_partitioners.py serves Flower Datasets users without torch.
 
 
 def derive_seed(root_seed: int, *keys: object) -> int:
@@ -27,6 +32,8 @@ def numpy_rng(root_seed: int, *keys: object) -> np.random.Generator:
 
 def torch_generator(root_seed: int, *keys: object) -> torch.Generator:
     """A CPU torch.Generator for one purpose (loader order, dropout-free inits)."""
+    import torch
+
     generator = torch.Generator()
     generator.manual_seed(derive_seed(root_seed, *keys))
     return generator
@@ -34,6 +41,8 @@ def torch_generator(root_seed: int, *keys: object) -> torch.Generator:
 
 def set_deterministic(enabled: bool) -> None:
     """Ask torch for deterministic kernels (bit-identical reruns on one machine)."""
+    import torch
+
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(enabled, warn_only=False)
