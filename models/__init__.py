@@ -32,7 +32,9 @@ def build_task_model(task: str, encoder: str = "resnet50", weights: str = "none"
         task: task name (see :func:`list_tasks`).
         encoder: encoder name (see :func:`list_encoders`).
         weights: encoder weights: "none" (random), "imagenet", "clip" or a file path.
-        num_classes: K, the number of classes (classification tasks only; from the data family).
+        num_classes: the head's outputs where the data family gives them (``DataFamily.output_channels``): K of a
+            classification task, the channels or classes of a dense task without its own ``out_channels``;
+            ignored for the other dense tasks.
         embedding_grid: grid side of the pooled embedding (0 = global average only).
         embedding_layer: "penultimate" or "bottleneck" (see :mod:`models.task_model`).
         seed: when given, the random initialisation is drawn from a generator derived
@@ -54,6 +56,11 @@ def build_task_model(task: str, encoder: str = "resnet50", weights: str = "none"
     if spec.kind == "classification":
         if num_classes is None or num_classes < 2:
             raise TaskHetError(f"task {task} needs num_classes >= 2 (its data family's classes), got {num_classes}")
+        out_channels = num_classes
+    elif spec.out_channels is None:  # a folder family's dense target: the data declares its channels or classes
+        if num_classes is None or num_classes < 1:
+            raise TaskHetError(f"task {task} needs num_classes >= 1 (its target's channels or classes, from the data "
+                               f"family's manifest), got {num_classes}")
         out_channels = num_classes
     else:
         out_channels = spec.out_channels

@@ -134,15 +134,21 @@ class SegmentationMetrics:
     unlabelled pixels (``SEGMENT_IGNORE_INDEX``) and masked pixels are ignored. A
     class that is absent from both the targets and the predictions of the whole
     split has no IoU and is left out of the mean, rather than counted as 0 or 1.
+
+    ``num_classes`` None takes C from the first prediction's channels: a folder family's segmentation target
+    declares its classes in the data (targets.yaml), and the head has exactly that many outputs.
     """
 
-    def __init__(self, num_classes: int, domain: str = "segment_semantic") -> None:
+    def __init__(self, num_classes: int | None, domain: str = "segment_semantic") -> None:
         self.domain = domain
         self.num_classes = num_classes
-        self.confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64)
+        self.confusion = torch.zeros(num_classes or 0, num_classes or 0, dtype=torch.float64)
 
     def update(self, prediction: torch.Tensor, batch: dict) -> None:
         """Add a batch: ``prediction`` is logits ``[B, C, H, W]``, ``batch[domain]`` class ids ``[B, H, W]``."""
+        if self.num_classes is None:
+            self.num_classes = int(prediction.shape[1])
+            self.confusion = torch.zeros(self.num_classes, self.num_classes, dtype=torch.float64)
         predicted = prediction.detach().argmax(dim=1)
         target = batch[self.domain].to(predicted.device)
         valid = valid_pixels(batch, prediction[:, :1])[:, 0] & (target != SEGMENT_IGNORE_INDEX)

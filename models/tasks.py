@@ -34,10 +34,10 @@ class TaskSpec:
 
     Attributes:
         name: task name (registry key).
-        domain: key of the target in a batch dict ("scene_class" for class_scene, "digit_class" for digit_class,
-            "cifar_class" for cifar_class).
+        domain: key of the target in a batch dict ("scene_class" for class_scene; every other task's own name).
         kind: "dense" (per-pixel prediction ``[B, C, H, W]``) or "classification" (logits ``[B, K]``).
-        out_channels: output channels; None for classification tasks, whose K comes from the data family.
+        out_channels: output channels; None where the data family gives them (``DataFamily.output_channels``): K of
+            a classification task, the channels or classes of a folder family's dense target.
         activation: output activation (see :data:`models.heads.ACTIVATIONS`).
         loss_fn: ``(prediction, batch, domain, reduction) -> scalar`` (``[B]`` with reduction "none").
         metrics_factory: ``() -> TaskMetrics``.
@@ -86,8 +86,21 @@ def _register_tasks() -> None:
         TASKS.register(name)(
             TaskSpec(name, name, "dense", channels, activation, loss_fn, metrics_factory, [name], primary)
         )
+    # The folder families' dense tasks (datasets/paired_folders.py): a user's targets.yaml declares a regression
+    # target's channels and a segmentation target's classes, so their heads are sized from the manifest
+    # (out_channels None: DataFamily.output_channels). Regression targets have any range (identity output);
+    # segmentation ignores SEGMENT_IGNORE_INDEX, as Taskonomy's does; binary edges are Taskonomy's edge tasks' kind.
+    folder_dense = [
+        ("folder_regression", None, "identity", losses.dense_l1_loss, functools.partial(metrics.L1Metric, "folder_regression"), "l1"),
+        ("folder_segmentation", None, "identity", losses.segmentation_loss,
+         functools.partial(metrics.SegmentationMetrics, None, "folder_segmentation"), "miou"),
+        ("folder_edges", 1, "sigmoid", losses.dense_l1_loss, functools.partial(metrics.L1Metric, "folder_edges"), "l1"),
+    ]
+    for name, channels, activation, loss_fn, metrics_factory, primary in folder_dense:
+        TASKS.register(name)(TaskSpec(name, name, "dense", channels, activation, loss_fn, metrics_factory, [], primary))
     # Classification tasks take K from their data family (datasets.family.DataFamily.num_classes).
-    for name, domain in (("class_scene", "scene_class"), ("digit_class", "digit_class"), ("cifar_class", "cifar_class")):
+    for name, domain in (("class_scene", "scene_class"), ("digit_class", "digit_class"), ("cifar_class", "cifar_class"),
+                         ("folder_class", "folder_class")):
         TASKS.register(name)(
             TaskSpec(name, domain, "classification", None, "identity", losses.classification_loss,
                      functools.partial(metrics.ClassificationMetrics, domain), [], "top1")

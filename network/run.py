@@ -185,7 +185,7 @@ def prepare(config: RunConfig) -> FedSetup:
     config = resolve(config, meta)
     check_horizon(table, config.n_rounds, str(config.assignments))  # temporal skew: a schedule fits the run
     set_deterministic(config.deterministic)
-    num_classes = family.num_classes(manifest) if task.kind == "classification" else None
+    num_classes = family.output_channels(manifest, task)
     input_key = model_input_key(family, config.cache_features)
     groups = train_class_groups(family, manifest) if task.kind == "classification" else None
     device = pick_device(config.use_accelerator)

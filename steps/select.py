@@ -10,12 +10,13 @@ import sys
 from pathlib import Path
 
 from datasets.family import get_family
-from steps import select_cifar, select_digits, select_scenes
+from steps import select_cifar, select_digits, select_imagefolder, select_paired, select_scenes
 from utils import cli
 from utils.errors import TaskHetError
 
 # Each family's step-1 module (build_parser, main); tests check it covers every registered family.
-STEP1_MODULES = {"taskonomy": select_scenes, "digits": select_digits, "cifar": select_cifar}
+STEP1_MODULES = {"taskonomy": select_scenes, "digits": select_digits, "cifar": select_cifar,
+                 "imagefolder": select_imagefolder, "paired_folders": select_paired}
 
 
 def main(argv: list[str] | None = None) -> Path:

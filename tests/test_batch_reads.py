@@ -13,9 +13,12 @@ from datasets.cifar import CifarDataset, load_split, select_cifar
 from datasets.digits import DigitsDataset, select_digits
 from datasets.encoded import ENCODED_KEY, EncodedDataset
 from datasets.family import list_families
+from datasets.imagefolder import ImageFolderDataset, select_imagefolder
+from datasets.paired_folders import PairedDataset, select_paired
 from datasets.taskonomy import TaskonomyDataset, read_manifest
-from models import build_task_model
+from models import build_task_model, get_task
 from tests.fixtures import tiny_data_root, tiny_manifest, write_tiny_cifar  # noqa: F401 (fixtures)
+from tests.folder_fixtures import write_imagefolder, write_paired_folders
 from training.loop import make_loader
 from utils.seeding import torch_generator
 
@@ -63,8 +66,21 @@ def taskonomy(root, manifest, cache_dir=None) -> TaskonomyDataset:
     return TaskonomyDataset(root, read_manifest(manifest), ["normal", "segment_semantic"], 16, cache_dir=cache_dir)
 
 
+def imagefolder(tmp_path) -> ImageFolderDataset:
+    root = write_imagefolder(tmp_path / "imagefolder")
+    return ImageFolderDataset(root, select_imagefolder(root, 0.25, 0.1, seed=0).manifest, 16, tmp_path / "cache")
+
+
+def paired(tmp_path) -> PairedDataset:
+    root = write_paired_folders(tmp_path / "paired")
+    return PairedDataset(root, select_paired(root, 0.25, 0.1, seed=0).manifest, get_task("folder_segmentation"), 16,
+                         tmp_path / "cache")
+
+
 # One builder per registered family: a family added without one fails test_every_family_reads_whole_batches.
 FAMILY_DATASETS = {
+    "imagefolder": lambda root, manifest, cifar_root, tmp_path: imagefolder(tmp_path),
+    "paired_folders": lambda root, manifest, cifar_root, tmp_path: paired(tmp_path),
     "digits": lambda root, manifest, cifar_root, tmp_path: digits(),
     "cifar": lambda root, manifest, cifar_root, tmp_path: cifar(cifar_root, 24),
     "taskonomy": lambda root, manifest, cifar_root, tmp_path: taskonomy(root, manifest, tmp_path / "cache"),

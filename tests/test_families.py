@@ -12,22 +12,36 @@ import torch
 from datasets.cifar import select_cifar
 from datasets.digits import select_digits
 from datasets.family import FAMILY_COLUMN, get_family, list_families, load_manifest
+from datasets.imagefolder import select_imagefolder
+from datasets.paired_folders import select_paired
 from models.tasks import get_task, list_tasks
 from steps.select import STEP1_MODULES
 from tests.fixtures import tiny_data_root, tiny_manifest, write_tiny_cifar  # noqa: F401  (session fixtures)
+from tests.folder_fixtures import write_imagefolder, write_paired_folders
 from utils.errors import TaskHetError
 
 IMAGE_SIZE = 16
 
 
 @pytest.fixture(scope="session")
-def manifests(tiny_manifest, cifar_root, tmp_path_factory) -> dict[str, Path]:  # noqa: F811
+def manifests(tiny_manifest, cifar_root, folder_roots, tmp_path_factory) -> dict[str, Path]:  # noqa: F811
     """A small step-1 manifest of every family."""
     digits = tmp_path_factory.mktemp("digits_step1") / "manifest.csv"
     select_digits(0.25, seed=0, n_samples=40).to_csv(digits, index=False)
     cifar = tmp_path_factory.mktemp("cifar_step1") / "manifest.csv"
     select_cifar(cifar_root, "cifar10", 1.0, 0.1, seed=0, verify_checksums=False).to_csv(cifar, index=False)
-    return {"taskonomy": tiny_manifest, "digits": digits, "cifar": cifar}
+    imagefolder = tmp_path_factory.mktemp("imagefolder_step1") / "manifest.csv"
+    select_imagefolder(folder_roots["imagefolder"], 0.25, 0.1, seed=0).manifest.to_csv(imagefolder, index=False)
+    paired = tmp_path_factory.mktemp("paired_step1") / "manifest.csv"
+    select_paired(folder_roots["paired_folders"], 0.25, 0.1, seed=0).manifest.to_csv(paired, index=False)
+    return {"taskonomy": tiny_manifest, "digits": digits, "cifar": cifar, "imagefolder": imagefolder, "paired_folders": paired}
+
+
+@pytest.fixture(scope="session")
+def folder_roots(tmp_path_factory) -> dict[str, Path]:
+    """A user's tiny folders: 3 classes of 6 images; 12 images with a depth, a segmentation and an edge target."""
+    return {"imagefolder": write_imagefolder(tmp_path_factory.mktemp("imagefolder")),
+            "paired_folders": write_paired_folders(tmp_path_factory.mktemp("paired_folders"))}
 
 
 @pytest.fixture(scope="session")
@@ -37,9 +51,9 @@ def cifar_root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def roots(tiny_data_root, cifar_root) -> dict[str, Path]:  # noqa: F811
+def roots(tiny_data_root, cifar_root, folder_roots) -> dict[str, Path]:  # noqa: F811
     """The data root of every family (digits ignores it)."""
-    return {"taskonomy": tiny_data_root, "digits": tiny_data_root, "cifar": cifar_root}
+    return {"taskonomy": tiny_data_root, "digits": tiny_data_root, "cifar": cifar_root, **folder_roots}
 
 
 def test_every_family_has_a_test_manifest_and_a_step1(manifests):
@@ -111,7 +125,7 @@ def test_mixed_family_column_names_the_row(name, manifests, tmp_path):
 def test_unknown_family_and_legacy_manifest(manifests, tmp_path):
     manifest = pd.read_csv(manifests["taskonomy"], dtype=str, keep_default_na=False)
     manifest.assign(family="imagenet").to_csv(tmp_path / "unknown.csv", index=False)
-    with pytest.raises(TaskHetError, match="unknown.csv: row 2 has family 'imagenet'; known data families: cifar, digits, taskonomy"):
+    with pytest.raises(TaskHetError, match="unknown.csv: row 2 has family 'imagenet'; known data families: cifar, digits, imagefolder, paired_folders, taskonomy"):
         load_manifest(tmp_path / "unknown.csv")
     # Manifests written before families existed are Taskonomy's.
     manifest.drop(columns=[FAMILY_COLUMN]).to_csv(tmp_path / "legacy.csv", index=False)
@@ -136,7 +150,16 @@ def same_digit(manifest: pd.DataFrame) -> str:
     return f"image_index {manifest.loc[0, 'image_index']}"
 
 
-REPEAT_AN_IMAGE = {"taskonomy": same_rgb_file, "cifar": same_cifar_image, "digits": same_digit}
+def same_image_file(manifest: pd.DataFrame) -> str:
+    """A folder family's image is its image_path: here under another spelling, with its class or label."""
+    columns = [column for column in ("class_name", "label", "label_name") if column in manifest.columns]
+    manifest.loc[3, columns] = manifest.loc[0, columns]
+    manifest.loc[3, "image_path"] = "./" + manifest.loc[0, "image_path"].replace("/", "//", 1)
+    return f"image_path {manifest.loc[0, 'image_path']!r}"
+
+
+REPEAT_AN_IMAGE = {"taskonomy": same_rgb_file, "cifar": same_cifar_image, "digits": same_digit,
+                   "imagefolder": same_image_file, "paired_folders": same_image_file}
 
 
 def test_every_family_says_how_an_image_repeats():

@@ -4,11 +4,16 @@ import pytest
 import torch
 
 from datasets.taskonomy_domains import SEGMENT_IGNORE_INDEX
-from losses import channel_cosine
+from losses import channel_cosine, segmentation_loss
 from models.tasks import get_task, list_tasks
 
 SIZE = 8
 NUM_SCENES = 5
+
+
+def channels(task) -> int:
+    """The task's output channels; a folder family's target declares them in the data (here: NUM_SCENES)."""
+    return task.out_channels or NUM_SCENES
 
 
 def make_batch(task_name: str, seed: int = 0) -> dict:
@@ -19,22 +24,22 @@ def make_batch(task_name: str, seed: int = 0) -> dict:
     batch = {"mask": mask}
     if task.kind == "classification":
         batch[task.domain] = torch.tensor([1, 3])
-    elif task.name == "segment_semantic":
-        batch[task.domain] = torch.randint(0, task.out_channels, (2, SIZE, SIZE), generator=generator)
+    elif task.loss_fn is segmentation_loss:
+        batch[task.domain] = torch.randint(0, channels(task), (2, SIZE, SIZE), generator=generator)
     elif task.name == "normal":
         vectors = torch.randn(2, 3, SIZE, SIZE, generator=generator)
         batch[task.domain] = vectors / vectors.norm(dim=1, keepdim=True)
     elif task.name.startswith("depth"):
         batch[task.domain] = 0.5 + 10 * torch.rand(2, 1, SIZE, SIZE, generator=generator)
     elif task.kind == "dense":
-        batch[task.domain] = torch.rand(2, task.out_channels, SIZE, SIZE, generator=generator)
+        batch[task.domain] = torch.rand(2, channels(task), SIZE, SIZE, generator=generator)
     return batch
 
 
 def perfect_prediction(task_name: str, batch: dict) -> torch.Tensor:
     task = get_task(task_name)
-    if task.name == "segment_semantic":
-        return 100.0 * torch.nn.functional.one_hot(batch[task.domain], task.out_channels).permute(0, 3, 1, 2).float()
+    if task.loss_fn is segmentation_loss:
+        return 100.0 * torch.nn.functional.one_hot(batch[task.domain], channels(task)).permute(0, 3, 1, 2).float()
     if task.kind == "classification":
         return 100.0 * torch.nn.functional.one_hot(batch[task.domain], NUM_SCENES).float()
     return batch[task.domain].clone()
@@ -43,10 +48,10 @@ def perfect_prediction(task_name: str, batch: dict) -> torch.Tensor:
 def wrong_prediction(task_name: str, batch: dict) -> torch.Tensor:
     """A prediction that is wrong on valid pixels (a different class / value everywhere)."""
     task = get_task(task_name)
-    if task.name == "segment_semantic":
-        shifted = (batch[task.domain] % (task.out_channels - 1)) + 1
-        shifted = torch.where(shifted == batch[task.domain], (shifted % (task.out_channels - 1)) + 1, shifted)
-        return 100.0 * torch.nn.functional.one_hot(shifted, task.out_channels).permute(0, 3, 1, 2).float()
+    if task.loss_fn is segmentation_loss:
+        shifted = (batch[task.domain] % (channels(task) - 1)) + 1
+        shifted = torch.where(shifted == batch[task.domain], (shifted % (channels(task) - 1)) + 1, shifted)
+        return 100.0 * torch.nn.functional.one_hot(shifted, channels(task)).permute(0, 3, 1, 2).float()
     if task.kind == "classification":
         return 100.0 * torch.nn.functional.one_hot((batch[task.domain] + 1) % NUM_SCENES, NUM_SCENES).float()
     if task.name == "normal":
