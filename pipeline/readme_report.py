@@ -1,12 +1,14 @@
-"""Paste an experiment's report.md into README.md between two marker lines, so the README shows it unedited.
+"""Paste an experiment's report.md into a Markdown file between two marker lines, so the file shows it unedited.
 
-``python -m pipeline.readme_report results/demo/report.md README.md`` replaces everything between
-``<!-- demo report: start -->`` and ``<!-- demo report: end -->``: the report's own title is dropped,
-its ``##`` headings become ``####`` (they sit under "What the demo found"), and its image links point,
-relative to the README's folder, into the report's folder or, with ``--images docs/demo``, into a folder the
-report's PNG plots are copied to (committed, so that the README shows them on a fresh clone). Nothing else of
-the README changes; without both markers it is an error, and a linked plot that is not there is an error
-before anything is written.
+``python -m pipeline.readme_report results/demo/report.md docs/results/main-job.md --images docs/demo``
+replaces everything between ``<!-- demo report: start -->`` and ``<!-- demo report: end -->``: the report's
+own title is dropped, its ``##`` headings become ``####`` (they sit under a heading of the page), and its
+image links point, relative to the target file's folder, into the report's folder or, with ``--images
+docs/demo``, into a folder the report's PNG plots are copied to (committed, so that the page shows them on a
+fresh clone). ``--sections Summary,Results`` keeps the report's opening text and only those ``##`` sections
+(the README shows the answer; the results page of the documentation shows the whole report). Nothing else of
+the file changes; without both markers it is an error, and so are a linked plot that is not there and a
+section the report lacks, before anything is written.
 """
 
 from __future__ import annotations
@@ -23,8 +25,23 @@ START, END = "<!-- demo report: start -->", "<!-- demo report: end -->"
 IMAGE = re.compile(r"!\[([^\]]*)\]\(([^/)]+\.png)\)")  # a plot beside report.md
 
 
+def select_sections(report: str, sections: list[str]) -> str:
+    """``report`` with its text before the first ``##`` heading and only the ``##`` sections named, in report order.
+
+    Raises:
+        TaskHetError: a named section the report does not have (naming it and the report's sections).
+    """
+    parts = re.split(r"(?m)^(?=## )", report)
+    found = {part.splitlines()[0][3:].strip(): part for part in parts[1:]}
+    missing = [name for name in sections if name not in found]
+    if missing:
+        raise TaskHetError(f"--sections: the report has no section {missing[0]!r}; its sections: {', '.join(found)}")
+    return parts[0] + "".join(part for name, part in found.items() if name in sections)
+
+
 def readme_block(report: str, report_dir: str) -> str:
-    """The report's text as it sits in the README: no title, headings two levels down, images under ``report_dir``."""
+    """The report's text as it sits in the target file: no title, headings two levels down, images under
+    ``report_dir``."""
     lines = [line for line in report.splitlines() if not line.startswith("# ")]
     lines = ["##" + line if line.startswith("## ") else line for line in lines]
     text = "\n".join(lines).strip("\n")
@@ -52,16 +69,20 @@ def plots(report: str, report_dir: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("report", type=Path, help="an experiment's report.md, e.g. results/demo/report.md")
-    parser.add_argument("readme", type=Path, help="the README to update in place")
+    parser.add_argument("readme", type=Path, help="the file to update in place (README.md, docs/results/main-job.md)")
     parser.add_argument("--images", type=Path, default=None,
                         help="copy the report's PNG plots into this folder and link them there (e.g. docs/demo); "
                              "default: link them in the report's folder")
+    parser.add_argument("--sections", type=lambda text: [name.strip() for name in text.split(",") if name.strip()],
+                        default=None, help="comma-separated ## sections to keep, e.g. Summary,Results (default: all)")
     args = parser.parse_args(argv)
     if not args.report.is_file():
         raise TaskHetError(f"{args.report}: no such report (run the experiment first)")
     if not args.readme.is_file():
-        raise TaskHetError(f"{args.readme}: no such README")
+        raise TaskHetError(f"{args.readme}: no such file")
     report = args.report.read_text()
+    if args.sections is not None:
+        report = select_sections(report, args.sections)
     files = plots(report, args.report.parent)
     target = args.report.parent if args.images is None else args.images
     folder = Path(os.path.relpath(target.resolve(), args.readme.resolve().parent)).as_posix()

@@ -70,3 +70,25 @@ def test_a_full_disk_while_copying_a_plot_names_it_and_leaves_no_part(tmp_path, 
     with pytest.raises(TaskHetError, match=r"loss_vs_alpha.png: no space left on device"):
         main([str(report), str(readme), "--images", str(tmp_path / "docs" / "demo")])
     assert list((tmp_path / "docs" / "demo").iterdir()) == [] and readme.read_text() == f"intro\n{START}\n{END}\n"
+
+
+SECTIONED = ("# Title\n\nProduced by `x`.\n\n## Summary\n\n- a\n\n## Results\n\n| t |\n\n## Plots\n\n"
+             "![loss vs alpha](loss_vs_alpha.png)\n")
+
+
+def test_sections_keep_the_opening_text_and_the_named_sections_in_report_order(tmp_path):
+    report, readme = write_demo(tmp_path)
+    report.write_text(SECTIONED)
+    main([str(report), str(readme), "--sections", "Results, Summary", "--images", str(tmp_path / "docs" / "demo")])
+    assert readme.read_text() == (f"intro\n{START}\n\nProduced by `x`.\n\n#### Summary\n\n- a\n\n#### Results\n\n| t |"
+                                  f"\n\n{END}\n")
+    assert not (tmp_path / "docs" / "demo" / "loss_vs_alpha.png").exists()  # only the kept sections' plots are copied
+
+
+def test_a_section_the_report_lacks_is_named_and_nothing_is_written(tmp_path):
+    report, readme = write_demo(tmp_path)
+    report.write_text(SECTIONED)
+    with pytest.raises(TaskHetError, match=r"--sections: the report has no section 'Verdicts'; its sections: Summary, "
+                                           r"Results, Plots"):
+        main([str(report), str(readme), "--sections", "Summary,Verdicts"])
+    assert readme.read_text() == f"intro\n{START}\n{END}\n"
