@@ -4,9 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.docs_installed
 DATA ?= data/synthetic
 
-.PHONY: setup demo test bench mutation download download-cifar clean
+.PHONY: setup demo test docs bench mutation download download-cifar clean
 
 HOOK_STAMP := $(VENV)/.torchvision_hook
 
@@ -33,8 +34,18 @@ demo: setup
 	$(PY) run_pipeline.py experiments/demo.yaml --jobs $(JOBS) --threads 1
 
 # One pytest worker per core (pytest-xdist); tests share no temporary path, port or global state.
-test: setup
+# The docs requirements too: tests/test_docs_site.py builds the site strictly.
+test: setup $(DOCS_STAMP)
 	$(PY) -m pytest -q -n auto tests
+
+# The documentation site (mkdocs.yml), strictly: a broken link, a missing page or image fails it. Its
+# reference pages are generated from the code at build time (docsgen/), so it builds in the project's venv.
+$(DOCS_STAMP): requirements-docs.txt constraints.txt $(STAMP)
+	$(PIP) install --quiet --disable-pip-version-check -c constraints.txt -r requirements-docs.txt
+	touch $(DOCS_STAMP)
+
+docs: setup $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 bench: setup
 	$(PIP) install --quiet --disable-pip-version-check -c constraints.txt -r bench/requirements.txt
