@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from pipeline.argv import flags
 from pipeline.checks import check_input_files
 from pipeline.pool import PoolStage, pool_summary, run_in_workers
-from pipeline.sections import DATA_SOURCES, split_csv_path
+from pipeline.sections import DATA_SOURCES, FOLDER_SOURCES, split_csv_path
 from steps import embed as step3
 from steps import federated as step4
 from steps import meter as step3c
@@ -97,6 +97,10 @@ class Pipeline:
             params["n_samples"] = data["n_samples"]
             if data["imbalance_factor"] is not None:
                 params["imbalance_factor"] = data["imbalance_factor"]
+        elif family in FOLDER_SOURCES:  # a user's folder: its split CSV relative to data.root, as Taskonomy's
+            params.update(data_path=str(root), split_csv=data["split_csv"], val_fraction=data["val_fraction"])
+            if family == "paired_folders":  # the main job compares label- with embedding-based partitions
+                params["require_labels"] = True
         else:
             params.update(data_path=str(root), tasks=self.config["tasks"], top_k_classes=data["top_k_classes"],
                           split_by=data["split_by"])
@@ -105,6 +109,9 @@ class Pipeline:
             # Step 1's --client_file_name has data.split_csv's meaning: relative to the data root unless absolute.
             params["client_file_name"] = data["split_csv"]
             inputs.append(split_csv_path(data))
+        if data["source"] in FOLDER_SOURCES:  # files that change step 1's rows: an edit makes a new manifest
+            inputs += [path for path in (split_csv_path(data) if data["split_csv"] else None, root / "targets.yaml",
+                                         root / "groups.csv") if path is not None and path.is_file()]
         if data["buildings"]:
             params["taskonomy_clients_to_include"] = ",".join(data["buildings"])
         stage_dir = self.out_dir / f"step1-{stage_key(params, inputs, self.out_dir)}"

@@ -14,16 +14,21 @@ from typing import Any
 from utils.errors import TaskHetError
 
 # data.source -> the data family that reads it (synthetic buildings are written in the Taskonomy layout).
-DATA_SOURCES = {"synthetic": "taskonomy", "taskonomy": "taskonomy", "digits": "digits", "cifar10": "cifar", "cifar100": "cifar"}
+DATA_SOURCES = {"synthetic": "taskonomy", "taskonomy": "taskonomy", "digits": "digits", "cifar10": "cifar", "cifar100": "cifar",
+                "imagefolder": "imagefolder", "paired_folders": "paired_folders"}
+# A user's own folder (datasets/imagefolder.py, datasets/paired_folders.py): an optional data.split_csv, no fixed classes.
+FOLDER_SOURCES = ("imagefolder", "paired_folders")
 # Keys of the data section that only some sources read (a key set for another source is an error).
-SOURCE_KEYS = {"imbalance_factor": ("cifar10", "cifar100", "digits"), "val_fraction": ("cifar10", "cifar100"),
-               "verify_checksums": ("cifar10", "cifar100")}
+SOURCE_KEYS = {"imbalance_factor": ("cifar10", "cifar100", "digits"),
+               "val_fraction": ("cifar10", "cifar100", *FOLDER_SOURCES), "verify_checksums": ("cifar10", "cifar100")}
 
 DATA_SECTION: dict[str, Any] = {
-    "source": "synthetic",  # synthetic | taskonomy | digits | cifar10 | cifar100 (see DATA_SOURCES)
-    "root": "data/synthetic",  # ignored by digits (scikit-learn ships the images); cifar: torchvision's folders' parent
+    "source": "synthetic",  # synthetic | taskonomy | digits | cifar10 | cifar100 | imagefolder | paired_folders
+    "root": "data/synthetic",  # ignored by digits (scikit-learn ships the images); cifar: torchvision's folders' parent;
+    # imagefolder, paired_folders: your folder (docs/DATA.md, "Your own images")
     "synthetic": {"n_buildings": 24, "n_views": 50, "image_size": 64, "seed": 0},
-    "split_csv": None,  # taskonomy only, required: the split CSV (id,train,val,test), relative to root unless absolute
+    "split_csv": None,  # taskonomy: required, the split CSV (id,train,val,test); imagefolder (path,split) and
+    # paired_folders (stem,split): optional, else a seeded split; relative to root unless absolute
     "buildings": None,  # taskonomy only: list of buildings to include (None: all on disk)
     "top_k_classes": 16,  # taskonomy/synthetic only
     "test_fraction": 0.2,
@@ -111,8 +116,11 @@ def validate_split_csv(data: dict[str, Any], source: Path) -> None:
             raise TaskHetError(f"{source}: data.split_csv is required for data.source taskonomy: the split CSV "
                                "(id,train,val,test) download_taskonomy.py wrote, e.g. train_val_test_tiny.csv, "
                                "relative to data.root unless absolute")
-    elif split_csv is not None:
-        raise TaskHetError(f"{source}: data.split_csv is only for data.source taskonomy (data.source is {data['source']!r})")
+    elif split_csv is not None and data["source"] not in FOLDER_SOURCES:
+        raise TaskHetError(f"{source}: data.split_csv is only for data.source taskonomy, {' and '.join(FOLDER_SOURCES)} "
+                           f"(data.source is {data['source']!r})")
+    elif split_csv is not None and (not isinstance(split_csv, str) or not split_csv.strip()):
+        raise TaskHetError(f"{source}: data.split_csv must be a path (relative to data.root unless absolute) or null")
 
 
 def validate_source_keys(data: dict[str, Any], source: Path) -> None:
@@ -159,8 +167,10 @@ def validate_lr_schedule(value: str, key: str, source: Path) -> None:
 
 def most_label_groups(config: dict[str, Any]) -> int | None:
     """The most distinct labels the manifest of this data source can have: digits' and CIFAR's class counts,
-    Taskonomy's top_k_classes."""
+    Taskonomy's top_k_classes; None for a user's folder (its classes are known once step 1 has read it)."""
     data_source = config["data"]["source"]
+    if data_source in FOLDER_SOURCES:
+        return None
     if data_source == "digits":
         from datasets.digits import NUM_CLASSES
 
