@@ -117,10 +117,11 @@ def tensor_case(count: int, shape: tuple[int, ...], batch_size: int, build,
     return build(), clients_of(count, lambda index: data[index], batch_size, item_reads), cross_entropy
 
 
+# case(count, item_reads, batch_size) -> (model, clients, loss); each case's default batch size is the one measured.
 CASES = {
-    "decoder": decoder_case,
-    "mlp": lambda count, item_reads: tensor_case(count, (32,), 16, tiny_mlp, item_reads),
-    "cnn": lambda count, item_reads: tensor_case(count, (3, 32, 32), 32, small_cnn, item_reads),
+    "decoder": lambda count, item_reads, batch_size=16: decoder_case(count, item_reads, batch_size),
+    "mlp": lambda count, item_reads, batch_size=16: tensor_case(count, (32,), batch_size, tiny_mlp, item_reads),
+    "cnn": lambda count, item_reads, batch_size=32: tensor_case(count, (3, 32, 32), batch_size, small_cnn, item_reads),
 }
 
 
@@ -180,9 +181,11 @@ class CaseTiming:
     peak_mb: float
 
 
-def measure(name: str, count: int, chunk: int, rounds: int, device: torch.device, item_reads: bool) -> CaseTiming:
-    """Time the sequential engine and the vectorised one (chunks of ``min(chunk, count)``) on one case."""
-    model, clients, loss = CASES[name](count, item_reads)
+def measure(name: str, count: int, chunk: int, rounds: int, device: torch.device, item_reads: bool,
+            batch_size: int | None = None) -> CaseTiming:
+    """Time the sequential engine and the vectorised one (chunks of ``min(chunk, count)``) on one case (at its own
+    batch size unless ``batch_size`` is given)."""
+    model, clients, loss = CASES[name](count, item_reads, *(() if batch_size is None else (batch_size,)))
     with tempfile.TemporaryDirectory() as folder:
         engines = {label: make_engine(model, clients, loss, size, Path(folder) / label, device)
                    for label, size in (("sequential", 0), ("vectorised", min(chunk, count)))}
