@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.docs_installed
 DATA ?= data/synthetic
 
-.PHONY: setup demo test docs bench mutation download download-cifar clean
+.PHONY: setup demo test docs bench mutation download download-cifar clean setup-gpu gpu-check gpu-bench
 
 HOOK_STAMP := $(VENV)/.torchvision_hook
 
@@ -27,6 +27,31 @@ $(HOOK_STAMP): utils/torchvision_hook.py utils/tv_compat.py $(STAMP)
 	cp utils/torchvision_hook.py $$site/taskhet_torchvision_hook.py && \
 	echo "import taskhet_torchvision_hook" > $$site/taskhet_torchvision_hook.pth
 	touch $(HOOK_STAMP)
+
+# A GPU machine (docs/howto/gpu.md): the CUDA build of the pinned torch and torchvision, versions read from
+# CONSTRAINTS so the two cannot drift, from PyTorch's wheel index for CUDA (cu128: NVIDIA driver >= 570; cu130:
+# >= 580). They go in first; `make setup` then keeps them: a `+cu128` build satisfies constraints.txt's `==` pin.
+CUDA ?= cu128
+TORCH_INDEX ?= https://download.pytorch.org/whl/$(CUDA)
+CONSTRAINTS ?= constraints.txt
+TORCH_PIN := $(shell sed -n 's/^torch==\([^ ;#]*\).*/\1/p' $(CONSTRAINTS))
+TORCHVISION_PIN := $(shell sed -n 's/^torchvision==\([^ ;#]*\).*/\1/p' $(CONSTRAINTS))
+setup-gpu:
+	test -n "$(TORCH_PIN)" -a -n "$(TORCHVISION_PIN)" || { echo "error: $(CONSTRAINTS) pins no torch==/torchvision== version" >&2; exit 2; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --disable-pip-version-check -c $(CONSTRAINTS) --index-url $(TORCH_INDEX) \
+		torch==$(TORCH_PIN)+$(CUDA) torchvision==$(TORCHVISION_PIN)+$(CUDA)
+	$(MAKE) setup
+	$(PY) -m utils.gpu_setup --cuda $(CUDA) --constraints $(CONSTRAINTS)
+
+# The device, a bf16 matmul and one training step of every encoder; one error line when no GPU is seen.
+gpu-check: setup
+	$(PY) bench/gpu_check.py --quick
+
+# Every GPU goal of docs/BENCHMARKS.md in at most 8 minutes: OUT/gpu_check.csv and OUT/gpu_check.md.
+OUT ?= results/gpu_check
+gpu-bench: setup
+	$(PY) bench/gpu_check.py $(OUT)
 
 # Federated runs go JOBS at a time, one torch thread each (2 cores: 2 jobs); JOBS=1 runs them in one process.
 JOBS ?= 2
