@@ -12,6 +12,7 @@ from typing import Any
 
 import pandas as pd
 
+from pipeline.executors import Executor
 from pipeline.runner import Pipeline
 from pipeline.studies import MAIN_JOB, StudyKind, get_study
 from utils.errors import TaskHetError
@@ -45,7 +46,7 @@ def study_kind(raw: dict[str, Any], path: Path) -> StudyKind:
 
 
 def run_experiment(config: dict[str, Any], out_dir: Path, command: str, jobs: int = 1, threads: int | None = None,
-                   show_progress: bool = True) -> pd.DataFrame:
+                   show_progress: bool = True, executor: Executor | None = None) -> pd.DataFrame:
     """Run a validated config (from :func:`load_experiment`) into ``out_dir``; returns its report table.
 
     Args:
@@ -53,6 +54,9 @@ def run_experiment(config: dict[str, Any], out_dir: Path, command: str, jobs: in
         jobs: federated runs and step-3c readings at once, each in its own process (1: in this process).
         threads: torch threads of every step (None: torch's choice).
         show_progress: draw the top-level bar.
+        executor: where the federated runs and step-3c readings run, opened by
+            ``pipeline.executors.open_executor`` (None: ``jobs`` local worker processes, spread over the GPUs).
     """
-    pipeline = Pipeline(config, Path(out_dir), command, jobs=jobs, threads=threads, show_progress=show_progress)
+    pipeline = Pipeline(config, Path(out_dir), command, jobs=jobs, threads=threads, show_progress=show_progress,
+                        executor=executor)
     return get_study(config["study"]).run(pipeline)

@@ -1,24 +1,35 @@
-"""The worker pool of run_pipeline.py (``--jobs N``): step-3c readings and step-4 runs in spawned processes.
+"""The stages run_pipeline.py pools (step-3c readings, step-4 runs) and the local worker pool that runs them.
 
 Each stage is a module's ``main(argv)`` run through ``utils.stages.run_stage`` (skip if done, resume
-otherwise), so a worker runs exactly what the user's numbered script runs. Workers die with the pipeline
-(utils/parent_death.py), and the first failure cancels the stages not yet started.
+otherwise), so a worker runs exactly what the user's numbered script runs, wherever it runs: in a local
+spawned process (:func:`run_in_workers`, ``--jobs N``) or as a Ray task (pipeline/ray_executor.py), both
+through :func:`run_pool_stage`. Local workers die with the pipeline (utils/parent_death.py), each sees one
+GPU when there are any, and the first failure cancels the stages not yet started.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import multiprocessing
 import os
+import socket
+import sys
+import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from utils.stages import run_stage
 from steps import federated as step4
 from steps import meter as step3c
+from utils.device import VISIBLE_DEVICES
+from utils.errors import TaskHetError
 from utils.parent_death import die_with_parent
+from utils.run_dir import atomic_write_text
+from utils.stages import run_stage
+
+PLACEMENT_FILE = "placement.json"  # where and when a pooled stage ran: host, pid, visible GPUs, Ray node
 
 
 @dataclass(frozen=True)
@@ -33,47 +44,94 @@ class PoolStage:
     script: str = step4.__name__
 
 
-def pool_summary(stages: list[PoolStage], jobs: int) -> str:
-    """The console line before the pool starts, e.g. ``step 3c: 48 readings; step 4: 216 runs, 2 at a time``."""
+def stage_counts(stages: list[PoolStage]) -> str:
+    """What ``stages`` hold, e.g. ``step 3c: 48 readings; step 4: 216 runs``."""
     readings = sum(stage.script == step3c.__name__ for stage in stages)
-    counted = ([f"step 3c: {readings} readings"] if readings else []) + [f"step 4: {len(stages) - readings} runs"]
-    return f"{'; '.join(counted)}, {jobs} at a time in worker processes"
+    return "; ".join(([f"step 3c: {readings} readings"] if readings else []) + [f"step 4: {len(stages) - readings} runs"])
 
 
-def init_worker(threads: int | None, parent_pid: int) -> None:
-    """A pool worker process: dies with the pipeline (``parent_pid``); ``threads`` torch threads (None: torch's choice)."""
+def worker_devices(jobs: int, visible: list[str]) -> list[str]:
+    """The GPU each of ``jobs`` workers sees: worker i gets ``visible[i % G]``, so runs spread over every GPU."""
+    return [visible[index % len(visible)] for index in range(jobs)] if visible else []
+
+
+def init_worker(threads: int | None, parent_pid: int, devices: Any = None) -> None:
+    """A pool worker process: dies with the pipeline (``parent_pid``); sees the one GPU it takes from the queue
+    ``devices`` (None: the GPUs its parent sees); ``threads`` torch threads (None: torch's choice)."""
     die_with_parent(parent_pid)
+    if devices is not None:
+        torch = sys.modules.get("torch")
+        # CUDA reads the variable once, when it starts: a worker that had started it would keep every GPU.
+        if torch is not None and torch.cuda.is_initialized():
+            raise RuntimeError("CUDA started in a pool worker before its GPU was chosen")
+        os.environ[VISIBLE_DEVICES] = devices.get()
     if threads is not None:
         import torch
 
         torch.set_num_threads(threads)
 
 
-def run_pool_stage(script: str, stage_dir: Path, params: dict[str, Any], argv: list[str]) -> None:
-    """One stage in a worker process (module level, so a spawned process can import it)."""
-    run_stage(stage_dir, params, lambda: importlib.import_module(script).main(argv))
+def placement(where: dict[str, Any] | None = None) -> dict[str, Any]:
+    """This process's place: host, pid, the GPUs it sees (``CUDA_VISIBLE_DEVICES``; None: unset) and ``where``."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "devices": os.environ.get(VISIBLE_DEVICES), **(where or {})}
 
 
-def run_in_workers(stages: list[PoolStage], jobs: int, threads: int | None, shared_flags: Callable[[Any], list[str]],
-                   progress=None) -> None:
-    """Run ``stages`` ``jobs`` at a time in spawned worker processes of ``threads`` torch threads each.
+def run_pool_stage(script: str, stage_dir: Path, params: dict[str, Any], argv: list[str],
+                   where: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One stage in a worker (module level, so a spawned process or a Ray worker can import it).
 
-    ``shared_flags(module)`` gives the flags every run of a script takes (device, progress); ``progress`` (a tqdm
-    bar, or None) advances by one per finished stage. The first failure stops the rest and is raised here.
+    Returns where and when it ran (its placement record, also written to the stage's ``placement.json`` before
+    its ``stage.json``), with ``ran`` False when the stage was already done (nothing was run).
+    """
+    record = {**placement(where), "started": time.time()}
+
+    def work() -> None:
+        importlib.import_module(script).main(argv)
+        record["finished"] = time.time()
+        atomic_write_text(Path(stage_dir) / PLACEMENT_FILE, json.dumps(record, indent=2, sort_keys=True))
+
+    return {**record, "ran": run_stage(stage_dir, params, work)}
+
+
+def named_failure(stage: PoolStage, error: TaskHetError) -> TaskHetError:
+    """A stage's error with the stage's name in front (one line: the grid's first failure), of the same class, so a
+    caller can still tell a full disk or a folder in use from other bad input."""
+    message = f"{stage.name}: {error}"
+    try:
+        return type(error)(message)
+    except TypeError:  # a subclass with another constructor
+        return TaskHetError(message)
+
+
+def run_in_workers(stages: list[PoolStage], jobs: int, threads: int | None,
+                   on_done: Callable[[PoolStage, dict[str, Any]], None], devices: list[str] | None = None) -> None:
+    """Run ``stages`` (each ``argv`` complete) ``jobs`` at a time in spawned worker processes of ``threads`` torch
+    threads each.
+
+    ``devices`` (one per worker, from :func:`worker_devices`; None or empty: unchanged) sets each worker's
+    ``CUDA_VISIBLE_DEVICES``. ``on_done(stage, placement)`` is called per finished stage. The first failure stops
+    the rest and is raised here, a :class:`TaskHetError` with the stage's name.
     """
     # spawn, not fork: a forked child of a process that already ran OpenMP threads (steps 2-3) can hang.
     context = multiprocessing.get_context("spawn")
+    queue = None
+    if devices:
+        queue = context.Queue()
+        for device in devices:
+            queue.put(device)
     # Workers die with this process, even when it is killed with SIGKILL (utils/parent_death.py). The death
     # signal follows the thread that started a worker: submit() starts them, from this (the main) thread.
-    with ProcessPoolExecutor(jobs, mp_context=context, initializer=init_worker, initargs=(threads, os.getpid())) as pool:
-        futures = [pool.submit(run_pool_stage, stage.script, stage.stage_dir, stage.params,
-                               [*stage.argv, *shared_flags(importlib.import_module(stage.script))])
-                   for stage in stages]
+    with ProcessPoolExecutor(jobs, mp_context=context, initializer=init_worker,
+                             initargs=(threads, os.getpid(), queue)) as pool:
+        futures = {pool.submit(run_pool_stage, stage.script, stage.stage_dir, stage.params, stage.argv): stage
+                   for stage in stages}
         try:
             for future in as_completed(futures):
-                future.result()
-                if progress is not None:
-                    progress.update(1)
+                try:
+                    done = future.result()
+                except TaskHetError as error:
+                    raise named_failure(futures[future], error) from error
+                on_done(futures[future], done)
         except BaseException:
             pool.shutdown(cancel_futures=True)
             raise

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,7 +27,8 @@ from tqdm.auto import tqdm
 
 from pipeline.argv import flags
 from pipeline.checks import check_input_files
-from pipeline.pool import PoolStage, pool_summary, run_in_workers
+from pipeline.executors import Executor, ExecutorSettings, GridProgress, open_local
+from pipeline.pool import PoolStage, stage_counts
 from pipeline.sections import DATA_SOURCES, FOLDER_SOURCES, split_csv_path
 from steps import embed as step3
 from steps import federated as step4
@@ -50,6 +51,7 @@ class Pipeline:
     jobs: int = 1  # step-4 runs at once (separate processes); 1 runs them in this process
     threads: int | None = None  # torch threads of every step (passed as --threads, so config.json records it)
     show_progress: bool = True  # the top-level bar (run_pipeline.py --no-progress, or stdout not a terminal: off)
+    executor: Executor | None = None  # where pooled stages run (pipeline/executors.py); None: the local pool of jobs
 
     def step(self, name: str, stage_dir: Path, params: dict[str, Any], script: Callable, argv: list[str]) -> Path:
         """Run one script unless its stage is done; advances the top-level progress bar."""
@@ -142,22 +144,30 @@ class Pipeline:
                          script=step3c.__name__)
 
     def run_pooled(self, stages: list[PoolStage]) -> None:
-        """Every step-3c reading and step-4 run: here one after another, or ``jobs`` at a time in worker processes.
+        """Every step-3c reading and step-4 run: here one after another, or through the executor (``jobs`` local
+        worker processes, or Ray tasks; pipeline/executors.py), with a ``run k of N`` line per finished stage.
 
-        Stages are independent (each has its own seed-derived draws), so the order changes nothing but
-        the floating-point rounding of a different thread count. The first failure stops the rest.
+        Stages are independent (each has its own seed-derived draws), so the order and the place change nothing
+        but the floating-point rounding of a different thread count. The first failure stops the rest.
         """
-        if self.jobs == 1:
+        executor = self.executor
+        if executor is None:
+            executor = open_local(ExecutorSettings(jobs=self.jobs, threads=self.threads), None,
+                                  self.config["use_accelerator"])
+        if executor.in_process:
             for stage in stages:
                 self.step(stage.name, stage.stage_dir, stage.params, importlib.import_module(stage.script), stage.argv)
             return
         pending = [stage for stage in stages if not is_done(stage.stage_dir)]
+        summary = f"{stage_counts(pending)}, {executor.describe()}"
         # Said once on the console too: with no bars (--no-progress, or stdout not a terminal) nothing else shows it.
-        print(pool_summary(pending, self.jobs))
+        print(summary)
         if self.progress is not None:
             self.progress.update(len(stages) - len(pending))
-            self.progress.set_description(pool_summary(pending, self.jobs))
-        run_in_workers(pending, self.jobs, self.threads, self.shared_flags, self.progress)
+            self.progress.set_description(summary)
+        complete = [replace(stage, argv=[*stage.argv, *self.shared_flags(importlib.import_module(stage.script))])
+                    for stage in pending]
+        executor.run(complete, GridProgress(len(pending), self.progress).done)
 
     def check_inputs(self) -> None:
         """Inputs the experiment names but no step makes: checked before any step runs, errors name the key

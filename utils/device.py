@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
+
+VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
 
 def pick_device(use_accelerator: bool = True) -> torch.device:
@@ -14,6 +17,24 @@ def pick_device(use_accelerator: bool = True) -> torch.device:
     if use_accelerator and torch.backends.mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
+
+
+def visible_gpu_ids() -> list[str]:
+    """The GPUs this process may use, named as ``CUDA_VISIBLE_DEVICES`` names them (indices, ``GPU-<uuid>``, MIG ids).
+
+    Set: its comma-separated entries up to the first that hides the rest (CUDA stops at an entry starting with
+    ``-``, such as ``-1``); empty: none. Unset: ``0 .. n-1`` for torch's device count, which asks NVML and makes no
+    CUDA context, so a pool's spawned workers can still be given their own devices.
+    """
+    names = os.environ.get(VISIBLE_DEVICES)
+    if names is None:
+        return [str(index) for index in range(torch.cuda.device_count())]
+    visible = []
+    for name in (entry.strip() for entry in names.split(",")):
+        if not name or name.startswith("-"):
+            break
+        visible.append(name)
+    return visible
 
 
 def autocast(device: torch.device) -> contextlib.AbstractContextManager:

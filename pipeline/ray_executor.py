@@ -1,0 +1,269 @@
+"""The Ray executor (run_pipeline.py ``--executor ray``): every pooled stage a Ray task (pipeline/executors.py).
+
+Each step-3c reading and step-4 run is a task declaring ``--cpus_per_run`` CPUs and ``--gpus_per_run`` GPUs; Ray
+places it on a node with room and sets its ``CUDA_VISIBLE_DEVICES``, so a task sees only its GPUs (a task that
+takes a GPU runs in a fresh worker process: CUDA reads the variable once per process). The task runs the same
+``pipeline.pool.run_pool_stage`` as a local worker, in the driver's working directory, so every relative path means
+what it means on the driver. A task whose worker or node dies is rerun by Ray (``--max_retries``); the rerun finds
+the run's ``checkpoint.pt`` and resumes (the pool's step-4 command line has ``--resume``), after waiting for the
+dead run's folder lock to be let go.
+
+Before any step runs, :meth:`RayExecutor.connect` checks the address answers, that some node can hold one run's
+resources, and that every node sees the results folder: each node reads a file the driver wrote there and writes
+one back. Ray is imported here only, so the rest of the pipeline runs without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import time
+import warnings
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from pipeline.pool import PoolStage, named_failure, run_pool_stage
+from utils.errors import FolderInUseError, TaskHetError
+from utils.locks import folder_lock
+from utils.run_dir import atomic_write_text
+
+CONNECT_SECONDS = 10  # a --ray_address that does not accept a TCP connection in this time is unreachable
+PROBE_SECONDS = 120  # every node answers the storage check within this time (a busy node starts a worker first)
+LOCK_WAIT_SECONDS = 300  # a rerun waits this long for the folder lock of a run whose node died (NFS frees it late)
+STORAGE_MARKER = ".ray-storage-check"
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def import_ray() -> Any:
+    """The ``ray`` module, or one line saying how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise TaskHetError("--executor ray needs Ray: pip install -c constraints.txt -r requirements-flower.txt") from None
+    return ray
+
+
+@dataclass
+class RayExecutor:
+    """A connected Ray driver running pooled stages as tasks of ``cpus`` CPUs and ``gpus`` GPUs each."""
+
+    ray: Any
+    cluster: str  # "the Ray cluster at ADDRESS" or "a Ray instance on this machine", for messages
+    nodes: list[dict[str, Any]]
+    cpus: float
+    gpus: float
+    max_retries: int
+    jobs: int | None  # runs in flight at most (None: as many as the resources allow)
+    cwd: str
+    in_process: bool = False
+
+    @classmethod
+    def connect(cls, address: str | None, out_dir: Path, cpus: float, gpus: float | None, max_retries: int,
+                jobs: int | None, use_accelerator: bool) -> "RayExecutor":
+        """Join the cluster at ``address`` (None: start one here) and check the settings against it (every failure is
+        one line); ``gpus`` None: one GPU per run where there are GPUs and the experiment uses them, else none."""
+        ray = import_ray()
+        cluster = start_ray(ray, address)
+        try:
+            nodes = [node for node in ray.nodes() if node.get("Alive")]
+            if gpus is None:
+                gpus = 1.0 if use_accelerator and any(node["Resources"].get("GPU", 0) for node in nodes) else 0.0
+            check_resources(nodes, cpus, gpus, cluster)
+            cwd = os.getcwd()
+            check_shared_storage(ray, nodes, Path(out_dir), cwd)
+        except BaseException:
+            ray.shutdown()
+            raise
+        return cls(ray, cluster, nodes, cpus, gpus, max_retries, jobs, cwd)
+
+    def describe(self) -> str:
+        most = f", at most {self.jobs} at a time" if self.jobs else ""
+        return (f"Ray tasks on {self.cluster} ({len(self.nodes)} node{'s' * (len(self.nodes) != 1)}), "
+                f"{self.cpus:g} CPU and {self.gpus:g} GPU per run{most}")
+
+    def run(self, stages: list[PoolStage], on_done: Callable[[PoolStage, dict[str, Any]], None]) -> None:
+        """Submit ``stages`` (at most ``jobs`` in flight), report each as it finishes; the first failure cancels the
+        rest (a cancelled run resumes from its checkpoint on a rerun) and is raised naming its stage."""
+        ray = self.ray
+        # max_calls=1: a task that takes a GPU gets a fresh process, whose CUDA sees only the GPUs Ray gave it.
+        task = ray.remote(num_cpus=self.cpus, num_gpus=self.gpus, max_retries=self.max_retries,
+                          retry_exceptions=False, max_calls=1 if self.gpus else 0)(run_ray_task)
+        waiting, running = deque(stages), {}
+        try:
+            while waiting or running:
+                while waiting and len(running) < (self.jobs or len(stages)):
+                    stage = waiting.popleft()
+                    ref = task.options(name=stage.name).remote(stage.script, str(stage.stage_dir), stage.params,
+                                                               stage.argv, self.cwd)
+                    running[ref] = stage
+                ready, _ = ray.wait(list(running), num_returns=1)
+                for ref in ready:
+                    stage = running.pop(ref)
+                    on_done(stage, self.result(ref, stage))
+        except BaseException:
+            for ref in running:
+                ray.cancel(ref, force=True)
+            raise
+
+    def result(self, ref: Any, stage: PoolStage) -> dict[str, Any]:
+        """A finished task's placement record; its failure as one line naming the stage (a bug keeps its traceback)."""
+        ray = self.ray
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as error:
+            if isinstance(error.cause, TaskHetError):
+                raise named_failure(stage, error.cause) from None
+            raise
+        except ray.exceptions.RayError as error:
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise TaskHetError(f"{stage.name}: its Ray task failed {self.max_retries + 1} time(s), the last with "
+                               f"{type(error).__name__} ({reason}); rerun to resume it from its checkpoint, or raise "
+                               "--max_retries") from None
+
+    def close(self) -> None:
+        self.ray.shutdown()
+
+
+def start_ray(ray: Any, address: str | None) -> str:
+    """``ray.init`` at ``address`` (None: a new Ray instance on this machine, never someone else's cluster); returns
+    how messages name the cluster. An address that does not answer is one line, not Ray's minute of retries."""
+    if address is not None and address != "auto":
+        check_reachable(address)
+    with warnings.catch_warnings():
+        # Ray's notice that a future version leaves CUDA_VISIBLE_DEVICES alone for tasks without GPUs.
+        warnings.filterwarnings("ignore", message=".*RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO.*", category=FutureWarning)
+        try:
+            # Runs report to the driver through their results; their own console lines stay in each node's Ray logs.
+            options = {"log_to_driver": False, "logging_level": logging.WARNING, "runtime_env": project_env()}
+            if address is None:
+                ray.init(address="local", include_dashboard=False, **options)
+            else:
+                ray.init(address=address, **options)
+        except (ConnectionError, RuntimeError, ValueError) as error:
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise TaskHetError(f"--ray_address {address}: could not join a Ray cluster there ({reason}); start one "
+                               "with `ray start --head` and pass the address it prints") from None
+    return "a Ray instance on this machine" if address is None else f"the Ray cluster at {address}"
+
+
+def project_env() -> dict[str, Any]:
+    """The tasks' runtime environment: this repository first on their ``PYTHONPATH`` (every node has it at this
+    path), so a task imports the project wherever the driver was started from."""
+    paths = [str(PROJECT_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join(paths)}}
+
+
+def check_reachable(address: str) -> None:
+    """One line when nothing accepts a TCP connection at ``address``'s host and port."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_SECONDS).close()
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise TaskHetError(f"--ray_address {address}: nothing answers there ({reason}); start a cluster with "
+                           "`ray start --head` and pass the address it prints, or leave --ray_address out to start "
+                           "Ray on this machine") from None
+
+
+def check_resources(nodes: list[dict[str, Any]], cpus: float, gpus: float, cluster: str) -> None:
+    """Some node can hold one run: a task asking more CPUs or GPUs than any node has would wait forever."""
+    for flag, key, asked in (("--cpus_per_run", "CPU", cpus), ("--gpus_per_run", "GPU", gpus)):
+        have = [node["Resources"].get(key, 0.0) for node in nodes]
+        if asked > max(have, default=0.0) + 1e-9:
+            raise TaskHetError(f"{flag} {asked:g}: no node of {cluster} has {asked:g} {key}s (the most on one node: "
+                               f"{max(have, default=0.0):g}; {sum(have):g} on {len(nodes)} node(s)), so a run would "
+                               "never start")
+
+
+def check_shared_storage(ray: Any, nodes: list[dict[str, Any]], out_dir: Path, cwd: str) -> None:
+    """Every node reads a file this driver wrote in ``out_dir`` and writes one back, which the driver reads.
+
+    Runs on a node that sees another folder (a local disk at the same path) would write results the driver never
+    reads, or train a run twice: refused here with one line naming the node.
+    """
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    token = secrets.token_hex(8)
+    marker = out_dir.resolve() / f"{STORAGE_MARKER}-{token}"
+    atomic_write_text(marker, token)
+    probe = ray.remote(num_cpus=0, max_retries=0)(probe_storage)
+    asked = {probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
+             .remote(cwd, str(marker), token, node["NodeID"]): node for node in nodes}
+    try:
+        ready, late = ray.wait(list(asked), num_returns=len(asked), timeout=PROBE_SECONDS)
+        for ref in late:
+            raise TaskHetError(f"Ray node {node_name(asked[ref])} did not answer the results-folder check within "
+                               f"{PROBE_SECONDS} s; is it overloaded, or missing this project's environment?")
+        for ref in ready:
+            node = asked[ref]
+            try:
+                problem = ray.get(ref)
+            except ray.exceptions.RayError as error:
+                reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+                raise TaskHetError(f"Ray node {node_name(node)} could not run this project's code ({reason}): every node "
+                                   f"needs this repository at {cwd} and its Python environment") from None
+            reply = Path(f"{marker}.{node['NodeID']}")
+            if problem is None and not (reply.is_file() and reply.read_text() == token):
+                problem = f"what it wrote there, {reply.name}, does not reach this machine"
+            if problem is not None:
+                raise TaskHetError(f"--results {out_dir} is not on storage every Ray node sees: node {node_name(node)} "
+                                   f"{problem}; put --results on a file system every node mounts at the same path "
+                                   "(NFS, Lustre, a shared home)")
+    finally:
+        for path in [marker, *(Path(f"{marker}.{node['NodeID']}") for node in nodes)]:
+            path.unlink(missing_ok=True)
+
+
+def node_name(node: dict[str, Any]) -> str:
+    """``10.0.0.5 (host-a)`` for a node of ``ray.nodes()``."""
+    return f"{node.get('NodeManagerAddress')} ({node.get('NodeManagerHostname')})"
+
+
+def probe_storage(cwd: str, marker: str, token: str, node_id: str) -> str | None:
+    """On one node: None when it sees the driver's working directory and ``marker`` holding ``token`` and can write
+    beside it; else what it cannot do (a Ray task: module level, imported on the node)."""
+    if not Path(cwd).is_dir():
+        return f"has no folder {cwd} (the driver's working directory, where every relative path starts)"
+    try:
+        seen = Path(marker).read_text()
+    except OSError as error:
+        return f"cannot read {marker}, which this machine wrote ({error.strerror or type(error).__name__})"
+    if seen != token:
+        return f"reads another file at {marker} than the one this machine wrote"
+    try:
+        atomic_write_text(Path(f"{marker}.{node_id}"), token)
+    except OSError as error:
+        return f"cannot write in {Path(marker).parent} ({error.strerror or type(error).__name__})"
+    return None
+
+
+def run_ray_task(script: str, stage_dir: str, params: dict[str, Any], argv: list[str], cwd: str) -> dict[str, Any]:
+    """One pooled stage as a Ray task: in the driver's working directory, after the lock of a dead earlier try is let
+    go; returns its placement record (with the Ray node)."""
+    import ray
+
+    try:
+        os.chdir(cwd)
+    except OSError as error:
+        raise TaskHetError(f"this Ray node has no folder {cwd}, the driver's working directory ({error.strerror})") from None
+    where = {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}
+    wait_for_folder(Path(stage_dir))
+    return run_pool_stage(script, Path(stage_dir), params, argv, where)
+
+
+def wait_for_folder(stage_dir: Path, seconds: float = LOCK_WAIT_SECONDS) -> None:
+    """Wait until no live run holds ``stage_dir``'s lock: after a node dies, Ray may rerun its task before the dead
+    run's lock is let go (its processes still exiting, or an NFS server that has not yet noticed)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with folder_lock(stage_dir):
+                return
+        except FolderInUseError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)

@@ -1,0 +1,136 @@
+"""Where run_pipeline.py's pooled stages run (pipeline/executors.py): the settings' checks, the local pool's GPU
+spreading, the progress lines, and a Ray address that does not answer. Grids on a real two-node Ray cluster are in
+tests/test_ray_cluster.py."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+import yaml
+
+import run_pipeline
+from pipeline.executors import ExecutorSettings, GridProgress, clock_text, open_local
+from pipeline.pool import PLACEMENT_FILE, PoolStage, named_failure, worker_devices
+from tests.test_digits import tiny_digits_experiment
+from utils.device import visible_gpu_ids
+from utils.errors import DiskFullError, TaskHetError
+
+
+def write_experiment(tmp_path: Path, **changes) -> Path:
+    config = tiny_digits_experiment(tmp_path)
+    config["model"]["image_size"] = 8
+    config.update(changes)
+    path = tmp_path / "digits.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--executor", "slurm"], "argument --executor: invalid choice: 'slurm' (choose from 'local', 'ray')"),
+    (["--gpus_per_run", "0"], "argument --gpus_per_run: must be a number in (0, 1], got '0'"),
+    (["--gpus_per_run", "1.5"], "argument --gpus_per_run: must be a number in (0, 1], got '1.5'"),
+    (["--cpus_per_run", "0"], "argument --cpus_per_run: must be a number in (0, 1024], got '0'"),
+    (["--max_retries", "-1"], "argument --max_retries: must be an integer in [0, 100], got '-1'"),
+    (["--ray_address", "10.0.0.1:6379"], "--ray_address is a setting of --executor ray"),
+    (["--max_retries", "2"], "--max_retries is a setting of --executor ray"),
+    (["--executor", "ray", "--ray_address", "head-node"], "--ray_address 'head-node' must be auto, HOST:PORT or "
+                                                          "ray://HOST:PORT"),
+    (["--executor", "ray", "--ray_address", "head:99999"], "--ray_address 'head:99999' must be auto"),
+])
+def test_a_bad_setting_is_one_line_naming_the_flag_before_any_work(tmp_path, flags, message):
+    experiment = write_experiment(tmp_path)
+    with pytest.raises(TaskHetError) as raised:
+        run_pipeline.main([str(experiment), "--results", str(tmp_path / "results"), *flags])
+    assert message in str(raised.value) and "\n" not in str(raised.value)
+    assert not (tmp_path / "results").exists()
+
+
+def test_settings_made_in_code_are_checked_like_the_flags():
+    with pytest.raises(TaskHetError, match=r"^unknown executor 'dask'; choose one of: local, ray$"):
+        ExecutorSettings(executor="dask").check()
+    with pytest.raises(TaskHetError, match=r"^--gpus_per_run must be a number in \(0, 1\], got 0$"):
+        ExecutorSettings(executor="ray", gpus_per_run=0).check()
+    ExecutorSettings(executor="ray", ray_address="ray://head:10001", gpus_per_run=0.25, cpus_per_run=2).check()
+
+
+def test_visible_gpus_are_read_as_cuda_reads_them(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, GPU-8f2a,-1,3")
+    assert visible_gpu_ids() == ["2", "GPU-8f2a"]  # CUDA ignores everything from the first hidden entry on
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert visible_gpu_ids() == []
+
+
+def test_workers_go_round_robin_over_the_gpus():
+    assert worker_devices(5, ["0", "1"]) == ["0", "1", "0", "1", "0"]
+    assert worker_devices(2, ["3", "5", "7"]) == ["3", "5"]
+    assert worker_devices(4, []) == []
+
+
+def test_the_local_pool_checks_gpus_per_run_against_the_visible_gpus(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert open_local(ExecutorSettings(jobs=4, gpus_per_run=0.5)).devices == ("0", "1", "0", "1")
+    with pytest.raises(TaskHetError, match=r"^--jobs 5 × --gpus_per_run 0.5 asks for 2.5 GPUs, but this machine "
+                                           r"shows 2 \(CUDA_VISIBLE_DEVICES='0,1'\); lower --jobs or --gpus_per_run$"):
+        open_local(ExecutorSettings(jobs=5, gpus_per_run=0.5))
+    with pytest.raises(TaskHetError, match="use_accelerator: false, so its runs use no GPU"):
+        open_local(ExecutorSettings(jobs=2, gpus_per_run=1.0), use_accelerator=False)
+    assert open_local(ExecutorSettings(jobs=1)).in_process and open_local(ExecutorSettings(jobs=1)).devices == ()
+
+
+def test_too_many_gpus_for_this_machine_stops_run_pipeline_before_step_0(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    experiment = write_experiment(tmp_path, use_accelerator=True)
+    with pytest.raises(TaskHetError, match=r"--jobs 3 × --gpus_per_run 1 asks for 3 GPUs, but this machine shows 2"):
+        run_pipeline.main([str(experiment), "--results", str(tmp_path / "results"), "--jobs", "3", "--gpus_per_run", "1"])
+    assert not (tmp_path / "results").exists()
+
+
+def test_each_local_worker_sees_one_gpu_of_its_own(tmp_path, monkeypatch, capsys):
+    """Fake GPUs: no CUDA here, so the runs use the CPU; what each worker was given is in its runs' placement.json."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    experiment = write_experiment(tmp_path)
+    run_pipeline.main([str(experiment), "--results", str(tmp_path / "results"), "--jobs", "2", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "step 3c: 2 readings; step 4: 2 runs, 2 at a time in worker processes; each sees one GPU of 0, 1" in out
+    placements = [json.loads(path.read_text()) for path in (tmp_path / "results").rglob(PLACEMENT_FILE)]
+    assert len(placements) == 4  # 2 readings and 2 runs, each recorded where it ran
+    device_of = {}
+    for record in placements:
+        assert record["devices"] in ("0", "1")  # exactly one id, never the pipeline's "0,1"
+        assert device_of.setdefault(record["pid"], record["devices"]) == record["devices"]  # a worker keeps its GPU
+    assert len(set(device_of.values())) == len(device_of)  # two workers, two GPUs
+    assert [line.split(":")[0] for line in out.splitlines() if line.startswith("run ")] == [
+        f"run {k} of 4 done" for k in range(1, 5)]
+
+
+def test_progress_lines_count_the_runs_and_say_the_time_left(capsys):
+    times = iter([100.0, 110.0, 140.0])
+    progress = GridProgress(4, clock=lambda: next(times))
+    stage = PoolStage("step 4: iid seed 0", Path("x"), {}, [])
+    progress.done(stage, {"host": "vm", "devices": "1", "ran": True})
+    progress.done(stage, {"node_ip": "10.0.0.5", "host": "b", "devices": "", "ran": True})
+    assert capsys.readouterr().out.splitlines() == [
+        "run 1 of 4 done: step 4: iid seed 0 (host vm, GPU 1); 0:00:10 elapsed, ETA 0:00:30",  # 3 left at 10 s each
+        "run 2 of 4 done: step 4: iid seed 0 (Ray node 10.0.0.5); 0:00:40 elapsed, ETA 0:00:40"]
+    assert clock_text(3723.4) == "1:02:03"
+
+
+def test_a_stage_failure_keeps_its_class_and_gains_the_stage_name():
+    error = named_failure(PoolStage("step 4: iid seed 0", Path("x"), {}, []), DiskFullError("x/metrics.csv: full"))
+    assert type(error) is DiskFullError and str(error) == "step 4: iid seed 0: x/metrics.csv: full"
+
+
+def test_a_ray_address_that_does_not_answer_is_one_line(tmp_path):
+    pytest.importorskip("ray")
+    experiment = write_experiment(tmp_path)
+    with socket.socket() as closed:  # bound, never listening: a connection is refused
+        closed.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{closed.getsockname()[1]}"
+        with pytest.raises(TaskHetError) as raised:
+            run_pipeline.main([str(experiment), "--results", str(tmp_path / "results"), "--executor", "ray",
+                               "--ray_address", address])
+    assert str(raised.value).startswith(f"--ray_address {address}: nothing answers there (Connection refused)")
+    assert not (tmp_path / "results").exists()
