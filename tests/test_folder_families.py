@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -19,14 +20,17 @@ import run_pipeline
 from datasets.family import load_manifest
 from datasets.imagefolder import ImageFolderDataset
 from datasets.paired_folders import PairedDataset, label_numbers
+from datasets.paired_targets import make_spec
 from datasets.taskonomy_domains import SEGMENT_IGNORE_INDEX
 from models import get_task, load_task_model
+from pipeline.experiment import load_experiment
 from steps import assign, embed, federated, select, train_centralized
 from tests.folder_fixtures import paired_sample, save_rgb, write_imagefolder, write_paired_folders
 from utils import cli
 from utils.cli import run_main
 
 SIZE = 8  # the models' input side: small_cnn at 8 px takes a few milliseconds a step
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def one_error_line(capsys, main: Callable, argv: list[str]) -> str:
@@ -265,6 +269,21 @@ def test_run_pipeline_on_a_folder_without_labels_is_one_error_line(tmp_path, cap
     line = one_error_line(capsys, run_pipeline.main, [str(experiment), "--results", str(tmp_path / "results"),
                                                      "--no-progress"])
     assert "groups.csv gives no label" in line and "label-based partition" in line
+
+
+def yaml_blocks(document: str) -> list[str]:
+    return re.findall(r"```yaml\n(.*?)```", (ROOT / document).read_text(), re.S)
+
+
+def test_the_documented_experiment_file_and_targets_files_are_valid(tmp_path):
+    experiment = next(block for block in yaml_blocks("docs/howto/own-data.md") if "run" not in block and "name:" in block)
+    (tmp_path / "mine.yaml").write_text(experiment)
+    config = load_experiment(tmp_path / "mine.yaml")
+    assert (config["data"]["source"], config["tasks"]) == ("paired_folders", ["folder_segmentation"])
+    for document in ("docs/howto/own-data.md", "docs/DATA.md"):
+        targets = yaml.safe_load(next(block for block in yaml_blocks(document) if "kind:" in block))
+        kinds = [make_spec(name, fields, document).kind for name, fields in targets.items()]
+        assert kinds == ["regression", "segmentation", "edges"][:len(kinds)]
 
 
 # ----- bad inputs: one line naming the file -----
