@@ -29,9 +29,9 @@ $(HOOK_STAMP): utils/torchvision_hook.py utils/tv_compat.py $(STAMP)
 	touch $(HOOK_STAMP)
 
 # A GPU machine (docs/howto/gpu.md): the CUDA build of the pinned torch and torchvision, versions read from
-# CONSTRAINTS so the two cannot drift, from PyTorch's wheel index for CUDA (cu128: NVIDIA driver >= 570; cu130:
-# >= 580). They go in first; `make setup` then keeps them: a `+cu128` build satisfies constraints.txt's `==` pin.
-CUDA ?= cu128
+# CONSTRAINTS so the two cannot drift, from PyTorch's wheel index for CUDA (torch 2.13: cu126, cu129, cu130 (PyPI's
+# own CUDA), cu132). They go in first; `make setup` then keeps them: `2.13.0+cu130` satisfies the `==2.13.0` pin.
+CUDA ?= cu130
 TORCH_INDEX ?= https://download.pytorch.org/whl/$(CUDA)
 CONSTRAINTS ?= constraints.txt
 TORCH_PIN := $(shell sed -n 's/^torch==\([^ ;#]*\).*/\1/p' $(CONSTRAINTS))

@@ -43,8 +43,8 @@ def constraint_pins(path: Path) -> dict[str, str]:
 def test_setup_gpu_installs_the_cuda_builds_of_the_constraints_pins():
     index, pins = pip_pins(dry_run("setup-gpu"))
     expected = constraint_pins(ROOT / "constraints.txt")
-    assert index == "https://download.pytorch.org/whl/cu128"
-    assert pins == {name: f"{version}+cu128" for name, version in expected.items()}
+    assert index == "https://download.pytorch.org/whl/cu130"
+    assert pins == {name: f"{version}+cu130" for name, version in expected.items()}
     command = next(line for line in dry_run("setup-gpu").splitlines() if "--index-url" in line)
     assert "-c constraints.txt" in command  # the resolver also holds every other package to its pin
 
@@ -53,15 +53,15 @@ def test_setup_gpu_installs_the_cuda_builds_of_the_constraints_pins():
 def test_setup_gpu_reads_the_pins_and_the_cuda_tag_it_is_given(tmp_path):
     constraints = tmp_path / "constraints.txt"
     constraints.write_text("# a comment\nnumpy==2.4.6\ntorch==9.8.7 ; sys_platform == 'linux'\ntorchvision==0.99.1\n")
-    index, pins = pip_pins(dry_run("setup-gpu", "CUDA=cu130", f"CONSTRAINTS={constraints}"))
-    assert index == "https://download.pytorch.org/whl/cu130"
-    assert pins == {"torch": "9.8.7+cu130", "torchvision": "0.99.1+cu130"}
+    index, pins = pip_pins(dry_run("setup-gpu", "CUDA=cu126", f"CONSTRAINTS={constraints}"))
+    assert index == "https://download.pytorch.org/whl/cu126"
+    assert pins == {"torch": "9.8.7+cu126", "torchvision": "0.99.1+cu126"}
 
 
 @needs_make
 def test_setup_gpu_checks_the_installed_builds_and_gpu_targets_run_the_check():
-    commands = dry_run("setup-gpu", "CUDA=cu126").splitlines()
-    assert commands[-1] == ".venv/bin/python -m utils.gpu_setup --cuda cu126 --constraints constraints.txt"
+    commands = dry_run("setup-gpu", "CUDA=cu129").splitlines()
+    assert commands[-1] == ".venv/bin/python -m utils.gpu_setup --cuda cu129 --constraints constraints.txt"
     assert dry_run("gpu-check").splitlines()[-1] == ".venv/bin/python bench/gpu_check.py --quick"
     assert dry_run("gpu-bench", "OUT=/tmp/x").splitlines()[-1] == ".venv/bin/python bench/gpu_check.py /tmp/x"
 
@@ -107,4 +107,4 @@ def test_a_cuda_tag_must_look_like_one(capsys):
 
     with pytest.raises(SystemExit):
         run_main(main, ["--cuda", "12.8"])
-    assert "must be a CUDA tag such as cu128 or cu130, got '12.8'" in capsys.readouterr().err
+    assert "must be a CUDA tag such as cu126 or cu130, got '12.8'" in capsys.readouterr().err

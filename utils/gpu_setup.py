@@ -1,12 +1,12 @@
 """``make setup-gpu``'s last step: are the venv's torch and torchvision the CUDA builds of constraints.txt's pins?
 
 The Makefile reads the pins from constraints.txt and installs ``torch==<pin>+<tag>`` and
-``torchvision==<pin>+<tag>`` from PyTorch's wheel index for that CUDA tag (``cu128``: docs/howto/gpu.md). A
-``+cu128`` build satisfies the plain ``==<pin>`` of constraints.txt, so every later ``pip install -c
+``torchvision==<pin>+<tag>`` from PyTorch's wheel index for that CUDA tag (``cu130``: docs/howto/gpu.md). A
+``+cu130`` build satisfies the plain ``==<pin>`` of constraints.txt, so every later ``pip install -c
 constraints.txt`` keeps it. This check reads the installed versions back and prints one line, or one ``error:``
 line (exit code 2) naming what differs.
 
-Run: ``.venv/bin/python -m utils.gpu_setup --cuda cu128``.
+Run: ``.venv/bin/python -m utils.gpu_setup --cuda cu130``.
 """
 
 from __future__ import annotations
@@ -67,9 +67,9 @@ def installed_versions(packages: tuple[str, ...] = PACKAGES) -> dict[str, str | 
 
 
 def cuda_tag(text: str) -> str:
-    """argparse type: a PyTorch wheel index's CUDA tag, ``cu`` and 3 or 4 digits (``cu128``, ``cu130``)."""
+    """argparse type: a PyTorch wheel index's CUDA tag, ``cu`` and 3 or 4 digits (``cu126``, ``cu130``)."""
     if not CUDA_TAG.fullmatch(text):
-        raise argparse.ArgumentTypeError(f"must be a CUDA tag such as cu128 or cu130, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a CUDA tag such as cu126 or cu130, got {text!r}")
     return text
 
 
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     from utils.cli import ArgumentParser
 
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cuda", type=cuda_tag, required=True, help="the CUDA tag make setup-gpu installed")
+    parser.add_argument("--cuda", type=cuda_tag, required=True, help="the CUDA tag make setup-gpu installed (cu130)")
     parser.add_argument("--constraints", type=Path, default=Path("constraints.txt"))
     args = parser.parse_args(argv)
     pins = read_pins(args.constraints)
