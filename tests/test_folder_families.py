@@ -28,6 +28,7 @@ from steps import assign, embed, federated, select, train_centralized
 from tests.folder_fixtures import paired_sample, save_rgb, write_imagefolder, write_paired_folders
 from utils import cli
 from utils.cli import run_main
+from utils.errors import TaskHetError
 
 SIZE = 8  # the models' input side: small_cnn at 8 px takes a few milliseconds a step
 ROOT = Path(__file__).resolve().parents[1]
@@ -284,6 +285,27 @@ def test_the_documented_experiment_file_and_targets_files_are_valid(tmp_path):
         targets = yaml.safe_load(next(block for block in yaml_blocks(document) if "kind:" in block))
         kinds = [make_spec(name, fields, document).kind for name, fields in targets.items()]
         assert kinds == ["regression", "segmentation", "edges"][:len(kinds)]
+
+
+@pytest.mark.parametrize("split_csv, refused", [("split.csv", None), (None, None), ("", "data.split_csv must be"),
+                                               (7, "data.split_csv must be")])
+def test_a_folder_experiment_may_name_a_split_csv(tmp_path, split_csv, refused):
+    path = folder_experiment(tmp_path, tmp_path / "mine", "imagefolder", "folder_class")
+    config = yaml.safe_load(path.read_text())
+    config["data"]["split_csv"] = split_csv
+    path.write_text(yaml.safe_dump(config))
+    if refused is None:
+        assert load_experiment(path)["data"]["split_csv"] == split_csv
+    else:
+        with pytest.raises(TaskHetError, match=f"own.yaml: {refused}"):
+            load_experiment(path)
+
+
+def test_a_folder_experiment_names_only_folder_tasks(tmp_path):
+    path = folder_experiment(tmp_path, tmp_path / "mine", "paired_folders", "depth_euclidean")
+    with pytest.raises(TaskHetError, match="task 'depth_euclidean' is not a task of data family 'paired_folders'; its "
+                                           "tasks: folder_regression, folder_segmentation, folder_edges"):
+        load_experiment(path)
 
 
 # ----- bad inputs: one line naming the file -----
