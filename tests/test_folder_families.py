@@ -317,125 +317,116 @@ def truncated(path: Path) -> None:
     path.write_bytes(data[: len(data) // 2])
 
 
-def imagefolder_case(edit: Callable[[Path], tuple[list[str], tuple[str, ...]]]):
-    def build(tmp_path: Path) -> tuple[list[str], tuple[str, ...]]:
-        root = write_imagefolder(tmp_path / "photos", per_class=4)
-        extra, names = edit(root)
-        return ["--family", "imagefolder", "--data_path", str(root), *extra], names
-    return build
-
-
-def paired_case(edit: Callable[[Path], tuple[list[str], tuple[str, ...]]]):
-    def build(tmp_path: Path) -> tuple[list[str], tuple[str, ...]]:
-        root = write_paired_folders(tmp_path / "data", n_images=8)
-        extra, names = edit(root)
-        return ["--family", "paired_folders", "--data_path", str(root), *extra], names
-    return build
-
-
-def write_text(path: Path, text: str) -> Path:
+def write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
-    return path
 
 
-def edit_targets(root: Path, name: str, fields: dict | None) -> None:
+def edit_targets(root: Path, name: str, fields: dict) -> None:
     targets = yaml.safe_load((root / "targets.yaml").read_text())
     targets[name] = fields
     (root / "targets.yaml").write_text(yaml.safe_dump(targets))
 
 
-BAD_INPUTS = {
-    # imagefolder
-    "corrupt image": imagefolder_case(lambda root: ((root / "dog" / "dog_1.png").write_bytes(BROKEN_PNG) and [],
-                                                    ("dog/dog_1.png", "not a readable image"))),
-    "truncated image": imagefolder_case(lambda root: (truncated(root / "owl" / "owl_2.png") or [],
-                                                      ("owl/owl_2.png",))),
-    "empty class folder": imagefolder_case(lambda root: ((root / "yak").mkdir() or [], ("yak", "holds no image"))),
-    "one class": imagefolder_case(lambda root: (write_text(root / "split.csv", "path,split\ncat/cat_0.png,train\n"
-                                                           "cat/cat_1.png,test\n") and ["--split_csv", "split.csv"],
-                                                ("1 class folder(s) with images (cat)",))),
-    "split csv leaves the root": imagefolder_case(lambda root: (
-        write_text(root / "split.csv", "path,split\n../outside.png,train\n") and ["--split_csv", "split.csv"],
-        ("split.csv", "row 2", "'../outside.png'", "without '..'"))),
-    "split csv absolute path": imagefolder_case(lambda root: (
-        write_text(root / "split.csv", f"path,split\n{root / 'cat' / 'cat_0.png'},train\n") and ["--split_csv", "split.csv"],
-        ("split.csv", "row 2", "must be a path relative to"))),
-    "split csv names a non-image": imagefolder_case(lambda root: (
-        write_text(root / "cat" / "notes.txt", "x") and write_text(root / "split.csv", "path,split\ncat/notes.txt,train\n")
-        and ["--split_csv", "split.csv"], ("split.csv", "row 2", "'cat/notes.txt'", "is not an image"))),
-    "split csv names a missing file": imagefolder_case(lambda root: (
-        write_text(root / "split.csv", "path,split\ncat/cat_0.png,train\ncat/gone.png,test\n") and ["--split_csv", "split.csv"],
-        ("split.csv", "row 3", "'cat/gone.png'", "does not exist"))),
-    "split csv image outside a class folder": imagefolder_case(lambda root: (
-        save_rgb(root / "loose.png", np.zeros((4, 4, 3), np.uint8)) and
-        write_text(root / "split.csv", "path,split\nloose.png,train\n") and ["--split_csv", "split.csv"],
-        ("split.csv", "'loose.png'", "not inside a class folder"))),
-    "split csv bad split": imagefolder_case(lambda root: (
-        write_text(root / "split.csv", "path,split\ncat/cat_0.png,holdout\n") and ["--split_csv", "split.csv"],
-        ("split.csv", "row 2", "'holdout'"))),
-    "split csv repeats an image": imagefolder_case(lambda root: (
-        write_text(root / "split.csv", "path,split\ncat/cat_0.png,train\n./cat//cat_0.png,test\n") and
-        ["--split_csv", "split.csv"], ("split.csv", "rows 2 and 3", "'cat/cat_0.png'"))),
-    # paired_folders
-    "missing target": paired_case(lambda root: ((root / "depth" / "img_03.png").unlink() or [],
-                                                ("images/img_03.png", "has no depth target"))),
-    "target without image": paired_case(lambda root: (
-        (Image.fromarray(np.zeros((10, 12), np.uint16)).save(root / "depth" / "extra.png") or []),
-        ("depth/extra.png", "has no image images/extra"))),
-    "size mismatch": paired_case(lambda root: (
-        (Image.fromarray(np.ones((5, 7), np.uint16)).save(root / "depth" / "img_02.png") or []),
-        ("depth/img_02.png", "7x5 pixels", "img_02.png is 12x10"))),
-    "corrupt image (paired)": paired_case(lambda root: ((root / "images" / "img_01.png").write_bytes(b"junk") and [],
-                                                        ("images/img_01.png", "not a readable image"))),
-    "corrupt npy target": paired_case(lambda root: ((root / "semantic" / "img_04.npy").write_bytes(b"junk") and [],
-                                                    ("semantic/img_04.npy", "not a readable .npy"))),
-    "non-finite npy target": paired_case(lambda root: (
-        np.save(root / "semantic" / "img_04.npy", np.full((10, 12), np.nan)) or [], ("semantic/img_04.npy", "non-finite"))),
-    "class id out of range": paired_case(lambda root: (
-        np.save(root / "semantic" / "img_05.npy", np.full((10, 12), 7)) or [],
-        ("semantic/img_05.npy", "holds 7", "not a class id 0..2"))),
-    "wrong channels": paired_case(lambda root: (
-        save_rgb(root / "depth" / "img_06.png", np.zeros((10, 12, 3), np.uint8)) and [],
-        ("depth/img_06.png", "3 channel(s), expected 1"))),
-    "two images of one stem": paired_case(lambda root: (
-        save_rgb(root / "images" / "img_00.jpg", np.zeros((10, 12, 3), np.uint8)) and [],
-        ("images/img_00.jpg", "images/img_00.png", "same stem"))),
-    "no targets.yaml": paired_case(lambda root: ((root / "targets.yaml").unlink() or [], ("targets.yaml", "does not exist"))),
-    "target name leaves the root": paired_case(lambda root: (
-        edit_targets(root, "../depth", {"kind": "regression", "channels": 1}) or [], ("targets.yaml", "'../depth'"))),
-    "unknown targets.yaml key": paired_case(lambda root: (
-        edit_targets(root, "depth", {"kind": "regression", "channels": 1, "scal": 1000}) or [],
-        ("targets.yaml", "'depth'", "unknown key 'scal'"))),
-    "unknown kind": paired_case(lambda root: (edit_targets(root, "depth", {"kind": "depthmap"}) or [],
-                                              ("targets.yaml", "kind must be one of"))),
-    "ignore is a class": paired_case(lambda root: (
-        edit_targets(root, "semantic", {"kind": "segmentation", "classes": 3, "ignore": 1}) or [],
-        ("targets.yaml", "'semantic'", "outside the class ids 0..2"))),
-    "target folder missing": paired_case(lambda root: (
-        edit_targets(root, "normals", {"kind": "regression", "channels": 3}) or ["--targets", "normals"],
-        ("normals", "does not exist"))),
-    "two targets of one kind": paired_case(lambda root: (
-        edit_targets(root, "height", {"kind": "regression", "channels": 1}) or [], ("targets.yaml", "depth and height",
-                                                                                    "--targets"))),
-    "groups.csv unknown stem": paired_case(lambda root: (
-        write_text(root / "groups.csv", "stem,label\n" + "".join(f"img_{i:02d},a\n" for i in range(8)) + "../images/img_00,b\n")
-        and [], ("groups.csv", "row 10", "'../images/img_00'"))),
-    "groups.csv misses an image": paired_case(lambda root: (
-        write_text(root / "groups.csv", "stem,label\n" + "".join(f"img_{i:02d},a\n" for i in range(7))) and [],
-        ("groups.csv", "images/img_07.png"))),
-    "groups.csv unknown column": paired_case(lambda root: (
-        write_text(root / "groups.csv", "stem,lable\nimg_00,a\n") and [], ("groups.csv", "got stem, lable"))),
-    "split csv unknown stem": paired_case(lambda root: (
-        write_text(root / "split.csv", "stem,split\nimg_00,train\nimg_99,test\n") and ["--split_csv", "split.csv"],
-        ("split.csv", "row 3", "'img_99'"))),
+def split_csv(root: Path, text: str) -> list[str]:
+    """Write ``root/split.csv``; returns the flag that names it."""
+    write_text(root / "split.csv", text)
+    return ["--split_csv", "split.csv"]
+
+
+def grey16(root: Path, file: str, shape: tuple[int, int]) -> None:
+    Image.fromarray(np.ones(shape, np.uint16)).save(root / file)
+
+
+def groups(rows: range, extra: str = "") -> str:
+    return "stem,label\n" + "".join(f"img_{index:02d},a\n" for index in rows) + extra
+
+
+# case -> (family, edit of a fresh tiny folder returning step 1's extra flags (None: none), what the line names).
+# imagefolder's folder: cat, dog, owl with 4 images each; paired_folders': 8 images of 12x10 px (folder_fixtures.py).
+BAD_INPUTS: dict[str, tuple[str, Callable[[Path], list[str] | None], tuple[str, ...]]] = {
+    "corrupt image": ("imagefolder", lambda root: (root / "dog" / "dog_1.png").write_bytes(BROKEN_PNG) and None,
+                      ("dog/dog_1.png", "not a readable image")),
+    "truncated image": ("imagefolder", lambda root: truncated(root / "owl" / "owl_2.png"), ("owl/owl_2.png",)),
+    "empty class folder": ("imagefolder", lambda root: (root / "yak").mkdir(), ("yak", "holds no image")),
+    "one class": ("imagefolder", lambda root: split_csv(root, "path,split\ncat/cat_0.png,train\ncat/cat_1.png,test\n"),
+                  ("1 class folder(s) with images (cat)",)),
+    "split csv leaves the root": ("imagefolder", lambda root: split_csv(root, "path,split\n../outside.png,train\n"),
+                                  ("split.csv", "row 2", "'../outside.png'", "without '..'")),
+    "split csv absolute path": ("imagefolder", lambda root: split_csv(root, f"path,split\n{root / 'cat' / 'cat_0.png'},train\n"),
+                                ("split.csv", "row 2", "must be a path relative to")),
+    "split csv names a non-image": ("imagefolder", lambda root: (write_text(root / "cat" / "notes.txt", "x"),
+                                                                 split_csv(root, "path,split\ncat/notes.txt,train\n"))[1],
+                                    ("split.csv", "row 2", "'cat/notes.txt'", "is not an image")),
+    "split csv names a missing file": ("imagefolder",
+                                       lambda root: split_csv(root, "path,split\ncat/cat_0.png,train\ncat/gone.png,test\n"),
+                                       ("split.csv", "row 3", "'cat/gone.png'", "does not exist")),
+    "split csv image outside a class folder": ("imagefolder", lambda root: (
+        save_rgb(root / "loose.png", np.zeros((4, 4, 3), np.uint8)), split_csv(root, "path,split\nloose.png,train\n"))[1],
+        ("split.csv", "'loose.png'", "not inside a class folder")),
+    "split csv bad split": ("imagefolder", lambda root: split_csv(root, "path,split\ncat/cat_0.png,holdout\n"),
+                            ("split.csv", "row 2", "'holdout'")),
+    "split csv repeats an image": ("imagefolder",
+                                   lambda root: split_csv(root, "path,split\ncat/cat_0.png,train\n./cat//cat_0.png,test\n"),
+                                   ("split.csv", "rows 2 and 3", "'cat/cat_0.png'")),
+    "missing target": ("paired_folders", lambda root: (root / "depth" / "img_03.png").unlink(),
+                       ("images/img_03.png", "has no depth target")),
+    "target without image": ("paired_folders", lambda root: grey16(root, "depth/extra.png", (10, 12)),
+                             ("depth/extra.png", "has no image images/extra")),
+    "size mismatch": ("paired_folders", lambda root: grey16(root, "depth/img_02.png", (5, 7)),
+                      ("depth/img_02.png", "7x5 pixels", "img_02.png is 12x10")),
+    "corrupt image (paired)": ("paired_folders", lambda root: (root / "images" / "img_01.png").write_bytes(b"junk") and None,
+                               ("images/img_01.png", "not a readable image")),
+    "corrupt npy target": ("paired_folders", lambda root: (root / "semantic" / "img_04.npy").write_bytes(b"junk") and None,
+                           ("semantic/img_04.npy", "not a readable .npy")),
+    "non-finite npy target": ("paired_folders", lambda root: np.save(root / "semantic" / "img_04.npy", np.full((10, 12), np.nan)),
+                              ("semantic/img_04.npy", "non-finite")),
+    "class id out of range": ("paired_folders", lambda root: np.save(root / "semantic" / "img_05.npy", np.full((10, 12), 7)),
+                              ("semantic/img_05.npy", "holds 7", "not a class id 0..2")),
+    "wrong channels": ("paired_folders", lambda root: save_rgb(root / "depth" / "img_06.png", np.zeros((10, 12, 3), np.uint8))
+                       and None, ("depth/img_06.png", "3 channel(s), expected 1")),
+    "two images of one stem": ("paired_folders", lambda root: save_rgb(root / "images" / "img_00.jpg",
+                                                                       np.zeros((10, 12, 3), np.uint8)) and None,
+                               ("images/img_00.jpg", "images/img_00.png", "same stem")),
+    "no targets.yaml": ("paired_folders", lambda root: (root / "targets.yaml").unlink(), ("targets.yaml", "does not exist")),
+    "target name leaves the root": ("paired_folders", lambda root: edit_targets(root, "../depth", {"kind": "edges"}),
+                                    ("targets.yaml", "'../depth'")),
+    "unknown targets.yaml key": ("paired_folders",
+                                 lambda root: edit_targets(root, "depth", {"kind": "regression", "channels": 1, "scal": 1}),
+                                 ("targets.yaml", "'depth'", "unknown key 'scal'")),
+    "unknown kind": ("paired_folders", lambda root: edit_targets(root, "depth", {"kind": "depthmap"}),
+                     ("targets.yaml", "kind must be one of")),
+    "ignore is a class": ("paired_folders",
+                          lambda root: edit_targets(root, "semantic", {"kind": "segmentation", "classes": 3, "ignore": 1}),
+                          ("targets.yaml", "'semantic'", "outside the class ids 0..2")),
+    "target folder missing": ("paired_folders", lambda root: (edit_targets(root, "normals", {"kind": "regression",
+                                                                                             "channels": 3}),
+                                                              ["--targets", "normals"])[1],
+                              ("normals", "does not exist")),
+    "two targets of one kind": ("paired_folders",
+                                lambda root: edit_targets(root, "height", {"kind": "regression", "channels": 1}),
+                                ("targets.yaml", "depth and height", "--targets")),
+    "groups.csv unknown stem": ("paired_folders",
+                                lambda root: write_text(root / "groups.csv", groups(range(8), "../images/img_00,b\n")),
+                                ("groups.csv", "row 10", "'../images/img_00'")),
+    "groups.csv misses an image": ("paired_folders", lambda root: write_text(root / "groups.csv", groups(range(7))),
+                                   ("groups.csv", "images/img_07.png")),
+    "groups.csv unknown column": ("paired_folders", lambda root: write_text(root / "groups.csv", "stem,lable\nimg_00,a\n"),
+                                  ("groups.csv", "got stem, lable")),
+    "split csv unknown stem": ("paired_folders", lambda root: split_csv(root, "stem,split\nimg_00,train\nimg_99,test\n"),
+                               ("split.csv", "row 3", "'img_99'")),
 }
+BUILD_FOLDER = {"imagefolder": lambda root: write_imagefolder(root, per_class=4),
+                "paired_folders": lambda root: write_paired_folders(root, n_images=8)}
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_a_bad_input_is_one_error_line_naming_it(case, tmp_path, capsys):
-    argv, names = BAD_INPUTS[case](tmp_path)
-    line = one_error_line(capsys, select.main, [*argv, "--out", str(tmp_path / "out"), "--no-progress"])
+    family, edit, names = BAD_INPUTS[case]
+    root = BUILD_FOLDER[family](tmp_path / "data")
+    extra = edit(root) or []
+    line = one_error_line(capsys, select.main, ["--family", family, "--data_path", str(root), *extra,
+                                                "--out", str(tmp_path / "out"), "--no-progress"])
     for name in names:
         assert name in line, (name, line)
     assert not (tmp_path / "out").exists()  # a refused step 1 leaves nothing
