@@ -31,9 +31,9 @@ STEP = "merge"
 MAX_LAMBDA = 100.0
 LAMBDAS = cli.floats(-MAX_LAMBDA, MAX_LAMBDA)
 COLUMNS = ("split", "model", "other", "metric", "value")
-DESCRIPTION = """Task arithmetic (TaLoS, issue 15): task vectors τ_k = θ_k − θ_0 of fine-tuned models, the merged
-model θ_0 + λ Σ τ_k with λ chosen on validation data, pairwise cosine of the τ_k, Jaccard overlap of the clients'
-masks, and each client's own model against the merged model on that client's test rows.
+DESCRIPTION = """Task arithmetic (TaLoS, Iurada et al., ICLR 2025): task vectors τ_k = θ_k − θ_0 of fine-tuned
+models, the merged model θ_0 + λ Σ τ_k with λ chosen on validation data, pairwise cosine of the τ_k, Jaccard
+overlap of the clients' masks, and each client's own model against the merged model on that client's test rows.
 Inputs: --run (a step-4 sparse_ft run folder made with --keep_local_models true), or --base and --finetuned
 NAME=PATH (state dicts or best.pt files; no data, so one --lam and no comparison).
 Outputs under --out: config.json, run.log, metrics.csv (split, model, other, metric, value), merge.csv (per

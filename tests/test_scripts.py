@@ -21,7 +21,7 @@ THIN_SCRIPTS = {
     "test_fed.py": "Step 4 of TaskHet",
     "download_taskonomy.py": "Step 0 (data): download real Taskonomy",
     "measure_heterogeneity.py": "Step 3c:",
-    "merge_task_vectors.py": "Task arithmetic (TaLoS, issue 15)",
+    "merge_task_vectors.py": "Task arithmetic (TaLoS, Iurada et al., ICLR 2025)",
     "search_centralized_hparams.py": "Search the centralized baseline",
     "explain_heterogeneity.py": "The quadratic explainer",
 }
