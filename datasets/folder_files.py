@@ -45,13 +45,17 @@ def has_extension(name: str, extensions: tuple[str, ...]) -> bool:
     return name.lower().endswith(extensions)
 
 
-def list_folder(root: Path, folder: Path, extensions: tuple[str, ...], recursive: bool) -> tuple[list[str], list[str]]:
+def list_folder(root: Path, folder: Path, extensions: tuple[str, ...], recursive: bool,
+                seen: set[Path] | None = None) -> tuple[list[str], list[str]]:
     """The files under ``folder`` with one of ``extensions`` and the others, as sorted paths relative to ``root``.
 
     Entries whose name starts with a dot (``.DS_Store``, ``.ipynb_checkpoints``) are not looked at. Without
     ``recursive``, subfolders count among the others (they are skipped like a stray file). Symbolic links are
-    followed, as torchvision's ImageFolder follows them: a link inside the root is its owner's choice.
+    followed, as torchvision's ImageFolder follows them (a link inside the root is its owner's choice), but a
+    folder already listed is not listed again, so a link to a parent folder cannot loop.
     """
+    seen = set() if seen is None else seen
+    seen.add(Path(folder).resolve())
     kept, others = [], []
     with os.scandir(folder) as entries:
         for entry in sorted(entries, key=lambda item: item.name):
@@ -59,12 +63,12 @@ def list_folder(root: Path, folder: Path, extensions: tuple[str, ...], recursive
                 continue
             relative = Path(entry.path).relative_to(root).as_posix()
             if entry.is_dir():
-                if recursive:
-                    more_kept, more_others = list_folder(root, Path(entry.path), extensions, recursive)
+                if not recursive:
+                    others.append(relative + "/")
+                elif Path(entry.path).resolve() not in seen:
+                    more_kept, more_others = list_folder(root, Path(entry.path), extensions, recursive, seen)
                     kept += more_kept
                     others += more_others
-                else:
-                    others.append(relative + "/")
             elif has_extension(entry.name, extensions):
                 kept.append(relative)
             else:

@@ -68,8 +68,9 @@ def find_images(root: Path) -> tuple[list[str], list[str], list[str]]:
     _, entries = list_folder(root, root, (), recursive=False)  # a file at the top is in no class folder
     folders = [entry.rstrip("/") for entry in entries if entry.endswith("/")]
     images, skipped = [], [entry for entry in entries if not entry.endswith("/")]
+    seen = {root.resolve()}  # shared: a link back to the root or to a folder listed already is not followed again
     for folder in folders:
-        found, others = list_folder(root, root / folder, IMAGE_EXTENSIONS, recursive=True)
+        found, others = list_folder(root, root / folder, IMAGE_EXTENSIONS, recursive=True, seen=seen)
         images += found
         skipped += others
     if not images:
@@ -111,6 +112,7 @@ def select_imagefolder(root: Path, test_fraction: float, val_fraction: float, se
             if key not in known:
                 raise TaskHetError(f"split CSV {split_csv}: row {row} names {key!r}, {_why_not_an_image(root, key)}")
         paths, unlisted = keys.tolist(), len(known - set(keys))
+        skipped = [entry for entry in skipped if (root / entry).resolve() != Path(split_csv).resolve()]  # not a stray
     classes = sorted({path.split("/", 1)[0] for path in paths})
     if len(classes) < 2:
         raise TaskHetError(f"{root}: {len(classes)} class folder(s) with images ({', '.join(classes)}); classification "

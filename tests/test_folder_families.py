@@ -78,7 +78,15 @@ def test_imagefolder_split_csv_fixes_the_split(tmp_path):
     assert manifest[["image_path", "split", "val"]].values.tolist() == [
         ["a/a_0.png", "train", 0], ["a/a_1.png", "train", 1], ["a/a_2.JPG", "test", 0], ["b/b_0.png", "train", 0],
         ["b/b_1.png", "test", 0]]
-    assert "leaves out 1 image(s)" in (tmp_path / "s1" / "run.log").read_text()  # b/b_2.JPG
+    log = (tmp_path / "s1" / "run.log").read_text()
+    assert "leaves out 1 image(s)" in log and "skipped" not in log  # b/b_2.JPG; split.csv is no stray file
+
+
+def test_a_link_to_a_parent_folder_is_listed_once(tmp_path):
+    root = write_imagefolder(tmp_path / "photos", per_class=2, classes=("a", "b"))
+    (root / "a" / "again").symlink_to(root, target_is_directory=True)  # a loop a walk that follows links would not leave
+    _, manifest = load_manifest(step1("imagefolder", root, tmp_path / "s1", "--test_fraction", "0.5"))
+    assert manifest["image_path"].tolist() == ["a/a_0.png", "a/a_1.JPG", "b/b_0.png", "b/b_1.JPG"]
 
 
 def test_paired_step1_records_targets_groups_and_a_split_stratified_by_label(tmp_path):
