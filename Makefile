@@ -14,10 +14,11 @@ HOOK_STAMP := $(VENV)/.torchvision_hook
 setup: $(STAMP) $(HOOK_STAMP)
 
 # Re-installs only when a requirements file changes.
-$(STAMP): requirements.txt requirements-flower.txt constraints.txt
+$(STAMP): requirements.txt requirements-flower.txt requirements-flwr-datasets.txt constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --disable-pip-version-check -c constraints.txt -r requirements.txt
 	$(PIP) install --quiet --disable-pip-version-check -c constraints.txt -r requirements-flower.txt
+	$(PIP) install --quiet --disable-pip-version-check -c constraints.txt -r requirements-flwr-datasets.txt
 	touch $(STAMP)
 
 # `import torchvision` in any code run by the venv's Python (utils/torchvision_hook.py says how).
