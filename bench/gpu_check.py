@@ -3,7 +3,7 @@
 ``make gpu-bench OUT=folder`` (``.venv/bin/python bench/gpu_check.py folder``) runs six stages, each within its own
 time budget, and prints one line per figure (progress lines, with ETAs, go to stderr). ``folder/gpu_check.csv``
 (stage, figure, value, unit, detail) and ``folder/gpu_check.md`` (the same table, the goals, and the paper-grid
-projection's assumptions) are rewritten after every figure, so a run cut short keeps what it measured. A stage
+projection's assumptions) are rewritten after every stage, so a run cut short keeps the stages it finished. A stage
 that fails is one ``error`` row with its exception (the traceback on stderr); the other stages still run.
 
 1. ``device``: the device, torch, CUDA and cuDNN versions, and a bf16 matmul's TFLOP/s against the card's peak.
@@ -27,6 +27,7 @@ CUDA device gets one ``error:`` line and nothing is written.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import gc
 import math
@@ -176,6 +177,8 @@ class Steps:
 
 @dataclass(frozen=True)
 class Stage:
+    """A stage: its name (the CSV's ``stage``), what it measures, its time budget in seconds, and its function."""
+
     name: str
     title: str
     budget_s: float
@@ -241,11 +244,17 @@ def device_stage(ctx: Context) -> None:
 
 
 def matmul_tflops(device: torch.device, side: int, repeats: int) -> float:
+    """TFLOP/s of ``repeats`` bf16 products of two ``side``² matrices, into one output buffer, after 3 warm-up."""
     generator = torch.Generator().manual_seed(0)
     a, b = (torch.randn(side, side, generator=generator).to(device, torch.bfloat16) for _ in range(2))
-    for _ in range(3):
-        a @ b
-    seconds = synced_seconds(lambda: [a @ b for _ in range(repeats)], device)
+    product = torch.empty(side, side, device=device, dtype=torch.bfloat16)
+
+    def multiply(times: int) -> None:
+        for _ in range(times):
+            torch.matmul(a, b, out=product)
+
+    multiply(3)
+    seconds = synced_seconds(lambda: multiply(repeats), device)
     return 2 * side**3 * repeats / seconds / 1e12
 
 
@@ -451,14 +460,17 @@ def paper_stage(ctx: Context) -> None:
                                                                         setting.n_rounds),
                 momentum=setting.momentum, weight_decay=setting.weight_decay, input_key="rgb",
                 n_rounds=setting.n_rounds)
-            first = 1 + (not round_seconds)  # one warm-up round before the first algorithm: cuDNN, the allocator
-            if first == 2:
+            # One warm-up round, before the first algorithm only: cuDNN's kernel choices and the allocator's pool
+            # then serve the others (the same model), so the budget times every algorithm.
+            warm_up = not round_seconds
+            if warm_up:
                 synced_seconds(lambda: engine.train_round(1), ctx.device)
+            first = 2 if warm_up else 1
             round_seconds[method] = statistics.median(
                 synced_seconds(lambda index=index: engine.train_round(index), ctx.device)
                 for index in range(first, first + plan.paper_rounds))
             ctx.add(f"{method}_round", round_seconds[method], "s",
-                    detail + ("; after a warm-up round" if first == 2 else "; its first rounds, the kernels warm"))
+                    detail + ("; after a warm-up round" if warm_up else "; from its first round, the kernels warm"))
             del engine
             steps.finish()
     ctx.peak_memory(what="the largest algorithm's round")
@@ -663,8 +675,12 @@ def run_stages(stages: tuple[Stage, ...], ctx: Context, deadline: float) -> None
 
 # ----- the command line -----
 
-def parse_args(argv: list[str] | None):
-    parser = cli.ArgumentParser(description=__doc__, formatter_class=cli.DefaultsHelpFormatter)
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, cli.DefaultsHelpFormatter):
+    """The module docstring as written (its numbered stages), and each flag's default."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("out", nargs="?", type=Path, default=None,
                         help="folder for gpu_check.csv and gpu_check.md (created; required unless --quick)")
     parser.add_argument("--dry-run", dest="dry_run", action="store_true",
@@ -685,7 +701,7 @@ def parse_args(argv: list[str] | None):
     return parser.parse_args(argv)
 
 
-def chosen_stages(args) -> tuple[Stage, ...]:
+def chosen_stages(args: argparse.Namespace) -> tuple[Stage, ...]:
     stages = QUICK_STAGES if args.quick else STAGES
     if args.stages is None:
         return stages
@@ -697,7 +713,7 @@ def chosen_stages(args) -> tuple[Stage, ...]:
     return tuple(stage for stage in stages if stage.name in names)
 
 
-def chosen_encoders(args) -> tuple[str, ...]:
+def chosen_encoders(args: argparse.Namespace) -> tuple[str, ...]:
     from models import list_encoders
 
     known = list_encoders()
@@ -710,7 +726,7 @@ def chosen_encoders(args) -> tuple[str, ...]:
     return tuple(names)
 
 
-def check_out(args) -> Path | None:
+def check_out(args: argparse.Namespace) -> Path | None:
     if args.out is None:
         if not args.quick:
             raise TaskHetError("give the folder for gpu_check.csv and gpu_check.md (bench/gpu_check.py OUT; "
@@ -721,7 +737,7 @@ def check_out(args) -> Path | None:
     return args.out
 
 
-def check_device(args) -> torch.device:
+def check_device(args: argparse.Namespace) -> torch.device:
     """The CUDA device, or the CPU for a dry run; no CUDA without --dry-run is one error line."""
     if args.dry_run:
         return torch.device("cpu")
@@ -734,7 +750,7 @@ def check_device(args) -> torch.device:
     return pick_device(True)
 
 
-def header(args, argv: list[str] | None, device: torch.device) -> list[str]:
+def header(args: argparse.Namespace, argv: list[str] | None, device: torch.device) -> list[str]:
     command = shlex.join(["bench/gpu_check.py", *(sys.argv[1:] if argv is None else argv)])
     lines = ["# The GPU check", "",
              f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, `{command}`, TaskHet {git_revision()}; device "
