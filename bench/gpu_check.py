@@ -109,7 +109,7 @@ class Plan:
 FULL = Plan()
 DRY = dataclasses.replace(
     FULL, matmul_side=64, matmul_repeats=2, render=(1, 4, 16), loop_encoder="small_cnn", loop_image=32, loop_batch=2,
-    loop_steps=2, loop_passes=1, vector_counts=(1, 2), vector_rounds=1, vector_batch=2, pfl_rounds=1,
+    loop_steps=2, loop_passes=1, vector_counts=(2,), vector_rounds=1, vector_batch=2, pfl_rounds=1,
     paper_encoder="small_cnn", paper_image=32, paper_clients=5, paper_steps=1, paper_batch=2, eval_batches=2,
     fedloge_encoder="small_cnn", fedloge_clients=5, fedloge_steps=1, fedloge_etf_steps=2, client_samples=4,
     encoder_image=32, encoder_batch=2)

@@ -19,7 +19,7 @@ from utils.cli import run_main
 STAGE_FIGURES = {  # figures every dry run must record, per stage
     "device": {"device", "torch", "cuda", "bf16_matmul", "bf16_peak"},
     "train_loop": {"plain_samples_per_s", "taskhet_samples_per_s", "taskhet_over_plain", "peak_memory"},
-    "vectorised": {f"{model}_k{count}_{what}" for model in ("mlp", "cnn", "decoder") for count in (1, 2)
+    "vectorised": {f"{model}_k2_{what}" for model in ("mlp", "cnn", "decoder")
                    for what in ("sequential", "vectorised", "ratio", "peak_memory")},
     "paper_round": {"runs", "fedavg_round", "fedprox_round", "scaffold_round", "fedrep_round", "eval_samples_per_s",
                     "grid_1gpu", "grid_8gpu"},
