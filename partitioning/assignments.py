@@ -4,8 +4,9 @@ assignments.csv has one row per assigned sample: ``sample_id, client_id, group, 
 (``subset`` is ``train`` or ``test``: the client-train / client-test split), plus the optional
 schedule columns ``from_round, to_round`` of temporal skew (``partitioning/temporal.py``). The sidecar
 records how the file was made (scheme, alpha, seed, n_clients, source files and their
-sha256). A user may edit the CSV between steps; :func:`load_assignments` checks an
-edited file against the manifest and names every problem row.
+sha256) and, with step 3b's ``--unseen_fraction``, the clients held out of all training
+(``unseen_clients``, :func:`draw_unseen_clients`). A user may edit the CSV between steps;
+:func:`load_assignments` checks an edited file against the manifest and names every problem row.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from utils.cli import floats
 from utils.errors import TaskHetError
 from utils.loaders import int_column, load_json, read_csv
 from utils.run_dir import atomic_write_text
+from utils.seeding import numpy_rng
 
 COLUMNS = ("sample_id", "client_id", "group", "subset")
 SUBSETS = ("train", "test")
@@ -38,6 +40,9 @@ ALPHAS = floats(0.0, MAX_ALPHA, low_open=True)
 MAX_CLUSTER_ID = 2**31
 # An error message lists at most this many rows per kind of problem (and the total count).
 MAX_LISTED = 50
+# The sidecar's record of unseen clients (step 3b's --unseen_fraction): the ids no step-4 run trains on, and the share.
+UNSEEN_KEY, UNSEEN_FRACTION_KEY = "unseen_clients", "unseen_fraction"
+UNSEEN_FRACTIONS = floats(0.0, 1.0, high_open=True)  # at least one client must stay in the federation
 
 
 def sidecar_path(csv_path: Path) -> Path:
@@ -160,12 +165,76 @@ def load_assignments(csv_path: Path, manifest: pd.DataFrame) -> tuple[pd.DataFra
     """Read assignments.csv and its sidecar, and validate them against the manifest.
 
     Returns:
-        ``(table, meta)``: the table of :func:`read_assignments`, the sidecar record.
+        ``(table, meta)``: the table of :func:`read_assignments`, the sidecar record; a sidecar's ``unseen_clients``
+        is checked (:func:`check_unseen_clients`) and comes back as a sorted list of ints.
     """
     table = read_assignments(csv_path)
     meta = read_meta(csv_path)
     validate_assignments(table, manifest, meta.get("n_clients"), str(csv_path))
+    if UNSEEN_KEY in meta:
+        n_clients = meta.get("n_clients") or int(table["client_id"].max()) + 1
+        meta[UNSEEN_KEY] = check_unseen_clients(meta[UNSEEN_KEY], n_clients, sidecar_path(csv_path))
     return table, meta
+
+
+def unseen_count(fraction: float, n_clients: int) -> int:
+    """How many of ``n_clients`` clients ``--unseen_fraction fraction`` holds out: ``round(fraction · n_clients)``
+    (Python's round, half to even, as ``--client_fraction`` counts its clients); 0 for a fraction of 0.
+
+    Raises:
+        TaskHetError: a fraction outside [0, 1) or not finite, one that rounds to no client (the option would do
+            nothing) or to every client (none would be left to train).
+    """
+    try:
+        UNSEEN_FRACTIONS.check(fraction)
+    except ValueError as error:
+        raise TaskHetError(f"--unseen_fraction {error}") from None
+    count = round(fraction * n_clients)
+    if fraction and count == 0:
+        raise TaskHetError(f"--unseen_fraction {fraction:g} of {n_clients} clients holds out round({fraction * n_clients:g}) "
+                           f"= 0 clients; give more than {0.5 / n_clients:.3g}, or 0 for none")
+    if count >= n_clients:
+        raise TaskHetError(f"--unseen_fraction {fraction:g} of {n_clients} clients holds out all {count} of them; at "
+                           "least one client must stay in the federation to train")
+    return count
+
+
+def draw_unseen_clients(fraction: float, n_clients: int, seed: int) -> list[int]:
+    """The ids step 3b holds out as unseen clients, sorted: the first :func:`unseen_count` of a permutation of
+    0..n_clients−1 drawn from the generator ``numpy_rng(seed, "unseen_clients")``.
+
+    The generator is the option's own (the partition, the client tests and the schedule never see it), so
+    assignments.csv is the same for every fraction; and the draw is nested: a larger fraction at the same seed and
+    number of clients holds out the smaller one's clients and more.
+    """
+    count = unseen_count(fraction, n_clients)
+    if not count:
+        return []
+    return sorted(int(client) for client in numpy_rng(seed, UNSEEN_KEY).permutation(n_clients)[:count])
+
+
+def check_unseen_clients(value: Any, n_clients: int, source: Path) -> list[int]:
+    """A sidecar's ``unseen_clients`` (a user may edit it): distinct integer client ids in [0, n_clients), leaving at
+    least one client in the federation. Returns them sorted.
+
+    Raises:
+        TaskHetError: one line naming the sidecar, the key and the first bad id.
+    """
+    where = f"assignments sidecar {source}: {UNSEEN_KEY}"
+    if not isinstance(value, list):
+        raise TaskHetError(f"{where} must be a list of client ids, got {value!r}")
+    for client in value:
+        if isinstance(client, bool) or not isinstance(client, int) or not 0 <= client < n_clients:
+            raise TaskHetError(f"{where}: {client!r} is not a client id of this partition, an integer in "
+                               f"[0, {n_clients - 1}]")
+    seen: set[int] = set()
+    for client in value:
+        if client in seen:
+            raise TaskHetError(f"{where} lists client {client} twice")
+        seen.add(client)
+    if len(value) >= n_clients:
+        raise TaskHetError(f"{where} holds out all {n_clients} clients; at least one must stay in the federation")
+    return sorted(value)
 
 
 def _describe(table: pd.DataFrame, bad: pd.Series, what: str) -> str:

@@ -11,6 +11,8 @@ Every client's Jensen–Shannon and Hellinger distances to the pooled mixture ar
 reported over the labels and, given the clusters (--groups or --distance_groups a
 clusters.csv), over the embedding clusters: client_stats.csv's label_* and
 cluster_* columns, assignments.json's "distances".
+--unseen_fraction F holds out round(F x n_clients) of the clients from all training: assignments.csv is the same
+as without it, and assignments.json lists them ("unseen_clients"); step 4 evaluates them after their own adaptation.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import pandas as pd
 
 from datasets.family import load_manifest, validation_mask
 from partitioning.allocation import SIZE_SKEW_HELP, parse_size_skew
-from partitioning.assignments import (ALPHAS, MAX_CLIENTS, assignments_table, resolve_groups, source_record,
-                                     write_assignments)
+from partitioning.assignments import (ALPHAS, MAX_CLIENTS, UNSEEN_FRACTION_KEY, UNSEEN_FRACTIONS, UNSEEN_KEY,
+                                     assignments_table, draw_unseen_clients, resolve_groups, source_record,
+                                     unseen_count, write_assignments)
 from partitioning.client_tests import (CLIENT_TESTS, DEFAULT_TEST_FRACTION, HELD_OUT, TEST_SPLIT, client_test_mask,
                                        deal_test_split)
 from partitioning.partition import get_partitioner, list_schemes, scheme_parameters
@@ -81,8 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--n_rounds", type=ROUNDS, default=None,
                         help="with --temporal: the step-4 run's rounds; rotate repeats its phases up to it (default: "
                              "each phase once, the last one to the end)")
+    parser.add_argument("--unseen_fraction", type=UNSEEN_FRACTIONS, default=0.0, metavar="F",
+                        help="hold out round(F x n_clients) clients, drawn from the seed, from all training: step 4 never "
+                             "samples, trains or aggregates them and evaluates them after their own adaptation (splits "
+                             "unseen_test*); assignments.csv is unchanged, assignments.json lists them as "
+                             "unseen_clients (default: 0, none)")
     parser.add_argument("--seed", type=cli.SEEDS, default=0, help="root seed of the partition, the client tests, the "
-                                                                  "schedule and the skews")
+                                                                  "schedule, the skews and the unseen clients")
     add_skew_flags(parser)
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     cli.add_runtime_flags(parser)
@@ -113,7 +121,8 @@ def check_arguments(argv: list[str]) -> argparse.Namespace:
     ``--groups_per_client``, ``--min_client_size``, ``--size_skew``; ``Partitioner.check_parameters``); ``--temporal``
     and its phases against ``--n_rounds``, and the size of its schedule; every skew flag (``--feature_noise`` σ,
     ``--feature_shift`` names and magnitudes such as ``blur=99``, ``--label_swap`` pairs such as ``0-0``,
-    ``--target_variant`` names against the tasks that have a variant, ``--concept_fraction``).
+    ``--target_variant`` names against the tasks that have a variant, ``--concept_fraction``); ``--unseen_fraction``
+    against ``--n_clients`` (at least one client held out, at least one left to train).
     What needs the data stays with :func:`main`: the manifest's classes and tasks, enough samples for the clients.
 
     Args:
@@ -136,6 +145,7 @@ def check_arguments(argv: list[str]) -> argparse.Namespace:
         phase_windows(spec, args.n_rounds)
         check_schedule_size(spec, args.n_clients, args.n_rounds)
     check_skew_settings(skew_settings(args), args.n_clients)
+    unseen_count(args.unseen_fraction, args.n_clients)  # rounds to at least one client held out and one kept
     return args
 
 
@@ -225,6 +235,9 @@ def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, group
     }
     if skews:
         meta[SKEWS_KEY] = skews
+    unseen = draw_unseen_clients(args.unseen_fraction, args.n_clients, args.seed)
+    if unseen:  # without the option the sidecar stays as it was, key for key
+        meta.update({UNSEEN_FRACTION_KEY: args.unseen_fraction, UNSEEN_KEY: unseen})
     distances = {space: partition_distances(partition.client_of, values.to_numpy(), args.n_clients, space)
                  for space, (_, values) in (spaces or {}).items()}
     meta[DISTANCES_KEY] = distances_record(distances, spaces or {})
@@ -255,6 +268,10 @@ def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, group
     for space in distances:
         logger.info("%s-space distance to the pooled mixture, mean over clients: JS %.3f, Hellinger %.3f", space,
                     summary[f"mean_{space}_js_distance"], summary[f"mean_{space}_hellinger"])
+    if unseen:
+        logger.info("--unseen_fraction %g: clients %s are held out of all training (assignments.json's %s); step 4 "
+                    "evaluates them after their own adaptation", args.unseen_fraction, ", ".join(map(str, unseen)),
+                    UNSEEN_KEY)
     return args.out / "assignments.csv"
 
 
