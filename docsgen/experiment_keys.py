@@ -15,8 +15,11 @@ from docsgen.markdown import code, escape, table
 SHARED = "every kind"
 
 
-def _bound(value: float | None) -> str:
-    return "" if value is None else format(value, ",") if isinstance(value, int) else format(value, "g")
+def _bound(value: float) -> str:
+    """A bound as a reader writes it: 1,000,000 (not 1e+06) for a whole number, 0.5 otherwise."""
+    if isinstance(value, int) or (value.is_integer() and abs(value) < 1e15):
+        return f"{int(value):,}"
+    return format(value, "g")
 
 
 def _interval(low: float | None, high: float | None, low_open: bool = False, high_open: bool = False) -> str:
@@ -94,7 +97,9 @@ def page() -> str:
              "key's default, and its keys' checks from `pipeline/schema.py`; `docsgen/experiment_keys.py`). "
              "`run_pipeline.py FILE` reads the file's `study:` key (none: the main job) and checks every key below "
              "before step 0: an unknown key, a wrong type or a value out of range is one `error:` line naming the "
-             "key. A dotted key `a.b` is the key `b` inside the section `a:`.",
+             "key. Names (tasks, encoders, algorithms and their settings, partition schemes) are then checked against the "
+             "[registries](registries.md) and the [algorithms' settings](algorithms.md). A dotted key `a.b` is the key "
+             "`b` inside the section `a:`.",
              table(["study kind", "`study:` value", "what it measures"],
                    ([f"[{name}](#{name})", "none (no `study:` key)" if name == MAIN_JOB else code(name),
                      escape(kind.summary)] for name, kind in kinds.items())),

@@ -50,10 +50,11 @@ def on_config(config):  # noqa: ANN001, ANN201 (mkdocs' hook signature)
 
 def on_files(files: Files, config) -> Files:  # noqa: ANN001 (mkdocs' hook signature)
     """Add the generated reference pages (written from the code now)."""
-    from docsgen.pages import generated_pages
+    from docsgen.pages import GENERATED, generated_pages
 
-    for path, text in generated_pages().items():
+    for path in GENERATED:  # a copy kept in docs/ would go stale: refuse it rather than pick one of the two
         if files.get_file_from_path(path) is not None:
             raise RuntimeError(f"docs/{path} is generated at build time (docsgen/pages.py); remove the file from docs/")
+    for path, text in generated_pages().items():
         files.append(File.generated(config, path, content=text))
     return files

@@ -1,4 +1,4 @@
-"""Docs and help that had drifted from the code (issue 24): each is checked against its source of truth."""
+"""Docs and help that had drifted from the code: each is checked against its source of truth."""
 
 from __future__ import annotations
 
@@ -18,17 +18,20 @@ def _flat(text: str) -> str:
     return " ".join(text.split())
 
 
+TUTORIAL = "docs/tutorials/main-job.md"  # the page that says what `make demo` runs
+
+
 def _number(pattern: str, text: str) -> tuple[str, ...]:
     match = re.search(pattern, text)
-    assert match, f"the README no longer says {pattern!r}; update this test with the README"
+    assert match, f"{TUTORIAL} no longer says {pattern!r}; update this test with the page"
     return match.groups()
 
 
-def test_the_readme_describes_the_demo_file_it_runs():
-    readme = _flat((ROOT / "README.md").read_text())
+def test_the_tutorial_describes_the_demo_file_it_runs():
+    readme = _flat((ROOT / TUTORIAL).read_text())
     demo = yaml.safe_load((ROOT / "experiments" / "demo.yaml").read_text())
     synthetic, federated, partition = demo["data"]["synthetic"], demo["federated"], demo["partition"]
-    # "Two commands": the opening paragraph about make demo
+    # "The whole job from one file": the paragraph about make demo
     buildings, classes, per_class, views = _number(r"renders (\d+) synthetic buildings \((\d+) scene classes × (\d+)\) × (\d+) views",
                                                    readme)
     assert int(buildings) == synthetic["n_buildings"] and int(views) == synthetic["n_views"]
@@ -39,7 +42,7 @@ def test_the_readme_describes_the_demo_file_it_runs():
     assert (int(algorithms), int(seeds), int(runs)) == (len(federated["algorithms"]), len(demo["seeds"]), n_runs)
     tasks = _number(r"runs (\d+) tasks \(([a-z_, ]+)\)", readme)
     assert int(tasks[0]) == len(demo["tasks"]) and tasks[1].split(", ") == demo["tasks"]
-    # "Experiment files and the report": the experiments/demo.yaml bullet
+    # the list of shipped experiment files: the experiments/demo.yaml bullet
     bullet = readme[readme.index("`experiments/demo.yaml`: "):][:700]
     assert int(_number(r"^`experiments/demo.yaml`: (\d+) synthetic buildings", bullet)[0]) == synthetic["n_buildings"]
     clients, sampled = _number(r"(\d+) clients \((\d+) sampled per round\)", bullet)
@@ -92,9 +95,13 @@ def test_the_flower_app_help_names_itself(capsys):
     assert out.startswith("usage: python -m network.flower.app") and "test_fed.py's flags" in _flat(out)
 
 
-@pytest.mark.parametrize("document", ["README.md", "docs/DESIGN.md", "docs/BENCHMARKS.md", "docs/DATA.md", "docs/FLOWER.md"])
+DOCUMENTS = ["README.md", "CHANGELOG.md", *sorted(path.relative_to(ROOT).as_posix() for path in (ROOT / "docs").rglob("*.md"))]
+
+
+@pytest.mark.parametrize("document", DOCUMENTS)
 def test_every_image_a_document_shows_is_in_the_repository(document):
-    # The README once linked the demo's plots under /tmp, a folder nobody else has (readme_report --images fixes it).
+    # The README once linked the demo's plots under /tmp, a folder nobody else has (readme_report --images fixes it);
+    # the documentation site's strict build checks its pages too, this test also the README and the changelog.
     path = ROOT / document
     links = re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", path.read_text())
     missing = [link for link in links if link.startswith("/") or not (path.parent / link).is_file()]
