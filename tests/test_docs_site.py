@@ -215,6 +215,14 @@ def test_the_readme_and_the_algorithm_guide_list_every_algorithm():
         assert f"| [{name}](../reference/algorithms.md#{name}) |" in guide, name
 
 
+def test_every_link_of_the_readme_and_the_changelog_reaches_a_file():
+    # The site's strict build checks its own pages; these two live outside it, at the repository's root.
+    for document in ("README.md", "CHANGELOG.md"):
+        links = re.findall(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", (ROOT / document).read_text())
+        missing = [link for link in links if "://" not in link and not (ROOT / link).exists()]
+        assert not missing, f"{document} links {missing}"
+
+
 def _block(page: Path, marker: str) -> str:
     """The fenced bash block of ``page`` between ``<!-- {marker}: start -->`` and ``<!-- {marker}: end -->``."""
     text = page.read_text()
