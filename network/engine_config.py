@@ -37,7 +37,7 @@ class EngineConfig:
         diagnostics_max_samples: each client's gradient over at most this many of its train rows, a fixed seeded
             sample (None: all of them).
         tensorboard: also write metrics.csv's rows as TensorBoard scalars under ``out_dir/tensorboard``.
-        round_lines: print one console line per round; False keeps them in run.log only and prints one
+        round_lines: print one console line per evaluated round (with the ETA); False keeps them in run.log only and prints one
             summary line at the end (what a pipeline of hundreds of runs wants).
         vectorize_chunk: 0 trains the sampled clients one after another; C > 0 trains them in
             lock-step, C at a time (``--vectorize_clients``, network/vectorized.py).

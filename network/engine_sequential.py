@@ -45,12 +45,14 @@ from network.diagnostics import (ALL_CLIENTS, PLOT_FILE as DIAGNOSTICS_PLOT, Dri
 from network.engine_config import EngineConfig
 from network.local_train import NonFiniteLossError
 from network.run_outputs import (CLIENT_SPLITS, CURVES_FILE, GLOBAL_CLIENT, GLOBAL_VAL_SPLIT, METRICS_COLUMNS, METRICS_FILE,
-                                 MODEL_CLIENT_PREFIX, ROUND_LINE, SKIPPED_CLIENT, TRAIN_SPLIT, client_rows,
-                                 mean_train_loss, metric_row, not_a_round_line, plot_curves, run_title)
+                                 LOG_ONLY, MODEL_CLIENT_PREFIX, ROUND_LINE, SKIPPED_CLIENT, TRAIN_SPLIT, client_rows,
+                                 mean_train_loss, metric_row, not_a_round_line, not_log_only, plot_curves, run_title)
 from network.sampling import client_seed, sample_clients
 from network.schedule import client_at, diagnosed_round, evaluation_view, holding_clients, train_sizes_at
 from network.vectorized import require_vectorizable
 from utils.errors import TaskHetError
+from utils.interrupts import RESUME_HINT, interrupted
+from utils.progress import Pace
 from utils.run_dir import MetricsCSV, atomic_torch_save, remove_stale_temporaries
 from utils.tensorboard_log import mirror_to_tensorboard
 
@@ -96,6 +98,7 @@ class SequentialEngine:
         self.out_dir = Path(config.out_dir)
         self.checkpoint_path = self.out_dir / CHECKPOINT_FILE
         self.checkpoint_round = 0  # the round of the last checkpoint.pt written (or resumed from)
+        self.current_round = 0  # the round being run: an interrupt names it
         self.frozen = frozen_encoder_of(model)  # checkpoints name a frozen pretrained encoder instead of holding it
         self.store = ClientStore(self.out_dir / "client_states", config.max_state_memory_bytes, self.frozen)
         # The server is built on first use: a resumed run reads it from the checkpoint first, so an expensive
@@ -105,9 +108,10 @@ class SequentialEngine:
         self.best_loss = math.inf
         self.metrics = mirror_to_tensorboard(MetricsCSV(self.out_dir / METRICS_FILE, METRICS_COLUMNS), config.tensorboard,
                                              self.out_dir, "round")
-        if not config.round_lines:
-            for handler in self.logger.handlers:
-                if not isinstance(handler, logging.FileHandler):  # the console: run.log keeps every round
+        for handler in self.logger.handlers:
+            if not isinstance(handler, logging.FileHandler):  # the console: run.log keeps every round
+                handler.addFilter(not_log_only)  # the console has a line per evaluated round, run.log one per round
+                if not config.round_lines:
                     handler.addFilter(not_a_round_line)
         self.drift = DriftMeter(self.out_dir, algorithm.federation.layout.param_keys) if config.diagnostics else None
         # Private entries never leave a client: the gradient diagnostics read the shared parameters only.
@@ -134,13 +138,32 @@ class SequentialEngine:
 
     # ----- the loop -----
     def run(self) -> Weights:
-        """Train (or finish training) and return the final global weights."""
+        """Train (or finish training) and return the final global weights.
+
+        Raises:
+            utils.interrupts.Interrupted: on Ctrl-C or SIGTERM, naming the round that was running and the round of
+                the last checkpoint (a rerun resumes from it).
+        """
+        try:
+            return self._run()
+        except KeyboardInterrupt as error:  # Ctrl-C, or SIGTERM (utils/interrupts.py)
+            raise interrupted(error, self.interrupted_message()) from None
+
+    def interrupted_message(self) -> str:
+        """``interrupted at round 12 (checkpoint at round 10); rerun the same command to resume``."""
+        checkpoint = (f"checkpoint at round {self.checkpoint_round}" if self.checkpoint_path.exists()
+                      else "no checkpoint yet")
+        return f"interrupted at round {self.current_round} ({checkpoint}); {RESUME_HINT}"
+
+    def _run(self) -> Weights:
         start, began = self._start(), time.perf_counter()
+        pace = Pace(start, self.config.n_rounds)
         bar = tqdm(range(start + 1, self.config.n_rounds + 1), initial=start, total=self.config.n_rounds,
                    desc=f"{self.algorithm.name} rounds", unit="round", disable=not self.config.progress)
         with logging_redirect_tqdm(loggers=[self.logger]):  # log lines above the bar, not through it
             for round_index in bar:
-                self._run_round(round_index, bar)
+                self.current_round = round_index
+                self._run_round(round_index, bar, pace)
         if hasattr(self.metrics, "close"):  # the TensorBoard mirror's event file
             self.metrics.close()
         plot_curves(self.out_dir / METRICS_FILE, self.out_dir / CURVES_FILE, run_title(self.algorithm.name, self.out_dir))
@@ -154,7 +177,7 @@ class SequentialEngine:
                          self.best_loss)
         return self.global_weights
 
-    def _run_round(self, round_index: int, bar: tqdm) -> None:
+    def _run_round(self, round_index: int, bar: tqdm, pace: Pace) -> None:
         began = time.perf_counter()
         rows = self.train_round(round_index)
         test_loss = None
@@ -165,9 +188,12 @@ class SequentialEngine:
         self._finish_round(round_index, rows, test_loss)
         if test_loss is not None:
             bar.set_postfix(test_loss=f"{test_loss:.4g}")
-        self.logger.info("round %d: train loss %.4g%s (%.1fs)", round_index, mean_train_loss(rows),
-                         "" if test_loss is None else f", test loss {test_loss:.4g}", time.perf_counter() - began,
-                         extra={ROUND_LINE: True})
+        # One console line per evaluated round (the progress a log file shows: no bar is drawn there); run.log
+        # has every round.
+        self.logger.info("round %d of %d: train loss %.4g%s (%.1f s); %s", round_index, self.config.n_rounds,
+                         mean_train_loss(rows), "" if test_loss is None else f", test loss {test_loss:.4g}",
+                         time.perf_counter() - began, pace.eta(round_index),
+                         extra={ROUND_LINE: True, LOG_ONLY: test_loss is None})
 
     def train_round(self, round_index: int) -> list[dict[str, Any]]:
         """Sample, train and aggregate one round; returns its training metric rows."""
@@ -357,7 +383,8 @@ class SequentialEngine:
         self.server = self.algorithm.calibrate_server(self.server, self.model, self.calibration_loader, self.device)
         rows, test_loss = self.evaluate(0)
         self._finish_round(0, rows + self.diagnose(0), test_loss)
-        self.logger.info("round 0: test loss %.4g", test_loss, extra={ROUND_LINE: True})
+        self.logger.info("round 0 of %d: test loss %.4g (before training)", self.config.n_rounds, test_loss,
+                         extra={ROUND_LINE: True})
         return 0
 
     def _finish_round(self, round_index: int, rows: list[dict[str, Any]], test_loss: float | None) -> None:
@@ -378,13 +405,13 @@ class SequentialEngine:
         return round_index % every == 0 or round_index == self.config.n_rounds
 
     def _write_checkpoint(self, round_index: int, server: ServerState, global_weights: Weights) -> None:
-        self.checkpoint_round = round_index
         atomic_torch_save(strip_frozen_encoder({
             "round": round_index, "model": global_weights, "model_config": self.model_config,
             "server": server.as_dict(), "client_states": self.store.snapshot(), "best_loss": self.best_loss,
             # Every draw derives from (seed, round, client), so the global torch state is the only RNG left.
             "rng": {"torch": torch.get_rng_state()}, "run": self._fingerprint(),
         }, self.frozen), self.checkpoint_path)
+        self.checkpoint_round = round_index  # after the write: an interrupt inside it leaves the previous one
 
     def _fingerprint(self) -> dict[str, Any]:
         return run_fingerprint(self.algorithm, self.config, list(self.clients))

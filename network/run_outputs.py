@@ -53,10 +53,15 @@ def mean_train_loss(rows: list[dict[str, Any]]) -> float:
 
 
 ROUND_LINE = "round_line"  # log-record attribute of the per-round lines (kept off the console by round_lines=False)
+LOG_ONLY = "log_only"  # log-record attribute of lines for run.log alone (a round without an evaluation)
 
 
 def not_a_round_line(record: logging.LogRecord) -> bool:
     return not getattr(record, ROUND_LINE, False)
+
+
+def not_log_only(record: logging.LogRecord) -> bool:
+    return not getattr(record, LOG_ONLY, False)
 
 
 def run_title(algorithm: str, out_dir: Path) -> str:

@@ -25,6 +25,7 @@ from steps import federated as step4
 from steps import meter as step3c
 from utils.device import VISIBLE_DEVICES
 from utils.errors import TaskHetError
+from utils.interrupts import quiet_worker, stages_message, stop_workers
 from utils.parent_death import die_with_parent
 from utils.run_dir import atomic_write_text
 from utils.stages import run_stage
@@ -57,7 +58,9 @@ def worker_devices(jobs: int, visible: list[str]) -> list[str]:
 
 def init_worker(threads: int | None, parent_pid: int, devices: Any = None) -> None:
     """A pool worker process: dies with the pipeline (``parent_pid``); sees the one GPU it takes from the queue
-    ``devices`` (None: the GPUs its parent sees); ``threads`` torch threads (None: torch's choice)."""
+    ``devices`` (None: the GPUs its parent sees); ``threads`` torch threads (None: torch's choice). Ctrl-C is left
+    to the pipeline, and SIGTERM from it ends the worker without a word (utils/interrupts.py)."""
+    quiet_worker()
     die_with_parent(parent_pid)
     if devices is not None:
         torch = sys.modules.get("torch")
@@ -110,7 +113,9 @@ def run_in_workers(stages: list[PoolStage], jobs: int, threads: int | None,
 
     ``devices`` (one per worker, from :func:`worker_devices`; None or empty: unchanged) sets each worker's
     ``CUDA_VISIBLE_DEVICES``. ``on_done(stage, placement)`` is called per finished stage. The first failure stops
-    the rest and is raised here, a :class:`TaskHetError` with the stage's name.
+    the rest and is raised here, a :class:`TaskHetError` with the stage's name. Ctrl-C or SIGTERM stops every
+    worker (each stage resumes from its checkpoint on a rerun) and is raised as one
+    :class:`utils.interrupts.Interrupted` naming the stages that were running.
     """
     # spawn, not fork: a forked child of a process that already ran OpenMP threads (steps 2-3) can hang.
     context = multiprocessing.get_context("spawn")
@@ -132,6 +137,11 @@ def run_in_workers(stages: list[PoolStage], jobs: int, threads: int | None,
                 except TaskHetError as error:
                     raise named_failure(futures[future], error) from error
                 on_done(futures[future], done)
+        except KeyboardInterrupt as error:  # Ctrl-C, or SIGTERM: the workers die quietly, this process says where
+            running = [stage.name for future, stage in futures.items() if future.running()]
+            stop_workers()
+            pool.shutdown(cancel_futures=True)
+            raise stages_message(error, running) from None
         except BaseException:
             pool.shutdown(cancel_futures=True)
             raise

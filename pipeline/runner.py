@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -36,6 +37,8 @@ from steps import meter as step3c
 from steps import render
 from steps import select as step1
 from steps import train_centralized as step2
+from utils.interrupts import interrupted, message_of
+from utils.progress import StepLines
 from utils.stages import is_done, run_stage, stage_key
 
 
@@ -54,12 +57,24 @@ class Pipeline:
     executor: Executor | None = None  # where pooled stages run (pipeline/executors.py); None: the local pool of jobs
 
     def step(self, name: str, stage_dir: Path, params: dict[str, Any], script: Callable, argv: list[str]) -> Path:
-        """Run one script unless its stage is done; advances the top-level progress bar."""
+        """Run one script unless its stage is done; advances the top-level progress bar (without a bar: a line
+        ``step k of N: <name>, <s> s`` for a step that ran, utils/progress.py).
+
+        Raises:
+            utils.interrupts.Interrupted: Ctrl-C or SIGTERM inside the step: its own line (step 4 names the round
+                and its last checkpoint) after the step's name.
+        """
         if self.progress is not None:
             self.progress.set_description(name)
-        run_stage(stage_dir, params, lambda: script.main(argv + self.shared_flags(script)))
+        began = time.perf_counter()
+        try:
+            ran = run_stage(stage_dir, params, lambda: script.main(argv + self.shared_flags(script)))
+        except KeyboardInterrupt as error:  # Ctrl-C, or SIGTERM (utils/interrupts.py)
+            raise interrupted(error, f"{name}: {message_of(error)}") from None
         if self.progress is not None:
             self.progress.update(1)
+            if ran and isinstance(self.progress, StepLines):
+                self.progress.finished(name, time.perf_counter() - began)
         return stage_dir
 
     def shared_flags(self, script: Callable) -> list[str]:
@@ -174,7 +189,10 @@ class Pipeline:
         (pipeline/checks.py; the file's other checks ran when it was loaded)."""
         check_input_files(self.config)
 
-    def progress_bar(self, total: int, desc: str) -> tqdm:
-        """The top-level bar over ``total`` steps (drawn only when ``show_progress``); the kind's runner enters it
-        as ``self.progress``."""
-        return tqdm(total=total, desc=desc, unit="step", file=sys.stdout, disable=not self.show_progress)
+    def progress_bar(self, total: int, desc: str) -> tqdm | StepLines:
+        """The top-level bar over ``total`` steps; without ``show_progress`` (``--no-progress``, or stdout not a
+        terminal) a :class:`utils.progress.StepLines`, which prints a line per finished step instead. The kind's
+        runner enters it as ``self.progress``."""
+        if not self.show_progress:
+            return StepLines(total)
+        return tqdm(total=total, desc=desc, unit="step", file=sys.stdout)

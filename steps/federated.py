@@ -130,8 +130,11 @@ def build_parser(method: str | None = None, prog: str = "test_fed.py", descripti
         help="also write metrics.csv's rows as TensorBoard scalars under <out>/tensorboard (needs the tensorboard "
              "package; metrics.csv stays the source of truth)")
     add("--round_lines", action=argparse.BooleanOptionalAction, default=True,
-        help="one console line per round; --no-round_lines keeps them in run.log and prints one line at the end")
-    add("--resume", action=argparse.BooleanOptionalAction, default=True, help="continue from <out>/checkpoint.pt")
+        help="one console line per evaluated round (round, losses, ETA; run.log has every round); --no-round_lines "
+             "keeps them in run.log and prints one line at the end")
+    add("--resume", action=argparse.BooleanOptionalAction, default=True,
+        help="continue from <out>/checkpoint.pt if present (default: yes: rerunning the same command after Ctrl-C or a "
+             "kill resumes, redoing only the rounds after the last checkpoint); --no-resume starts over")
     add("--out", type=Path, default=None, help="run folder (default: results/test_federated/<task>/<type>/<method>/...)")
     if method is not None:
         add_settings_arguments(parser, get_settings_class(method), method)

@@ -93,10 +93,11 @@ def test_step4_writes_clients_csv_tensorboard_and_one_line_instead_of_one_per_ro
     out = tmp_path / "run"
     test_fed.main(fed_argv(tiny_data_root, tiny_manifest, assignments, out, "--method", "fedrep", "--tensorboard",
                            "--no-round_lines", "--threads", "1"))
-    console = capsys.readouterr().err
-    assert "round 1:" not in console and "round 2:" not in console and "2 rounds done" in console
+    console = capsys.readouterr().out  # progress goes to stdout: a log file of stdout alone has it
+    assert "round 1 of 2" not in console and "round 2 of 2" not in console and "2 rounds done" in console
     run_log = (out / "run.log").read_text()
-    assert "round 0: test loss" in run_log and "round 1: train loss" in run_log and "round 2: train loss" in run_log
+    assert "round 0 of 2: test loss" in run_log and "round 1 of 2: train loss" in run_log
+    assert "round 2 of 2: train loss" in run_log
     assert json.loads((out / "config.json").read_text())["args"]["threads"] == 1
 
     metrics = pd.read_csv(out / "metrics.csv", dtype={"client": str})

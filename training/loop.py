@@ -36,6 +36,8 @@ from models.frozen_encoder import FrozenEncoder, frozen_encoder_of, load_full_ch
 from models.tasks import TaskSpec, get_task
 from utils.device import autocast, to_device
 from utils.errors import NonFiniteLossError, TaskHetError
+from utils.interrupts import RESUME_HINT, interrupted
+from utils.progress import Pace
 from utils.run_dir import MetricsCSV, atomic_torch_save, remove_stale_temporaries
 from utils.tensorboard_log import mirror_to_tensorboard
 from utils.seeding import torch_generator
@@ -218,6 +220,10 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
     Returns:
         ``{"best_epoch", "best_val_loss" (the ``select_split`` loss of best.pt), "selected_on" (``select_split``),
         "epochs_done", "stopped_early"}``.
+
+    Raises:
+        utils.interrupts.Interrupted: on Ctrl-C or SIGTERM, naming the epoch that was running and the epoch of
+            last.pt (a rerun resumes from it).
     """
     if select_split not in eval_loaders:
         raise TaskHetError(f"the selection split {select_split!r} is not among the evaluated splits {sorted(eval_loaders)}")
@@ -253,43 +259,50 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
         _track_best(run, 0, initial[select_split], state, best_path)
         logger.info("epoch 0 (untrained): %s", _format_splits(initial))
 
-    while state["epoch"] < n_epochs and not state["stopped_early"]:
-        epoch = state["epoch"] + 1
-        model.train()
-        loss_sum, batches = 0.0, 0
-        for batch in tqdm(train_loader, desc=f"epoch {epoch}/{n_epochs}", leave=False, dynamic_ncols=True,
-                          disable=not progress):
-            loss = train_one_batch(model, batch, spec, optimizer, accelerator.device, input_key=input_key,
-                                   accelerator=accelerator)
-            if not math.isfinite(loss):  # as step 4 stops: the weights are garbage from here on
-                raise NonFiniteLossError(f"epoch {epoch}, batch {batches + 1}: the training loss is {loss}; the run "
-                                         f"stopped, {out_dir} stays marked incomplete (lower --init_lr?)")
-            loss_sum += loss
-            batches += 1
-        learning_rate = optimizer.param_groups[0]["lr"]
-        if scheduler is not None:
-            scheduler.step()
-        evaluated = run.evaluate_all()
-        rows = [{"epoch": epoch, "split": TRAIN_SPLIT, "metric": "loss", "value": loss_sum / max(batches, 1)},
-                {"epoch": epoch, "split": TRAIN_SPLIT, "metric": "lr", "value": learning_rate}]
-        rows += _rows(epoch, evaluated)
-        # metrics before last.pt: a resume truncates rows past its checkpoint, never misses any
-        metrics_csv.write(rows)
-        state["epoch"] = epoch
-        _track_best(run, epoch, evaluated[select_split], state, best_path)
-        patience_over = early_stopping_patience is not None and state["epochs_without_improvement"] >= early_stopping_patience
-        state["stopped_early"] = patience_over and epoch < n_epochs
-        if run.main:
-            atomic_torch_save(strip_frozen_encoder({
-                "model": run.module.state_dict(), "model_config": run.module.config, "optimizer": optimizer.state_dict(),
-                "scheduler": None if scheduler is None else scheduler.state_dict(), "state": dict(state),
-                "scaler": None if accelerator.scaler is None else accelerator.scaler.state_dict(),
-                "rng": {"train_loader": train_loader.generator.get_state()}, "run_signature": run_signature, "task": spec.name,
-            }, run.frozen), last_path)
-        logger.info("epoch %d/%d: train loss %.5f, lr %.3g; %s", epoch, n_epochs, loss_sum / max(batches, 1),
-                    learning_rate, _format_splits(evaluated))
-        if state["stopped_early"]:
-            logger.info("early stopping: no lower %s loss in %d epochs", select_split, early_stopping_patience)
+    pace = Pace(state["epoch"], n_epochs)
+    saved = state["epoch"] if last_path.is_file() else None  # the epoch of last.pt, once there is one
+    try:
+        while state["epoch"] < n_epochs and not state["stopped_early"]:
+            epoch = state["epoch"] + 1
+            model.train()
+            loss_sum, batches = 0.0, 0
+            for batch in tqdm(train_loader, desc=f"epoch {epoch}/{n_epochs}", leave=False, dynamic_ncols=True,
+                              disable=not progress):
+                loss = train_one_batch(model, batch, spec, optimizer, accelerator.device, input_key=input_key,
+                                       accelerator=accelerator)
+                if not math.isfinite(loss):  # as step 4 stops: the weights are garbage from here on
+                    raise NonFiniteLossError(f"epoch {epoch}, batch {batches + 1}: the training loss is {loss}; the run "
+                                             f"stopped, {out_dir} stays marked incomplete (lower --init_lr?)")
+                loss_sum += loss
+                batches += 1
+            learning_rate = optimizer.param_groups[0]["lr"]
+            if scheduler is not None:
+                scheduler.step()
+            evaluated = run.evaluate_all()
+            rows = [{"epoch": epoch, "split": TRAIN_SPLIT, "metric": "loss", "value": loss_sum / max(batches, 1)},
+                    {"epoch": epoch, "split": TRAIN_SPLIT, "metric": "lr", "value": learning_rate}]
+            rows += _rows(epoch, evaluated)
+            # metrics before last.pt: a resume truncates rows past its checkpoint, never misses any
+            metrics_csv.write(rows)
+            state["epoch"] = epoch
+            _track_best(run, epoch, evaluated[select_split], state, best_path)
+            patience_over = early_stopping_patience is not None and state["epochs_without_improvement"] >= early_stopping_patience
+            state["stopped_early"] = patience_over and epoch < n_epochs
+            if run.main:
+                atomic_torch_save(strip_frozen_encoder({
+                    "model": run.module.state_dict(), "model_config": run.module.config, "optimizer": optimizer.state_dict(),
+                    "scheduler": None if scheduler is None else scheduler.state_dict(), "state": dict(state),
+                    "scaler": None if accelerator.scaler is None else accelerator.scaler.state_dict(),
+                    "rng": {"train_loader": train_loader.generator.get_state()}, "run_signature": run_signature, "task": spec.name,
+                }, run.frozen), last_path)
+            saved = epoch
+            logger.info("epoch %d/%d: train loss %.5f, lr %.3g; %s; %s", epoch, n_epochs, loss_sum / max(batches, 1),
+                        learning_rate, _format_splits(evaluated), pace.eta(epoch))
+            if state["stopped_early"]:
+                logger.info("early stopping: no lower %s loss in %d epochs", select_split, early_stopping_patience)
+    except KeyboardInterrupt as error:  # Ctrl-C, or SIGTERM (utils/interrupts.py)
+        checkpoint = "no checkpoint yet" if saved is None else f"checkpoint at epoch {saved}"
+        raise interrupted(error, f"interrupted at epoch {state['epoch'] + 1} ({checkpoint}); {RESUME_HINT}") from None
     if hasattr(metrics_csv, "close"):  # the TensorBoard mirror's event file
         metrics_csv.close()
     if run.main:

@@ -6,6 +6,7 @@ import argparse
 import math
 import os
 import re
+import signal
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -146,10 +147,20 @@ def run_main(main: Callable[[list[str] | None], object], argv: list[str] | None 
 
     Bad input is a :class:`TaskHetError`, or an ``OSError`` about a path (an ``--out`` that is a
     file, a read-only folder, a missing file) or a full disk: the line names the path and the reason. Open
-    progress bars are closed first, so the error never shares a line with a bar.
+    progress bars are closed first, so the error never shares a line with a bar. Ctrl-C and SIGTERM
+    (:mod:`utils.interrupts`) print one line instead of a traceback, the one the interrupted code gave
+    (``interrupted at round 12 (checkpoint at round 10); rerun the same command to resume``), and exit 130 or 143.
     """
+    from utils.interrupts import message_of, raise_on_sigterm, signal_of
+
+    raise_on_sigterm()
     try:
         main(argv)
+    except KeyboardInterrupt as error:  # Ctrl-C, or SIGTERM (utils.interrupts.Interrupted)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while the line is printed changes nothing
+        _close_bars()
+        print(message_of(error), file=sys.stderr, flush=True)
+        sys.exit(128 + signal_of(error))  # the shell's code for death by the signal: 130 (SIGINT), 143 (SIGTERM)
     except TaskHetError as error:
         fail(str(error))
     except OSError as error:
@@ -167,13 +178,18 @@ def nonnegative_int(text: str) -> int:
 
 def fail(message: str) -> None:
     """Print ``error: message`` on its own line (after closing progress bars) and exit with code 2."""
+    _close_bars()
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _close_bars() -> None:
+    """Close every open tqdm bar and flush stdout, so that a last line never shares a line with a bar."""
     from tqdm import tqdm
 
     for bar in list(getattr(tqdm, "_instances", ())):
         bar.close()
     sys.stdout.flush()
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -228,13 +244,27 @@ _ANY_NONNEGATIVE_INT = ints(0, 2**63 - 1)
 _ANY_POSITIVE_INT = ints(1, 2**63 - 1)
 
 
+# Torch CPU threads of a step unless --threads says otherwise. One: on a loaded or shared machine, torch's own
+# choice (one thread per core) spins in OpenMP waits while other processes hold the cores; measured on 2 loaded
+# cores with two step-4 runs at once, a training round took 8-10 s at one thread and 208-238 s at torch's choice
+# (docs/DESIGN.md §5, "Threads"), against at most 1.24x lost by one run alone on 2 idle cores. One thread also
+# gives the same numbers on every machine (a thread count changes float rounding).
+DEFAULT_THREADS = 1
+
+
 def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
     """``--progress/--no-progress`` and ``--threads``: how a step runs, never what it computes (every step script)."""
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                        help="progress bars; none are drawn when stdout is not a terminal (a log file, a pipe)")
+                        help="progress bars; none are drawn when stdout is not a terminal (a log file, a pipe): "
+                             "plain progress lines are printed instead")
+    # None: not given (the pipeline then passes none on, and a Ray task may take its CPUs); apply_runtime_flags
+    # reads it as DEFAULT_THREADS
     parser.add_argument("--threads", type=THREADS, default=None,
-                        help="torch CPU threads of this step; default: torch's own choice, one per core. On a machine "
-                             "shared with other jobs, 1 is often several times faster. Recorded in config.json")
+                        help=f"torch CPU threads of this step (default: {DEFAULT_THREADS}). More threads spin in "
+                             "OpenMP waits when other processes share the cores: on 2 busy cores a federated round "
+                             "took 8-10 s at one thread and over 200 s at torch's one thread per core. Pass more on "
+                             "an idle machine with cores to spare (CPU training of a large model); recorded in "
+                             "config.json")
 
 
 def refuse_several_processes(script: str) -> None:
@@ -254,12 +284,14 @@ def world_size() -> int:
 
 
 def apply_runtime_flags(args: argparse.Namespace) -> argparse.Namespace:
-    """Set torch's thread count from ``--threads`` and turn ``args.progress`` off when stdout is not a terminal."""
-    args.progress = bool(args.progress) and sys.stdout.isatty()
-    if args.threads is not None:
-        import torch
+    """Set torch's thread count from ``--threads`` (None: :data:`DEFAULT_THREADS`) and turn ``args.progress`` off when
+    stdout is not a terminal."""
+    import torch
 
-        torch.set_num_threads(args.threads)
+    args.progress = bool(args.progress) and sys.stdout.isatty()
+    if args.threads is None:
+        args.threads = DEFAULT_THREADS
+    torch.set_num_threads(args.threads)
     return args
 
 

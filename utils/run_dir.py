@@ -201,7 +201,8 @@ def unfinished(out_dir: Path, step: str) -> Iterator[None]:
 
 
 def setup_logging(out_dir: Path, name: str = "taskhet") -> logging.Logger:
-    """A logger that writes to the console and, with timestamps, to ``out_dir/run.log``."""
+    """A logger that writes to the console (stdout: progress, not errors, so it reaches a log file of stdout alone)
+    and, with timestamps, to ``out_dir/run.log``."""
     logger = logging.getLogger(f"{name}.{Path(out_dir).resolve()}")
     logger.setLevel(logging.INFO)
     logger.propagate = False
@@ -209,7 +210,7 @@ def setup_logging(out_dir: Path, name: str = "taskhet") -> logging.Logger:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         file_handler = _RunLog(Path(out_dir) / "run.log")
         file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-        console = logging.StreamHandler()
+        console = logging.StreamHandler(sys.stdout)
         console.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(file_handler)
         logger.addHandler(console)

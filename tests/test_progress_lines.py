@@ -1,0 +1,97 @@
+"""Progress a log file can hold (utils/progress.py): step 4's line per evaluated round, the pipeline's line per step,
+the ETA; the default thread count; the pipeline's TensorBoard switch."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from network.algorithms import build_algorithm
+from network.engine_sequential import EngineConfig, SequentialEngine
+from network.lr_schedule import make_lr_schedule
+from tests.test_engine import CPU, global_test, make_clients
+from tests.tiny_models import evaluate, loss_fn, tiny_model_for
+from utils.progress import StepLines, eta_text, seconds_left
+from utils.run_dir import setup_logging
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("seconds, text", [(0, "ETA 00:00"), (10, "ETA 00:01"), (60, "ETA 00:01"), (61, "ETA 00:02"),
+                                           (3600, "ETA 01:00"), (25 * 3600 + 61, "ETA 25:02"), (-5, "ETA 00:00")])
+def test_eta_is_the_time_left_in_hours_and_minutes_rounded_up(seconds, text):
+    assert eta_text(seconds) == text
+
+
+def test_time_left_is_the_pieces_left_at_the_mean_pace_so_far():
+    assert seconds_left(100.0, 4, 10) == 150.0  # 25 s a piece, 6 to go
+    assert seconds_left(100.0, 0, 10) == 0.0 and seconds_left(100.0, 10, 10) == 0.0
+
+
+def _engine(out_dir, rounds: int, eval_every: int) -> SequentialEngine:
+    torch.manual_seed(0)
+    task_model = tiny_model_for("fedavg")
+    clients = make_clients()
+    algorithm, model = build_algorithm("fedavg", task_model, {client.client_id: client.num_samples for client in clients},
+                                       None, seed=7)
+    config = EngineConfig(out_dir=out_dir, n_rounds=rounds, lr_schedule=make_lr_schedule("constant", 0.05, rounds),
+                          seed=7, local_steps=2, client_fraction=0.6, eval_every=eval_every, progress=False)
+    return SequentialEngine(model, algorithm, clients, loss_fn, evaluate, global_test(), config, CPU,
+                            logger=setup_logging(out_dir, "progress_test"))
+
+
+def test_a_run_prints_one_stdout_line_per_evaluated_round_and_run_log_has_every_round(tmp_path, capsys):
+    _engine(tmp_path, rounds=5, eval_every=2).run()
+    printed = capsys.readouterr().out.splitlines()
+    rounds = [line for line in printed if line.startswith("round ")]
+    assert [line.split(":")[0] for line in rounds] == ["round 0 of 5", "round 2 of 5", "round 4 of 5", "round 5 of 5"]
+    assert re.fullmatch(r"round 2 of 5: train loss [0-9.e+-]+, test loss [0-9.e+-]+ \([0-9.]+ s\); ETA \d\d:\d\d",
+                        rounds[1]), rounds[1]
+    assert rounds[0].startswith("round 0 of 5: test loss ") and rounds[-1].endswith("ETA 00:00")
+    logged = [line.split(" INFO ")[1] for line in (tmp_path / "run.log").read_text().splitlines()
+              if " INFO round " in line]
+    assert [line.split(":")[0] for line in logged] == [f"round {r} of 5" for r in range(6)]
+    assert "test loss" not in logged[1] and "test loss" in logged[2]  # round 1 trained only; run.log has it anyway
+
+
+def test_without_a_bar_the_pipeline_prints_a_line_per_step_it_ran(tmp_path, capsys):
+    from pipeline.runner import Pipeline
+
+    ran = []
+
+    class Script:
+        @staticmethod
+        def main(argv):
+            ran.append(argv[0])
+            (tmp_path / argv[0] / "out.txt").write_text("done")
+
+    pipeline = Pipeline({"data": {}}, tmp_path, "run_pipeline.py x.yaml", show_progress=False)
+    with pipeline.progress_bar(3, "pipeline") as pipeline.progress:
+        assert isinstance(pipeline.progress, StepLines)
+        for name in ("a", "b", "a"):  # the second "a" is done: counted, not run, no line
+            pipeline.step(f"step {name}", tmp_path / name, {}, Script, [name])
+    assert ran == ["a", "b"] and pipeline.progress.n == 3
+    lines = capsys.readouterr().out.splitlines()
+    assert [re.sub(r"\d+ s$", "S s", line) for line in lines] == ["step 1 of 3: step a, S s", "step 2 of 3: step b, S s"]
+
+
+def test_the_default_is_one_torch_thread_and_recorded(monkeypatch):
+    from utils.cli import DEFAULT_THREADS, add_runtime_flags, apply_runtime_flags
+
+    parser = argparse.ArgumentParser()
+    add_runtime_flags(parser)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr("sys.stdout", io.StringIO())
+        args = apply_runtime_flags(parser.parse_args([]))
+        assert DEFAULT_THREADS == 1 and args.threads == 1 and torch.get_num_threads() == 1
+        assert apply_runtime_flags(parser.parse_args(["--threads", "2"])).threads == 2 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert "(default: 1)" in parser.format_help()
