@@ -8,7 +8,7 @@ The lock is an OS lock (``fcntl.flock``) on the file ``LOCK`` inside the folder,
 and taking it is one atomic call, and the kernel drops it when its process dies, even by
 kill -9. The file records the holder's pid, host, start time and command: a second run is
 refused with one ``error:`` line naming them, and a file left behind by a dead run (a stale
-lock) is simply taken over, with a warning naming the run that left it. The holder deletes
+lock) is simply taken over, with one short line naming the pid that left it. The holder deletes
 the file when it finishes.
 """
 
@@ -194,7 +194,10 @@ def _is_stale(holder: dict) -> bool:
 
 
 def _warn_if_stale(path: Path, holder: dict) -> None:
-    """Say so when the lock was left behind by a run that died (a finished run deletes its file)."""
+    """Say so, in one short line, when the lock was left behind by a run that died or was stopped (a finished run
+    deletes its file; a pipeline stopped by Ctrl-C leaves one in every run its workers were running)."""
     if holder:
-        gone = "whose process has ended" if _is_stale(holder) else "which no longer holds it"
-        print(f"warning: {path}: took over the lock left by {describe(holder)}, {gone}", file=sys.stderr, flush=True)
+        gone = "ended" if _is_stale(holder) else "no longer held"
+        host = "" if holder.get("host") == socket.gethostname() else f" on {holder.get('host')}"
+        print(f"note: {path.parent}: took over the lock left by pid {holder.get('pid')}{host} ({gone})",
+              file=sys.stderr, flush=True)
