@@ -65,38 +65,80 @@ def not_log_only(record: logging.LogRecord) -> bool:
 
 
 def run_title(algorithm: str, out_dir: Path) -> str:
-    """``fedavg: label_based/fedavg/s0-1a2b3c``: the algorithm and the run folder's last three names (in a pipeline,
-    grouping or partition, algorithm, run)."""
-    return f"{algorithm}: {'/'.join(Path(out_dir).resolve().parts[-3:])}"
+    """What a run compares and which run it is: ``normal · label-based dirichlet_mixture, α=0.1 · fedavg · seed 0``
+    (task, grouping, scheme and α of its partition, method, seed), read from the run folder's config.json and its
+    assignments' sidecar; an iid partition is ``iid``. Without config.json (an engine a test builds): the algorithm
+    and the folder's last three names."""
+    from partitioning.assignments import read_meta
+    from utils.errors import TaskHetError
+    from utils.loaders import load_json
+
+    config_path = Path(out_dir) / "config.json"
+    if not config_path.is_file():
+        return f"{algorithm}: {'/'.join(Path(out_dir).resolve().parts[-3:])}"
+    args = load_json(config_path, "run config").get("args", {})
+    try:
+        scheme = read_meta(Path(args["assignments"])).get("scheme") if args.get("assignments") else None
+    except TaskHetError:  # the sidecar moved or was edited since the run: the title goes without its scheme
+        scheme = None
+    if scheme == "iid":
+        partition = "iid"
+    else:
+        grouping = str(args.get("type") or "").replace("_", "-")
+        alpha = args.get("alpha")
+        partition = " ".join(part for part in (grouping, scheme) if part) + ("" if alpha is None else f", α={alpha:g}")
+    return " · ".join(str(part) for part in (args.get("task"), partition, args.get("method", algorithm),
+                                             f"seed {args.get('rand_seed')}") if part)
+
+
+# Curves of curves.png: the split, the client row of its curve, its name. Per-client splits are drawn as their mean
+# over clients with a band of the clients' spread (utils.plots.BAND_QUANTILES of the per-client rows).
+CURVES = ((GLOBAL_TEST_SPLIT, GLOBAL_CLIENT, "global test"), (CLIENT_TEST_SPLIT, "mean", "client test (global model)"),
+          (PERSONAL_TEST_SPLIT, "mean", "client test (personal models)"),
+          (FINETUNED_TEST_SPLIT, "mean", "client test (after local fine-tuning)"))
 
 
 def plot_curves(metrics_csv: Path, out_png: Path, title: str | None = None) -> None:
-    """Loss per round: global test, client-test mean ± std (global and personal models), mean train loss; ``title``
-    names the run."""
+    """Loss per round: global test, the clients' test splits (their mean, with a band from the clients' 10th to 90th
+    percentile, which never leaves the losses' range), the mean local train loss; a curve equal to another is drawn
+    once under both names; the legend below the axis; ``title`` names the run (:func:`run_title`)."""
     # Imported here, not at the top: training never needs matplotlib. utils.plots selects Agg first.
-    from utils.plots import plt, save_figure
+    from matplotlib.ticker import MaxNLocator
     import pandas as pd
 
+    from utils.plots import BAND_NAME, BAND_QUANTILES, CurvesOnce, legend_outside, metric_label, plt, save_figure
+
     metrics = pd.read_csv(metrics_csv, dtype={"client": str})
-    figure, axis = plt.subplots(figsize=(7, 4))
-    for split, label in ((GLOBAL_TEST_SPLIT, "global test"), (CLIENT_TEST_SPLIT, "client test (global model)"),
-                         (PERSONAL_TEST_SPLIT, "client test (personal models)"),
-                         (FINETUNED_TEST_SPLIT, "client test (after local fine-tuning)")):
-        client = GLOBAL_CLIENT if split == GLOBAL_TEST_SPLIT else "mean"
-        curve = metrics[(metrics.split == split) & (metrics.client == client) & (metrics.metric == "loss")]
+    loss = metrics[metrics.metric == "loss"]
+    figure, axis = plt.subplots(figsize=(7.5, 5), layout="constrained")
+    curves, bands = CurvesOnce(axis), {}
+    for split, client, label in CURVES:
+        curve = loss[(loss.split == split) & (loss.client == client)].sort_values("round")
         if curve.empty:
             continue
-        line, = axis.plot(curve["round"], curve["value"], marker="o", markersize=3, label=label)
-        spread = metrics[(metrics.split == split) & (metrics.client == "std") & (metrics.metric == "loss")]
-        if not spread.empty:
-            axis.fill_between(curve["round"], curve["value"].to_numpy() - spread["value"].to_numpy(),
-                              curve["value"].to_numpy() + spread["value"].to_numpy(), color=line.get_color(), alpha=0.2)
+        line = curves.plot(curve["round"], curve["value"], label, marker="o", markersize=3)
+        per_client = loss[(loss.split == split) & ~loss.client.isin((*SUMMARY_CLIENTS, SKIPPED_CLIENT))]
+        if client != GLOBAL_CLIENT and not per_client.empty:
+            spread = per_client.groupby("round")["value"].quantile(list(BAND_QUANTILES)).unstack()
+            bands[line] = axis.fill_between(spread.index, spread[BAND_QUANTILES[0]], spread[BAND_QUANTILES[1]],
+                                            color=line.get_color(), alpha=0.2, linewidth=0)
     train = metrics[(metrics.split == TRAIN_SPLIT) & (metrics.client == "mean") & (metrics.metric == TRAIN_LOSS)]
     if not train.empty:
-        axis.plot(train["round"], train["value"], linestyle="--", label="local train loss (mean)")
-    axis.set_xlabel("round")
-    axis.set_ylabel("loss")
+        curves.plot(train["round"], train["value"], "local train loss (mean)", linestyle="--")
+    axis.set_xlabel(round_axis_label(loss[loss.split == GLOBAL_TEST_SPLIT]["round"]))
+    axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axis.set_ylabel(metric_label("loss"))
     if title:
         axis.set_title(title, fontsize=9, wrap=True)
-    axis.legend()
+    lines = [line for _, _, line in curves.drawn]
+    handles = [(bands[line], line) if line in bands else line for line in lines]
+    labels = [line.get_label() + (f"; band: {BAND_NAME}" if line in bands else "") for line in lines]
+    legend_outside(figure, handles, labels, where="lower")  # below: long names, and the axis keeps the width
     save_figure(figure, out_png, dpi=120)
+
+
+def round_axis_label(evaluated: "pd.Series") -> str:
+    """``round``, naming the evaluated rounds when there are few (``round (evaluated at 0, 20, 40, 55)``): a test
+    curve of 4 points is then read as 4 measurements, not as a straight trend."""
+    rounds = sorted({int(value) for value in evaluated})
+    return f"round (evaluated at {', '.join(map(str, rounds))})" if 1 < len(rounds) <= 8 else "round"

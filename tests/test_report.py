@@ -209,9 +209,9 @@ def test_fedrep_enters_the_table_the_counts_and_the_plots_through_its_personal_m
     # The loss-vs-α panel of FedRep is drawn from its personal losses, and its axis says so.
     panels = {axis.get_title(): axis for axis in drawn["loss_vs_alpha.png"].axes}
     fedrep_axis = panels["normal · fedrep"]
-    assert fedrep_axis.get_ylabel() == "final test loss, clients' own models"
+    assert fedrep_axis.get_ylabel() == "final test loss, clients' own models\n(task loss, no unit)"
     assert max(line.get_ydata().max() for line in fedrep_axis.get_lines()) < 1.0  # never the untrained head's 50
-    assert panels["normal · fedavg"].get_ylabel() == "final global test loss"
+    assert panels["normal · fedavg"].get_ylabel() == "final global test loss\n(task loss, no unit)"
     # The round curves share one axis per α: the global loss of 50 must not be on it.
     curve_axis = drawn["round_curves.png"].axes[0]
     assert max(line.get_ydata().max() for line in curve_axis.get_lines()) < 4.0

@@ -14,6 +14,11 @@ interval), at the final round:
 The local fine-tuning baseline is FedAvg's model after ``--finetune_steps`` (``fedavg+ft``). The
 summary, computed from the table: for each partition, whether FedLoGe beats every baseline on global
 and on local accuracy (paired by seed: the 95% interval of the difference above 0), and where not.
+
+Plots: ``accuracy_by_class_group.png`` (global top-1 overall and of the head, middle and tail classes, per
+method and partition, with the 95% intervals of the table) and ``accuracy_vs_round.png`` (the global
+model's top-1 on the test split per round, per method and partition: mean over seeds, band from the
+lowest to the highest seed).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from network.run_outputs import SKIPPED_CLIENT, SUMMARY_CLIENTS
@@ -30,6 +36,9 @@ from utils.statistics import UNIT, mean_interval, paired_difference
 from utils.run_dir import atomic_write_text
 
 FEDLOGE = "fedloge"
+GROUPS_PLOT, ROUNDS_PLOT = "accuracy_by_class_group.png", "accuracy_vs_round.png"
+# The bars of the class-group plot: the table's column and its name on the axis.
+BAR_GROUPS = (("global", "overall"), ("global_head", "head"), ("global_middle", "middle"), ("global_tail", "tail"))
 GROUPS = ("head", "middle", "tail", "many", "medium", "few")
 GLOBAL_COLUMNS = ("global", *(f"global_{group}" for group in GROUPS))
 LOCAL_COLUMNS = ("local", "local_std", "local_worst10", "local_masked", "local_masked_std", "local_masked_worst10")
@@ -142,6 +151,79 @@ def claim_lines(runs: pd.DataFrame) -> list[str]:
     return lines
 
 
+def plot_class_groups(table: pd.DataFrame, name: str, path: Path) -> None:
+    """Global top-1 overall and of the head, middle and tail classes (cumulative mass 75/95%), one bar per method
+    at its mean over seeds with the table's 95% interval, one panel per partition; the legend beside the panels."""
+    from utils.plots import legend_outside, metric_label, plt, save_figure
+
+    partitions, methods = list(dict.fromkeys(table.partition)), list(dict.fromkeys(table.method))
+    panel_width = max(4.0, 0.3 * len(methods) * len(BAR_GROUPS))
+    figure, axes = plt.subplots(1, len(partitions), figsize=(panel_width * len(partitions) + 2.4, 3.6), squeeze=False,
+                                sharey=True, layout="constrained")
+    width = 0.8 / len(methods)
+    for axis, partition in zip(axes[0], partitions):
+        rows = table[table.partition == partition].set_index("method")
+        for index, method in enumerate(methods):
+            if method not in rows.index:
+                continue
+            row = rows.loc[method]
+            means = np.array([row[f"{column}_mean"] for column, _ in BAR_GROUPS], dtype=float)
+            lows = np.array([row[f"{column}_low"] for column, _ in BAR_GROUPS], dtype=float)
+            highs = np.array([row[f"{column}_high"] for column, _ in BAR_GROUPS], dtype=float)
+            errors = np.nan_to_num(np.vstack([means - lows, highs - means]))  # no interval (one seed): no bar
+            axis.bar(np.arange(len(BAR_GROUPS)) + (index - (len(methods) - 1) / 2) * width, means, width,
+                     yerr=errors, capsize=2, color=f"C{index}", label=method)
+        axis.set_xticks(range(len(BAR_GROUPS)), [label for _, label in BAR_GROUPS])
+        axis.set_title(partition, fontsize=9)
+        axis.set_ylim(0, 1)
+    axes[0][0].set_ylabel(f"global {metric_label('top1')}")
+    figure.supxlabel("test classes (head, middle, tail: the classes of the first 75%, the next 20% and the last 5% "
+                     "of the training samples)", fontsize=9)
+    legend_outside(figure, *axes[0][0].get_legend_handles_labels(), title="method (bars: 95% interval over seeds)")
+    figure.suptitle(f"{name}: global top-1 by class group, mean over seeds", fontsize=10)
+    save_figure(figure, path, dpi=110)
+
+
+def round_accuracy(run_dirs: dict) -> pd.DataFrame:
+    """``partition, method, seed, round, top1``: the global model's test top-1 of every run at every evaluated round."""
+    frames = []
+    for run, run_dir in run_dirs.items():
+        metrics = pd.read_csv(Path(run_dir) / "metrics.csv", dtype={"client": str})
+        rows = metrics[(metrics.split == "test") & (metrics.client == "global") & (metrics.metric == "top1")]
+        frames.append(pd.DataFrame({"partition": run.partition.label, "method": run.variant.label, "seed": run.seed,
+                                    "round": rows["round"].to_numpy(), "top1": rows["value"].to_numpy(dtype=float)}))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
+        columns=["partition", "method", "seed", "round", "top1"])
+
+
+def plot_accuracy_vs_round(curves: pd.DataFrame, name: str, path: Path) -> None:
+    """The global model's test top-1 per round, one line per method (mean over seeds, band from the lowest to the
+    highest seed, so never outside [0, 1]), one panel per partition; the legend beside the panels."""
+    from utils.plots import legend_outside, metric_label, plt, save_figure
+
+    partitions, methods = list(dict.fromkeys(curves.partition)), list(dict.fromkeys(curves.method))
+    figure, axes = plt.subplots(1, len(partitions), figsize=(4.2 * len(partitions) + 2.4, 3.6), squeeze=False,
+                                sharey=True, layout="constrained")
+    entries = {}
+    for axis, partition in zip(axes[0], partitions):
+        for index, method in enumerate(methods):
+            rows = curves[(curves.partition == partition) & (curves.method == method)]
+            if rows.empty:
+                continue
+            spread = rows.groupby("round")["top1"].agg(["mean", "min", "max"])
+            line, = axis.plot(spread.index, spread["mean"], color=f"C{index}", marker="o", markersize=3)
+            band = axis.fill_between(spread.index, spread["min"], spread["max"], color=f"C{index}", alpha=0.15,
+                                     linewidth=0)
+            entries.setdefault(method, (band, line))
+        axis.set_title(partition, fontsize=9)
+        axis.set_xlabel("round")
+        axis.set_ylim(0, 1)
+    axes[0][0].set_ylabel(f"global test {metric_label('top1')}")
+    legend_outside(figure, list(entries.values()), list(entries), title="method (band: lowest to highest seed)")
+    figure.suptitle(f"{name}: global top-1 per round, mean over seeds", fontsize=10)
+    save_figure(figure, path, dpi=110)
+
+
 def write_report(config: dict[str, Any], out_dir: Path, run_dirs: dict, centralized: dict[int, Path],
                  command: str) -> pd.DataFrame:
     """Collect every run, write report.csv (the table) and report.md (tables and the computed summary)."""
@@ -149,6 +231,8 @@ def write_report(config: dict[str, Any], out_dir: Path, run_dirs: dict, centrali
     runs.to_csv(out_dir / "runs.csv", index=False)
     table = report_table(runs)
     table.to_csv(out_dir / "report.csv", index=False)
+    plot_class_groups(table, config["name"], out_dir / GROUPS_PLOT)
+    plot_accuracy_vs_round(round_accuracy(run_dirs), config["name"], out_dir / ROUNDS_PLOT)
     federated = config["federated"]
     lines = [f"# {config['name']}: Fed-LT study (FedLoGe and its baselines under one protocol)", "",
              f"Command: `{command}`", "",
@@ -158,6 +242,8 @@ def write_report(config: dict[str, Any], out_dir: Path, run_dirs: dict, centrali
              f"steps; seeds {config['seeds']}. Numbers are top-1 in % at the final round, mean [95% interval, t on the logit scale (utils/statistics.py)] over "
              "seeds.", "",
              "## Summary (computed: FedLoGe against every baseline, paired by seed)", "", *claim_lines(runs), "",
+             f"Plots: [{GROUPS_PLOT}]({GROUPS_PLOT}) (global top-1 by class group), [{ROUNDS_PLOT}]({ROUNDS_PLOT}) "
+             "(global top-1 per round).", "",
              "## Global accuracy (balanced test split)", "",
              "| partition | method | overall | head | middle | tail | many | medium | few |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -15,7 +15,7 @@ import pandas as pd
 from scipy import stats
 
 from partitioning.groupings import EMBEDDING_BASED, LABEL_BASED
-from utils.plots import plt, save_figure
+from utils.plots import legend_outside, plt, save_figure
 
 METER_COLUMNS = ["task", "alpha", "label_g2", "embedding_g2", "label_b2", "embedding_b2", "g2_ratio", "n_seeds"]
 
@@ -67,7 +67,7 @@ def meter_markdown(meter: pd.DataFrame) -> str:
 def plot_meter(meters: pd.DataFrame, path: Path) -> None:
     """G² vs α per task (mean over seeds, min–max band), label-based solid, embedding-based dashed."""
     tasks = sorted(meters.task.unique())
-    figure, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.8), squeeze=False)
+    figure, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks) + 2.6, 3.8), squeeze=False, layout="constrained")
     for axis, task in zip(axes[0], tasks):
         for index, grouping in enumerate((LABEL_BASED, EMBEDDING_BASED)):
             rows = meters[(meters.task == task) & (meters.grouping == grouping)]
@@ -81,5 +81,5 @@ def plot_meter(meters: pd.DataFrame, path: Path) -> None:
         axis.set_title(task)
         axis.set_xlabel("Dirichlet α")
         axis.set_ylabel("gradient dissimilarity G²")
-    axes[0][-1].legend(fontsize=8)
+    legend_outside(figure, *axes[0][-1].get_legend_handles_labels())  # beside the panels, off the data
     save_figure(figure, path, dpi=110)
