@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Callable
 
-from docsgen import algorithms, experiment_keys, registries, scripts
+from docsgen import algorithms, experiment_keys, flower_partitioners, registries, scripts
 
 GENERATED: dict[str, Callable[[], str]] = {
     "reference/scripts.md": scripts.page,
     "reference/algorithms.md": algorithms.page,
     "reference/experiment-files.md": experiment_keys.page,
     "reference/registries.md": registries.page,
+    "reference/flower-partitioners.md": flower_partitioners.page,
 }
 
 

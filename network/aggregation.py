@@ -8,6 +8,24 @@ to the global weights (plain SGD, FedAvgM momentum or FedAdam).
 Tensors keep their device; sums are kept in the upload's floating dtype, and
 integer entries (BatchNorm's ``num_batches_tracked``) are summed in float32 and
 rounded back, since a counter has no meaningful fractional mean.
+
+**Weightings** (``WeightingSettings.weighting``, every model-averaging algorithm): how much a
+client's upload counts. ``samples``: its number of training samples n_i; ``uniform``: 1/N;
+``capped``: n_i/n with no client above ``cap``. Two keep a client's exact size private, since a
+size can leak (a hospital's patient volume): the client uploads a coarser size and the server
+weighs by it, exactly as ``samples`` weighs by n_i. ``bucketed``: the largest of the published
+``buckets`` edges that is ≤ n_i (a size below the smallest edge reports the smallest edge, so
+every client keeps a positive weight and all small clients look alike). ``noisy``:
+max(1, round(n_i + Laplace(0, noise_scale))), the Laplace mechanism with sensitivity 1
+(ε = 1/noise_scale for one release); the noise is drawn once per client and size from the run's
+seed (``numpy_rng(seed, "noisy_size", client, n_i)``), so every round, both engines and a
+resumed run report the same value, and averaging over rounds reveals nothing more than one
+report would (fresh noise each round would average out: after R rounds its spread falls by √R).
+The seed makes the draw repeatable for research; a deployment would draw it from a secret the
+server never holds. :func:`reported_size` is the one rule; the client side applies it to what it
+uploads (``Algorithm.reported_num_samples``, called by ``network.client.train_client`` for both
+engines), and the server's fixed shares (``federation_shares``; SCAFFOLD's p_i) use the same
+reported sizes.
 """
 
 from __future__ import annotations
@@ -15,16 +33,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from network.settings import check, setting
 from utils.errors import TaskHetError
+from utils.seeding import numpy_rng
 
 Weights = dict[str, Tensor]
 
 SERVER_OPTIMIZERS = ("sgd", "momentum", "adam")
-WEIGHTINGS = ("samples", "uniform", "capped")
+WEIGHTINGS = ("samples", "uniform", "capped", "bucketed", "noisy")
+# The weightings that keep a client's exact size on the client: it uploads its reported size (reported_size).
+PRIVATE_WEIGHTINGS = ("bucketed", "noisy")
+# The weightings whose upload weight is the uploaded size itself (exact for samples, reported otherwise).
+SIZE_WEIGHTINGS = ("samples", *PRIVATE_WEIGHTINGS)
+DEFAULT_BUCKETS = "10,100,1000,10000"
+MAX_BUCKETS = 64  # published edges: a handful is the point; more would publish the sizes themselves
+MAX_BUCKET_EDGE = 10**9  # no client holds more samples
 # Keys of the server optimizer's state, prefixed to the weight names they belong to.
 MOMENTUM_PREFIX = "server_momentum/"
 ADAM_M_PREFIX = "server_adam_m/"
@@ -105,18 +132,92 @@ class WeightingSettings:
     """How much each client's upload counts in the server's mean (shared by every model-averaging algorithm)."""
 
     weighting: str = setting("samples", "client weights in the server mean: samples (p_i = n_i/n), uniform (1/N), "
-                                        "capped (n_i/n with no client above cap)", choices=WEIGHTINGS)
+                                        "capped (n_i/n with no client above cap), bucketed (n_i rounded down to a "
+                                        "published bucket edge, see buckets), noisy (n_i plus seeded Laplace noise, see "
+                                        "noise_scale); with bucketed and noisy the exact n_i never leaves the client",
+                             choices=WEIGHTINGS)
     cap: float = setting(1.0, "capped weighting: the largest share one client may have (>= 1/N)")
+    buckets: str = setting(DEFAULT_BUCKETS, "bucketed weighting: the published bucket edges, increasing integers >= 1 "
+                                            "joined by commas; a client reports the largest edge <= its size (the "
+                                            "smallest edge below it)")
+    noise_scale: float = setting(10.0, "noisy weighting: the scale b > 0 of the Laplace noise added to a client's "
+                                       "size (epsilon = 1/b for one release); drawn once per client from the run seed")
 
     def __post_init__(self) -> None:
         check(self.weighting in WEIGHTINGS, "weighting", f"one of {', '.join(WEIGHTINGS)}", self.weighting)
         check(0 < self.cap <= 1, "cap", "in (0, 1]", self.cap)
+        parse_buckets(self.buckets)
+        check(self.noise_scale > 0, "noise_scale", "> 0", self.noise_scale)
+
+    @property
+    def bucket_edges(self) -> tuple[int, ...]:
+        """The ``buckets`` setting as integers, increasing."""
+        return parse_buckets(self.buckets)
+
+
+def parse_buckets(text: str) -> tuple[int, ...]:
+    """``"10,100,1000"`` -> ``(10, 100, 1000)``.
+
+    Raises:
+        TaskHetError: not 1..``MAX_BUCKETS`` comma-separated integers >= 1 in increasing order (names the setting).
+    """
+    expected = (f"1 to {MAX_BUCKETS} increasing integers in [1, {MAX_BUCKET_EDGE:.0e}] joined by commas, "
+                f"e.g. {DEFAULT_BUCKETS}")
+    parts = [part.strip() for part in text.split(",")] if isinstance(text, str) else []
+    # ASCII digits only: str.isdigit alone also takes '²'
+    check(0 < len(parts) <= MAX_BUCKETS and all(part.isascii() and part.isdigit() and len(part) <= 10 for part in parts),
+          "buckets", expected, text)
+    edges = tuple(int(part) for part in parts)
+    check(1 <= edges[0] and edges[-1] <= MAX_BUCKET_EDGE and all(low < high for low, high in zip(edges, edges[1:])),
+          "buckets", expected, text)
+    return edges
+
+
+def bucketed_size(num_samples: int, edges: tuple[int, ...]) -> int:
+    """The largest bucket edge <= ``num_samples``; the smallest edge for a size below it (0 stays 0)."""
+    if num_samples <= 0:
+        return 0
+    return max((edge for edge in edges if edge <= num_samples), default=edges[0])
+
+
+def noisy_size(num_samples: int, noise_scale: float, rng: np.random.Generator) -> int:
+    """``max(1, round(num_samples + Laplace(0, noise_scale)))`` (0 stays 0): rounding and the floor are
+    post-processing, so the Laplace mechanism's guarantee holds, and every weight stays positive."""
+    if num_samples <= 0:
+        return 0
+    return max(1, int(round(num_samples + rng.laplace(0.0, noise_scale))))
+
+
+def reported_size(settings: object, seed: int, client_id: str, num_samples: int) -> int:
+    """The size a client uploads with its update: exact unless ``settings`` has a private weighting.
+
+    Args:
+        settings: an algorithm's settings (those without ``weighting`` report the exact size).
+        seed: the run's root seed (``Federation.seed``); with ``client_id`` and the size it seeds the noise.
+        client_id: the client's id.
+        num_samples: its exact number of training samples (this round's, under a temporal schedule).
+    """
+    weighting = getattr(settings, "weighting", None)
+    if weighting == "bucketed":
+        return bucketed_size(int(num_samples), settings.bucket_edges)
+    if weighting == "noisy":
+        return noisy_size(int(num_samples), settings.noise_scale, numpy_rng(seed, "noisy_size", client_id, int(num_samples)))
+    return int(num_samples)
+
+
+def federation_shares(settings: WeightingSettings, client_sizes: Mapping[str, int], seed: int) -> dict[str, float]:
+    """Every client's fixed share of the server mean (:func:`client_weights`), from the sizes the clients report:
+    exact for ``samples``, ``uniform`` and ``capped``, the bucketed or noisy ones otherwise (a deployment learns them
+    from each client's uploads; the simulation computes them with the clients' own rule, so they are equal)."""
+    reported = {client_id: reported_size(settings, seed, client_id, size) for client_id, size in client_sizes.items()}
+    return client_weights(reported, settings.weighting, settings.cap)
 
 
 def client_weights(client_sizes: Mapping[str, int], weighting: str, cap: float = 1.0) -> dict[str, float]:
     """Each client's share p_i of the server mean (shares sum to 1 over the whole federation).
 
-    ``samples``: p_i = n_i/n; ``uniform``: p_i = 1/N; ``capped``: p_i = n_i/n, but a client above
+    ``samples`` (and ``bucketed``, ``noisy``, whose ``client_sizes`` are the reported ones): p_i = n_i/n;
+    ``uniform``: p_i = 1/N; ``capped``: p_i = n_i/n, but a client above
     ``cap`` gets exactly ``cap`` and the excess goes to the others in proportion to their sizes,
     repeated (water-filling) until no share exceeds the cap. A round's mean over the sampled clients
     S is Σ_S p_i·Δ_i / Σ_S p_i. Hand-written: no library offers capped proportional shares.
@@ -152,8 +253,9 @@ def client_weights(client_sizes: Mapping[str, int], weighting: str, cap: float =
 
 
 def upload_weight(weighting: str, shares: Mapping[str, float], client_id: str, num_samples: int) -> float:
-    """An upload's weight in a round's mean: its sample count (``samples``, exactly n_i) or its client's share."""
-    return num_samples if weighting == "samples" else shares[client_id]
+    """An upload's weight in a round's mean: the size it carries (``samples``: exactly n_i; ``bucketed``, ``noisy``:
+    the reported size, the only one the server sees) or its client's share (``uniform``, ``capped``)."""
+    return num_samples if weighting in SIZE_WEIGHTINGS else shares[client_id]
 
 
 @dataclass(frozen=True)

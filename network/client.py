@@ -18,6 +18,11 @@ the client never trained on gets a −∞ logit, so it is never predicted. Those
 name plus ``_masked`` (``client_test_masked``, ``client_test_personal_masked``,
 ``client_test_finetuned_masked``); the unmasked rows stay as they are, so every method is reported
 both ways by the same code. A test sample of a masked class counts as wrong and its loss is +∞.
+
+A client held out of all training (step 3b's ``--unseen_fraction``) is evaluated by
+:func:`evaluate_unseen_client`: the same three splits, named ``unseen_test``,
+``unseen_test_personal`` and ``unseen_test_finetuned`` (and their ``_masked`` twins), after the
+algorithm's own personalisation step from the current broadcast (:func:`adapts_new_clients`).
 """
 
 from __future__ import annotations
@@ -42,6 +47,13 @@ CLIENT_TEST_SPLIT = "client_test"  # the global model on each client's held-out 
 PERSONAL_TEST_SPLIT = "client_test_personal"  # each client's own model on them
 FINETUNED_TEST_SPLIT = "client_test_finetuned"  # after --finetune_steps local steps
 MASKED_SUFFIX = "_masked"  # the same split with the client's absent classes masked (−∞ logit)
+# The same splits of the clients held out of all training (step 3b's --unseen_fraction): evaluate_unseen_client.
+UNSEEN_TEST_SPLIT = "unseen_test"  # the global model on an unseen client's test rows
+UNSEEN_PERSONAL_SPLIT = "unseen_test_personal"  # its own model after the algorithm's personalisation step
+UNSEEN_FINETUNED_SPLIT = "unseen_test_finetuned"  # after --finetune_steps local steps
+UNSEEN_SPLIT_OF = {CLIENT_TEST_SPLIT: UNSEEN_TEST_SPLIT, PERSONAL_TEST_SPLIT: UNSEEN_PERSONAL_SPLIT,
+                   FINETUNED_TEST_SPLIT: UNSEEN_FINETUNED_SPLIT}
+UNSEEN_SPLITS = tuple(split + suffix for split in UNSEEN_SPLIT_OF.values() for suffix in ("", MASKED_SUFFIX))
 
 EvaluateFn = Callable[[nn.Module, Iterable[dict]], dict[str, float]]
 
@@ -87,13 +99,15 @@ def train_client(algorithm: Algorithm, model: nn.Module, broadcast: dict[str, We
                  client: ClientData, seed: int, cfg: ClientConfig) -> ClientResult:
     """``client_update`` of one client under its own seed; ``state`` None = its first round.
 
-    The upload is checked against the algorithm's private entries: one in an upload is an error.
+    The upload is checked against the algorithm's private entries: one in an upload is an error. Its size is the one
+    the client reports (``algorithm.reported_num_samples``: bucketed or noisy under a private weighting).
     """
     if client.class_counts is not None:
         cfg = dataclasses.replace(cfg, class_counts=client.class_counts)
     with seeded_torch_rng(seed, cfg.device):
         result = algorithm.client_update(model, broadcast, dict(state or {}), client.train_loader(seed), cfg)
     _check_upload(algorithm, result, client.client_id)
+    result.num_samples = algorithm.reported_num_samples(client.client_id, result.num_samples)
     return result
 
 
@@ -124,6 +138,7 @@ def train_clients(algorithm: Algorithm, model: nn.Module, broadcast: dict[str, W
         raise NonFiniteLossError(f"client {clients[error.position].client_id}: {error}") from None
     for client, result in zip(clients, results):
         _check_upload(algorithm, result, client.client_id)
+        result.num_samples = algorithm.reported_num_samples(client.client_id, result.num_samples)
     return results
 
 
@@ -171,6 +186,58 @@ def evaluate_client(algorithm: Algorithm, model: nn.Module, evaluate_fn: Evaluat
                         steps=finetune.steps)
         splits.update(evaluate_as(FINETUNED_TEST_SPLIT))
     return splits
+
+
+def unseen_split(split: str) -> str:
+    """The unseen clients' name of a client split: ``client_test_personal_masked`` -> ``unseen_test_personal_masked``."""
+    base = split.removesuffix(MASKED_SUFFIX)
+    return UNSEEN_SPLIT_OF[base] + split[len(base):]
+
+
+def adapts_new_clients(algorithm: Algorithm) -> bool:
+    """Whether a client outside the federation gets a personal model from one ``client_update``: a personalised
+    algorithm that sends every client the same broadcast.
+
+    An algorithm that tailors each message (``client_broadcast``: CFL's cluster, FedAMP's stored model, MOCHA's Ω
+    row) defines it for the members of its federation only; a newcomer has none, so it is evaluated without a
+    personal model (counted in the personal split's ``skipped`` row) and, with ``--finetune_steps``, fine-tuned.
+    """
+    return algorithm.personalized and type(algorithm).client_broadcast is Algorithm.client_broadcast
+
+
+def adaptation_seed(seed: int, round_index: int, client_id: str) -> int:
+    """The seed of an unseen client's personalisation step (apart from any seen client's training seed)."""
+    return client_seed(seed, round_index, f"adapt/{client_id}")
+
+
+def evaluate_unseen_client(algorithm: Algorithm, model: nn.Module, evaluate_fn: EvaluateFn,
+                           models: dict[str, Weights], global_weights: Weights, broadcast: dict[str, Weights],
+                           client: ClientData, loss_fn: LossFn, device: torch.device, finetune: Finetune | None,
+                           cfg: ClientConfig, seeds: tuple[int, int]) -> dict[str, dict[str, float]]:
+    """The splits of a client held out of all training, after its own adaptation (empty without test samples).
+
+    A personalised algorithm (:func:`adapts_new_clients`) first runs its own ``client_update`` on the client's
+    train rows, from ``broadcast`` (the round's broadcast, what a newly sampled client would receive), with a fresh
+    client state and the usual local budget (``cfg``); the upload is dropped and the state is used for this
+    evaluation only, so nothing reaches the server or any other client. Then :func:`evaluate_client` runs exactly
+    as for a seen client, with that state: the global model, the personal model and, with ``finetune``, the
+    personal (else global) model after its fine-tuning steps; the splits are renamed by :func:`unseen_split`.
+
+    Args:
+        models, global_weights: the server's models and the global model (as for :func:`evaluate_client`).
+        broadcast: ``algorithm.broadcast`` of the current server state.
+        cfg: the personalisation step's client config (the round's learning rate and the run's local budget).
+        seeds: the personalisation seed (:func:`adaptation_seed`) and the fine-tuning seed (:func:`finetune_seed`).
+    """
+    if client.test_loader is None:
+        return {}
+    adaptation, finetuning = seeds
+    state = None
+    if adapts_new_clients(algorithm) and client.num_samples > 0:  # 0: a schedule holds none of its rows now
+        state = train_client(algorithm, model, broadcast, None, client, adaptation, cfg).client_state
+    splits = evaluate_client(algorithm, model, evaluate_fn, models, global_weights, state, client, loss_fn, device,
+                             finetune, finetuning)
+    return {unseen_split(split): metrics for split, metrics in splits.items()}
 
 
 def absent_classes(class_counts: Iterable[int] | None) -> torch.Tensor | None:

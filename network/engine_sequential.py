@@ -10,7 +10,8 @@ least-squares oracle of the tests run through the very same code.
 
 Run folder: ``metrics.csv`` (round, split, client, metric, value), ``checkpoint.pt``
 after every round (written atomically: the whole server state, every client state and
-the RNG), ``best.pt`` (lowest global test loss; ``{"model", "models", "model_config"}``:
+the RNG), ``best.pt`` (lowest global validation loss, written only when the manifest has validation rows: never
+chosen on the test split; ``{"model", "models", "model_config"}``:
 ``model`` is the global model, so models.load_task_model reads it, ``models`` every
 server model by name), ``curves.png``. A resumed run ends bit-identical to an
 uninterrupted one on CPU. With a frozen pretrained encoder both files (and spilled client
@@ -33,9 +34,10 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from network.aggregation import Weights
 from network.algorithms.base import (ALGORITHMS, Algorithm, ClientConfig, ClientResult, LossFn, ServerState, Upload,
                                      load_weights)
-from network.client import (CLIENT_TEST_SPLIT, GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT,
-                            ClientData, ClientFailure, EvaluateFn, Finetune, evaluate_client, evaluate_model,
-                            finetune_seed, train_client, train_clients)
+from network.client import (CLIENT_TEST_SPLIT, GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT, UNSEEN_PERSONAL_SPLIT,
+                            UNSEEN_SPLITS, UNSEEN_TEST_SPLIT, ClientData, ClientFailure, EvaluateFn, Finetune,
+                            adaptation_seed, evaluate_client, evaluate_model, evaluate_unseen_client, finetune_seed,
+                            train_client, train_clients)
 from models.frozen_encoder import frozen_encoder_of, strip_frozen_encoder
 from network.checkpoints import BEST_FILE, CHECKPOINT_FILE, load_resumable, run_fingerprint
 from network.client_store import ClientStore
@@ -73,18 +75,23 @@ class SequentialEngine:
         val_loader: the manifest's validation rows, or None: the global model is evaluated on them
             too (split ``val``), so a report can pick a round by validation and quote its test numbers.
         calibration_loader: held-out server data for ``algorithm.calibrate_server`` (None: none).
+        unseen_clients: clients held out of all training (step 3b's ``--unseen_fraction``): never sampled, trained or
+            aggregated, and not in ``algorithm.federation``; each evaluation round evaluates them after their own
+            adaptation (:meth:`unseen_evaluations`, splits ``unseen_test*``).
     """
 
     def __init__(self, model: nn.Module, algorithm: Algorithm, clients: list[ClientData], loss_fn: LossFn,
                  evaluate_fn: EvaluateFn, test_loader: Iterable[dict], config: EngineConfig,
                  device: torch.device, model_config: dict[str, Any] | None = None,
                  logger: logging.Logger | None = None, val_loader: Iterable[dict] | None = None,
-                 calibration_loader: Iterable[dict] | None = None) -> None:
+                 calibration_loader: Iterable[dict] | None = None,
+                 unseen_clients: list[ClientData] | None = None) -> None:
         if (config.local_steps is None) == (config.local_epochs is None):
             raise TaskHetError("set exactly one of --local_steps and --local_epochs")
         ids = [str(client.client_id) for client in clients]
         if not ids or len(set(ids)) != len(ids):
             raise TaskHetError(f"the engine needs at least one client and unique client ids, got {len(ids)} ids")
+        self.unseen = unseen_by_id(unseen_clients or [], ids, algorithm)
         if config.vectorize_chunk:
             check_vectorizable(model, algorithm)
             # vmap cannot ask a channels_last tensor whether it is contiguous (GroupNorm and BatchNorm do), and a
@@ -172,9 +179,10 @@ class SequentialEngine:
                              run_title(self.algorithm.name, self.out_dir))
         write_clients_table(self.out_dir / METRICS_FILE, self.algorithm.federation.client_sizes,
                             self.out_dir / CLIENTS_FILE)
-        self.logger.info("%s: %d rounds done (%d in this call, %.1fs), best global test loss %.4g (every round: run.log)",
-                         self.out_dir, self.config.n_rounds, self.config.n_rounds - start, time.perf_counter() - began,
-                         self.best_loss)
+        best = (f"best global validation loss {self.best_loss:.4g} (best.pt)" if math.isfinite(self.best_loss)
+                else "no validation rows, so no best.pt")
+        self.logger.info("%s: %d rounds done (%d in this call, %.1fs), %s (every round: run.log)", self.out_dir,
+                         self.config.n_rounds, self.config.n_rounds - start, time.perf_counter() - began, best)
         return self.global_weights
 
     def _run_round(self, round_index: int, bar: tqdm, pace: Pace) -> None:
@@ -269,7 +277,44 @@ class SequentialEngine:
             # Every client with test samples has a client_test row: an engine whose clients are remote counts them so.
             skipped = len(per_split.get(CLIENT_TEST_SPLIT, {})) - len(per_split.get(PERSONAL_TEST_SPLIT, {}))
             rows.append(metric_row(round_index, PERSONAL_TEST_SPLIT, SKIPPED_CLIENT, "clients", skipped))
+        if self.unseen:  # after every other row: without unseen clients metrics.csv is what it was
+            rows += self.unseen_rows(round_index)
         return rows, global_loss
+
+    def unseen_rows(self, round_index: int) -> list[dict[str, Any]]:
+        """The unseen clients' splits (per client, plus the summary rows of every client split) and, for a
+        personalised algorithm, their ``skipped`` count: unseen clients with test rows but no personal model."""
+        per_split = self.unseen_evaluations(round_index)
+        rows = [row for split in UNSEEN_SPLITS for row in client_rows(round_index, split, per_split.get(split, {}))]
+        if self.algorithm.personalized:
+            skipped = len(per_split.get(UNSEEN_TEST_SPLIT, {})) - len(per_split.get(UNSEEN_PERSONAL_SPLIT, {}))
+            rows.append(metric_row(round_index, UNSEEN_PERSONAL_SPLIT, SKIPPED_CLIENT, "clients", skipped))
+        return rows
+
+    def unseen_evaluations(self, round_index: int) -> dict[str, dict[str, dict[str, float]]]:
+        """split -> unseen client id -> metrics (network.client.evaluate_unseen_client), in id order.
+
+        Each unseen client adapts from the current server state's broadcast, with the round's local learning rate
+        and the run's local budget, under its own seeds; nothing it trains is kept (the server state and the client
+        store are never written), so the next round trains exactly as it would without unseen clients.
+        """
+        broadcast = self.algorithm.broadcast(self.server)
+        lr = float(self.config.lr_schedule(max(round_index, 1)))
+        per_split: dict[str, dict[str, dict[str, float]]] = {}
+        for client_id, client in self.unseen.items():
+            view = evaluation_view(client, round_index)
+            try:
+                splits = evaluate_unseen_client(
+                    self.algorithm, self.model, self.evaluate_fn, self.server.models, self.global_weights, broadcast,
+                    view, self.loss_fn, self.device, self.finetune(round_index), self.client_config(lr, view.num_samples),
+                    (adaptation_seed(self.config.seed, round_index, client_id),
+                     finetune_seed(self.config.seed, round_index, client_id)))
+            except Exception as error:  # a failure names the unseen client
+                raise ClientFailure(f"round {round_index}, unseen client {client_id} failed: {type(error).__name__}: "
+                                    f"{error}; {self._stop_message()}") from error
+            for split, metrics in splits.items():
+                per_split.setdefault(split, {})[client_id] = metrics
+        return per_split
 
     # ----- how an engine reaches its clients (the Flower engine overrides these two) -----
     def client_results(self, round_index: int, sampled: list[str], broadcast: dict[str, Weights],
@@ -392,11 +437,13 @@ class SequentialEngine:
         self.metrics.write(rows)
         server = self.server.to("cpu")
         global_weights = next(iter(self.algorithm.evaluated_models(server).values()))
-        if test_loss is not None and test_loss < self.best_loss:
-            self.best_loss = test_loss
+        val_loss = validation_loss(rows)  # best.pt is chosen on the validation rows, never on the test split
+        if val_loss is not None and val_loss < self.best_loss:
+            self.best_loss = val_loss
             atomic_torch_save(strip_frozen_encoder({"model": global_weights, "models": server.models,
                                                     "model_config": self.model_config, "round": round_index,
-                                                    "test_loss": test_loss}, self.frozen), self.out_dir / BEST_FILE)
+                                                    "val_loss": val_loss, "test_loss": test_loss}, self.frozen),
+                              self.out_dir / BEST_FILE)
         if self._checkpoints(round_index):
             self._write_checkpoint(round_index, server, global_weights)
 
@@ -417,7 +464,25 @@ class SequentialEngine:
         return run_fingerprint(self.algorithm, self.config, list(self.clients))
 
 
+def unseen_by_id(unseen: list[ClientData], seen_ids: list[str], algorithm: Algorithm) -> dict[str, ClientData]:
+    """The unseen clients by id, after checking that no id is twice, a seen client's or one the algorithm's
+    federation counts (an unseen client must never weigh in an aggregate)."""
+    by_id = {str(client.client_id): client for client in unseen}
+    counted = set(seen_ids) | set(algorithm.federation.client_sizes)
+    clash = sorted(set(by_id) & counted)
+    if len(by_id) != len(unseen) or clash:
+        raise TaskHetError(f"unseen clients must have their own ids, outside the federation; got "
+                           f"{[str(client.client_id) for client in unseen]} (in the federation: {clash})")
+    return by_id
+
+
 def check_vectorizable(model: nn.Module, algorithm: Algorithm) -> None:
     """One clear error unless ``algorithm`` declares vectorised clients and ``model`` can train vectorised."""
     require_vectorizable(model, algorithm.name, algorithm.vectorizable,
                          [name for name in ALGORITHMS.names() if ALGORITHMS.get(name).vectorizable])
+
+
+def validation_loss(rows: list[dict[str, Any]]) -> float | None:
+    """The global model's loss on the validation rows among an evaluation's metric ``rows`` (None: no such row)."""
+    return next((float(row["value"]) for row in rows if row["split"] == GLOBAL_VAL_SPLIT
+                 and row["client"] == GLOBAL_CLIENT and row["metric"] == "loss"), None)

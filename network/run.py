@@ -33,7 +33,7 @@ from network.diagnostics import check_diagnostics_options
 from network.engine_config import EngineConfig
 from network.engine_sequential import check_vectorizable
 from network.lr_schedule import make_lr_schedule
-from partitioning.assignments import load_assignments
+from partitioning.assignments import UNSEEN_KEY, load_assignments
 from partitioning.temporal import check_horizon
 from partitioning.groupings import EMBEDDING_BASED, LABEL_BASED
 from training.loop import evaluate
@@ -173,6 +173,14 @@ class FedSetup:
     loss_fn: Callable
     evaluate_fn: Callable
     feature_model: torch.nn.Module | None = None  # the task model whose frozen encoder's maps feed training (--cache_features)
+    # The rows of the clients held out of all training (assignments.json's unseen_clients); None: no such client.
+    # ``table`` then holds the federation's clients only.
+    unseen_table: pd.DataFrame | None = None
+
+    @property
+    def assigned_rows(self) -> pd.DataFrame:
+        """Every row of the assignments, the unseen clients' included (no held-out split may draw from them)."""
+        return self.table if self.unseen_table is None else pd.concat([self.table, self.unseen_table])
 
 
 def prepare(config: RunConfig) -> FedSetup:
@@ -183,6 +191,7 @@ def prepare(config: RunConfig) -> FedSetup:
     family.check_task(config.task, f"--task (manifest {config.manifest})")
     table, meta = load_assignments(config.assignments, manifest)
     config = resolve(config, meta)
+    table, unseen_table = split_unseen(table, meta)  # the federation is the seen clients alone
     check_horizon(table, config.n_rounds, str(config.assignments))  # temporal skew: a schedule fits the run
     set_deterministic(config.deterministic)
     num_classes = family.output_channels(manifest, task)
@@ -210,7 +219,7 @@ def prepare(config: RunConfig) -> FedSetup:
         round_lines=config.round_lines,
         vectorize_chunk=config.vectorize_chunk if config.vectorize_clients else 0,
         signature={**{key: str(value) for key, value in dataclasses.asdict(config).items() if key not in NOT_IN_SIGNATURE},
-                   **skews_signature(meta)})
+                   **skews_signature(meta), **unseen_signature(meta)})
     return FedSetup(
         config=config, task=task, manifest=manifest, table=table, algorithm=algorithm, engine_config=engine_config,
         device=device, model=prepare_model(worker, device), model_config=task_model.config,
@@ -218,7 +227,23 @@ def prepare(config: RunConfig) -> FedSetup:
         # The model's own device, not the server's: Flower nodes may train on another device.
         evaluate_fn=lambda net, loader: evaluate(net, loader, task, next(net.parameters()).device, input_key=input_key,
                                                  progress=False, class_groups=groups),
-        feature_model=task_model if config.cache_features else None)
+        feature_model=task_model if config.cache_features else None, unseen_table=unseen_table)
+
+
+def split_unseen(table: pd.DataFrame, meta: dict) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """``(the federation's rows, the unseen clients' rows or None)`` of the assignments, by the sidecar's checked
+    ``unseen_clients``; without any, ``table`` itself comes back untouched."""
+    unseen = meta.get(UNSEEN_KEY) or []
+    if not unseen:
+        return table, None
+    held_out = table["client_id"].isin(unseen)
+    return table[~held_out], table[held_out]
+
+
+def unseen_signature(meta: dict) -> dict[str, str]:
+    """The unseen clients, in the run's signature (only when there are any, so other signatures are unchanged)."""
+    unseen = meta.get(UNSEEN_KEY) or []
+    return {UNSEEN_KEY: ",".join(map(str, unseen))} if unseen else {}
 
 
 def skews_signature(meta: dict) -> dict[str, str]:
@@ -257,6 +282,9 @@ def resolve(config: RunConfig, meta: dict) -> RunConfig:
     if config.calibration_fraction and config.engine != "sequential":
         raise TaskHetError(f"--calibration_fraction needs --engine sequential (the {config.engine} engine has no "
                            "server-side calibration yet)")
+    if meta.get(UNSEEN_KEY) and config.engine != "sequential":
+        raise TaskHetError(f"{config.assignments} holds out unseen clients (assignments.json's {UNSEEN_KEY}), which "
+                           f"the {config.engine} engine does not evaluate: run it with --engine sequential")
     if config.vectorize_clients and config.engine != "sequential":
         raise TaskHetError(f"--vectorize_clients needs --engine sequential (the {config.engine} engine trains each "
                            "client on its own node)")
@@ -298,6 +326,8 @@ def run(setup: FedSetup) -> dict:
 
     config = setup.config
     clients = make_clients(config, setup.manifest, setup.table, setup.task, setup.feature_model)
+    unseen = ([] if setup.unseen_table is None
+              else make_clients(config, setup.manifest, setup.unseen_table, setup.task, setup.feature_model))
     calibration = calibration_loader(setup)  # before the folder is claimed: a refused split leaves it untouched
     logger = open_run_folder(setup)
     if calibration is not None:
@@ -306,6 +336,8 @@ def run(setup: FedSetup) -> dict:
     val_loader = global_val_loader(config, setup.manifest, setup.task, setup.feature_model)
     logger.info("%s on %s: %d clients (%d train samples), %d test samples, device %s", config.method, config.task,
                 len(clients), sum(client.num_samples for client in clients), len(test_loader.dataset), setup.device)
+    if unseen:
+        log_unseen(logger, unseen, setup.algorithm, config.finetune_steps)
     inputs = (setup.model, setup.algorithm, clients, setup.loss_fn, setup.evaluate_fn, test_loader,
               setup.engine_config, setup.device)
     with unfinished(config.out, STEP):  # the report and later steps refuse a run that did not finish
@@ -317,9 +349,24 @@ def run(setup: FedSetup) -> dict:
                 min_available_clients=config.min_available_clients), val_loader=val_loader)
         else:
             engine = SequentialEngine(*inputs, model_config=setup.model_config, logger=logger, val_loader=val_loader,
-                                      calibration_loader=calibration)
+                                      calibration_loader=calibration, unseen_clients=unseen)
             engine.run()
     return {"out": config.out, "best_test_loss": engine.best_loss}
+
+
+def log_unseen(logger: logging.Logger, unseen: list, algorithm: Algorithm, finetune_steps: int) -> None:
+    """One line on the unseen clients and how they are evaluated; a warning names those without test rows."""
+    from network.client import adapts_new_clients
+
+    adaptation = ("its personalisation step (one client_update from the broadcast)" if adapts_new_clients(algorithm)
+                  else "no personalisation step" + (" (it tailors messages to federation members)"
+                                                    if algorithm.personalized else ""))
+    logger.info("%d unseen clients held out of training (%s): each evaluation round evaluates them after %s%s",
+                len(unseen), ", ".join(client.client_id for client in unseen), adaptation,
+                f" and {finetune_steps} fine-tuning steps" if finetune_steps else "")
+    untested = [client.client_id for client in unseen if client.test_loader is None]
+    if untested:
+        logger.warning("unseen clients %s have no client-test rows and are never evaluated", ", ".join(untested))
 
 
 def calibration_loader(setup: FedSetup) -> torch.utils.data.DataLoader | None:
@@ -329,7 +376,8 @@ def calibration_loader(setup: FedSetup) -> torch.utils.data.DataLoader | None:
     from training.loop import make_loader
 
     config = setup.config
-    ids = calibration_ids(setup.manifest, setup.table, config.calibration_fraction, config.rand_seed)
+    # The unseen clients' rows too: they are held out of every training, the server's included.
+    ids = calibration_ids(setup.manifest, setup.assigned_rows, config.calibration_fraction, config.rand_seed)
     if not ids:
         return None
     return make_loader(task_dataset(config, setup.manifest, setup.task, ids, setup.feature_model), config.batch_size, False, 0,

@@ -45,7 +45,7 @@ def test_setting_names_never_shadow_a_flag_of_the_run(name):
 
 
 def test_a_foreign_or_mistyped_setting_is_one_error_listing_the_algorithms_settings():
-    with pytest.raises(TaskHetError, match=r"fedavg has no setting mu; its settings: weighting, cap, server_opt, server_lr"):
+    with pytest.raises(TaskHetError, match=r"fedavg has no setting mu; its settings: weighting, cap, buckets, noise_scale, server_opt, server_lr"):
         build_algorithm("fedavg", TinyNet(), {"a": 1}, {"mu": 0.1})
     with pytest.raises(TaskHetError, match="fedprox setting mu must be a float, got 'abc'"):
         build_algorithm("fedprox", TinyNet(), {"a": 1}, {"mu": "abc"})
@@ -82,7 +82,12 @@ REFUSED = {
     "n_cluster_models": [({"n_cluster_models": 0}, "setting n_cluster_models must be >= 1, got 0")],
     "init_noise": [({"init_noise": -0.1}, "setting init_noise must be >= 0, got -0.1")],
     "option": [({"option": "III"}, "setting option must be I or II, got 'III'")],
-    "weighting": [({"weighting": "median"}, "setting weighting must be one of samples, uniform, capped, got 'median'")],
+    "weighting": [({"weighting": "median"},
+                   "setting weighting must be one of samples, uniform, capped, bucketed, noisy, got 'median'")],
+    "buckets": [({"buckets": bad}, f"setting buckets must be 1 to 64 increasing integers in [1, 1e+09] joined by commas, "
+                                   f"e.g. 10,100,1000,10000, got {bad!r}")
+                for bad in ("100,10", "0,10", "10,10", "", "10;100", "1²", "2000000000", ",".join(map(str, range(1, 66))))],
+    "noise_scale": [({"noise_scale": 0.0}, "setting noise_scale must be > 0, got 0.0")],
     "cap": [({"cap": 0.0}, "setting cap must be in (0, 1], got 0.0"), ({"cap": 1.5}, "setting cap must be in (0, 1], got 1.5")],
     "n_components": [({"n_components": 0}, "setting n_components must be >= 1, got 0")],
     "mix": [({"mix": "logits"}, "setting mix must be one of auto, probabilities, values, got 'logits'")],
@@ -116,6 +121,7 @@ ACCEPTED_EDGES = {"server_lr": [{"server_lr": 1e-9}], "server_momentum": [{"serv
                   "mu": [{"mu": 0.0}], "lam": [{"lam": 0.0}], "head_epochs": [{"head_epochs": 0, "body_epochs": 1}],
                   "body_epochs": [{"head_epochs": 1, "body_epochs": 0}], "n_cluster_models": [{"n_cluster_models": 1}],
                   "init_noise": [{"init_noise": 0.0}], "density": [{"density": 1.0}], "cap": [{"cap": 1.0}], "q": [{"q": 0.0}],
+                  "buckets": [{"buckets": "1"}, {"buckets": " 5, 50 "}], "noise_scale": [{"noise_scale": 1e-9}],
                   "inner_steps": [{"inner_steps": 1}], "n_components": [{"n_components": 1}],
                   "self_weight": [{"self_weight": 0.0}, {"self_weight": 1.0}],
                   "min_size": [{"min_size": 2}], "start_round": [{"start_round": 0}], "personal_lr": [{"personal_lr": 1e-9}],

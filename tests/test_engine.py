@@ -249,9 +249,22 @@ def test_metrics_file_has_round_zero_eval_rounds_and_client_summaries(tmp_path):
     personal = metrics[(metrics.split == PERSONAL_TEST_SPLIT) & (metrics.client == "mean") & (metrics.metric == "loss")]
     assert personal.value.iloc[-1] != metrics[(metrics.split == CLIENT_TEST_SPLIT) & (metrics.client == "mean")
                                               & (metrics.metric == "loss")].value.iloc[-1]
-    best = load_checkpoint(tmp_path / "best.pt")
-    assert best["model_config"] == {"name": "tiny"} and best["test_loss"] == tested[tested.metric == "loss"].value.min()
+    assert not (tmp_path / "best.pt").exists()  # no validation rows: nothing may be chosen on the test split
     assert (tmp_path / "curves.png").stat().st_size > 0
+
+
+def test_best_pt_is_the_round_of_the_lowest_validation_loss_never_the_lowest_test_loss(tmp_path):
+    engine = make_engine(tmp_path, "fedavg", rounds=6, eval_every=1)
+    # validation rows that disagree with the test split: the first client's samples only
+    engine.val_loader = list(DataLoader(client_samples(0, 30)[20:], batch_size=16))
+    engine.run()
+    metrics = pd.read_csv(tmp_path / "metrics.csv", dtype={"client": str})
+    losses = metrics[(metrics.client == GLOBAL_CLIENT) & (metrics.metric == "loss")]
+    val = losses[losses.split == "val"].set_index("round").value
+    test = losses[losses.split == GLOBAL_TEST_SPLIT].set_index("round").value
+    best = load_checkpoint(tmp_path / "best.pt")
+    assert best["model_config"] == {"name": "tiny"} and best["round"] == val.idxmin()
+    assert best["val_loss"] == val.min() and best["test_loss"] == test[val.idxmin()]
 
 
 def test_resume_refuses_another_runs_checkpoint_and_no_resume_starts_over(tmp_path):

@@ -102,6 +102,9 @@ def test_train_client_hands_the_class_counts_to_the_algorithm():
         def private_keys(self):
             return frozenset()
 
+        def reported_num_samples(self, client_id, num_samples):
+            return num_samples
+
     client = ClientData("c", 4, lambda seed: [], None, (3, 0, 1))
     train_client(Spy(), classifier(), {}, None, client, 0, ClientConfig(0.1, ce_loss, CPU, 4))
     assert seen["counts"] == (3, 0, 1)

@@ -229,3 +229,23 @@ def test_the_adapter_imports_outside_the_repository_without_torch(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     hf_file, imported = result.stdout.splitlines()[-2:]
     assert Path(hf_file).resolve().parent != ROOT / "datasets" and imported == "[]"  # Hugging Face's, and no torch
+
+
+def test_the_generated_reference_lists_every_class_and_argument_as_the_code_has_them(flower):
+    import inspect
+
+    from docsgen.flower_partitioners import page
+
+    text = page()
+    classes = [cls for name, cls in vars(flower.adapter).items()
+               if inspect.isclass(cls) and cls.__module__ == ADAPTER and not name.startswith("_")]
+    assert {cls.__name__ for cls in classes} == {"TaskHetPartitioner", "TaskHetLabelPartitioner",
+                                                  "TaskHetEmbeddingPartitioner"}
+    for cls in classes:
+        section = text.split(f"## {cls.__name__}\n")[1].split("\n## ")[0]
+        for parameter in list(inspect.signature(cls.__init__).parameters.values())[1:]:
+            name = ("**" if parameter.kind is parameter.VAR_KEYWORD else "") + parameter.name
+            default = "required" if parameter.default is parameter.empty else f"`{parameter.default!r}`"
+            if parameter.kind is parameter.VAR_KEYWORD:
+                default = ""
+            assert f"| `{name}` | {default} |" in section, (cls.__name__, name)

@@ -161,7 +161,7 @@ def test_step4_finetunes_each_client_before_evaluation_when_asked(tiny_data_root
 
 def test_step4_accepts_exactly_the_methods_settings(tiny_data_root, tiny_manifest, assignments, tmp_path,  # noqa: F811
                                                    capsys):
-    with pytest.raises(TaskHetError, match=r"fedavg has no setting --mu; its settings: --weighting, --cap, --server_opt"):
+    with pytest.raises(TaskHetError, match=r"fedavg has no setting --mu; its settings: --weighting, --cap, --buckets, --noise_scale, --server_opt"):
         test_fed.main(argv(tiny_data_root, tiny_manifest, assignments, tmp_path / "x", "--mu", "0.1"))
     assert not (tmp_path / "x").exists()
     test_fed.main(["--list_methods"])

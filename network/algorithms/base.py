@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Iterable, Protocol
 import torch
 from torch import Tensor, nn
 
-from network.aggregation import Weights
+from network.aggregation import Weights, reported_size
 from utils.errors import TaskHetError
 from utils.registry import Registry
 
@@ -187,7 +187,8 @@ class ClientResult:
         upload: the bundle sent to the server (never an entry of ``private_keys``).
         client_state: what the client keeps for its next round (never sent).
         metrics: numbers for metrics.csv (``TRAIN_LOSS``, ``LOCAL_STEPS``, …).
-        num_samples: the client's number of training samples.
+        num_samples: the client's number of training samples; ``network.client.train_client`` replaces it by the
+            size the client reports (``Algorithm.reported_num_samples``) before it leaves the client.
     """
 
     upload: Bundle
@@ -251,6 +252,15 @@ class Algorithm(ABC):
     def private_keys(self) -> frozenset[str]:
         """Worker-model entries that never leave a client (none by default); engines assert it on every upload."""
         return frozenset()
+
+    def reported_num_samples(self, client_id: str, num_samples: int) -> int:
+        """The training-set size a client uploads with its update (``Upload.num_samples``, Flower's num-samples).
+
+        Exact by default; the private weightings (``weighting`` ``bucketed`` or ``noisy``) replace it by the bucketed
+        or noisy size (:func:`network.aggregation.reported_size`), so the exact size never leaves the client. Both
+        engines apply it on the client side, in ``network.client.train_client``.
+        """
+        return reported_size(self.settings, self.federation.seed, client_id, num_samples)
 
     def init_server(self, weights: Weights) -> ServerState:
         """The server state before round 1, from the initial worker-model weights."""

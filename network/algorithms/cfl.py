@@ -37,7 +37,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from network.aggregation import Weights, WeightedMean, WeightingSettings, apply_update, client_weights, upload_weight
+from network.aggregation import (Weights, WeightedMean, WeightingSettings, apply_update, federation_shares,
+                                 upload_weight)
 from network.algorithms.base import (ALGORITHMS, Algorithm, Bundle, ClientConfig, ClientResult, Federation,
                                      ServerState, Upload, load_weights)
 from network.algorithms.skeleton import DELTA, Phase, run_phases
@@ -81,7 +82,7 @@ class CFL(Algorithm):
     def __init__(self, settings: CFLSettings, federation: Federation) -> None:
         super().__init__(settings, federation)
         self.order = list(federation.client_sizes)
-        self.shares = client_weights(federation.client_sizes, settings.weighting, settings.cap)
+        self.shares = federation_shares(settings, federation.client_sizes, federation.seed)
 
     @functools.cached_property
     def _params(self) -> tuple[str, ...]:

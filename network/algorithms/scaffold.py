@@ -38,6 +38,8 @@ Choices, each as in the paper unless said otherwise:
   c = Σ_i p_i·c_i and makes the fixed point argmin Σ_i n_i·f_i, the objective FedAvg,
   FedProx and FedRep aim at. ``weighting uniform`` is the paper's form:
   x ← x + η_g·mean_S(Δy_i), c ← c + (|S|/N)·mean_S(Δc_i) (c = mean_i c_i; optimum of Σ_i f_i).
+  ``weighting bucketed`` / ``noisy``: as ``samples`` with every n_i replaced by the size the client
+  reports (network/aggregation.py), so p_i = b_i/Σ_j b_j.
 * η_g scales the parameters only; buffers (BatchNorm statistics) take the plain
   (weighted) mean of Δy, as in every other algorithm.
 """
@@ -50,7 +52,8 @@ from typing import Iterable
 import torch
 from torch import Tensor, nn
 
-from network.aggregation import Weights, WeightedMean, WeightingSettings, apply_update, client_weights, subtract
+from network.aggregation import (Weights, WeightedMean, WeightingSettings, apply_update, federation_shares,
+                                 subtract)
 from network.algorithms.base import (ALGORITHMS, GLOBAL_MODEL, LOCAL_STEPS, TRAIN_LOSS, Algorithm, Bundle,
                                      ClientConfig, ClientResult, Federation, ServerState, Upload, load_weights,
                                      make_optimizer, require, trainable)
@@ -87,7 +90,7 @@ class Scaffold(Algorithm):
 
     def __init__(self, settings: ScaffoldSettings, federation: Federation) -> None:
         super().__init__(settings, federation)
-        self.shares = client_weights(federation.client_sizes, settings.weighting, settings.cap)
+        self.shares = federation_shares(settings, federation.client_sizes, federation.seed)
 
     def broadcast(self, server: ServerState) -> Bundle:
         return {GLOBAL_MODEL: server.models[GLOBAL_MODEL], CONTROL: server.tensors}

@@ -23,7 +23,7 @@ from typing import Callable, ClassVar, Collection, Iterable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from network.aggregation import (ServerOptSettings, Weights, WeightedMean, client_weights, init_server_optimizer,
+from network.aggregation import (ServerOptSettings, Weights, WeightedMean, federation_shares, init_server_optimizer,
                                  server_step, subtract, upload_weight)
 from network.algorithms.base import (GLOBAL_MODEL, LOCAL_STEPS, TRAIN_LOSS, Algorithm, Bundle, ClientConfig,
                                      ClientResult, ServerState, Upload, copy_state, load_weights, make_optimizer,
@@ -185,8 +185,8 @@ class ModelAveraging(Algorithm):
     Client: load the global model, then the client's private entries (from its state,
     once it has trained); run ``phases``; upload Δ = y − x of every shared entry; keep
     the private entries as the client state. Server: the mean of the Δs weighted by
-    the clients' shares (``weighting``: samples, uniform or capped; see
-    :func:`network.aggregation.client_weights`), applied by the server optimizer
+    the clients' shares (``weighting``: samples, uniform, capped, or the private bucketed and noisy
+    sizes; see :func:`network.aggregation.client_weights`), applied by the server optimizer
     (parameters) or as the plain mean (buffers): :func:`network.aggregation.server_step`.
     Private entries of the global model are never updated.
     """
@@ -196,7 +196,7 @@ class ModelAveraging(Algorithm):
     def __init__(self, settings: ServerOptSettings, federation) -> None:
         super().__init__(settings, federation)
         # Fixed for the run, and checked here so an infeasible cap stops the run before it starts.
-        self.shares = client_weights(federation.client_sizes, settings.weighting, settings.cap)
+        self.shares = federation_shares(settings, federation.client_sizes, federation.seed)
 
     def phases(self, model: nn.Module, broadcast: Bundle, client_state: Weights, cfg: ClientConfig) -> list[Phase]:
         """The local training of one round (one phase over every parameter by default)."""

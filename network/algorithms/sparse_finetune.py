@@ -43,7 +43,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from network.aggregation import (ServerOptSettings, Weights, client_weights, init_server_optimizer, server_step,
+from network.aggregation import (ServerOptSettings, Weights, federation_shares, init_server_optimizer, server_step,
                                  subtract, upload_weight)
 from network.algorithms.base import (ALGORITHMS, GLOBAL_MODEL, LOCAL_STEPS, TRAIN_LOSS, Algorithm, Bundle,
                                      ClientConfig, ClientResult, Federation, ServerState, Upload, load_weights, require,
@@ -112,7 +112,7 @@ class SparseFinetune(Algorithm):
 
     def __init__(self, settings: SparseFinetuneSettings, federation: Federation) -> None:
         super().__init__(settings, federation)
-        self.shares = client_weights(federation.client_sizes, settings.weighting, settings.cap)
+        self.shares = federation_shares(settings, federation.client_sizes, federation.seed)
 
     @functools.cached_property
     def maskable(self) -> tuple[str, ...]:
