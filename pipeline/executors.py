@@ -54,8 +54,9 @@ class ExecutorSettings:
             (None: as many as the cluster's resources allow).
         threads: torch threads of every stage (None: torch's choice; on Ray, the run's CPUs).
         ray_address: the Ray cluster to join (``auto``, ``host:port`` or ``ray://host:port``; None: start one here).
-        gpus_per_run: the share of one GPU each run takes, in (0, 1] (None: one GPU per run where there are GPUs
-            and the experiment uses them, else none).
+        gpus_per_run: the share of one GPU each run takes, in (0, 1] (None: on Ray, one GPU per run where there
+            are GPUs and the experiment uses them, else none; locally, the workers go round-robin over the GPUs).
+            Given, it is reserved even by an experiment that keeps to the CPU (``use_accelerator: false``).
         cpus_per_run: CPUs each Ray task declares (None: 1).
         max_retries: how often Ray reruns a task whose worker or node died (None: 3).
     """
@@ -145,7 +146,6 @@ def open_local(settings: ExecutorSettings, out_dir: Path | None = None, use_acce
     """The local pool of ``settings.jobs`` workers, spread over this machine's visible GPUs; ``--gpus_per_run`` is
     checked against them."""
     jobs = settings.jobs or 1
-    check_gpus_wanted(settings.gpus_per_run, use_accelerator)
     visible = visible_gpu_ids()
     if settings.gpus_per_run is not None and jobs * settings.gpus_per_run > len(visible) + 1e-9:
         raise TaskHetError(f"--jobs {jobs} × --gpus_per_run {settings.gpus_per_run:g} asks for "
@@ -153,13 +153,6 @@ def open_local(settings: ExecutorSettings, out_dir: Path | None = None, use_acce
                            f"({describe_visible(visible)}); lower --jobs or --gpus_per_run")
     devices = worker_devices(jobs, visible) if jobs > 1 else []
     return LocalExecutor(jobs, settings.threads, tuple(devices))
-
-
-def check_gpus_wanted(gpus_per_run: float | None, use_accelerator: bool) -> None:
-    """``--gpus_per_run`` with an experiment that keeps to the CPU (``use_accelerator: false``) is a mistake."""
-    if gpus_per_run is not None and not use_accelerator:
-        raise TaskHetError(f"--gpus_per_run {gpus_per_run:g}: the experiment sets use_accelerator: false, so its runs "
-                           "use no GPU; leave --gpus_per_run out")
 
 
 def describe_visible(visible: list[str]) -> str:
@@ -172,7 +165,6 @@ def open_ray(settings: ExecutorSettings, out_dir: Path, use_accelerator: bool = 
     """A Ray executor connected to its cluster, its settings checked against it (pipeline/ray_executor.py)."""
     from pipeline.ray_executor import RayExecutor
 
-    check_gpus_wanted(settings.gpus_per_run, use_accelerator)
     cpus = 1.0 if settings.cpus_per_run is None else settings.cpus_per_run
     retries = DEFAULT_MAX_RETRIES if settings.max_retries is None else settings.max_retries
     return RayExecutor.connect(settings.ray_address, out_dir, cpus, settings.gpus_per_run, retries, settings.jobs,

@@ -75,14 +75,12 @@ def test_the_local_pool_checks_gpus_per_run_against_the_visible_gpus(monkeypatch
     with pytest.raises(TaskHetError, match=r"^--jobs 5 × --gpus_per_run 0.5 asks for 2.5 GPUs, but this machine "
                                            r"shows 2 \(CUDA_VISIBLE_DEVICES='0,1'\); lower --jobs or --gpus_per_run$"):
         open_local(ExecutorSettings(jobs=5, gpus_per_run=0.5))
-    with pytest.raises(TaskHetError, match="use_accelerator: false, so its runs use no GPU"):
-        open_local(ExecutorSettings(jobs=2, gpus_per_run=1.0), use_accelerator=False)
     assert open_local(ExecutorSettings(jobs=1)).in_process and open_local(ExecutorSettings(jobs=1)).devices == ()
 
 
 def test_too_many_gpus_for_this_machine_stops_run_pipeline_before_step_0(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    experiment = write_experiment(tmp_path, use_accelerator=True)
+    experiment = write_experiment(tmp_path)
     with pytest.raises(TaskHetError, match=r"--jobs 3 × --gpus_per_run 1 asks for 3 GPUs, but this machine shows 2"):
         run_pipeline.main([str(experiment), "--results", str(tmp_path / "results"), "--jobs", "3", "--gpus_per_run", "1"])
     assert not (tmp_path / "results").exists()

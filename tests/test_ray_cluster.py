@@ -1,0 +1,212 @@
+"""The grid on a real Ray cluster on this machine (run_pipeline.py --executor ray): a head and a second worker node,
+two raylets, each declaring fake GPUs. Every test starts its own cluster and stops it (so pytest-xdist may run them
+anywhere), on ports Ray chooses.
+
+A tiny digits main job runs with the local executor once (in this process, one thread); the Ray grids then run
+its pooled stages (step-3c readings, step-4 runs) on the cluster, from a copy of its steps 1-3, and every run's
+metrics.csv must equal the local one byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+import run_pipeline  # noqa: E402
+from pipeline.pool import PLACEMENT_FILE  # noqa: E402
+from tests.test_digits import tiny_digits_experiment  # noqa: E402
+from tests.test_worker_death import process_table  # noqa: E402
+from utils.errors import TaskHetError  # noqa: E402
+from utils.locks import LOCK_FILE  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+NAME = "tinydigits"
+POOLED = ("federated",)  # the folders of the pooled stages; the rest is steps 1-3 and the report
+SMALL_STORE = 80 * 2**20  # bytes of object store per node: the tasks return a placement record each
+
+
+def experiment_config() -> dict:
+    config = tiny_digits_experiment(None)
+    config["model"]["image_size"] = 8
+    config["federated"]["algorithms"]["fedprox"] = {"mu": 0.01}
+    config["federated"]["n_rounds"] = 4  # a checkpoint per round: a run killed mid-way resumes from one
+    config["heterogeneity_meter"] = False  # step 3c runs through the same run_pool_stage (tests/test_executors.py)
+    return config  # 2 groupings x 2 algorithms = 4 runs
+
+
+@pytest.fixture(scope="module")
+def local_grid(tmp_path_factory) -> Path:
+    """The experiment run by the local executor (one stage after another in this process, one thread)."""
+    base = tmp_path_factory.mktemp("local")
+    experiment = base / "digits.yaml"
+    experiment.write_text(yaml.safe_dump(experiment_config()))
+    run_pipeline.main([str(experiment), "--results", str(base / "results"), "--threads", "1"])
+    return base
+
+
+def copy_of_steps_1_to_3(local_grid: Path, results: Path) -> Path:
+    """A results folder holding the local run's steps 1-3 only (stage keys are relative: the copy reuses them)."""
+    shutil.copytree(local_grid / "results" / NAME, results / NAME,
+                    ignore=lambda folder, names: [name for name in names if Path(folder) == local_grid / "results" / NAME
+                                                  and (name in POOLED or name.startswith("report"))])
+    return local_grid / "digits.yaml"
+
+
+def metrics_files(results: Path) -> dict[str, bytes]:
+    return {path.relative_to(results).as_posix(): path.read_bytes()
+            for path in sorted((results / NAME / "federated").rglob("metrics.csv"))}
+
+
+def placements(results: Path) -> list[dict]:
+    return [json.loads(path.read_text()) for path in sorted((results / NAME).rglob(PLACEMENT_FILE))]
+
+
+def start_cluster(*nodes: dict) -> Cluster:
+    """A head node (``nodes[0]``) and worker nodes, each its own raylet, with no dashboard."""
+    cluster = Cluster(initialize_head=True, head_node_args={"include_dashboard": False,
+                                                            "object_store_memory": SMALL_STORE, **nodes[0]})
+    for node in nodes[1:]:
+        cluster.add_node(object_store_memory=SMALL_STORE, **node)
+    return cluster
+
+
+@pytest.fixture
+def two_nodes():
+    """Head and worker, each 2 CPUs and 2 fake GPUs (``num_gpus``: Ray hands out ids 0 and 1 per node)."""
+    cluster = start_cluster({"num_cpus": 2, "num_gpus": 2}, {"num_cpus": 2, "num_gpus": 2})
+    yield cluster
+    cluster.shutdown()
+
+
+def test_a_grid_on_two_nodes_equals_the_local_one_and_each_run_sees_its_own_gpu(local_grid, two_nodes, tmp_path,
+                                                                                 capsys):
+    results = tmp_path / "results"
+    experiment = copy_of_steps_1_to_3(local_grid, results)
+    run_pipeline.main([str(experiment), "--results", str(results), "--threads", "1", "--executor", "ray",
+                       "--ray_address", two_nodes.address, "--gpus_per_run", "1", "--cpus_per_run", "1"])
+    out = capsys.readouterr().out
+    assert f"step 4: 4 runs, Ray tasks on the Ray cluster at {two_nodes.address} (2 nodes), " \
+           "1 CPU and 1 GPU per run" in out
+    assert [line.split(":")[0] for line in out.splitlines() if line.startswith("run ")] == [
+        f"run {k} of 4 done" for k in range(1, 5)]
+    local = metrics_files(local_grid / "results")
+    assert len(local) == 4 and metrics_files(results) == local
+    records = placements(results)
+    assert len(records) == 4
+    for record in records:
+        assert record["devices"] in ("0", "1")  # exactly one of its node's two GPUs
+    for first in records:  # tasks of one node that ran at the same time never shared a GPU (1 GPU per run)
+        for second in records:
+            overlap = first["started"] < second["finished"] and second["started"] < first["finished"]
+            if first is not second and first["node_id"] == second["node_id"] and overlap:
+                assert first["devices"] != second["devices"]
+
+
+def worker_node_pids(node) -> set[int]:
+    """The processes of a node's raylet and its workers (the workers are the raylet's children)."""
+    raylet = node.all_processes[ray._private.ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+    return {raylet} | {pid for pid, (parent, _, _) in process_table().items() if parent == raylet}
+
+
+def run_on(results: Path, pids: set[int]) -> Path | None:
+    """A step-4 folder with a checkpoint whose lock a process of ``pids`` holds: a run in the middle, on that node."""
+    for lock in (results / NAME / "federated").rglob(LOCK_FILE):
+        try:
+            holder = json.loads(lock.read_text() or "{}")
+        except (OSError, ValueError):
+            continue
+        if holder.get("pid") in pids and (lock.parent / "checkpoint.pt").exists():
+            return lock.parent
+    return None
+
+
+def test_killing_the_worker_node_mid_grid_ends_with_the_same_results(local_grid, tmp_path):
+    cluster = start_cluster({"num_cpus": 1, "num_gpus": 2}, {"num_cpus": 1, "num_gpus": 2})
+    worker, head = next(iter(cluster.worker_nodes)), cluster.head_node.node_id
+    results = tmp_path / "results"
+    experiment = copy_of_steps_1_to_3(local_grid, results)
+    log = tmp_path / "driver.log"
+    with log.open("w") as console:
+        driver = subprocess.Popen([sys.executable, "run_pipeline.py", str(experiment), "--results", str(results),
+                                   "--threads", "1", "--executor", "ray", "--ray_address", cluster.address,
+                                   "--max_retries", "2"], cwd=ROOT, stdout=console, stderr=subprocess.STDOUT)
+    try:
+        deadline, killed = time.time() + 600, None
+        while killed is None and driver.poll() is None and time.time() < deadline:
+            killed = run_on(results, worker_node_pids(worker))
+            time.sleep(0.05)
+        assert killed is not None, "no run was caught in the middle on the worker node"
+        cluster.remove_node(worker, allow_graceful=False)  # the raylet and its workers die with SIGKILL
+        driver.wait(timeout=900)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        cluster.shutdown()
+    assert driver.returncode == 0, log.read_text()
+    assert metrics_files(results) == metrics_files(local_grid / "results")
+    # The run that died went on from its checkpoint on the head, not from round 0.
+    assert "resumed from" in (killed / "run.log").read_text()
+    assert json.loads((killed / PLACEMENT_FILE).read_text())["node_id"] == head
+
+
+def can_hide_a_folder() -> bool:
+    """Whether this machine lets a process see its own folder at a path (a mount namespace with a tmpfs)."""
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "--mount", "--map-root-user", "true"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not can_hide_a_folder(), reason="no mount namespaces here (unshare)")
+def test_settings_the_cluster_cannot_meet_and_an_unshared_results_folder_are_one_line(tmp_path):
+    config = experiment_config()
+    experiment = tmp_path / "digits.yaml"
+    experiment.write_text(yaml.safe_dump(config))
+    results = tmp_path / "results"
+    results.mkdir()
+    cluster = start_cluster({"num_cpus": 1, "num_gpus": 0})
+    node = None
+    try:
+        ray_flags = ["--executor", "ray", "--ray_address", cluster.address]
+        with pytest.raises(TaskHetError) as raised:
+            run_pipeline.main([str(experiment), "--results", str(results), *ray_flags, "--gpus_per_run", "1"])
+        assert str(raised.value) == (f"--gpus_per_run 1: no node of the Ray cluster at {cluster.address} has 1 GPUs "
+                                     "(the most on one node: 0; 0 on 1 node(s)), so a run would never start")
+        with pytest.raises(TaskHetError, match=r"^--cpus_per_run 2: no node of the Ray cluster at .* has 2 CPUs \(the "
+                                               r"most on one node: 1; 1 on 1 node\(s\)\), so a run would never start$"):
+            run_pipeline.main([str(experiment), "--results", str(results), *ray_flags, "--cpus_per_run", "2"])
+        # A second node that sees its own (empty) folder at the results' path, as a machine without the shared disk.
+        node = subprocess.Popen(
+            ["unshare", "--mount", "--map-root-user", "sh", "-c",
+             f'mount -t tmpfs tmpfs "$0" && exec "$1" start --address="$2" --num-cpus=1 --block --disable-usage-stats '
+             f"--object-store-memory={SMALL_STORE} --min-worker-port=0 --max-worker-port=0 "
+             "--dashboard-agent-listen-port=0",
+             str(results), str(Path(sys.executable).parent / "ray"), cluster.address],
+            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 300
+        while sum(entry["Alive"] for entry in cluster.global_state.node_table()) < 2 and time.time() < deadline:
+            assert node.poll() is None, "the second node did not start"
+            time.sleep(0.2)
+        with pytest.raises(TaskHetError) as raised:
+            run_pipeline.main([str(experiment), "--results", str(results), *ray_flags])
+    finally:
+        if node is not None:
+            os.killpg(node.pid, signal.SIGTERM)  # the node's whole process group: ray start, its raylet, its workers
+            node.wait(60)
+        cluster.shutdown()
+    message = str(raised.value)
+    assert message.startswith(f"--results {results / NAME} is not on storage every Ray node sees: node ")
+    assert "cannot read" in message and "(No such file or directory)" in message and "\n" not in message
+    assert list(results.rglob("*")) == []  # refused before step 0: nothing written, the marker removed
