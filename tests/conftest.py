@@ -10,8 +10,17 @@ if str(ROOT) not in sys.path:
 import utils.tv_compat  # noqa: E402,F401  (before anything imports torchvision)
 
 
+import os  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# Property tests draw 50 examples in the suite (their own settings leave max_examples to the profile); a deeper
+# search: HYPOTHESIS_PROFILE=thorough (the 150 examples they took before). No deadline: a loaded machine is slow.
+settings.register_profile("suite", max_examples=50, deadline=None)
+settings.register_profile("thorough", max_examples=150, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -53,7 +53,7 @@ def clean(tmp_path_factory) -> tuple[Path, Path]:
     """Valid tiny CIFAR-10 files (4 train and 1 test image a class) and the manifest step 1 writes for them."""
     root = write_tiny_cifar(tmp_path_factory.mktemp("cifar"), "cifar10", [4] * 10, test_per_class=1)
     out = tmp_path_factory.mktemp("step1") / "s1"
-    manifest = select.main(["--family", "cifar", "--data_path", str(root), "--no-verify_checksums", "--out", str(out)])
+    manifest = select.main(step1(root, out))
     return root, manifest
 
 
@@ -67,7 +67,9 @@ def read_raw(path: Path) -> dict:
 
 
 def step1(root: Path, out: Path, *extra: str) -> list[str]:
-    return ["--family", "cifar", "--data_path", str(root), "--no-verify_checksums", "--out", str(out), *extra]
+    # a validation image of each class (the default 10% of 4 rounds to none, and step 2 selects on validation)
+    return ["--family", "cifar", "--data_path", str(root), "--no-verify_checksums", "--val_fraction", "0.25", "--out",
+            str(out), *extra]
 
 
 def step2(root: Path, manifest: Path, out: Path) -> list[str]:

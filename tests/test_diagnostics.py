@@ -238,9 +238,8 @@ def test_a_bad_period_is_refused_naming_the_flag(every):
         RunConfig(task="depth_euclidean", diagnostics=True, diagnostics_max_samples=0)
 
 
-@pytest.mark.parametrize("value, reason", [("0", "must be >= 1, got 0"), ("-3", "must be >= 1, got -3"),
-                                           ("nan", "must be an integer, got 'nan'")])
-def test_the_command_line_refuses_a_bad_period_in_one_error_line(tmp_path, capsys, value, reason):
+@pytest.mark.parametrize("value", ["0", "-3", "nan", "10001", "²"])
+def test_the_command_line_refuses_a_bad_period_in_one_error_line(tmp_path, capsys, value):
     from steps import federated
     from utils.cli import run_main
 
@@ -249,7 +248,7 @@ def test_the_command_line_refuses_a_bad_period_in_one_error_line(tmp_path, capsy
                                   "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1, err
-    assert err[0].startswith("error: argument --diagnostics_every: " + reason)
+    assert err[0].startswith(f"error: argument --diagnostics_every: must be an integer in [1, 10000], got '{value}'")
     assert not (tmp_path / "out").exists()
 
 

@@ -32,14 +32,16 @@ def test_one_round_by_hand_explicit_step():
 def test_huge_lambda_makes_personal_models_the_global_model(tmp_path):
     data = least_squares_clients()
     _, engine = run_oracle(tmp_path, "ditto", rounds=3, steps=5, lr=0.5 / max_curvature(data), data=data,
-                           lam=1e12, prox_step="implicit")
+                           lam=1e9, prox_step="implicit")  # the largest legal λ
     # Each v_i is anchored at the w^t it was sent; the last round's w^t is the model before the last aggregate.
     for client_id, state in engine.store.snapshot().items():
         personal = engine.algorithm.personal_model(engine.server.models, state)["weight"]
         assert personal.abs().sum() > 0
     last_broadcast = _global_before_last_round(tmp_path, data)
     for state in engine.store.snapshot().values():
-        assert torch.allclose(state["weight"], last_broadcast, rtol=1e-9, atol=1e-10)
+        # the implicit step leaves v within about |v - w|/(lr·λ) of w: ~1e-8 at the largest legal λ
+        assert torch.allclose(state["weight"], last_broadcast, rtol=1e-6, atol=1e-7)
+        assert not torch.allclose(state["weight"], torch.zeros_like(state["weight"]), atol=1e-3)
 
 
 def _global_before_last_round(tmp_path, data):

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pandas as pd
 import pytest
@@ -13,9 +9,8 @@ import pytest
 from network.quadratic_explainer import (fixed_point, global_optimum, gradient_dissimilarity, iid_control, run_fedavg,
                                          worked_example)
 from steps.explain import main
+from tests.scripts_in_process import run_script
 from utils.errors import TaskHetError
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def hand_fixed_point(eta: float, local_steps: int) -> float:
@@ -106,10 +101,9 @@ def test_the_command_writes_its_table_curves_and_figure(tmp_path):
     (["--scales", "-1"], "--scales"),
     (["--etas", "nan"], "--etas"),
 ])
-def test_bad_flags_are_one_error_line_and_write_nothing(tmp_path, flags, message):
+def test_bad_flags_are_one_error_line_and_write_nothing(tmp_path, flags, message, capsys, monkeypatch):
     out = tmp_path / "explain"
-    result = subprocess.run([sys.executable, str(ROOT / "explain_heterogeneity.py"), "--out", str(out), *flags],
-                            capture_output=True, text=True, cwd=ROOT)
+    result = run_script("explain_heterogeneity.py", ["--out", str(out), *flags], capsys, monkeypatch)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr

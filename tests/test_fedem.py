@@ -156,7 +156,9 @@ def test_more_components_than_memory_holds_is_one_line_before_any_copy(monkeypat
     build_algorithm("fedem", linear_model(), {"0": 1}, {"n_components": 10})  # exactly fits: accepted
     with pytest.raises(TaskHetError, match=r"^fedem setting n_components=11 needs 11 copies of the model "):
         build_algorithm("fedem", model, {"0": 1}, {"n_components": 11})
-    with pytest.raises(TaskHetError, match=r"^fedem setting n_components=100000000 needs"):
+    with pytest.raises(TaskHetError, match=r"^fedem setting n_components=64 needs 64 copies"):  # the largest legal
+        build_algorithm("fedem", model, {"0": 1}, {"n_components": 64})
+    with pytest.raises(TaskHetError, match=r"^fedem setting n_components must be at most 64 in magnitude, got 100000000"):
         build_algorithm("fedem", model, {"0": 1}, {"n_components": 100_000_000})
 
 

@@ -15,7 +15,9 @@ import pandas as pd
 import pytest
 import yaml
 
+import run_pipeline  # noqa: F401  (its modules loaded before a test races a pipeline for the lock)
 from steps import assign, select
+from tests.scripts_in_process import run_script
 from tests.test_digits import tiny_digits_experiment
 from utils.cli import run_main
 from utils.errors import FolderInUseError
@@ -56,10 +58,10 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error:")]
 
 
-def test_a_second_run_of_a_real_step_is_refused_naming_the_holder(manifest, holder, tmp_path):
+def test_a_second_run_of_a_real_step_is_refused_naming_the_holder(manifest, holder, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "make_client_assignments.py", *assign_argv(manifest, out)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
+    # The script in this process: the lock's holder is the other process.
+    result = run_script("make_client_assignments.py", assign_argv(manifest, out), capsys, monkeypatch)
     assert result.returncode == 2, result.stderr
     (line,) = error_lines(result.stderr)
     assert f"--out {out} is being written by another run: pid {holder.pid} on host {socket.gethostname()} since " in line
@@ -98,28 +100,31 @@ def test_a_run_refused_before_work_leaves_no_folder_behind(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
-def test_two_pipelines_on_one_experiment_the_second_is_refused_and_a_rerun_completes(tmp_path):
+def test_two_pipelines_on_one_experiment_the_second_is_refused_and_a_rerun_completes(tmp_path, capsys, monkeypatch):
     config = tiny_digits_experiment(tmp_path)
-    config["federated"]["n_rounds"] = 40  # long enough for a second pipeline to start while the first runs
+    config["federated"]["n_rounds"] = 4  # steps 2-4 and the report: seconds of work left when the second starts
     experiment = tmp_path / "digits.yaml"
     experiment.write_text(yaml.safe_dump(config))
     results = tmp_path / "results"
     out = results / config["name"]
-    command = [sys.executable, "run_pipeline.py", str(experiment), "--results", str(results), "--threads", "1"]
-    first = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    args = [str(experiment), "--results", str(results), "--threads", "1"]
+    # The first pipeline is a process of its own; the second and the rerun run here (their modules are imported
+    # already, so the second asks for the lock within milliseconds of the first's step 1).
+    first = subprocess.Popen([sys.executable, "run_pipeline.py", *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 300
         while not list(out.glob("step1-*")) and time.time() < deadline and first.poll() is None:  # at work
             time.sleep(0.05)
         assert first.poll() is None, "the first pipeline ended before a second could start"
-        second = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        second = run_script("run_pipeline.py", args, capsys, monkeypatch)
         assert second.returncode == 2, second.stderr  # (0 would mean it ran: before locks it wrote beside the first)
         assert first.wait(timeout=900) == 0, first.stderr.read()
     finally:
         first.kill()
     (line,) = error_lines(second.stderr)
     assert f"experiment 'tinydigits' in --results {out} is being written by another run: pid {first.pid} on host" in line
-    third = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    third = run_script("run_pipeline.py", args, capsys, monkeypatch)
     assert third.returncode == 0, third.stderr
     assert (out / "report.md").stat().st_size > 0 and (out / "report.csv").stat().st_size > 0
     (step2,) = out.glob("centralized/*/metrics.csv")
@@ -150,8 +155,9 @@ STEP_ARGV = {  # just enough to parse: the lock comes before any input is read
     "assign": ["--manifest", "{manifest}", "--out", "{out}"],
     "meter": ["--checkpoint", "{missing}", "--manifest", "{manifest}", "--assignments", "{missing}", "--data_path",
               "{missing}", "--out", "{out}"],
-    "federated": ["--task", "digit_class", "--method", "fedavg", "--manifest", "{manifest}", "--assignments", "{missing}",
-                  "--out", "{out}"],
+    # step 4 reads its assignments before the lock (the default --out needs them): real ones
+    "federated": ["--task", "digit_class", "--method", "fedavg", "--manifest", "{manifest}", "--assignments",
+                  "{assignments}", "--out", "{out}"],
     "merge": ["--base", "{missing}", "--finetuned", "a={missing}", "--out", "{out}"],
     "explain": ["--out", "{out}"],
 }
@@ -163,7 +169,10 @@ def test_every_step_refuses_a_folder_another_run_holds(step, held_folder, manife
 
     out, pid = held_folder
     module = importlib.import_module(f"steps.{step.split()[0]}")
-    argv = [arg.format(out=out, manifest=manifest, missing=tmp_path / "missing") for arg in STEP_ARGV[step]]
+    assignments = (assign.main(assign_argv(manifest, tmp_path / "step3b")) if step == "federated"
+                   else None)
+    argv = [arg.format(out=out, manifest=manifest, missing=tmp_path / "missing", assignments=assignments)
+            for arg in STEP_ARGV[step]]
     with pytest.raises(FolderInUseError, match=f"is being written by another run: pid {pid} on host"):
         module.main(argv)
     assert sorted(path.name for path in out.iterdir()) == [LOCK_FILE]

@@ -13,13 +13,13 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
 from steps import assign, select
+from tests.scripts_in_process import run_script
 from utils import run_dir
 from utils.cli import run_main
 from utils.errors import DiskFullError
@@ -63,13 +63,13 @@ def one_error_line(stderr: str) -> str:
     return lines[0]
 
 
-def test_step2_on_a_full_disk_is_one_error_line_and_stays_incomplete(small_disk, digits_inputs):
+def test_step2_on_a_full_disk_is_one_error_line_and_stays_incomplete(small_disk, digits_inputs, capsys, monkeypatch):
     manifest, _ = digits_inputs
     out = small_disk / "step2"
-    result = subprocess.run([sys.executable, "train_centralized_task_model.py", "--task", "digit_class", "--manifest",
-                             str(manifest), "--encoder", "small_cnn", "--weights", "none", "--image_size", "8",
-                             "--n_epochs", "1", "--batch_size", "16", "--out", str(out)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = run_script("train_centralized_task_model.py",
+                        ["--task", "digit_class", "--manifest", str(manifest), "--encoder", "small_cnn", "--weights",
+                         "none", "--image_size", "8", "--n_epochs", "1", "--batch_size", "16", "--out", str(out)],
+                        capsys, monkeypatch)
     assert result.returncode == 2, result.stderr
     line = one_error_line(result.stderr)
     assert line.startswith(f"error: {out}/") and ".pt: no space left on device" in line, line
@@ -93,14 +93,14 @@ def test_step4_on_a_full_disk_is_one_error_line_and_stays_incomplete(small_disk,
     assert (out / INCOMPLETE).exists() and not (out / "best.pt").exists() and leftovers(out) == []
 
 
-def test_merge_on_a_full_disk_is_one_error_line_naming_merged_pt(small_disk, tmp_path):
+def test_merge_on_a_full_disk_is_one_error_line_naming_merged_pt(small_disk, tmp_path, capsys, monkeypatch):
     base = {"weight": torch.zeros(300_000)}  # 1.2 MB: the merged model cannot fit on the 512 KiB disk
     torch.save(base, tmp_path / "base.pt")
     torch.save({"weight": torch.ones(300_000)}, tmp_path / "a.pt")
     out = small_disk / "merge"
-    result = subprocess.run([sys.executable, "merge_task_vectors.py", "--base", str(tmp_path / "base.pt"), "--finetuned",
-                             f"a={tmp_path / 'a.pt'}", "--lam", "0.5", "--out", str(out)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = run_script("merge_task_vectors.py", ["--base", str(tmp_path / "base.pt"), "--finetuned",
+                                                  f"a={tmp_path / 'a.pt'}", "--lam", "0.5", "--out", str(out)],
+                        capsys, monkeypatch)
     assert result.returncode == 2, result.stderr
     assert one_error_line(result.stderr).startswith(f"error: {out / 'merged.pt'}: no space left on device")
     assert not (out / "merged.pt").exists() and leftovers(out) == []
@@ -176,8 +176,8 @@ run_main(fill)
 """
 
 
-def run_cache_script(folder: Path, prelude: str = "") -> subprocess.CompletedProcess:
-    code = textwrap.dedent(prelude) + CACHE_SCRIPT.format(folder=str(folder))
+def run_cache_script(folder: Path) -> subprocess.CompletedProcess:
+    code = CACHE_SCRIPT.format(folder=str(folder))
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
@@ -190,17 +190,28 @@ def test_the_memory_mapped_cache_on_a_full_disk_is_an_error_not_sigbus(small_dis
     assert list((small_disk / "cache").iterdir()) == []  # no half-made cache left to be reused
 
 
-def test_the_cache_reports_a_failing_reservation_as_an_error_line(tmp_path):
-    """Injected: posix_fallocate refuses (ENOSPC) on an ordinary disk; the process must not go on to map."""
-    prelude = """
-        import errno, os
-        def refuse(fd, offset, length):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        os.posix_fallocate = refuse
-    """
-    result = run_cache_script(tmp_path / "cache", prelude)
-    assert result.returncode not in (-signal.SIGBUS, 0), result.stdout
-    assert one_error_line(result.stderr).startswith(f"error: {tmp_path / 'cache'}/decoded_")
+def test_the_cache_reports_a_failing_reservation_as_an_error_line(tmp_path, monkeypatch, capsys):
+    """Injected: posix_fallocate refuses (ENOSPC) on an ordinary disk; the run must not go on to map. In this
+    process: on an ordinary disk a map would not fault (the SIGBUS case above has its own process)."""
+    import numpy as np
+
+    from datasets.cache import DecodedSampleCache
+
+    def refuse(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def fill(argv):  # CACHE_SCRIPT's run
+        cache = DecodedSampleCache(tmp_path / "cache", "k" * 64, 64, {"x": ((64, 64), np.float32)})
+        for row in range(64):
+            cache.put(row, {"x": np.ones((64, 64), np.float32)})
+        print("filled", cache.num_filled())
+
+    monkeypatch.setattr(os, "posix_fallocate", refuse)
+    with pytest.raises(SystemExit) as stopped:
+        run_main(fill, [])
+    captured = capsys.readouterr()
+    assert stopped.value.code == 2, captured.out
+    assert one_error_line(captured.err).startswith(f"error: {tmp_path / 'cache'}/decoded_")
     assert list((tmp_path / "cache").iterdir()) == []
 
 

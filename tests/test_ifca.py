@@ -25,7 +25,10 @@ def two_cluster_data():
 
 def test_recovers_the_clusters_and_reaches_each_clusters_optimum(tmp_path):
     data = two_cluster_data()
-    _, engine = run_oracle(tmp_path, "ifca", rounds=800, steps=1, lr=1.0 / max_curvature(data), data=data,
+    # Each cluster model's error shrinks 9.5-fold per 100 rounds: 5x the rtol/atol of 1e-6 is left after 500
+    # rounds, 1/17 of it after 700.
+    rounds = 700
+    _, engine = run_oracle(tmp_path, "ifca", rounds=rounds, steps=1, lr=1.0 / max_curvature(data), data=data,
                            n_cluster_models=2, init_noise=1.0)
     chosen = {client: int(state["id"]) for client, state in engine.store.snapshot().items()}
     first, second = {chosen[str(index)] for index in range(4)}, {chosen[str(index)] for index in range(4, 8)}
@@ -35,7 +38,7 @@ def test_recovers_the_clusters_and_reaches_each_clusters_optimum(tmp_path):
         model = engine.server.models[f"cluster{cluster}"]["weight"].squeeze(0)
         assert torch.allclose(model, optimum, rtol=1e-6, atol=1e-6)
     metrics = pd.read_csv(tmp_path / "ifca" / "metrics.csv", dtype={"client": str})
-    last = metrics.query("split == 'train' and metric == 'cluster' and round == 800 and client != 'mean'")
+    last = metrics.query("split == 'train' and metric == 'cluster' and round == @rounds and client != 'mean'")
     assert {row.client: int(row.value) for row in last.itertuples()} == chosen  # per client, per round
     assert set(metrics.query("split == 'test'").client) >= {"global", "model:cluster0", "model:cluster1"}
 
@@ -138,10 +141,11 @@ def test_more_cluster_models_than_clients_is_refused_before_any_model_is_allocat
         raise AssertionError("a cluster model was allocated")
 
     monkeypatch.setattr(ifca, "_perturbed", never)
-    for k in (4, 100_000_000):
-        with pytest.raises(TaskHetError, match=rf"ifca setting n_cluster_models must be <= the number of clients \(3\), "
-                                              rf"got {k}"):
-            build_algorithm("ifca", linear_model(), THREE_CLIENTS, {"n_cluster_models": k})
+    with pytest.raises(TaskHetError, match=r"ifca setting n_cluster_models must be <= the number of clients \(3\), got 4"):
+        build_algorithm("ifca", linear_model(), THREE_CLIENTS, {"n_cluster_models": 4})
+    # past the setting's own bound the range check speaks first, still before any allocation
+    with pytest.raises(TaskHetError, match=r"ifca setting n_cluster_models must be at most 64 in magnitude, got 100000000"):
+        build_algorithm("ifca", linear_model(), THREE_CLIENTS, {"n_cluster_models": 100_000_000})
     algorithm, _ = build_algorithm("ifca", linear_model(), THREE_CLIENTS, {"n_cluster_models": 3})  # k = clients is fine
     assert algorithm.settings.n_cluster_models == 3
 

@@ -13,7 +13,8 @@ def own_optimum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def test_the_server_never_changes_and_each_client_reaches_its_own_optimum(tmp_path):
     data = least_squares_clients(sizes=(12, 30, 50, 8))  # unequal sizes, different local optima
-    final, engine = run_oracle(tmp_path, "local", rounds=8, steps=1500, lr=0.9 / max_curvature(data), data=data)
+    # 3 rounds of 1500 steps: the slowest client (12 rows) is 1e-13 from its optimum (2.5e-9 after 2 rounds)
+    final, engine = run_oracle(tmp_path, "local", rounds=3, steps=1500, lr=0.9 / max_curvature(data), data=data)
     assert torch.equal(final, torch.zeros(DIM, dtype=torch.float64))  # the initial model, never updated
     optima = [own_optimum(a, b) for a, b in data]
     for index, (a, b) in enumerate(data):

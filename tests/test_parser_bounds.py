@@ -38,7 +38,7 @@ HUGE = "1" + "0" * 30  # 10^30
 UNICODE_DIGITS = ["²", "٣", "۷", "𝟗", "５", "1_000", "१"]
 HOSTILE = [HUGE, "-" + HUGE, "1e400", "-1e400", "nan", "inf", "-inf", "NaN", "", " ", "0x10", "1e", ".", "--1",
            "9" * 5000, *UNICODE_DIGITS]
-PROPERTY = settings(max_examples=150, deadline=None)
+PROPERTY = settings(deadline=None)  # max_examples: the profile of tests/conftest.py (50; thorough: 150)
 
 # Text a user might type for a number: anything at all, numbers of every size, and near-misses.
 number_text = st.one_of(

@@ -33,7 +33,8 @@ from partitioning.assignments import load_assignments
 from partitioning.partition import get_partitioner
 from partitioning.temporal import (NO_END, TemporalSpec, check_horizon, client_phases, parse_temporal, phase_windows,
                                    schedule_rows)
-from steps import assign, select
+from steps import assign, federated, select
+from tests.scripts_in_process import run_script
 from tests.test_vectorized import BatchNormNet
 from tests.tiny_models import class_counts, client_samples, evaluate, loss_fn
 from utils.errors import TaskHetError
@@ -337,14 +338,14 @@ def test_a_bad_schedule_is_one_error_naming_the_file_row_and_column(digits_manif
     assert str(path) in message and named in message and "row " in message, message
 
 
-def test_a_schedule_round_beyond_n_rounds_is_refused_by_step4_in_one_error_line(digits_manifest, tmp_path):
+def test_a_schedule_round_beyond_n_rounds_is_refused_by_step4_in_one_error_line(digits_manifest, tmp_path, capsys,
+                                                                                 monkeypatch):
     path = write_schedule(tmp_path, digits_manifest, set_cell("to_round", "40"))
     table, _ = load_assignments(path, pd.read_csv(digits_manifest, dtype={"sample_id": str}))
     with pytest.raises(TaskHetError, match=r"column to_round: round beyond --n_rounds 12: row \d+"):
         check_horizon(table, 12, str(path))
     check_horizon(table, 40, str(path))
-    result = subprocess.run([sys.executable, "test_fed.py", *fed_argv(digits_manifest, path, tmp_path / "run", 6)],
-                            cwd=ROOT, capture_output=True, text=True)
+    result = run_script("test_fed.py", fed_argv(digits_manifest, path, tmp_path / "run", 6), capsys, monkeypatch)
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and result.stderr.startswith("error: ")
     assert str(path) in result.stderr and "to_round: round beyond --n_rounds 6" in result.stderr
     assert not (tmp_path / "run" / "metrics.csv").exists()
@@ -375,9 +376,9 @@ def test_a_run_killed_mid_schedule_resumes_bit_identical(digits_manifest, tmp_pa
     rounds = 12
     path = compound(digits_manifest, tmp_path / "a", "--temporal", "rotate:3:2", "--n_rounds", str(rounds))
     clean, killed = tmp_path / "clean", tmp_path / "killed"
-    command = [sys.executable, "test_fed.py"]
-    subprocess.run([*command, *fed_argv(digits_manifest, path, clean, rounds)], cwd=ROOT, check=True, capture_output=True)
-    process = subprocess.Popen([*command, *fed_argv(digits_manifest, path, killed, rounds)], cwd=ROOT,
+    # Only the killed run needs a process of its own; the uninterrupted run and the resume run here.
+    federated.main(fed_argv(digits_manifest, path, clean, rounds))
+    process = subprocess.Popen([sys.executable, "test_fed.py", *fed_argv(digits_manifest, path, killed, rounds)], cwd=ROOT,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     checkpoint, deadline, reached = killed / "checkpoint.pt", time.time() + 300, 0
     while process.poll() is None and time.time() < deadline:
@@ -392,8 +393,7 @@ def test_a_run_killed_mid_schedule_resumes_bit_identical(digits_manifest, tmp_pa
     assert process.poll() is None and 3 <= reached < rounds, "the run ended before it could be killed mid-schedule"
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
-    subprocess.run([*command, *fed_argv(digits_manifest, path, killed, rounds), "--resume"], cwd=ROOT, check=True,
-                   capture_output=True)
+    federated.main([*fed_argv(digits_manifest, path, killed, rounds), "--resume"])
     assert (killed / "metrics.csv").read_bytes() == (clean / "metrics.csv").read_bytes()
     first, second = load_checkpoint(clean / "checkpoint.pt"), load_checkpoint(killed / "checkpoint.pt")
     assert first["round"] == second["round"] == rounds
