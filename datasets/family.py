@@ -36,6 +36,8 @@ SPLITS = ("train", "test")
 # Optional manifest column: 1 marks a training row set aside for validation (model selection), 0 otherwise.
 # The split stays train/test for every family; a family without the column has no validation part.
 VAL_COLUMN = "val"
+# The share of the training data every family's step 1 sets aside for validation unless told otherwise.
+DEFAULT_VAL_FRACTION = 0.1
 
 
 class DataFamily(ABC):

@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
+from datasets.family import VAL_COLUMN
 from datasets.synthetic import PLACES_FILE, SPLIT_FILE
 from datasets.taskonomy import FAMILY, MANIFEST_COLUMNS, check_data_root, discover_samples, domain_dir, read_scene_names
 from datasets.taskonomy_domains import DOMAIN_SPECS, get_domain
@@ -25,7 +26,8 @@ from utils.loaders import plain_name, read_csv
 from utils.run_dir import atomic_write_text
 from utils.seeding import numpy_rng
 
-SPLIT_BY = ("sample", "building")
+SPLIT_BY = ("building", "csv", "sample")
+VALIDATION, TRAIN, TEST = "val", "train", "test"
 # Always required: the model input and the scene label's scores. Task domains come on top.
 ALWAYS_REQUIRED = ("rgb", "class_scene")
 SPLIT_CSV_COLUMNS = ("id", "train", "val", "test")
@@ -44,8 +46,11 @@ class SelectionConfig:
         domains: domains every kept sample must have besides rgb and class_scene (always required):
             those the experiment's tasks need, nothing more.
         top_k_classes: keep the K most frequent scene labels.
-        test_fraction: share of samples (or buildings) in the test split, in (0, 1).
-        split_by: "sample" or "building" (no building in both splits).
+        test_fraction: share of samples (or buildings) in the test split, in (0, 1) (split_by csv: unused).
+        val_fraction: share of samples (or buildings) set aside from training for validation, in [0, 1)
+            (split_by csv: unused).
+        split_by: "building" (no building in two splits), "csv" (the split CSV's train/val/test columns) or
+            "sample".
         seed: root seed of the split.
     """
 
@@ -56,6 +61,7 @@ class SelectionConfig:
     domains: tuple[str, ...] = ()
     top_k_classes: int = 16
     test_fraction: float = 0.2
+    val_fraction: float = 0.0
     split_by: str = "sample"
     seed: int = 0
 
@@ -65,6 +71,9 @@ class SelectionConfig:
             raise TaskHetError(f"--top_k_classes must be >= 1, got {self.top_k_classes}")
         if not 0.0 < self.test_fraction < 1.0:
             raise TaskHetError(f"--test_fraction must be in (0, 1), got {self.test_fraction}")
+        if not 0.0 <= self.val_fraction < 1.0 or self.test_fraction + self.val_fraction >= 1.0:
+            raise TaskHetError(f"--val_fraction must be in [0, 1) and leave training rows beside --test_fraction "
+                               f"{self.test_fraction}, got {self.val_fraction}")
         if self.split_by not in SPLIT_BY:
             raise TaskHetError(f"--split_by must be one of {', '.join(SPLIT_BY)}, got {self.split_by!r}")
         include = self.taskonomy_clients_to_include
@@ -80,7 +89,8 @@ class Selection:
 
     Attributes:
         manifest: one row per kept sample, columns :data:`MANIFEST_COLUMNS`.
-        class_counts: one row per kept class: ``scene_class, scene_name, places_index, num_samples, num_train, num_test``.
+        class_counts: one row per kept class: ``scene_class, scene_name, places_index, num_samples, num_train, num_val,
+            num_test`` (num_train without the validation rows).
         buildings: buildings searched, in split-CSV order (those on disk).
         missing_buildings: buildings of the split CSV that were asked for but are not on disk
             (each as ``"<building> (no <domain> folder)"``), skipped.
@@ -127,22 +137,69 @@ def scene_labels(root: Path, paths: pd.Series, progress: bool = True) -> np.ndar
     return np.asarray(labels, dtype=np.int64)
 
 
-def split_samples(samples: pd.DataFrame, test_fraction: float, split_by: str, seed: int) -> np.ndarray:
-    """"train"/"test" per row; ``split_by="building"`` puts whole buildings in one split."""
-    rng = numpy_rng(seed, "step1_split", split_by)
-    if split_by == "building":
-        buildings = sorted(set(samples["building"]))
-        if len(buildings) < 2:
-            raise TaskHetError(f"--split_by building needs at least 2 buildings with kept samples, found {len(buildings)}")
-        num_test = int(np.clip(round(test_fraction * len(buildings)), 1, len(buildings) - 1))
-        test_buildings = {buildings[position] for position in rng.permutation(len(buildings))[:num_test]}
-        return np.where(samples["building"].isin(test_buildings), "test", "train")
-    if len(samples) < 2:
-        raise TaskHetError(f"a train/test split needs at least 2 samples, found {len(samples)}")
-    num_test = int(np.clip(round(test_fraction * len(samples)), 1, len(samples) - 1))
-    split = np.full(len(samples), "train", dtype=object)
-    split[rng.permutation(len(samples))[:num_test]] = "test"
+def split_samples(samples: pd.DataFrame, config: "SelectionConfig", split_csv: Path | None = None) -> pd.Series:
+    """"train"/"val"/"test" per row of ``samples`` (columns building, scene_class) as ``config.split_by`` says.
+
+    ``building``: whole buildings per split, stratified by each building's majority scene class (the buildings are
+    ordered by that class and drawn systematically, so every split spreads over the classes), with
+    ``max(1, round(fraction × buildings))`` buildings in test and (when ``val_fraction`` > 0) in val. ``csv``: the
+    split CSV's own columns (real Taskonomy's official split). ``sample``: rows drawn at random.
+
+    Raises:
+        TaskHetError: a split left empty, naming the split and the counts.
+    """
+    rng = numpy_rng(config.seed, "step1_split", config.split_by)
+    if config.split_by == "csv":
+        membership = read_split_membership(split_csv)
+        split = samples["building"].map(membership)
+        _refuse_empty(split, samples["building"], "buildings", f"split CSV {split_csv}", config)
+        return split
+    units = samples["building"] if config.split_by == "building" else pd.Series(np.arange(len(samples)), index=samples.index)
+    labels = samples.groupby(units)["scene_class"].agg(lambda values: values.value_counts().index[0])
+    order = labels.sample(frac=1.0, random_state=rng).sort_values(kind="stable").index.to_numpy()
+    chosen = {TEST: _systematic(order, config.test_fraction, rng)}
+    rest = order[~np.isin(order, chosen[TEST])]
+    wanted_val = config.val_fraction and len(rest)  # no rest: training is empty, which _refuse_empty names
+    chosen[VALIDATION] = _systematic(rest, config.val_fraction * len(order) / len(rest), rng) if wanted_val else rest[:0]
+    split_of = pd.Series(TRAIN, index=order, dtype=object)
+    for name, members in chosen.items():
+        split_of[members] = name
+    split = units.map(split_of)
+    _refuse_empty(split, units, "buildings" if config.split_by == "building" else "samples", "--split_by", config)
     return split
+
+
+def _systematic(order: np.ndarray, fraction: float, rng: np.random.Generator) -> np.ndarray:
+    """``max(1, round(fraction × len(order)))`` items of ``order`` (at most all), evenly spaced from a random start:
+    over a class-sorted order, a stratified draw."""
+    count = min(len(order), max(1, int(np.floor(fraction * len(order) + 0.5))))
+    positions = np.floor((np.arange(count) + rng.random()) * len(order) / count).astype(np.int64)
+    return order[positions]
+
+
+def _refuse_empty(split: pd.Series, units: pd.Series, unit: str, where: str, config: "SelectionConfig") -> None:
+    """One line naming the split a selection leaves empty (validation only when it was asked for)."""
+    wanted = [TRAIN, TEST] + ([VALIDATION] if config.split_by == "csv" or config.val_fraction else [])
+    counts = {name: int(units[split == name].nunique()) for name in wanted}
+    empty = [name for name in wanted if counts[name] == 0]
+    if empty:
+        shown = ", ".join(f"{name} {counts[name]}" for name in wanted)
+        raise TaskHetError(f"{where}: split {empty[0]!r} would hold 0 of the {units.nunique()} {unit} with kept samples "
+                           f"({shown}); use more {unit} or other --test_fraction/--val_fraction (split by {config.split_by})")
+
+
+def read_split_membership(path: Path) -> dict[str, str]:
+    """building -> "train" | "val" | "test" from a split CSV's 0/1 columns (exactly one 1 per building)."""
+    table = read_csv(path, "split CSV", SPLIT_CSV_COLUMNS, hint="--client_file_name", dtype={"id": str},
+                     keep_default_na=False)
+    membership = {}
+    for row, record in enumerate(table.itertuples(index=False)):
+        flags = {name: str(getattr(record, name)).strip() for name in (TRAIN, VALIDATION, TEST)}
+        if any(value not in ("0", "1") for value in flags.values()) or sum(value == "1" for value in flags.values()) != 1:
+            raise TaskHetError(f"split CSV {path}: row {row + 2} (building {record.id!r}) must have exactly one 1 among "
+                               f"train, val, test (0 or 1 each), got {flags}")
+        membership[record.id] = next(name for name, value in flags.items() if value == "1")
+    return membership
 
 
 def missing_domain(root: Path, domains: list[str], building: str) -> str | None:
@@ -212,23 +269,26 @@ def select_datapoints(config: SelectionConfig, progress: bool = True) -> Selecti
     chosen["scene_name"] = [names[label] for label in chosen["places_index"]]
     chosen["rgb_path"] = chosen["path_rgb"]
     chosen["family"] = FAMILY
-    chosen["split"] = split_samples(chosen, config.test_fraction, config.split_by, config.seed)
-    manifest = chosen[list(MANIFEST_COLUMNS)].copy()
+    part = split_samples(chosen, config, split_csv)
+    chosen["split"] = np.where(part == TEST, TEST, TRAIN)
+    chosen[VAL_COLUMN] = (part == VALIDATION).astype(np.int64).to_numpy()
+    manifest = chosen[[*MANIFEST_COLUMNS, VAL_COLUMN]].copy()
     class_counts = pd.DataFrame(
         {
             "scene_class": range(len(kept)),
             "scene_name": [names[label] for label in kept],
             "places_index": kept,
             "num_samples": [int((chosen["places_index"] == label).sum()) for label in kept],
-            "num_train": [int(((chosen["places_index"] == label) & (chosen["split"] == "train")).sum()) for label in kept],
-            "num_test": [int(((chosen["places_index"] == label) & (chosen["split"] == "test")).sum()) for label in kept],
+            "num_train": [int(((chosen["places_index"] == label) & (part == TRAIN)).sum()) for label in kept],
+            "num_val": [int(((chosen["places_index"] == label) & (part == VALIDATION)).sum()) for label in kept],
+            "num_test": [int(((chosen["places_index"] == label) & (part == TEST)).sum()) for label in kept],
         }
     )
     return Selection(manifest, class_counts, buildings, len(samples), len(counts), config, missing)
 
 
 def plot_class_distribution(class_counts: pd.DataFrame, path: Path) -> None:
-    """Bar chart of kept samples per scene class (train and test stacked), as a PNG."""
+    """Bar chart of kept samples per scene class (train, validation and test stacked), as a PNG."""
     from matplotlib.figure import Figure  # here: matplotlib takes a second to import, and only the plot needs it
     from utils.plots import save_figure
 
@@ -237,7 +297,9 @@ def plot_class_distribution(class_counts: pd.DataFrame, path: Path) -> None:
     axis = figure.subplots()
     positions = np.arange(len(class_counts))
     axis.bar(positions, class_counts["num_train"], label="train", color="#3b6ea5")
-    axis.bar(positions, class_counts["num_test"], bottom=class_counts["num_train"], label="test", color="#e0a030")
+    axis.bar(positions, class_counts["num_val"], bottom=class_counts["num_train"], label="validation", color="#7aa95c")
+    axis.bar(positions, class_counts["num_test"], bottom=class_counts["num_train"] + class_counts["num_val"], label="test",
+             color="#e0a030")
     axis.set_xticks(positions, [f"{row.scene_class}: {row.scene_name}" for row in class_counts.itertuples()], rotation=90)
     axis.set_ylabel("samples")
     axis.set_title("Samples per scene class")
@@ -264,13 +326,20 @@ def write_selection(selection: Selection, out_dir: Path) -> dict[str, Path]:
 def summary_line(selection: Selection) -> str:
     """One line: what was kept, from what, and how it is split."""
     manifest, config = selection.manifest, selection.config
-    num_train = int((manifest["split"] == "train").sum())
+    val = manifest[VAL_COLUMN] == 1
+    train, test = (manifest["split"] == TRAIN) & ~val, manifest["split"] == TEST
+    counts = " / ".join(f"{int(rows.sum())} {name} ({_buildings(manifest.loc[rows, 'building'].nunique())})"
+                        for name, rows in ((TRAIN, train), ("validation", val), (TEST, test)))
     return (
         f"step 1: kept {len(manifest)} of {selection.num_complete} complete samples from "
         f"{manifest['building'].nunique()} of {len(selection.buildings)} buildings; "
         f"{len(selection.class_counts)} scene classes (top {config.top_k_classes} of {selection.num_labels_found} found); "
-        f"split by {config.split_by}: {num_train} train / {len(manifest) - num_train} test"
+        f"split by {config.split_by}: {counts}"
     )
+
+
+def _buildings(count: int) -> str:
+    return f"{count} building{'' if count == 1 else 's'}"
 
 
 def log_selection(selection: Selection, logger: logging.Logger) -> None:

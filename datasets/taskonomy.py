@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset, default_collate
 
 from datasets.cache import DecodedSampleCache, cache_key, cache_rows
-from datasets.family import DATASETS, FAMILY_COLUMN, DataFamily, refuse_repeated_images, with_family_column
+from datasets.family import DATASETS, FAMILY_COLUMN, VAL_COLUMN, DataFamily, refuse_repeated_images, with_family_column
 from datasets.taskonomy_domains import DOMAIN_SPECS, NUM_SCENE_SCORES, TASKS, get_domain
 from utils import loaders
 from utils.errors import TaskHetError
@@ -143,6 +143,13 @@ def validate_manifest(manifest: pd.DataFrame, source: str = "manifest") -> pd.Da
         raise TaskHetError(f"{source}: row {row + 2} has split {manifest.at[row, 'split']!r}, expected one of {SPLITS}")
     for column in ("point", "view", "scene_class"):
         manifest[column] = loaders.int_column(manifest, column, source, low=0)  # inf or 1e30 never wrap around
+    if VAL_COLUMN in manifest.columns:  # optional: a manifest written without a validation part has none
+        manifest[VAL_COLUMN] = loaders.int_column(manifest, VAL_COLUMN, source, low=0, high=1)
+        on_test = (manifest[VAL_COLUMN] == 1) & (manifest["split"] != "train")
+        if on_test.any():
+            row = int(np.flatnonzero(on_test.to_numpy())[0])
+            raise TaskHetError(f"{source}: row {row + 2} has {VAL_COLUMN} 1 on a {manifest.at[row, 'split']!r} row; "
+                               "validation rows are training rows set aside")
     for row, building in enumerate(manifest["building"]):  # a building names a folder: no path may hide in it
         loaders.plain_name(building, f"{source}: row {row + 2}, column 'building',")
     # The input is the rgb_path file (one file under two spellings, ./ or //, is one image); the targets

@@ -34,32 +34,7 @@ def _step(module: str, *args: str) -> Callable[[], argparse.ArgumentParser]:
 
 
 def _run_pipeline_parser() -> argparse.ArgumentParser:
-    """run_pipeline.py's parser: its ``build_parser()``, or the one its ``parse_args`` builds (caught unparsed)."""
-    module = importlib.import_module("run_pipeline")
-    if hasattr(module, "build_parser"):
-        return module.build_parser()
-    return _parser_built_by(module.parse_args)
-
-
-class _Caught(Exception):
-    """Carries the parser out of a ``parse_args`` call that was stopped before parsing."""
-
-
-def _parser_built_by(parse_args: Callable[[list[str]], argparse.Namespace]) -> argparse.ArgumentParser:
-    """The parser ``parse_args`` builds: its ``ArgumentParser.parse_args`` call is stopped and the parser kept."""
-    original = argparse.ArgumentParser.parse_args
-
-    def stop(parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
-        raise _Caught(parser)
-
-    argparse.ArgumentParser.parse_args = stop  # type: ignore[method-assign]
-    try:
-        parse_args([])
-    except _Caught as caught:
-        return caught.args[0]
-    finally:
-        argparse.ArgumentParser.parse_args = original  # type: ignore[method-assign]
-    raise RuntimeError("run_pipeline.parse_args never called ArgumentParser.parse_args")
+    return importlib.import_module("pipeline.command").build_parser()
 
 
 def _step1(family: str) -> Callable[[], argparse.ArgumentParser]:

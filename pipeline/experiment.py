@@ -8,19 +8,25 @@ step runner and the kind's own runner and report. ``run_pipeline.py`` is these t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import pandas as pd
 
 from pipeline.executors import Executor
+from pipeline.overrides import apply_overrides, parse_overrides
 from pipeline.runner import Pipeline
 from pipeline.studies import MAIN_JOB, StudyKind, get_study
 from utils.errors import TaskHetError
 from utils.loaders import load_yaml
 
 
-def load_experiment(path: Path) -> dict[str, Any]:
+def load_experiment(path: Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Read, type-check, merge with its kind's defaults and validate an experiment file (errors name the key).
+
+    Args:
+        path: the YAML file.
+        overrides: ``key=value`` texts (pipeline/overrides.py) applied to the file before any check, so they meet
+            the same checks; the config records them under ``"overrides"``.
 
     The returned config records its kind under ``"study"``.
     """
@@ -29,10 +35,17 @@ def load_experiment(path: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise TaskHetError(f"{path}: expected a mapping of keys at the top level, got {type(raw).__name__}")
     kind = study_kind(raw, path)
+    parsed = parse_overrides(list(overrides))
+    raw = apply_overrides(raw, parsed, kind.schema, kind.free_form)
     # the main job's schema has no study key (a file leaves it out; ``study: main_job`` says the same)
-    config = kind.load({key: value for key, value in raw.items() if key != "study"} if kind.name == MAIN_JOB else raw,
-                       path)
+    try:
+        config = kind.load({key: value for key, value in raw.items() if key != "study"} if kind.name == MAIN_JOB else raw,
+                           path)
+    except TaskHetError as error:
+        named = [override.text for override in parsed if override.key in str(error)]
+        raise TaskHetError(str(error) + (f" (set by the override {named[0]!r})" if named else "")) from None
     config["study"] = kind.name
+    config["overrides"] = [override.text for override in parsed]
     return config
 
 
@@ -46,7 +59,8 @@ def study_kind(raw: dict[str, Any], path: Path) -> StudyKind:
 
 
 def run_experiment(config: dict[str, Any], out_dir: Path, command: str, jobs: int = 1, threads: int | None = None,
-                   show_progress: bool = True, executor: Executor | None = None) -> pd.DataFrame:
+                   show_progress: bool = True, executor: Executor | None = None,
+                   record: dict[str, Any] | None = None) -> pd.DataFrame:
     """Run a validated config (from :func:`load_experiment`) into ``out_dir``; returns its report table.
 
     Args:
@@ -56,7 +70,8 @@ def run_experiment(config: dict[str, Any], out_dir: Path, command: str, jobs: in
         show_progress: draw the top-level bar.
         executor: where the federated runs and step-3c readings run, opened by
             ``pipeline.executors.open_executor`` (None: ``jobs`` local worker processes, spread over the GPUs).
+        record: what was run, written to ``out_dir/config.json`` once the inputs are checked (None: nothing).
     """
     pipeline = Pipeline(config, Path(out_dir), command, jobs=jobs, threads=threads, show_progress=show_progress,
-                        executor=executor)
+                        executor=executor, record=record)
     return get_study(config["study"]).run(pipeline)

@@ -29,6 +29,8 @@ def final_personal_loss(metrics: pd.DataFrame, metric: str = "loss") -> float:
     return float(rows[rows["round"] == rows["round"].max()].value.iloc[0]) if len(rows) else float("nan")
 
 
-def best_validation_loss(metrics_csv: Path) -> float:
-    """The centralized model's test loss at the epoch best.pt holds (selected on val where the data has one, else on test)."""
-    return float(selected_test_metrics(metrics_csv)["loss"])
+def centralized_reference(metrics_csv: Path) -> tuple[float, str]:
+    """The centralized model's test loss at the epoch best.pt holds, and the split that chose that epoch (``val``; ``test``
+    only for a step-2 run made with ``--select_on_test``, which a report must say)."""
+    selected = selected_test_metrics(metrics_csv)
+    return float(selected["loss"]), str(selected["selected_on"])

@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 from tqdm.auto import tqdm
 
+from datasets.family import DEFAULT_VAL_FRACTION
 from pipeline.argv import flags
 from pipeline.checks import check_input_files
 from pipeline.executors import Executor, ExecutorSettings, GridProgress, open_local
@@ -39,6 +40,7 @@ from steps import select as step1
 from steps import train_centralized as step2
 from utils.interrupts import interrupted, message_of
 from utils.progress import StepLines
+from utils.run_dir import write_config
 from utils.stages import is_done, run_stage, stage_key
 
 
@@ -55,6 +57,7 @@ class Pipeline:
     threads: int | None = None  # torch threads of every step (passed as --threads, so config.json records it)
     show_progress: bool = True  # the top-level bar (run_pipeline.py --no-progress, or stdout not a terminal: off)
     executor: Executor | None = None  # where pooled stages run (pipeline/executors.py); None: the local pool of jobs
+    record: dict[str, Any] | None = None  # written to out_dir/config.json once the inputs are checked (None: not)
 
     def step(self, name: str, stage_dir: Path, params: dict[str, Any], script: Callable, argv: list[str]) -> Path:
         """Run one script unless its stage is done; advances the top-level progress bar (without a bar: a line
@@ -90,6 +93,8 @@ class Pipeline:
             shared += ["--cache_dir", str(self.out_dir / "cache")]
         if script is step4:
             shared.append("--no-round_lines")
+        if script in (step2, step4) and self.config.get("tensorboard"):
+            shared.append("--tensorboard")  # <run>/tensorboard: `tensorboard --logdir results/<name>` shows every run
         return shared
 
     # ----- steps -----
@@ -121,6 +126,10 @@ class Pipeline:
         else:
             params.update(data_path=str(root), tasks=self.config["tasks"], top_k_classes=data["top_k_classes"],
                           split_by=data["split_by"])
+        if family == "taskonomy":  # always named: a manifest of the older split (no validation part) is not reused
+            params["val_fraction"] = DEFAULT_VAL_FRACTION if data["val_fraction"] is None else data["val_fraction"]
+        elif family == "digits" and data["val_fraction"] is not None:
+            params["val_fraction"] = data["val_fraction"]
         inputs = []
         if data["source"] == "taskonomy":
             # Step 1's --client_file_name has data.split_csv's meaning: relative to the data root unless absolute.
@@ -188,6 +197,8 @@ class Pipeline:
         """Inputs the experiment names but no step makes: checked before any step runs, errors name the key
         (pipeline/checks.py; the file's other checks ran when it was loaded)."""
         check_input_files(self.config)
+        if self.record is not None:  # only a file that passed every check leaves a folder behind
+            write_config(self.out_dir, self.record)
 
     def progress_bar(self, total: int, desc: str) -> tqdm | StepLines:
         """The top-level bar over ``total`` steps; without ``show_progress`` (``--no-progress``, or stdout not a

@@ -189,7 +189,7 @@ SHARED_TYPES: dict[str, Check] = {
     "data.buildings": Optional(ListOf(Str(plain=True))),
     "data.top_k_classes": Int(1, 365),  # Places365 has 365 scene classes
     "data.test_fraction": FRACTION,
-    "data.split_by": Str(("building", "sample")),
+    "data.split_by": Str(("building", "csv", "sample")),
     "data.n_samples": Optional(Int(1, MAX_SAMPLES)),
     "data.split_csv": Optional(Str()),
     "data.imbalance_factor": Optional(Float(0, 1, low_open=True)),

@@ -19,8 +19,7 @@ DATA_SOURCES = {"synthetic": "taskonomy", "taskonomy": "taskonomy", "digits": "d
 # A user's own folder (datasets/imagefolder.py, datasets/paired_folders.py): an optional data.split_csv, no fixed classes.
 FOLDER_SOURCES = ("imagefolder", "paired_folders")
 # Keys of the data section that only some sources read (a key set for another source is an error).
-SOURCE_KEYS = {"imbalance_factor": ("cifar10", "cifar100", "digits"),
-               "val_fraction": ("cifar10", "cifar100", *FOLDER_SOURCES), "verify_checksums": ("cifar10", "cifar100")}
+SOURCE_KEYS = {"imbalance_factor": ("cifar10", "cifar100", "digits"), "verify_checksums": ("cifar10", "cifar100")}
 
 DATA_SECTION: dict[str, Any] = {
     "source": "synthetic",  # synthetic | taskonomy | digits | cifar10 | cifar100 | imagefolder | paired_folders
@@ -31,11 +30,11 @@ DATA_SECTION: dict[str, Any] = {
     # paired_folders (stem,split): optional, else a seeded split; relative to root unless absolute
     "buildings": None,  # taskonomy only: list of buildings to include (None: all on disk)
     "top_k_classes": 16,  # taskonomy/synthetic only
-    "test_fraction": 0.2,
-    "split_by": "building",  # taskonomy/synthetic only
+    "test_fraction": 0.2,  # share of buildings (taskonomy/synthetic) or samples in the test split (cifar: fixed)
+    "split_by": "building",  # taskonomy/synthetic only: building | csv (the split CSV's own columns) | sample
     "n_samples": None,  # digits only: samples kept, stratified by digit (None: all 1,797)
     "imbalance_factor": None,  # cifar and digits: n_min / n_max of the long-tailed training set (None: 1.0, balanced)
-    "val_fraction": None,  # cifar only: stratified share of the training set kept for validation (None: 0.1)
+    "val_fraction": None,  # share of the training buildings (or samples) kept for validation (None: step 1's 0.1)
     "verify_checksums": None,  # cifar only: torchvision's md5 check (None: on; off only for hand-made files)
 }
 # cache_features: with freeze_encoder, the encoder's maps are computed once per sample (steps 2, 3c, 4)

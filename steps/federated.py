@@ -29,7 +29,7 @@ Inputs: the step-1 manifest (--manifest), the data under --data_path and a step-
 default <assignment_files_path>/<type>/<task|labels>[/k<n_clusters>]/a<alpha>/assignments.csv), checked against
 the manifest. Clients train on their 'train' rows; their 'test' rows and the manifest's test split evaluate.
 Outputs in --out: config.json, run.log, metrics.csv (round, split, client, metric, value), checkpoint.pt (every
-round; --resume continues from it), best.pt (lowest global test loss) and curves.png.
+round; --resume continues from it), best.pt (lowest global validation loss; none without validation rows) and curves.png.
 Each algorithm's own settings follow --method X: `test_fed.py --method X --help` lists them."""
 # Step 4's own limits (the shared ones are utils.cli's; rounds and clients are partitioning's).
 MAX_LOCAL_STEPS = 10_000  # J per round, and --finetune_steps

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from datasets.family import DEFAULT_VAL_FRACTION
 from datasets.selection import SPLIT_BY, SelectionConfig, log_selection, select_datapoints, write_selection
 from datasets.synthetic import PLACES_FILE, SPLIT_FILE
 from datasets.taskonomy_domains import DOMAINS, NUM_SCENE_SCORES
@@ -24,8 +25,10 @@ or synthetic buildings from render_synthetic_buildings.py), its split CSV (--cli
 id,train,val,test) and the Places365 class-name list (--scene_class_file_name).
 Keeps the samples that have rgb, class_scene and every domain the --tasks need, labels each with the argmax
 of its class_scene scores,
-keeps the --top_k_classes most frequent labels (renumbered 0..K-1) and splits train/test.
-Outputs in --out: manifest.csv (family, sample_id, building, point, view, rgb_path, scene_class, scene_name, split),
+keeps the --top_k_classes most frequent labels (renumbered 0..K-1) and splits them into train,
+validation and test, by default whole buildings per split (--split_by).
+Outputs in --out: manifest.csv (family, sample_id, building, point, view, rgb_path, scene_class, scene_name, split,
+val: 1 on the training rows set aside for validation),
 class_counts.csv, class_distribution.png, config.json, run.log. Next: step 2, train_centralized_task_model.py.
 This is the Taskonomy data family (--family taskonomy, the default); --family digits --help shows the digits family's step 1."""
 
@@ -83,8 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top_k_classes", type=cli.ints(1, NUM_SCENE_SCORES), default=16,
                         help="keep the K most frequent scene classes (default: 16)")
     parser.add_argument("--test_fraction", type=cli.floats(0.0, 1.0, low_open=True, high_open=True), default=0.2,
-                        help="share of samples (or buildings) in the test split (default: 0.2)")
-    parser.add_argument("--split_by", choices=SPLIT_BY, default="sample", help="split samples, or whole buildings (default: sample)")
+                        help="share of buildings (or samples) in the test split; at least one (default: 0.2)")
+    parser.add_argument("--val_fraction", type=cli.floats(0.0, 1.0, high_open=True), default=DEFAULT_VAL_FRACTION,
+                        help="share of buildings (or samples) set aside from training for validation (column val = 1), "
+                             "on which step 2 selects its best epoch; at least one when > 0; 0: no validation part, and "
+                             f"step 2 then needs --select_on_test (default: {DEFAULT_VAL_FRACTION})")
+    parser.add_argument("--split_by", choices=SPLIT_BY, default="building",
+                        help="building: whole buildings per split, stratified by scene class, so no building's views sit "
+                             "on both sides; csv: the split CSV's own train/val/test columns (real Taskonomy's official "
+                             "split; --test_fraction and --val_fraction unused); sample: views drawn one by one "
+                             "(default: building)")
     parser.add_argument("--seed", type=cli.SEEDS, default=0, help="seed of the train/test split (default: 0)")
     parser.add_argument("--out", type=Path, default=Path("results/datapoints"), help="output folder (default: results/datapoints)")
     cli.add_runtime_flags(parser)
@@ -116,6 +127,7 @@ def select_scenes(args: argparse.Namespace) -> Path:
         domains=required_domains([name for names in args.tasks for name in names.split(",") if name]),
         top_k_classes=args.top_k_classes,
         test_fraction=args.test_fraction,
+        val_fraction=args.val_fraction,
         split_by=args.split_by,
         seed=args.seed,
     )

@@ -18,7 +18,7 @@ from datasets.encoded import encoded_dataset, model_input_key
 from datasets.family import load_manifest
 from models import build_task_model, get_task, list_encoders
 from models.encoders import NAMED_WEIGHTS, default_weights
-from training.loop import check_resumable, fit, make_loader
+from training.loop import TEST_SPLIT, check_resumable, fit, make_loader
 from training.schedules import OPTIMIZERS, ScheduleConfig, list_schedulers, make_optimizer, make_scheduler
 from training.selection import centralized_splits, selection_split
 from utils import cli
@@ -112,6 +112,10 @@ def add_training_arguments(parser: argparse.ArgumentParser, searched: bool = Tru
     add("--cache_dir", type=Path, default=None, help="decoded-sample cache folder (default: none)")
     add("--resume", "--resume_training", action=argparse.BooleanOptionalAction, default=True,
         help="continue from <out>/last.pt if present (default: yes); --no-resume starts over")
+    add("--select_on_test", action=argparse.BooleanOptionalAction, default=False,
+        help="a manifest without validation rows (column val) selects best.pt and stops early on the TEST split: "
+             "refused unless this flag asks for it; config.json and run.log record it, and every report that reads "
+             "the run (its metrics.csv has no val rows) says its numbers were selected on test (default: no)")
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -147,6 +151,22 @@ def resolve_mixed_precision(flag: str | None, use_accelerator: bool) -> str:
     return "bf16" if use_accelerator and torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
 
 
+def _shadowed_datasets_are_not_hugging_faces() -> None:
+    """Tell accelerate that Hugging Face's ``datasets`` is not there when the name is TaskHet's own package.
+
+    With flwr-datasets installed, accelerate finds Hugging Face's ``datasets`` installed and, when it shards a loader
+    over several processes, runs ``from datasets import IterableDataset``, which imports TaskHet's ``datasets/``
+    (first on the path) and fails. TaskHet's loaders hold torch datasets only, so the check has nothing to find.
+    """
+    import sys
+
+    import accelerate.data_loader
+
+    ours = sys.modules.get("datasets")
+    if ours is not None and not hasattr(ours, "IterableDataset"):
+        accelerate.data_loader.is_datasets_available = lambda: False
+
+
 def make_accelerator(args: argparse.Namespace) -> Accelerator:
     """Step 2's accelerate ``Accelerator``: device, ``--mixed_precision`` and, under ``accelerate launch``, the processes.
 
@@ -155,6 +175,7 @@ def make_accelerator(args: argparse.Namespace) -> Accelerator:
     from the epoch's first samples by accelerate, so that every process gets an equal slice).
     """
     world_size = cli.world_size()
+    _shadowed_datasets_are_not_hugging_faces()
     # accelerate keeps its settings in process-wide state and refuses a second Accelerator with another mixed
     # precision or device; a pipeline or a search trains several step-2 models in one process. Reset as
     # accelerate's own AccelerateTestCase does, and GradientState too (it keeps the loaders of a run that
@@ -223,15 +244,20 @@ def train(args: argparse.Namespace) -> dict:
 def train_locked(args: argparse.Namespace, accelerator: Accelerator) -> dict:
     """:func:`train`'s work, holding the lock of ``args.out`` (in the main process)."""
     main_process = accelerator.is_main_process
+    family, manifest = load_manifest(args.manifest)  # before the folder is claimed: a refused run writes nothing
+    family.check_task(args.task, f"--task (manifest {args.manifest})")
+    splits = centralized_splits(manifest, f"manifest {args.manifest}")
+    select = selection_split(splits)
+    if select == TEST_SPLIT and not args.select_on_test:
+        raise TaskHetError(f"manifest {args.manifest} has no validation rows (column val), so best.pt would be chosen on "
+                           "the test split; make the manifest with a validation part (step 1's --val_fraction, the "
+                           "default) or pass --select_on_test to select on test knowingly (reports then say so)")
     if main_process:
         claim_folder(args.out, STEP)
     signature = {key: str(value) for key, value in vars(args).items() if key not in NOT_IN_SIGNATURE}
     check_resumable(args.out, signature, args.resume)  # before config.json: a refused resume changes nothing
     task = get_task(args.task)
     set_deterministic(args.deterministic)
-    family, manifest = load_manifest(args.manifest)
-    family.check_task(args.task, f"--task (manifest {args.manifest})")
-    splits = centralized_splits(manifest, f"manifest {args.manifest}")
     datasets = {split: family.dataset(args.data_path, rows, task, args.image_size, args.cache_dir)
                 for split, rows in splits.items()}
     num_classes = family.output_channels(manifest, task)
@@ -244,7 +270,6 @@ def train_locked(args: argparse.Namespace, accelerator: Accelerator) -> dict:
         write_config(args.out, {**vars(args), "num_processes": accelerator.num_processes}, step=STEP)
     logger = setup_logging(args.out, "train_centralized") if main_process else _silent_logger()
     device = accelerator.device
-    select = selection_split(splits)
     logger.info("task %s, encoder %s (weights %s), %s samples, best epoch chosen on %s, device %s, %d process(es), "
                 "mixed precision %s", args.task, args.encoder, args.weights,
                 " / ".join(f"{len(data)} {split}" for split, data in datasets.items()), select, device,

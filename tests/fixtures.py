@@ -36,8 +36,10 @@ def render_tiny_dataset(root: Path, n_buildings: int = 4, n_views: int = 6, imag
 
 
 def make_tiny_manifest(root: Path, out_dir: Path, top_k: int = 4) -> Path:
-    """Run step 1's library code on ``root`` (split by sample, 25% test, seed 0); returns ``manifest.csv``."""
-    config = SelectionConfig(data_path=Path(root), top_k_classes=top_k, test_fraction=0.25, split_by="sample", seed=0)
+    """Run step 1's library code on ``root`` (split by sample, 25% test, 10% validation, seed 0); returns
+    ``manifest.csv``. Step 2 selects on the validation rows, as it does for every manifest step 1 writes."""
+    config = SelectionConfig(data_path=Path(root), top_k_classes=top_k, test_fraction=0.25, val_fraction=0.1,
+                             split_by="sample", seed=0)
     selection = select_datapoints(config, progress=False)
     return write_selection(selection, Path(out_dir))["manifest"]
 

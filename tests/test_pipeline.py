@@ -93,13 +93,40 @@ def test_tiny_experiment_end_to_end(tmp_path):
     assert finished_stages(tmp_path / "moved" / "tiny") == before  # a moved results folder redoes nothing either
 
 
-def test_killed_during_step4_resumes_to_the_same_report(tmp_path):
-    config = tiny_experiment(tmp_path)
-    config["federated"]["n_rounds"] = 6
-    experiment = write_experiment(tmp_path, config)
-    killed, clean = tmp_path / "killed", tmp_path / "clean"
-    command = [sys.executable, "run_pipeline.py", str(experiment), "--results"]
-    process = subprocess.Popen([*command, str(killed)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+@pytest.fixture(scope="module")
+def sequential_run(tmp_path_factory) -> tuple[Path, Path]:
+    """ONE uninterrupted tiny pipeline in this process (fedavg and fedprox, 3 rounds, one torch thread): the
+    killed-and-resumed run and the parallel runs are compared with its report, and start from a copy of it.
+
+    Returns (its experiment file, its results folder); both are read-only (tests copy before changing anything).
+    """
+    base = tmp_path_factory.mktemp("sequential")
+    config = tiny_experiment(base)
+    config["federated"]["algorithms"]["fedprox"] = {"mu": 0.01}
+    config["federated"]["n_rounds"] = 3  # 4 runs x 3 rounds: step 4 outlives its first checkpoint by 11 rounds
+    experiment = write_experiment(base, config)
+    run_pipeline.main([str(experiment), "--results", str(base / "results"), "--threads", "1"])
+    return experiment, base / "results"
+
+
+def copy_results(sequential_run: tuple[Path, Path], to: Path, *without: str) -> Path:
+    """A copy of the shared run's results folder (a moved folder redoes nothing) without the folders ``without`` of
+    its experiment and its report; returns the experiment's folder in the copy."""
+    shutil.copytree(sequential_run[1], to)
+    out = to / "tiny"
+    for name in without:
+        shutil.rmtree(out / name)
+    for report in out.glob("report*"):
+        report.unlink()
+    return out
+
+
+def test_killed_during_step4_resumes_to_the_same_report(sequential_run, tmp_path):
+    experiment, clean = sequential_run
+    killed = tmp_path / "killed"
+    # A real process killed with SIGKILL in step 4 (steps 1-3 ran in it too); the rerun may run here.
+    command = [sys.executable, "run_pipeline.py", str(experiment), "--results", str(killed), "--threads", "1"]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
     while not list(killed.rglob("federated/**/checkpoint.pt")) and time.time() < deadline and process.poll() is None:
         time.sleep(0.05)
@@ -108,10 +135,9 @@ def test_killed_during_step4_resumes_to_the_same_report(tmp_path):
     process.wait()
     stages_before = {k: v for k, v in finished_stages(killed / "tiny").items() if "federated" not in k}
     assert not (killed / "tiny" / "report.csv").exists()
-    subprocess.run([*command, str(killed)], cwd=ROOT, check=True, capture_output=True)
+    run_pipeline.main([str(experiment), "--results", str(killed), "--threads", "1"])
     stages_after = finished_stages(killed / "tiny")
     assert all(stages_after[name] == mtime for name, mtime in stages_before.items())
-    subprocess.run([*command, str(clean)], cwd=ROOT, check=True, capture_output=True)
     pd.testing.assert_frame_equal(pd.read_csv(killed / "tiny" / "report.csv"), pd.read_csv(clean / "tiny" / "report.csv"))
 
 
@@ -173,33 +199,31 @@ def test_verdicts_do_not_depend_on_the_thread_count(tmp_path):
     assert (reports[1].gap_percent - reports[2].gap_percent).abs().max() < 1.0  # percentage points
 
 
-def test_parallel_federated_runs_give_the_report_of_sequential_ones(tmp_path, capsys):
-    config = tiny_experiment(tmp_path)
-    config["federated"]["algorithms"]["fedprox"] = {"mu": 0.01}
-    experiment = write_experiment(tmp_path, config)
-    run_pipeline.main([str(experiment), "--results", str(tmp_path / "sequential"), "--threads", "1"])
+def test_parallel_federated_runs_give_the_report_of_sequential_ones(sequential_run, tmp_path, capsys):
+    experiment, sequential = sequential_run
+    # Steps 1-3 come from the sequential run (only steps 3c and 4 go to the worker pool): they are redone in parallel.
+    copy_results(sequential_run, tmp_path / "parallel", "heterogeneity", "federated")
+    capsys.readouterr()
     run_pipeline.main([str(experiment), "--results", str(tmp_path / "parallel"), "--threads", "1", "--jobs", "2"])
     # The meter's readings went through the worker pool too (before the federated runs).
     assert "step 3c: 2 readings; step 4: 4 runs, 2 at a time in worker processes" in capsys.readouterr().out
     for report in ("report.csv", "report_heterogeneity.csv"):
-        reports = [pd.read_csv(tmp_path / name / "tiny" / report) for name in ("sequential", "parallel")]
+        reports = [pd.read_csv(path / "tiny" / report) for path in (sequential, tmp_path / "parallel")]
         pd.testing.assert_frame_equal(*reports)  # one thread each: the same arithmetic in either process
     assert len(list((tmp_path / "parallel" / "tiny").glob("federated/**/stage.json"))) == 4  # 2 groupings x 2 algorithms
 
 
-def test_a_failing_parallel_run_stops_the_pipeline_with_its_error(tmp_path):
-    config = tiny_experiment(tmp_path)
+def test_a_failing_parallel_run_stops_the_pipeline_with_its_error(sequential_run, tmp_path):
+    experiment, _ = sequential_run
+    config = yaml.safe_load(experiment.read_text())  # the shared run's data and steps 1-3
     config["federated"]["init_from"] = "centralized"
     config["heterogeneity_meter"] = False
     experiment = write_experiment(tmp_path, config)
     results = tmp_path / "results"
-    run_pipeline.main([str(experiment), "--results", str(results), "--threads", "1"])
-    out = results / "tiny"
-    for stage in list(out.glob("federated/**/stage.json")):
-        shutil.rmtree(stage.parent)
-    (out / "report.csv").unlink()
+    out = copy_results(sequential_run, results, "federated")
     # Steps 1-3 stay done; only step 4, in a worker process, reads the now unfinished step-2 checkpoint.
     (next(out.glob("centralized/*/best.pt")).parent / "INCOMPLETE").write_text("step 2")
     with pytest.raises(TaskHetError, match="INCOMPLETE|unfinished|did not finish"):
         run_pipeline.main([str(experiment), "--results", str(results), "--jobs", "2", "--threads", "1"])
     assert not (out / "report.csv").exists()
+    assert not list(out.glob("federated/**/stage.json"))  # the steps 1-3 skipped: no run of the new setting finished

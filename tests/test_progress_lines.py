@@ -95,3 +95,36 @@ def test_the_default_is_one_torch_thread_and_recorded(monkeypatch):
     finally:
         torch.set_num_threads(before)
     assert "(default: 1)" in parser.format_help()
+
+
+def test_tensorboard_reaches_steps_2_and_4_of_the_pipeline_as_a_flag_not_a_stage_key(tmp_path):
+    import run_pipeline
+    from pipeline.runner import Pipeline
+    from steps import embed, federated, train_centralized
+
+    assert run_pipeline.parse_args(["x.yaml", "--tensorboard"]).tensorboard is True
+    assert run_pipeline.parse_args(["x.yaml"]).tensorboard is None  # the file's key decides
+    on = Pipeline({"tensorboard": True}, tmp_path, "c")
+    off = Pipeline({"tensorboard": False}, tmp_path, "c")
+    for script in (train_centralized, federated):
+        assert "--tensorboard" in on.shared_flags(script) and "--tensorboard" not in off.shared_flags(script)
+    assert "--tensorboard" not in on.shared_flags(embed)
+
+
+def test_the_main_jobs_tensorboard_key_changes_no_stage_parameter(tmp_path):
+    import yaml
+
+    from pipeline.experiment import load_experiment
+    from pipeline.studies.main_job.config import Combination, federated_params
+
+    raw = yaml.safe_load((ROOT / "experiments" / "demo.yaml").read_text())
+    loaded = []
+    for value in (False, True):
+        path = tmp_path / f"tb_{value}.yaml"
+        path.write_text(yaml.safe_dump({**raw, "tensorboard": value}))
+        loaded.append(load_experiment(path))
+    off, on = loaded
+    assert on["tensorboard"] is True and off["tensorboard"] is False
+    combination = Combination("normal", "label_based", 0.1, "fedavg", 0)
+    inputs = ("data", "manifest.csv", "assignments.csv", "best.pt")
+    assert federated_params(on, combination, *inputs) == federated_params(off, combination, *inputs)

@@ -34,7 +34,7 @@ def config_for(root: Path, **changes) -> SelectionConfig:
 def test_manifest_has_one_row_per_complete_sample(tiny_data_root):
     selection = select_datapoints(config_for(tiny_data_root), progress=False)
     manifest = selection.manifest
-    assert list(manifest.columns) == list(MANIFEST_COLUMNS)
+    assert list(manifest.columns) == [*MANIFEST_COLUMNS, "val"]
     assert len(manifest) == 4 * 6 and manifest["sample_id"].is_unique
     expected_ids = {f"synth00{b}_point_{p}_view_{v}" for b in range(4) for p in range(2) for v in range(3)}
     assert set(manifest["sample_id"]) == expected_ids
@@ -154,6 +154,7 @@ def test_corrupt_class_scene_file_is_named(data_copy):
 def test_bad_arguments_are_refused(tiny_data_root):
     for changes, message in (
         ({"top_k_classes": 0}, "--top_k_classes must be >= 1, got 0"),
+        ({"val_fraction": 0.8}, "--val_fraction must be in \\[0, 1\\) and leave training rows"),
         ({"test_fraction": 1.0}, "--test_fraction must be in"),
         ({"split_by": "room"}, "--split_by must be one of"),
         ({"domains": ("depth",)}, "unknown domain 'depth'"),
@@ -172,9 +173,37 @@ def test_empty_selection_is_an_error(tmp_path):
         select_datapoints(config_for(root, domains=("normal",), taskonomy_clients_to_include=("synth000",)), progress=False)
 
 
-def test_split_by_building_needs_two_buildings(tiny_data_root):
-    with pytest.raises(TaskHetError, match="at least 2 buildings"):
+def test_a_building_split_that_leaves_a_split_empty_is_refused_naming_the_split_and_the_counts(tiny_data_root):
+    with pytest.raises(TaskHetError, match=r"split 'train' would hold 0 of the 1 buildings with kept samples \(train 0, "
+                                           r"test 1\)"):
         select_datapoints(config_for(tiny_data_root, split_by="building", top_k_classes=1), progress=False)
+    # 4 buildings: one to test and one to validation (at least one each), two to train; 3 parts need 3 buildings
+    with pytest.raises(TaskHetError, match=r"split 'train' would hold 0 of the 2 buildings .*\(train 0, test 1, val 1\)"):
+        select_datapoints(config_for(tiny_data_root, split_by="building", top_k_classes=2, val_fraction=0.1),
+                          progress=False)
+
+
+def test_a_three_way_building_split_keeps_buildings_whole_and_spreads_over_scene_classes(tmp_path):
+    root = render_tiny_dataset(tmp_path / "data", n_buildings=12, n_views=3, image_size=16)
+    manifest = select_datapoints(config_for(root, split_by="building", top_k_classes=12, test_fraction=0.25,
+                                            val_fraction=0.25), progress=False).manifest
+    part = manifest["split"].where(manifest["val"] == 0, "val")
+    per_building = manifest.assign(part=part).groupby("building")["part"].unique()
+    assert all(len(parts) == 1 for parts in per_building)  # no building on two sides
+    counts = per_building.str[0].value_counts()
+    assert (counts["test"], counts["val"], counts["train"]) == (3, 3, 6)  # round(0.25 × 12) each, the rest trains
+    assert set(manifest.loc[manifest["val"] == 1, "split"]) == {"train"}  # validation rows are training rows set aside
+    # every building has its own scene class here: a stratified draw gives the 3 test buildings 3 different classes
+    assert manifest.loc[part == "test", "scene_class"].nunique() == 3
+
+
+def test_the_split_csv_split_follows_the_csv_columns(tmp_path):
+    root = render_tiny_dataset(tmp_path / "data", n_buildings=8, n_views=3, image_size=16)
+    table = pd.read_csv(root / SPLIT_FILE, dtype={"id": str})
+    manifest = select_datapoints(config_for(root, split_by="csv", top_k_classes=8), progress=False).manifest
+    expected = {row.id: "val" if row.val else "test" if row.test else "train" for row in table.itertuples()}
+    found = manifest.assign(part=manifest["split"].where(manifest["val"] == 0, "val")).groupby("building")["part"].first()
+    assert found.to_dict() == expected
 
 
 def test_write_selection_outputs(tiny_data_root, tmp_path):
@@ -206,7 +235,7 @@ def test_cli_rejects_top_k_zero_with_one_line(tiny_data_root, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         run_main(step1.main, ["--data_path", str(tiny_data_root), "--out", str(tmp_path), "--top_k_classes", "0"])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.strip() == "error: --top_k_classes must be >= 1, got 0"
+    assert capsys.readouterr().err.strip().startswith("error: argument --top_k_classes: must be an integer in [1, 365], got '0'")
     assert not (tmp_path / "manifest.csv").exists()
 
 

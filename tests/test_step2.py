@@ -63,14 +63,30 @@ def cifar96(tmp_path_factory):
     return root, manifest
 
 
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Step-1 manifests of the folder families at a tiny size: 4 classes × 12 images, and 48 paired images."""
+    from steps import select
+    from tests.folder_fixtures import write_imagefolder, write_paired_folders
+
+    made = {}
+    for family, root in (("imagefolder", write_imagefolder(tmp_path_factory.mktemp("photos"), per_class=12,
+                                                            classes=("owl", "cat", "dog", "eel"))),
+                         ("paired_folders", write_paired_folders(tmp_path_factory.mktemp("paired"), n_images=48))):
+        out = tmp_path_factory.mktemp(f"{family}_step1")
+        made[family] = (root, select.main(["--family", family, "--data_path", str(root), "--out", str(out),
+                                           "--test_fraction", "0.25", "--val_fraction", "0.25", "--no-progress"]))
+    return made
+
+
 @pytest.mark.parametrize("family, task", [(name, task) for name in list_families() for task in get_family(name).tasks])
-def test_short_run_lowers_validation_loss(family, task, views96, digits96, cifar96, tmp_path):
+def test_short_run_lowers_validation_loss(family, task, views96, digits96, cifar96, folders, tmp_path):
     out = tmp_path / task
     epochs = EPOCHS.get(task, 2)
-    data = {"taskonomy": views96, "digits": digits96, "cifar": cifar96}[family]
+    data = {"taskonomy": views96, "digits": digits96, "cifar": cifar96, **folders}[family]
     summary = step2.main(argv(*data, out, task, "--n_epochs", str(epochs)))
-    # cifar and digits manifests have a validation part: it selects; taskonomy selects on test as before
-    selected_on = "test" if family == "taskonomy" else "val"
+    # every family's step 1 writes a validation part by default, and it selects
+    selected_on = "val"
     losses = val_losses(out, selected_on)
     assert summary["selected_on"] == selected_on
     assert list(losses.index) == list(range(epochs + 1)) and list(val_losses(out, "test").index) == list(range(epochs + 1))
@@ -237,19 +253,27 @@ def test_validation_not_test_picks_best_pt_and_stops_early(digits96, tmp_path, m
     assert load_checkpoint(out / "best.pt")["epoch"] == 1
     # patience 2: epochs 2 and 3 do not beat epoch 1's val loss, so epoch 4 never runs though test still falls
     assert summary["epochs_done"] == 3 and summary["stopped_early"]
-    assert selected_test_metrics(out / "metrics.csv") == {"epoch": 1, "loss": 1.9, "top1": 0.5}
+    assert selected_test_metrics(out / "metrics.csv") == {"epoch": 1, "selected_on": "val", "loss": 1.9, "top1": 0.5}
 
 
-def test_without_a_validation_part_test_selects_as_before(digits96, tmp_path, monkeypatch):
+def test_without_a_validation_part_selecting_on_test_is_refused_unless_asked_for(digits96, tmp_path, monkeypatch,
+                                                                                capsys):
     scripted_evaluation(monkeypatch)
     manifest = tmp_path / "manifest.csv"
     pd.read_csv(digits96[1]).drop(columns="val").to_csv(manifest, index=False)
     out = tmp_path / "run"
-    summary = step2.main(argv(digits96[0], manifest, out, "digit_class", "--n_epochs", "4"))
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(step2.main, argv(digits96[0], manifest, out, "digit_class", "--n_epochs", "4"))
+    error = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "\n" not in error
+    assert error.startswith(f"error: manifest {manifest} has no validation rows (column val), so best.pt would be chosen "
+                            "on the test split") and "--select_on_test" in error
+    assert not out.exists()  # refused before the folder is claimed
+    summary = step2.main(argv(digits96[0], manifest, out, "digit_class", "--n_epochs", "4", "--select_on_test"))
     assert summary["selected_on"] == "test" and summary["best_epoch"] == 4
     assert set(pd.read_csv(out / "metrics.csv").split) == {"train", "test"}
-    # the pipeline's report number: the lowest test loss, as it always was
-    assert selected_test_metrics(out / "metrics.csv")["loss"] == 1.1
+    # what a report reads: the lowest test loss, and that test chose it
+    assert selected_test_metrics(out / "metrics.csv") == {"epoch": 4, "selected_on": "test", "loss": 1.1, "top1": 0.5}
 
 
 @pytest.mark.parametrize("flags, message", [

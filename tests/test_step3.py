@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
+from datasets.family import validation_mask
 from datasets.taskonomy import TaskonomyDataset, read_manifest
 from models import build_task_model
 from partitioning.assignments import load_assignments
@@ -80,8 +81,9 @@ def test_extract_embeddings_then_assignments_end_to_end(tiny):
                                       "--alpha", "0.5", "--n_clients", "3", "--client_test_fraction", "0.25", "--seed", "1",
                                       "--out", str(outputs[name])])
     table, meta = load_assignments(outputs["embedding"] / "assignments.csv", manifest)
-    train_ids = set(manifest.loc[manifest.split == "train", "sample_id"])
-    assert set(table["sample_id"]) == train_ids  # dirichlet_mixture uses every train sample, no test sample
+    train_ids = set(manifest.loc[(manifest.split == "train") & ~validation_mask(manifest), "sample_id"])
+    assert manifest["val"].sum() > 0  # the validation rows exist, and no client holds them
+    assert set(table["sample_id"]) == train_ids  # dirichlet_mixture uses every train sample, no test or val sample
     assert meta["scheme"] == "dirichlet_mixture" and meta["alpha"] == 0.5 and meta["n_clients"] == 3
     assert set(meta["sources"]) == {"manifest", "groups"} and meta["n_unused"] == 0
     assert (outputs["embedding"] / "assignments.csv").read_bytes() == (outputs["again"] / "assignments.csv").read_bytes()

@@ -168,7 +168,7 @@ def test_missing_root_domain_and_building_are_named(data_copy, tiny_manifest):
 
 def test_read_manifest_names_bad_rows(tiny_manifest, tmp_path):
     manifest = pd.read_csv(tiny_manifest)
-    assert list(read_manifest(tiny_manifest).columns) == list(MANIFEST_COLUMNS)
+    assert list(read_manifest(tiny_manifest).columns) == [*MANIFEST_COLUMNS, "val"]
     broken = manifest.drop(columns=["split"])
     broken.to_csv(tmp_path / "a.csv", index=False)
     with pytest.raises(TaskHetError, match="a.csv: missing column\\(s\\) split"):

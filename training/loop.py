@@ -284,6 +284,11 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
             rows += _rows(epoch, evaluated)
             # metrics before last.pt: a resume truncates rows past its checkpoint, never misses any
             metrics_csv.write(rows)
+            selection_loss = evaluated[select_split]["loss"]
+            if not math.isfinite(selection_loss):  # diverged weights: a finite train loss alone does not say so
+                raise NonFiniteLossError(f"epoch {epoch}: the {select_split} loss is {selection_loss} (the weights "
+                                         f"diverged; the training loss was {loss_sum / max(batches, 1):.3g}); the run "
+                                         f"stopped, {out_dir} stays marked incomplete (lower --init_lr?)")
             state["epoch"] = epoch
             _track_best(run, epoch, evaluated[select_split], state, best_path)
             patience_over = early_stopping_patience is not None and state["epochs_without_improvement"] >= early_stopping_patience

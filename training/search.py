@@ -200,7 +200,7 @@ def best_record(table: pd.DataFrame, tolerance: float, run_dirs: dict[int, Path]
     """
     winner, runner_up = pick(table)
     other_scheduler = scheduler_runner_up(table, winner)
-    metric_names = [name for name in next(iter(tests.values())) if name != "epoch"]
+    metric_names = [name for name in next(iter(tests.values())) if name not in ("epoch", "selected_on")]
     test = {name: dict(zip(("mean", "low", "high"), mean_interval([tests[seed][name] for seed in tests], metric_scale(name))))
             for name in metric_names}
     return {**winner, "tolerance": tolerance,

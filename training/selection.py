@@ -1,10 +1,11 @@
 """Model selection for step 2: which rows train, which select the best epoch, and what a run selected.
 
-A manifest whose ``val`` column marks training rows (cifar, digits) trains on the other
-training rows, selects best.pt and stops early on the ``val`` rows, and evaluates the
-test split every epoch only for the curves and the final numbers. A manifest without
-validation rows (taskonomy, synthetic) trains on its train split and selects on its
-test split, as step 2 always did.
+A manifest whose ``val`` column marks training rows (every family's step 1 writes one by default)
+trains on the other training rows, selects best.pt and stops early on the ``val`` rows, and
+evaluates the test split every epoch only for the curves and the final numbers. A manifest
+without validation rows would select on its test split: step 2 refuses that unless asked for it
+(``--select_on_test``), and :func:`selected_test_metrics` says which split selected, so a report
+can say so.
 
 The readers below take step 2's ``metrics.csv`` (``epoch, split, metric, value``) and
 answer with what ``training.loop.fit`` selected, so a report never recomputes the rule.
@@ -68,17 +69,18 @@ def selected_epoch(metrics: pd.DataFrame) -> int:
     return int(losses.idxmin())
 
 
-def selected_test_metrics(metrics_csv: Path) -> dict[str, float]:
-    """The test-split metrics of the epoch best.pt holds (``{"epoch", "loss", ...}``).
+def selected_test_metrics(metrics_csv: Path) -> dict[str, float | str]:
+    """The test-split metrics of the epoch best.pt holds (``{"epoch", "selected_on", "loss", ...}``).
 
-    Without a validation part this is the lowest test loss, the number the pipeline's
-    report always quoted; with one it is the test loss of the epoch validation chose,
-    never the test split's own minimum.
+    With a validation part this is the test loss of the epoch validation chose, never the test
+    split's own minimum; ``selected_on`` is ``val``. A run made with ``--select_on_test`` has none:
+    then it is the lowest test loss and ``selected_on`` is ``test``, which a report must say.
     """
     metrics = read_metrics(metrics_csv)
     epoch = selected_epoch(metrics)
     rows = metrics[(metrics["split"] == TEST_SPLIT) & (metrics["epoch"] == epoch)]
-    return {"epoch": epoch, **dict(zip(rows["metric"], rows["value"].astype(float)))}
+    return {"epoch": epoch, "selected_on": selection_split(set(metrics["split"])),
+            **dict(zip(rows["metric"], rows["value"].astype(float)))}
 
 
 def epochs_to_within(values: pd.Series, tolerance: float) -> int:

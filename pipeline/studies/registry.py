@@ -45,6 +45,7 @@ class StudyKind:
     load: Callable[[dict[str, Any], Path], dict[str, Any]]
     run: Callable[["Pipeline"], "pd.DataFrame"]
     report_unit: str = "rows"
+    free_form: frozenset[str] = frozenset()
     types: Mapping[str, Any] = field(default_factory=dict)
 
 

@@ -67,6 +67,9 @@ SCHEMA: dict[str, Any] = {
     },
     "seeds": [0, 1],
     "use_accelerator": True,
+    # TensorBoard logs of every step-2 and step-4 run, in its own folder (run_pipeline.py --tensorboard says the same);
+    # how a run shows itself, not what it computes: no stage key holds it
+    "tensorboard": False,
 }
 # Sections whose values are free-form mappings (algorithm name -> its hyperparameters).
 FREE_FORM = frozenset({"federated.algorithms", "federated.task_init_lr", "federated.per_task", "partition.skews"})
@@ -104,6 +107,7 @@ TYPES: dict[str, Check] = {
     "federated.checkpoint_every": Int(1, MAX_ROUNDS),
     "federated.init_from": Str(("scratch", "centralized")),
     "heterogeneity_meter": Bool(),
+    "tensorboard": Bool(),
 }
 
 

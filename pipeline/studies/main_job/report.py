@@ -10,7 +10,9 @@ Inputs are plain tables the pipeline collects from the run folders:
   result_is_personal (True for an algorithm whose result is its clients' own models: FedRep, FedPer).
 - ``curves``: one row per evaluated round: the same keys plus round, loss (for a result_is_personal
   algorithm, its clients' own models' loss).
-- ``centralized``: task -> the centralized model's test loss (reference).
+- ``centralized``: task -> the centralized model's test loss (reference), at the epoch its validation rows chose.
+- ``selected_on``: task -> the split that chose that epoch (``val``; ``test`` only for a step-2 run made with
+  ``--select_on_test``, which the report then says).
 - ``agreement``: task -> {"nmi": ..., "ari": ...} between clusters and the data family's class labels.
 - ``heatmaps``: (task, grouping, alpha) -> PNG of the seed-0 partition.
 - ``meters`` (optional): one row per partition and task: task, grouping, alpha, seed, g2, b2
@@ -40,6 +42,7 @@ import pandas as pd
 
 from partitioning.groupings import EMBEDDING_BASED, LABEL_BASED
 from pipeline.studies.main_job.iid import iid_clause, iid_section, iid_table
+from pipeline.studies.main_job.paper import headline_sentence, paper_markdown, paper_table
 from pipeline.studies.main_job.plots import plot_agreement, plot_heatmaps, plot_loss_vs_alpha, plot_round_curves
 from utils.statistics import (CONTAINS_ZERO, TOO_FEW, ZERO_VARIANCE, Counts, adjusted_decided, direction,
                               paired_difference)
@@ -215,6 +218,16 @@ def _interval_text(mean: float, low: float, high: float) -> str:
     return f"{mean:+.4f} [{low:+.4f}, {high:+.4f}]"
 
 
+def selection_note(selected_on: dict[str, str]) -> str:
+    """What chose every number of the report: the federated runs' last round, and the centralized reference's epoch."""
+    on_test = sorted(task for task, split in selected_on.items() if split != "val")
+    reference = ("the centralized reference is the test loss at the epoch its **validation** rows chose" if not on_test else
+                 f"the centralized reference is the test loss at the epoch chosen on its validation rows, except for "
+                 f"{', '.join(on_test)}: chosen on the **test split** (step 2 ran with --select_on_test, so those "
+                 "references are optimistic)")
+    return ("Every federated number is the **last round**'s (no round is chosen on any split); " + reference + ".")
+
+
 def write_report(
     out_dir: Path,
     finals: pd.DataFrame,
@@ -224,8 +237,9 @@ def write_report(
     heatmaps: dict[tuple[str, str, float], Path],
     command: str,
     meters: pd.DataFrame | None = None,
+    selected_on: dict[str, str] | None = None,
 ) -> pd.DataFrame:
-    """Write report.csv, report.md and the PNG plots into ``out_dir``; returns the gap table."""
+    """Write report.csv, report_paper.csv, report.md and the PNG plots into ``out_dir``; returns the gap table."""
     from pipeline.studies.main_job.meter import meter_markdown, meter_sentence, meter_table, plot_meter
 
     out_dir = Path(out_dir)
@@ -234,6 +248,7 @@ def write_report(
     finals = results_finals(finals)
     table = gap_table(finals, centralized)
     iid = iid_table(finals, centralized)
+    answer = paper_table(finals, iid)
     meter = meter_table(meters if meters is not None else pd.DataFrame())
     plot_loss_vs_alpha(finals, out_dir / "loss_vs_alpha.png")
     plot_round_curves(curves, out_dir / "round_curves.png")
@@ -260,6 +275,20 @@ def write_report(
     agreement_lines = [f"| {task} | {values['nmi']:.3f} | {values['ari']:.3f} |" for task, values in sorted(agreement.items())]
     text = "\n".join([
         "# Label-based vs embedding-based heterogeneity",
+        "",
+        "## The answer, task by task",
+        "",
+        headline_sentence(answer),
+        "",
+        paper_markdown(answer),
+        "",
+        "*TaskHet*: the relative change of the final loss, embedding- vs label-based, paired by seed and α, mean over "
+        "seeds of each seed's mean over α, with the 95% t interval over seeds. *trend in α*: each seed's slope of that "
+        "change against log10 α, tested over seeds (the paper: the change grows as α falls). *verdict*: reproduced "
+        "when the change is decided above 0, not reproduced when decided below 0, undecided otherwise (at least 3 seeds, "
+        "nonzero variance, an interval excluding 0). *iid check*: under an iid partition the same algorithm ends within "
+        "10% of the centralized loss (yes / mean only / no), i.e. it trained enough to compare partitions. "
+        + selection_note(selected_on or {}),
         "",
         f"Produced by `{command}`. Losses are the final global model's loss on the global test split{_personal_note(finals)}, "
         "mean ± std over seeds; gap % = (embedding − label) / label, from the seeds run under both partitions; "
@@ -291,8 +320,8 @@ def write_report(
         "![cluster-label agreement](cluster_label_agreement.png)",
         "",
     ])
-    for frame, name in ((table, "report.csv"), (personal, "report_personal.csv"), (iid, "report_iid.csv"),
-                        (meter, "report_heterogeneity.csv")):
+    for frame, name in ((table, "report.csv"), (answer, "report_paper.csv"), (personal, "report_personal.csv"),
+                        (iid, "report_iid.csv"), (meter, "report_heterogeneity.csv")):
         frame.to_csv(out_dir / f"{name}.tmp", index=False)
         Path(out_dir / f"{name}.tmp").replace(out_dir / name)
     atomic_write_text(out_dir / "report.md", text)

@@ -21,7 +21,7 @@ from network.run_outputs import METRICS_COLUMNS
 from partitioning.groupings import EMBEDDING_BASED, GROUPINGS, IID_REFERENCE
 from pipeline.argv import flags
 from pipeline.pool import PoolStage
-from pipeline.run_results import best_validation_loss, final_personal_loss, global_test_history, personal_test_history
+from pipeline.run_results import centralized_reference, final_personal_loss, global_test_history, personal_test_history
 from pipeline.runner import Pipeline
 from pipeline.studies.main_job.config import (Combination, assignment_params, combinations, federated_params,
                                               partition_key)
@@ -153,14 +153,16 @@ class MainJob:
                 curves.append({**keys, "round": round_index, "loss": loss, "model": "personal" if personal else "global"})
             if combination.seed == self.config["seeds"][0] and combination.grouping in GROUPINGS:
                 heatmaps[(combination.task, combination.grouping, combination.alpha)] = assignments / "client_group_heatmap.png"
-        centralized = {task: best_validation_loss(model_dir / "metrics.csv") for task, model_dir in model_dirs.items()}
+        references = {task: centralized_reference(model_dir / "metrics.csv") for task, model_dir in model_dirs.items()}
+        centralized = {task: loss for task, (loss, _) in references.items()}
         agreement = {task: load_json(cluster_dir / "agreement.json", "step-3 agreement", finished=True)
                      for task, cluster_dir in cluster_dirs.items()}
         meter_rows = [{"task": task, "grouping": grouping, "alpha": alpha, "seed": seed,
                        **load_json(stage_dir / METER_FILE, "step-3c meter", finished=True)}
                       for (task, grouping, alpha, seed), stage_dir in meters.items()]
         return write_report(self.out_dir, pd.DataFrame(finals), pd.DataFrame(curves), centralized, agreement,
-                            heatmaps, self.pipeline.command, pd.DataFrame(meter_rows))
+                            heatmaps, self.pipeline.command, pd.DataFrame(meter_rows),
+                            {task: split for task, (_, split) in references.items()})
 
 
 def run(pipeline: Pipeline) -> pd.DataFrame:

@@ -1,0 +1,97 @@
+"""The main job: steps 1–4 for every combination of one experiment file, then the gap report.
+
+Input: a YAML experiment file (experiments/demo.yaml, experiments/paper.yaml; keys
+and defaults in pipeline/studies/main_job/config.py), or a study file with a ``study:``
+key naming its kind (experiments/digits_fedavg.yaml, experiments/digits_heterogeneity.yaml;
+kinds in pipeline/studies/): centralized → federated grid → the kind's report. Output:
+results/<name>/ with every step's folder, report.md, report.csv and plots.
+Rerunning skips finished steps and resumes an interrupted federated run from its
+checkpoint. The federated runs go --jobs at a time in local worker processes (one GPU
+each), or as Ray tasks on a cluster (--executor ray; docs/howto/ray-cluster.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pipeline.argv import command_line
+from pipeline.executors import (CPUS_PER_RUN, DEFAULT_MAX_RETRIES, EXECUTORS, GPU_FRACTIONS, RETRIES, ExecutorSettings,
+                                 open_executor)
+from pipeline.experiment import load_experiment, run_experiment
+from pipeline.studies import get_study
+from utils import cli
+from utils.locks import folder_lock
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """run_pipeline.py's flags (the documentation's flag reference prints them too)."""
+    parser = cli.ArgumentParser(prog="run_pipeline.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("experiment", type=Path, help="YAML experiment file")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="change a key of the file for this run, with the file's own checks: federated.n_rounds=10 "
+                             "seeds=[0] grid[0].local_steps=[2] (a value is YAML); recorded in <results>/<name>/config.json")
+    parser.add_argument("--results", type=Path, default=Path("results"), help="parent folder of the experiment's outputs")
+    cli.add_runtime_flags(parser)  # --threads reaches every step; the steps draw no bars, the pipeline draws one
+    parser.add_argument("--jobs", type=cli.ints(1, cli.MAX_WORKERS), default=None,
+                        help="federated runs (and step-3c readings) at once, for experiment and study files alike. "
+                             "local: each in its own worker process, worker i seeing only GPU i mod G of G visible GPUs "
+                             "(default: 1, in this process; with --jobs 2 on 2 cores pass --threads 1); ray: at most "
+                             "this many in flight (default: as many as the cluster's resources allow)")
+    parser.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
+                        help="TensorBoard logs of every step-2 and step-4 run, each in its own run folder, so "
+                             "`tensorboard --logdir results/<name>` shows the whole grid live; runs already finished "
+                             "are not redone for it (default: the experiment file's tensorboard key, which is off)")
+    executors = parser.add_argument_group("where the runs go (results do not depend on these; docs/howto/ray-cluster.md)")
+    executors.add_argument("--executor", choices=EXECUTORS.names(), default="local",
+                           help="local: worker processes on this machine; ray: Ray tasks on a Ray cluster")
+    executors.add_argument("--ray_address", default=None,
+                           help="the Ray cluster to run on: the address `ray start --head` prints (HOST:PORT), auto (the "
+                                "cluster started on this machine) or ray://HOST:PORT; default: start Ray on this machine. "
+                                "The --results folder must be on storage every node sees (checked)")
+    executors.add_argument("--gpus_per_run", type=GPU_FRACTIONS, default=None,
+                           help="the share of one GPU each run takes (0.25: four runs per GPU); default: 1 where there "
+                                "are GPUs and the experiment uses them, else 0. local: checked against --jobs and the "
+                                "visible GPUs")
+    executors.add_argument("--cpus_per_run", type=CPUS_PER_RUN, default=None,
+                           help="CPUs each Ray task takes (its torch threads unless --threads is given); default: 1")
+    executors.add_argument("--max_retries", type=RETRIES, default=None,
+                           help=f"times Ray reruns a run whose worker or node died (it resumes from its checkpoint); "
+                                f"default: {DEFAULT_MAX_RETRIES}")
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def executor_settings(args: argparse.Namespace) -> ExecutorSettings:
+    """The flags that say where the pooled stages run, checked (one line naming the flag)."""
+    settings = ExecutorSettings(args.executor, args.jobs, args.threads, args.ray_address, args.gpus_per_run,
+                                args.cpus_per_run, args.max_retries)
+    settings.check()
+    return settings
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run (or resume) the experiment ``argv`` names (None reads sys.argv), then print where its report is."""
+    args = parse_args(argv)
+    cli.refuse_several_processes("run_pipeline.py")
+    settings = executor_settings(args)
+    config = load_experiment(args.experiment, args.overrides)
+    if args.tensorboard is not None:  # the flag wins over the file's key (every study kind takes the flag)
+        config["tensorboard"] = args.tensorboard
+    show_progress = cli.apply_runtime_flags(args).progress
+    out_dir = args.results / config["name"]
+    with folder_lock(out_dir, f"experiment {config['name']!r} in --results"):  # a second run of it is refused
+        # The executor starts (a Ray cluster joined, its resources and storage checked) before anything is written.
+        with open_executor(settings, out_dir, config["use_accelerator"]) as executor:
+            # what was run: the file, its overrides and every key as checked (every run folder has its own config.json too)
+            record = {"experiment": str(args.experiment), "overrides": args.overrides, "resolved": config,
+                      **{key: value for key, value in vars(args).items() if key not in ("experiment", "overrides")}}
+            table = run_experiment(config, out_dir, command_line([str(args.experiment), *args.overrides]),
+                                   jobs=settings.jobs or 1, threads=args.threads, show_progress=show_progress,
+                                   executor=executor, record=record)
+    print(f"report: {out_dir / 'report.md'} ({len(table)} {get_study(config['study']).report_unit} in report.csv)")
+

@@ -1,0 +1,99 @@
+"""The main job's answer to the paper (pipeline/studies/main_job/paper.py) on a hand-made grid: the paper column,
+the change and its interval over seeds, the α-trend test and the verdict rules, each against numbers worked out by
+hand below."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from pipeline.studies.main_job.iid import iid_table
+from pipeline.studies.main_job.paper import (GROWS, NOT_REPRODUCED, REPRODUCED, UNDECIDED, headline_counts,
+                                             headline_sentence, paper_markdown, paper_table)
+
+ALPHAS = (0.1, 1.0, 10.0)  # log10: -1, 0, +1
+T_975_DF2 = 4.302652729749464  # Student's t, 97.5% quantile, 2 degrees of freedom (3 seeds)
+
+
+def grid(changes: dict[tuple[str, str], list[list[float]]], personal: frozenset[str] = frozenset()) -> pd.DataFrame:
+    """Final losses: label-based 2.0 everywhere, embedding-based 2.0 · (1 + change/100), per task × algorithm, seed
+    (outer list) and α (inner list, in ALPHAS order)."""
+    rows = []
+    for (task, algorithm), per_seed in changes.items():
+        for seed, per_alpha in enumerate(per_seed):
+            for alpha, change in zip(ALPHAS, per_alpha):
+                model = "personal" if algorithm in personal else "global"
+                rows.append({"task": task, "grouping": "label_based", "alpha": alpha, "algorithm": algorithm,
+                             "seed": seed, "loss": 2.0, "model": model})
+                rows.append({"task": task, "grouping": "embedding_based", "alpha": alpha, "algorithm": algorithm,
+                             "seed": seed, "loss": 2.0 * (1 + change / 100), "model": model})
+    return pd.DataFrame(rows)
+
+
+EDGES = [[30, 20, 10], [34, 22, 10], [26, 18, 10]]  # seed means 20, 22, 18; slopes -10, -12, -8 (pp per decade)
+KEYPOINTS = [[1, 1, 1], [-1, -1, -1], [0.5, 0.5, 0.5]]  # means 1, -1, 0.5: the interval holds 0; slopes all 0
+NORMALS = [[-5, -5, -5], [-6, -6, -6], [-4, -4, -4]]  # means -5, -6, -4: decided below 0
+
+
+@pytest.fixture
+def answer() -> pd.DataFrame:
+    results = grid({("edge_texture", "fedavg"): EDGES, ("keypoints2d", "fedavg"): KEYPOINTS,
+                    ("normal", "fedavg"): NORMALS, ("normal", "fedrep"): EDGES, ("class_scene", "fedavg"): NORMALS},
+                   personal=frozenset({"fedrep"}))
+    return paper_table(results, pd.DataFrame()).set_index(["task", "algorithm"])
+
+
+def test_the_change_is_the_mean_over_seeds_of_each_seeds_mean_over_alpha_with_a_t_interval(answer):
+    row = answer.loc[("edge_texture", "fedavg")]
+    half = T_975_DF2 * 2.0 / math.sqrt(3)  # standard deviation of (20, 22, 18) is 2
+    assert row.change_percent == pytest.approx(20.0)
+    assert (row.change_low, row.change_high) == (pytest.approx(20 - half), pytest.approx(20 + half))
+    assert row.n_seeds == 3 and row.n_alphas == 3
+
+
+def test_the_trend_is_each_seeds_slope_against_log10_alpha_tested_over_seeds(answer):
+    row = answer.loc[("edge_texture", "fedavg")]
+    half = T_975_DF2 * 2.0 / math.sqrt(3)  # slopes (-10, -12, -8): mean -10, standard deviation 2
+    assert row.trend_pp_per_decade == pytest.approx(-10.0)
+    assert (row.trend_low, row.trend_high) == (pytest.approx(-10 - half), pytest.approx(-10 + half))
+    assert row.trend == GROWS
+    assert answer.loc[("keypoints2d", "fedavg")].trend.startswith("undecided (zero variance")
+
+
+def test_the_verdict_rules_and_the_paper_column(answer):
+    edges, keypoints, normals = (answer.loc[(task, "fedavg")] for task in ("edge_texture", "keypoints2d", "normal"))
+    assert edges.paper_change == "up to ≈ +60% (FedAvg)" and edges.verdict == REPRODUCED
+    assert "below the paper's up to ≈ +60%" in edges.reason  # the whole interval [15.0%, 25.0%] is under 60%
+    assert keypoints.paper_change == "≈ +5% (FedAvg)" and keypoints.verdict == UNDECIDED
+    assert keypoints.reason.endswith("the 95% interval contains 0")
+    assert normals.paper_change.startswith("larger (no number") and normals.verdict == NOT_REPRODUCED
+    assert normals.reason.endswith("label-based partitions give the larger loss")
+
+
+def test_personal_models_and_controls_are_counted_apart(answer):
+    table = answer.reset_index()
+    assert answer.loc[("normal", "fedrep")].model == "personal"
+    assert answer.loc[("class_scene", "fedavg")].role.startswith("control")
+    assert headline_counts(table, "global") == {"rows": 3, REPRODUCED: 1, NOT_REPRODUCED: 1, UNDECIDED: 1}
+    assert headline_counts(table, "personal") == {"rows": 1, REPRODUCED: 1, NOT_REPRODUCED: 0, UNDECIDED: 0}
+    sentence = headline_sentence(table)
+    assert "global models: 1 of 3 task × algorithm rows reproduced, 1 not reproduced, 1 undecided" in sentence
+    assert "clients' own models (FedRep): 1 of 1" in sentence and "class_scene is a control and not counted" in sentence
+    assert "| normal | fedrep (own models) |" in paper_markdown(table)
+
+
+def test_two_seeds_are_undecided_and_say_why():
+    results = grid({("edge_texture", "fedavg"): EDGES[:2]})
+    row = paper_table(results, pd.DataFrame()).iloc[0]
+    assert row.verdict == UNDECIDED and row.reason.endswith("undecided: 2 paired seeds, 3 needed")
+
+
+def test_the_iid_check_comes_from_the_iid_reference_table():
+    results = grid({("edge_texture", "fedavg"): EDGES})
+    iid_runs = pd.DataFrame([{"task": "edge_texture", "grouping": "iid", "alpha": math.inf, "algorithm": "fedavg",
+                              "seed": seed, "loss": loss, "model": "global"} for seed, loss in enumerate((1.05, 1.05, 1.05))])
+    iid = iid_table(pd.concat([results, iid_runs]), {"edge_texture": 1.0})
+    row = paper_table(pd.concat([results, iid_runs]), iid).iloc[0]
+    assert row.iid_check == "yes (+5.0%)"  # 5% above the centralized loss, every seed alike
