@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.docs_installed
 DATA ?= data/synthetic
 
-.PHONY: setup demo test docs bench mutation download download-cifar clean setup-gpu gpu-check gpu-bench
+.PHONY: paper-cpu setup demo test docs bench mutation download download-cifar clean setup-gpu gpu-check gpu-bench
 
 HOOK_STAMP := $(VENV)/.torchvision_hook
 
@@ -58,6 +58,10 @@ gpu-bench: setup
 JOBS ?= 2
 demo: setup
 	$(PY) run_pipeline.py experiments/demo.yaml --jobs $(JOBS) --threads 1
+
+# The demo's question on every dense task, five algorithms and the class_scene control (about an hour on 2 cores).
+paper-cpu: setup
+	$(PY) run_pipeline.py experiments/paper_cpu.yaml --jobs $(JOBS) --threads 1
 
 # One pytest worker per core (pytest-xdist); tests share no temporary path, port or global state.
 # The docs requirements too: tests/test_docs_site.py builds the site strictly.

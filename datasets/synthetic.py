@@ -40,6 +40,7 @@ from datasets.synthetic_scenes import (SCENE_TYPES, RenderConfig, assign_scene_t
 from datasets.taskonomy import domain_dir
 from datasets.taskonomy_domains import DEPTH_INVALID, DEPTH_UNITS_PER_METRE, DOMAINS, NORMAL_INVALID, get_domain
 from utils.errors import TaskHetError
+from utils.interrupts import quiet_worker
 from utils.locks import folder_entries
 from utils.run_dir import atomic_write_text
 from utils.seeding import numpy_rng
@@ -180,7 +181,10 @@ def render_dataset(out_dir: Path, config: RenderConfig, workers: int = 2, progre
     scene_types = assign_scene_types(config)
     jobs = [(config, index, scene_types[index], out_dir) for index in range(config.num_buildings)]
     parallel = workers > 1 and len(jobs) > 1
-    with multiprocessing.get_context().Pool(min(workers, len(jobs))) if parallel else contextlib.nullcontext() as pool:
+    # quiet_worker: the pool's exit sends its workers SIGTERM, which the handler they inherit would make a traceback
+    pool_context = (multiprocessing.get_context().Pool(min(workers, len(jobs)), initializer=quiet_worker) if parallel
+                    else contextlib.nullcontext())
+    with pool_context as pool:
         results = pool.imap(_render_job, jobs) if parallel else map(_render_job, jobs)  # both keep the job order
         rows = list(tqdm(results, total=len(jobs), desc="rendering buildings", unit="building", disable=not progress))
     pd.DataFrame(rows).to_csv(out_dir / BUILDINGS_FILE, index=False)

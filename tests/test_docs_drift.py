@@ -40,7 +40,7 @@ def test_the_tutorial_describes_the_demo_file_it_runs():
     n_runs = len(demo["tasks"]) * runs_per_cell * len(federated["algorithms"]) * len(demo["seeds"])
     algorithms, seeds, runs = _number(r"× (\d+) algorithms × (\d+) seeds \((\d+) federated runs\)", readme)
     assert (int(algorithms), int(seeds), int(runs)) == (len(federated["algorithms"]), len(demo["seeds"]), n_runs)
-    tasks = _number(r"runs (\d+) tasks \(([a-z_, ]+)\)", readme)
+    tasks = _number(r"runs (\d+) tasks \(([a-z0-9_, ]+)\)", readme)
     assert int(tasks[0]) == len(demo["tasks"]) and tasks[1].split(", ") == demo["tasks"]
     # the list of shipped experiment files: the experiments/demo.yaml bullet
     bullet = readme[readme.index("`experiments/demo.yaml`: "):][:700]
@@ -49,15 +49,25 @@ def test_the_tutorial_describes_the_demo_file_it_runs():
     assert int(clients) == partition["n_clients"] and int(sampled) == round(federated["client_fraction"] * int(clients))
     rounds, steps = _number(r"(\d+) rounds × (\d+) local SGD steps", bullet)
     assert (int(rounds), int(steps)) == (federated["n_rounds"], federated["local_steps"])
-    momentum, lr, batch, class_batch, class_lr, class_schedule = _number(
-        r"\(momentum ([\d.]+), lr ([\d.]+), batch (\d+); class_scene batch (\d+),\s+lr ([\d.]+) with a (\w+) schedule "
-        r"through `federated.per_task`", bullet)
-    class_scene = federated["per_task"]["class_scene"]
+    momentum, lr, batch, kp_rounds = _number(r"\(momentum ([\d.]+), lr ([\d.]+), batch (\d+); keypoints2d (\d+) rounds", bullet)
+    assert int(kp_rounds) == federated["per_task"]["keypoints2d"]["n_rounds"]
     assert (float(momentum), float(lr), int(batch)) == (federated["momentum"], federated["init_lr"], federated["batch_size"])
+    # the experiments/paper_cpu.yaml bullet: its tasks and the control's own settings
+    paper = yaml.safe_load((ROOT / "experiments" / "paper_cpu.yaml").read_text())
+    paper_bullet = readme[readme.index("`experiments/paper_cpu.yaml` (`make paper-cpu`): "):][:700]
+    class_batch, class_lr, class_schedule = _number(
+        r"class_scene batch (\d+),\s+lr ([\d.]+) with a (\w+) schedule through `federated.per_task`", paper_bullet)
+    per_task = paper["federated"]["per_task"]
+    class_scene = per_task["class_scene"]
     assert (int(class_batch), float(class_lr), class_schedule) == (class_scene["batch_size"], class_scene["init_lr"],
                                                                   class_scene["lr_schedule"])
-    class_rounds = _number(r"through `federated.per_task`, and (\d+) rounds\)", bullet)[0]
-    assert int(class_rounds) == class_scene.get("n_rounds", federated["n_rounds"])
+    class_rounds = _number(r"through `federated.per_task`, and (\d+) rounds\)", paper_bullet)[0]
+    assert int(class_rounds) == class_scene["n_rounds"]
+    assert _number(r"keypoints2d (\d+) rounds, normal (\d+)", paper_bullet) == (str(per_task["keypoints2d"]["n_rounds"]),
+                                                                        str(per_task["normal"]["n_rounds"]))
+    cells = len(paper["partition"]["groupings"]) * len(paper["partition"]["alphas"]) + int(paper["partition"]["iid_reference"])
+    paper_runs = len(paper["tasks"]) * cells * len(paper["federated"]["algorithms"]) * len(paper["seeds"])
+    assert int(_number(r"(\d+) federated runs", paper_bullet)[0]) == paper_runs
     assert ("client_tests: test_split" in bullet) == (partition.get("client_tests") == "test_split")
     width, size = _number(r"decoder width (\d+)\) at (\d+) px", bullet)
     assert (int(width), int(size)) == (demo["model"]["decoder_width"], demo["model"]["image_size"])

@@ -276,7 +276,7 @@ def write_report(
     text = "\n".join([
         "# Label-based vs embedding-based heterogeneity",
         "",
-        "## The answer, task by task",
+        "## The answer per task",
         "",
         headline_sentence(answer),
         "",
