@@ -229,3 +229,32 @@ def test_a_failing_parallel_run_stops_the_pipeline_with_its_error(sequential_run
         run_pipeline.main([str(experiment), "--results", str(results), "--jobs", "2", "--threads", "1"])
     assert not (out / "report.csv").exists()
     assert not list(out.glob("federated/**/stage.json"))  # the steps 1-3 skipped: no run of the new setting finished
+
+
+def test_no_report_value_is_selected_on_the_test_split(sequential_run, tmp_path):
+    """The centralized reference is the test loss at the epoch the validation rows chose (never the test split's
+    own minimum), and every federated number is its run's last round; a crafted step-2 curve whose validation and
+    test minima fall in different epochs tells the two apart."""
+    from pipeline.run_results import centralized_reference
+
+    out = sequential_run[1] / "tiny"
+    report = pd.read_csv(out / "report.csv")
+    (step2,) = out.glob("centralized/*/metrics.csv")
+    metrics = pd.read_csv(step2)
+    loss = metrics[metrics.metric == "loss"].pivot_table(index="epoch", columns="split", values="value")
+    assert {"val", "test"} <= set(loss.columns)
+    assert (report.centralized_loss == loss.test[loss.val.idxmin()]).all()
+    for run in out.glob("federated/*/*/*/*/s*/metrics.csv"):
+        task, grouping, alpha, algorithm = run.parts[-6:-2]
+        rows = pd.read_csv(run)
+        test = rows[(rows.split == "test") & (rows.metric == "loss")]
+        last = test[test["round"] == test["round"].max()].value.item()
+        if grouping == "iid":
+            continue  # the iid reference has its own table, read from the same last round
+        row = report[(report.task == task) & (report.algorithm == algorithm) & (report.alpha == float(alpha[1:]))]
+        assert row[f"{grouping.split('_')[0]}_loss_mean"].item() == pytest.approx(last, rel=1e-12)
+    crafted = tmp_path / "metrics.csv"
+    pd.DataFrame([{"epoch": epoch, "split": split, "metric": "loss", "value": value}
+                  for epoch, values in enumerate([(1.0, 1.0), (0.5, 0.9), (0.7, 0.4)])
+                  for split, value in zip(("val", "test"), values)]).to_csv(crafted, index=False)
+    assert centralized_reference(crafted) == (0.9, "val")  # epoch 1 by validation, not epoch 2's lower test loss
