@@ -97,3 +97,33 @@ def test_the_iid_check_comes_from_the_iid_reference_table():
     iid = iid_table(pd.concat([results, iid_runs]), {"edge_texture": 1.0})
     row = paper_table(pd.concat([results, iid_runs]), iid).iloc[0]
     assert row.iid_check == "yes (+5.0%)"  # 5% above the centralized loss, every seed alike
+
+
+def test_partition_distances_take_step_3bs_record_or_compute_the_cluster_space_by_hand(tmp_path):
+    """A label-based partition's sidecar has no cluster space (it serves every task): its distances over the task's
+    clusters are computed from its train rows. Two clients each holding one of two clusters: each mixture (1, 0)
+    against the pooled (1/2, 1/2) is JS distance sqrt(0.311278) = 0.557923 and Hellinger 0.541196 by hand."""
+    import json
+
+    from pipeline.studies.main_job.meter import distance_table, partition_distances_row
+
+    folder = tmp_path / "label_based"
+    folder.mkdir()
+    (folder / "assignments.json").write_text(json.dumps({"distances": {
+        "label": {"mean_js_distance": 0.25, "mean_hellinger": 0.2}, "cluster": None}}))
+    pd.DataFrame({"sample_id": ["a", "b", "c", "d", "e"], "client_id": [0, 0, 1, 1, 1],
+                  "subset": ["train", "train", "train", "train", "test"]}).to_csv(folder / "assignments.csv", index=False)
+    pd.DataFrame({"sample_id": ["a", "b", "c", "d", "e"], "cluster": [0, 0, 1, 1, 0]}).to_csv(tmp_path / "clusters.csv",
+                                                                                          index=False)
+    row = partition_distances_row(folder, tmp_path / "clusters.csv")  # the client-test row "e" is not counted
+    assert row["label_js"] == 0.25 and row["label_hellinger"] == 0.2  # step 3b's record as written
+    assert row["cluster_js"] == pytest.approx(0.557923, abs=1e-6)
+    assert row["cluster_hellinger"] == pytest.approx(0.541196, abs=1e-6)
+    recorded = {"label": {"mean_js_distance": 0.1, "mean_hellinger": 0.1},
+                "cluster": {"mean_js_distance": 0.7, "mean_hellinger": 0.6}}
+    (folder / "assignments.json").write_text(json.dumps({"distances": recorded}))
+    second = partition_distances_row(folder, tmp_path / "clusters.csv")
+    assert (second["cluster_js"], second["cluster_hellinger"]) == (0.7, 0.6)  # an embedding-based sidecar's own
+    table = distance_table(pd.DataFrame([{"task": "t", "grouping": "label_based", "alpha": 0.1, "seed": seed, **values}
+                                         for seed, values in enumerate((row, second))]))
+    assert table.cluster_js.item() == pytest.approx((0.557923 + 0.7) / 2, abs=1e-6) and table.n_seeds.item() == 2

@@ -83,3 +83,56 @@ def plot_meter(meters: pd.DataFrame, path: Path) -> None:
         axis.set_ylabel("gradient dissimilarity G²")
     legend_outside(figure, *axes[0][-1].get_legend_handles_labels())  # beside the panels, off the data
     save_figure(figure, path, dpi=110)
+
+
+# ----- partition distances (step 3b), beside G² and B² -----
+DISTANCE_COLUMNS = ["task", "alpha", "grouping", "label_js", "label_hellinger", "cluster_js", "cluster_hellinger",
+                    "n_seeds"]
+
+
+def partition_distances_row(assignments_dir: Path, clusters_csv: Path) -> dict[str, float]:
+    """One partition's mean Jensen–Shannon and Hellinger distances of its clients' mixtures to the pooled one, over
+    the scene labels and over the task's embedding clusters.
+
+    Step 3b records both spaces of an embedding-based partition in assignments.json; a label-based (or iid) one
+    knows no clusters there, since it is shared by every task, so its cluster-space distances are computed here
+    from its assignments.csv (the train rows, as step 3b does) and the task's clusters.csv, by the same function.
+    """
+    from partitioning.partition_stats import partition_distances
+    from utils.loaders import load_json, read_csv
+
+    record = load_json(assignments_dir / "assignments.json", "step-3b sidecar", finished=True)["distances"]
+    row = {}
+    for space in ("label", "cluster"):
+        block = record.get(space)
+        if block is None:
+            rows = read_csv(assignments_dir / "assignments.csv", "assignments", ["sample_id", "client_id", "subset"],
+                            dtype={"sample_id": str})
+            rows = rows[rows.subset == "train"]
+            clusters = read_csv(clusters_csv, "step-3 clusters", ["sample_id", "cluster"], dtype={"sample_id": str})
+            groups = rows.sample_id.map(clusters.set_index("sample_id").cluster).to_numpy()
+            client_of = rows.client_id.to_numpy(dtype=int)
+            table = partition_distances(client_of, groups, int(client_of.max()) + 1, space)
+            block = {"mean_js_distance": float(table[f"{space}_js_distance"].mean()),
+                     "mean_hellinger": float(table[f"{space}_hellinger"].mean())}
+        row[f"{space}_js"], row[f"{space}_hellinger"] = block["mean_js_distance"], block["mean_hellinger"]
+    return row
+
+
+def distance_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """Mean over seeds per task × α × grouping of :func:`partition_distances_row`'s four numbers."""
+    if rows.empty:
+        return pd.DataFrame(columns=DISTANCE_COLUMNS)
+    values = [column for column in DISTANCE_COLUMNS if column.endswith(("_js", "_hellinger"))]
+    table = rows.groupby(["task", "alpha", "grouping"]).agg(
+        **{column: (column, "mean") for column in values}, n_seeds=("seed", "nunique")).reset_index()
+    return table[DISTANCE_COLUMNS].sort_values(["task", "alpha", "grouping"]).reset_index(drop=True)
+
+
+def distance_markdown(table: pd.DataFrame) -> str:
+    lines = ["| task | α | partition | labels: JS | labels: Hellinger | clusters: JS | clusters: Hellinger | seeds |",
+             "|" + "---|" * 8]
+    for row in table.itertuples():
+        lines.append(f"| {row.task} | {row.alpha:g} | {row.grouping} | {row.label_js:.3f} | {row.label_hellinger:.3f} "
+                     f"| {row.cluster_js:.3f} | {row.cluster_hellinger:.3f} | {row.n_seeds} |")
+    return "\n".join(lines)

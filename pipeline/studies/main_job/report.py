@@ -238,9 +238,15 @@ def write_report(
     command: str,
     meters: pd.DataFrame | None = None,
     selected_on: dict[str, str] | None = None,
+    distances: pd.DataFrame | None = None,
 ) -> pd.DataFrame:
-    """Write report.csv, report_paper.csv, report.md and the PNG plots into ``out_dir``; returns the gap table."""
-    from pipeline.studies.main_job.meter import meter_markdown, meter_sentence, meter_table, plot_meter
+    """Write report.csv, report_paper.csv, report.md and the PNG plots into ``out_dir``; returns the gap table.
+
+    ``distances`` (optional): one row per partition (task, grouping, alpha, seed) with its mean label- and
+    cluster-space distances (``meter.partition_distances_row``), shown beside G² and B².
+    """
+    from pipeline.studies.main_job.meter import (distance_markdown, distance_table, meter_markdown, meter_sentence,
+                                                 meter_table, plot_meter)
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -250,6 +256,7 @@ def write_report(
     iid = iid_table(finals, centralized)
     answer = paper_table(finals, iid)
     meter = meter_table(meters if meters is not None else pd.DataFrame())
+    spread = distance_table(distances if distances is not None else pd.DataFrame())
     plot_loss_vs_alpha(finals, out_dir / "loss_vs_alpha.png")
     plot_round_curves(curves, out_dir / "round_curves.png")
     plot_heatmaps(heatmaps, out_dir / "partition_heatmaps.png")
@@ -264,6 +271,14 @@ def write_report(
                      "Gradient dissimilarity G² = Σ_k p_k ‖∇F_k − ∇F‖² and FedProx's B² = Σ_k p_k ‖∇F_k‖² / ‖∇F‖² "
                      "of each partition's clients at the centralized model (mean over seeds).", "",
                      meter_markdown(meter), "", "![heterogeneity meter](heterogeneity_meter.png)", ""]
+    if not spread.empty:
+        sections += ["## Partition distances", "",
+                     "How far each client's mixture lies from the pooled one (step 3b; mean over clients, then over "
+                     "seeds), measured over the scene labels and over the task's embedding clusters: Jensen–Shannon "
+                     "distance (the square root of the base-2 divergence) and Hellinger distance, both in [0, 1]. A "
+                     "label-based partition that looks far from iid in label space may be near it in cluster space, "
+                     "and an embedding-based one the other way round; G² and B² above say what that does to the "
+                     "gradients.", "", distance_markdown(spread), ""]
     if not personal.empty:
         sections += [
             "## Personalised models", "",
@@ -321,7 +336,8 @@ def write_report(
         "",
     ])
     for frame, name in ((table, "report.csv"), (answer, "report_paper.csv"), (personal, "report_personal.csv"),
-                        (iid, "report_iid.csv"), (meter, "report_heterogeneity.csv")):
+                        (iid, "report_iid.csv"), (meter, "report_heterogeneity.csv"),
+                        (spread, "report_distances.csv")):
         frame.to_csv(out_dir / f"{name}.tmp", index=False)
         Path(out_dir / f"{name}.tmp").replace(out_dir / name)
     atomic_write_text(out_dir / "report.md", text)

@@ -25,6 +25,7 @@ from pipeline.run_results import centralized_reference, final_personal_loss, glo
 from pipeline.runner import Pipeline
 from pipeline.studies.main_job.config import (Combination, assignment_params, combinations, federated_params,
                                               partition_key)
+from pipeline.studies.main_job.meter import partition_distances_row
 from pipeline.studies.main_job.report import write_report
 from steps import assign as step3b
 from steps import embed as step3
@@ -135,7 +136,7 @@ class MainJob:
     def report(self, runs: list[tuple[Combination, Path, Path]], model_dirs: dict[str, Path],
                cluster_dirs: dict[str, Path], meters: dict[tuple, Path]) -> pd.DataFrame:
         """Read every finished run folder and write the gap report."""
-        finals, curves, heatmaps = [], [], {}
+        finals, curves, heatmaps, distances = [], [], {}, {}
         for combination, run_dir, assignments in runs:
             keys = {"task": combination.task, "grouping": combination.grouping, "alpha": combination.alpha,
                     "algorithm": combination.algorithm, "seed": combination.seed}
@@ -153,6 +154,9 @@ class MainJob:
                 curves.append({**keys, "round": round_index, "loss": loss, "model": "personal" if personal else "global"})
             if combination.seed == self.config["seeds"][0] and combination.grouping in GROUPINGS:
                 heatmaps[(combination.task, combination.grouping, combination.alpha)] = assignments / "client_group_heatmap.png"
+            partition = (combination.task, combination.grouping, combination.alpha, combination.seed)
+            if combination.grouping in GROUPINGS and partition not in distances:
+                distances[partition] = partition_distances_row(assignments, cluster_dirs[combination.task] / "clusters.csv")
         references = {task: centralized_reference(model_dir / "metrics.csv") for task, model_dir in model_dirs.items()}
         centralized = {task: loss for task, (loss, _) in references.items()}
         agreement = {task: load_json(cluster_dir / "agreement.json", "step-3 agreement", finished=True)
@@ -162,7 +166,9 @@ class MainJob:
                       for (task, grouping, alpha, seed), stage_dir in meters.items()]
         return write_report(self.out_dir, pd.DataFrame(finals), pd.DataFrame(curves), centralized, agreement,
                             heatmaps, self.pipeline.command, pd.DataFrame(meter_rows),
-                            {task: split for task, (_, split) in references.items()})
+                            {task: split for task, (_, split) in references.items()},
+                            pd.DataFrame([{"task": task, "grouping": grouping, "alpha": alpha, "seed": seed, **row}
+                                          for (task, grouping, alpha, seed), row in distances.items()]))
 
 
 def run(pipeline: Pipeline) -> pd.DataFrame:
