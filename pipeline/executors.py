@@ -190,8 +190,9 @@ class GridProgress:
     The ETA assumes the stages left take as long on average as the ones done so far, at the same parallelism.
     """
 
-    def __init__(self, total: int, bar: tqdm | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        self.total, self.bar, self.clock = total, bar, clock
+    def __init__(self, total: int, bar: tqdm | None = None, clock: Callable[[], float] = time.monotonic,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.total, self.bar, self.clock, self.log = total, bar, clock, log  # log: the experiment's run.log too
         self.finished = 0
         self.started = clock()
 
@@ -205,6 +206,8 @@ class GridProgress:
             self.bar.update(1)
         tqdm.write(line, file=sys.stdout)  # above a drawn bar; a plain line otherwise
         sys.stdout.flush()
+        if self.log is not None:
+            self.log(line)
 
 
 def where(record: dict[str, Any]) -> str:

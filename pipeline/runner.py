@@ -40,7 +40,7 @@ from steps import select as step1
 from steps import train_centralized as step2
 from utils.interrupts import interrupted, message_of
 from utils.progress import StepLines
-from utils.run_dir import write_config
+from utils.run_dir import RUN_LOG, write_config
 from utils.stages import is_done, run_stage, stage_key
 
 
@@ -74,11 +74,21 @@ class Pipeline:
             ran = run_stage(stage_dir, params, lambda: script.main(argv + self.shared_flags(script)))
         except KeyboardInterrupt as error:  # Ctrl-C, or SIGTERM (utils/interrupts.py)
             raise interrupted(error, f"{name}: {message_of(error)}") from None
+        seconds = time.perf_counter() - began
         if self.progress is not None:
             self.progress.update(1)
             if ran and isinstance(self.progress, StepLines):
-                self.progress.finished(name, time.perf_counter() - began)
+                self.progress.finished(name, seconds)
+        if ran:
+            self.log(f"{name}: {seconds:.0f} s")
         return stage_dir
+
+    def log(self, line: str) -> None:
+        """Append ``line``, timestamped, to the experiment's run.log (every step that ran and every finished run of
+        the grid: the record a log-reading user or a later look at the folder finds, whatever the console did)."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.out_dir / RUN_LOG, "a") as file:
+            file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
 
     def shared_flags(self, script: Callable) -> list[str]:
         """Flags that change speed or console output, not results (so not part of any stage key).
@@ -186,12 +196,13 @@ class Pipeline:
         summary = f"{stage_counts(pending)}, {executor.describe()}"
         # Said once on the console too: with no bars (--no-progress, or stdout not a terminal) nothing else shows it.
         print(summary)
+        self.log(summary)
         if self.progress is not None:
             self.progress.update(len(stages) - len(pending))
             self.progress.set_description(summary)
         complete = [replace(stage, argv=[*stage.argv, *self.shared_flags(importlib.import_module(stage.script))])
                     for stage in pending]
-        executor.run(complete, GridProgress(len(pending), self.progress).done)
+        executor.run(complete, GridProgress(len(pending), self.progress, log=self.log).done)
 
     def check_inputs(self) -> None:
         """Inputs the experiment names but no step makes: checked before any step runs, errors name the key
@@ -199,6 +210,7 @@ class Pipeline:
         check_input_files(self.config)
         if self.record is not None:  # only a file that passed every check leaves a folder behind
             write_config(self.out_dir, self.record)
+            self.log(f"started: {self.command}")
 
     def progress_bar(self, total: int, desc: str) -> tqdm | StepLines:
         """The top-level bar over ``total`` steps; without ``show_progress`` (``--no-progress``, or stdout not a

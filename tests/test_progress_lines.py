@@ -78,6 +78,10 @@ def test_without_a_bar_the_pipeline_prints_a_line_per_step_it_ran(tmp_path, caps
     assert ran == ["a", "b"] and pipeline.progress.n == 3
     lines = capsys.readouterr().out.splitlines()
     assert [re.sub(r"\d+ s$", "S s", line) for line in lines] == ["step 1 of 3: step a, S s", "step 2 of 3: step b, S s"]
+    # the experiment's run.log keeps the steps that ran, timestamped, whatever the console did
+    logged = (tmp_path / "run.log").read_text().splitlines()
+    assert [re.sub(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (.*) \d+ s$", r"\1", line) for line in logged] == [
+        "step a:", "step b:"]
 
 
 def test_the_default_is_one_torch_thread_and_recorded(monkeypatch):

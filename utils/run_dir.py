@@ -23,6 +23,8 @@ from utils.locks import folder_entries
 
 LIBRARIES = ("torch", "torchvision", "numpy", "scikit-learn", "pandas", "accelerate", "timm", "flwr")
 
+RUN_LOG = "run.log"  # every run folder's log (and the experiment folder's, pipeline/runner.py)
+
 
 def git_revision() -> str:
     """The repository's HEAD commit (with '+dirty' for local changes), or 'unknown'."""
@@ -208,7 +210,7 @@ def setup_logging(out_dir: Path, name: str = "taskhet") -> logging.Logger:
     logger.propagate = False
     if not logger.handlers:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-        file_handler = _RunLog(Path(out_dir) / "run.log")
+        file_handler = _RunLog(Path(out_dir) / RUN_LOG)
         file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         console = logging.StreamHandler(sys.stdout)
         console.setFormatter(logging.Formatter("%(message)s"))
