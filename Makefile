@@ -59,7 +59,8 @@ JOBS ?= 2
 demo: setup
 	$(PY) run_pipeline.py experiments/demo.yaml --jobs $(JOBS) --threads 1
 
-# The demo's question on every dense task, five algorithms and the class_scene control (about an hour on 2 cores).
+# The demo's question on every dense task, five algorithms and the class_scene control
+# (estimated at about an hour on 2 cores; not yet run end to end).
 paper-cpu: setup
 	$(PY) run_pipeline.py experiments/paper_cpu.yaml --jobs $(JOBS) --threads 1
 

@@ -605,8 +605,8 @@ def test_the_flower_engine_applies_the_same_skews(manifest_path, tmp_path):
     path = step3b(manifest_path, tmp_path / "a", "--feature_noise", "0.3", "--feature_shift", "contrast=0.3",
                   "--label_swap", "1", "--concept_fraction", "0.5")
     federated.main(step4_argv(manifest_path, path, tmp_path / "sequential"))
-    # Flower's simulation (Ray) in a process of its own: in a pytest-xdist worker that earlier tests had used, the
-    # worker died during it in two full runs (never when run alone; the cause is not found)
+    # Flower's simulation (Ray) in a process of its own: it is the subject here, and a Ray instance's end must not
+    # take down a pytest-xdist worker that other tests still use
     flower = subprocess.run([sys.executable, "test_fed.py", *step4_argv(manifest_path, path, tmp_path / "flower",
                                                                         "--engine", "flower")],
                             cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=600)

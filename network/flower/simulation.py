@@ -161,7 +161,9 @@ def _start_ray() -> None:
     previous = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([*sys.path, *([previous] if previous else [])])
     try:
-        ray.init(include_dashboard=False, logging_level=logging.WARNING)
+        # address "local": a new instance always. Without it ray.init joins a cluster someone started on this machine
+        # with `ray start` (seen: a simulation joined a test's cluster and its actors died with that cluster's node)
+        ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING)
     finally:
         if previous is None:
             del os.environ["PYTHONPATH"]
