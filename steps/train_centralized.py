@@ -31,12 +31,11 @@ from utils.seeding import derive_seed, set_deterministic
 DESCRIPTION = """Step 2 of TaskHet: train one centralized model per task.
 Inputs: the step-1 manifest (--manifest, default results/datapoints/manifest.csv; it names its data family)
 and the data under --data_path (families whose data ships with a package ignore it).
-With a validation part (cifar and digits manifests: val = 1 on some train rows) it trains on the other
-train rows, keeps best.pt and stops early by the validation loss, and evaluates the test split every
-epoch only for the curves and final numbers. Without one (taskonomy, synthetic) it trains on the train
-split and selects on the test split.
+Every family's step 1 sets a validation part aside (val = 1 on some train rows; Taskonomy by building): step 2
+trains on the other train rows, keeps best.pt and stops early by the validation loss, and evaluates the test
+split every epoch only for the curves and final numbers. A manifest without validation rows is refused.
 Outputs in --out: config.json, run.log, metrics.csv (epoch, split, metric, value; splits train, val, test),
-best.pt (lowest loss on the selection split; step 3 reads it), last.pt (every epoch; --resume continues
+best.pt (lowest validation loss; step 3 reads it), last.pt (every epoch; --resume continues
 from it), curves.png, loss.png and <metric>.png (e.g. top1.png: the task's metric on every split).
 Several GPUs (data parallel; --batch_size is the global batch, split evenly over the processes):
   accelerate launch --multi_gpu --num_processes 4 train_centralized_task_model.py ... --mixed_precision bf16"""

@@ -184,7 +184,7 @@ def _load_last(path: Path, frozen: FrozenEncoder | None = None) -> dict:
 def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_loaders: dict[str, DataLoader],
         optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None,
         accelerator: Accelerator, *, input_key: str, n_epochs: int, out_dir: Path, run_signature: dict,
-        select_split: str = TEST_SPLIT, early_stopping_patience: int | None = None, resume: bool = True,
+        select_split: str = VAL_SPLIT, early_stopping_patience: int | None = None, resume: bool = True,
         logger: logging.Logger | None = None, progress: bool = True, tensorboard: bool = False) -> dict:
     """Train ``n_epochs`` epochs (or until early stopping), evaluating every split and checkpointing after each.
 
@@ -210,7 +210,8 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
         out_dir: the run folder.
         run_signature: the arguments that define the run; resuming a checkpoint written
             with other values is refused.
-        select_split: the key of ``eval_loaders`` whose loss picks best.pt and stops early.
+        select_split: the key of ``eval_loaders`` whose loss picks best.pt and stops early (``val``; step 2 passes
+            ``test`` only under --select_on_test).
         early_stopping_patience: stop after this many epochs without a lower ``select_split`` loss.
         resume: continue from ``out_dir/last.pt`` when it exists; otherwise start over.
         logger: where the per-epoch summary goes.
