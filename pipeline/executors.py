@@ -200,7 +200,9 @@ class GridProgress:
         self.finished += 1
         elapsed = self.clock() - self.started
         left = elapsed / self.finished * (self.total - self.finished)
-        line = (f"run {self.finished} of {self.total} done: {stage.name} ({where(record)}); "
+        took = (f", {record['finished'] - record['started']:.0f} s" if record.get("ran", True)
+                and {"started", "finished"} <= record.keys() else "")
+        line = (f"run {self.finished} of {self.total} done: {stage.name} ({where(record)}{took}); "
                 f"{clock_text(elapsed)} elapsed, ETA {clock_text(left)}")
         if self.bar is not None:
             self.bar.update(1)

@@ -109,10 +109,10 @@ def test_progress_lines_count_the_runs_and_say_the_time_left(capsys):
     logged = []
     progress = GridProgress(4, clock=lambda: next(times), log=logged.append)
     stage = PoolStage("step 4: iid seed 0", Path("x"), {}, [])
-    progress.done(stage, {"host": "vm", "devices": "1", "ran": True})
+    progress.done(stage, {"host": "vm", "devices": "1", "ran": True, "started": 1000.0, "finished": 1009.6})
     progress.done(stage, {"node_ip": "10.0.0.5", "host": "b", "devices": "", "ran": True})
     assert capsys.readouterr().out.splitlines() == [
-        "run 1 of 4 done: step 4: iid seed 0 (host vm, GPU 1); 0:00:10 elapsed, ETA 0:00:30",  # 3 left at 10 s each
+        "run 1 of 4 done: step 4: iid seed 0 (host vm, GPU 1, 10 s); 0:00:10 elapsed, ETA 0:00:30",  # 3 left at 10 s
         "run 2 of 4 done: step 4: iid seed 0 (Ray node 10.0.0.5); 0:00:40 elapsed, ETA 0:00:40"]
     assert logged[1] == "run 2 of 4 done: step 4: iid seed 0 (Ray node 10.0.0.5); 0:00:40 elapsed, ETA 0:00:40"
     assert clock_text(3723.4) == "1:02:03"

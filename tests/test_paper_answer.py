@@ -127,3 +127,16 @@ def test_partition_distances_take_step_3bs_record_or_compute_the_cluster_space_b
     table = distance_table(pd.DataFrame([{"task": "t", "grouping": "label_based", "alpha": 0.1, "seed": seed, **values}
                                          for seed, values in enumerate((row, second))]))
     assert table.cluster_js.item() == pytest.approx((0.557923 + 0.7) / 2, abs=1e-6) and table.n_seeds.item() == 2
+    assert table.js_gap.item() == pytest.approx((0.557923 + 0.7) / 2 - (0.25 + 0.1) / 2, abs=1e-6)
+
+
+def test_the_understatement_sentence_counts_embedding_partitions_whose_labels_understate_the_clusters():
+    from pipeline.studies.main_job.meter import DISTANCE_COLUMNS, understatement_sentence
+
+    rows = [("t", 0.1, "embedding_based", 0.2, 0.2, 0.8, 0.7, 0.6), ("t", 1.0, "embedding_based", 0.5, 0.4, 0.4, 0.3, -0.1),
+            ("t", 0.1, "label_based", 0.8, 0.7, 0.2, 0.2, -0.6)]  # a label-based row never counts
+    table = pd.DataFrame([(*row, 3) for row in rows], columns=DISTANCE_COLUMNS)
+    assert understatement_sentence(table) == (
+        "Partition distances: for 1 of 2 embedding-based partitions (task × α) the label-space JS distance "
+        "under-states the cluster-space one (JS gap, clusters − labels: mean +0.250, from -0.100 to +0.600); "
+        "label statistics miss that skew.")

@@ -246,7 +246,7 @@ def write_report(
     cluster-space distances (``meter.partition_distances_row``), shown beside G² and B².
     """
     from pipeline.studies.main_job.meter import (distance_markdown, distance_table, meter_markdown, meter_sentence,
-                                                 meter_table, plot_meter)
+                                                 meter_table, plot_meter, understatement_sentence)
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -265,6 +265,8 @@ def write_report(
     if not meter.empty:
         plot_meter(meters, out_dir / "heterogeneity_meter.png")
         sentences.insert(-1, meter_sentence(meter, table))
+    if not spread.empty:
+        sentences.insert(-1, understatement_sentence(spread))
     sections = iid_section(iid)
     if not meter.empty:
         sections += ["## Heterogeneity meter", "",
@@ -278,7 +280,9 @@ def write_report(
                      "distance (the square root of the base-2 divergence) and Hellinger distance, both in [0, 1]. A "
                      "label-based partition that looks far from iid in label space may be near it in cluster space, "
                      "and an embedding-based one the other way round; G² and B² above say what that does to the "
-                     "gradients.", "", distance_markdown(spread), ""]
+                     "gradients. *JS gap*: the cluster-space minus the label-space JS distance; > 0 where the labels "
+                     "under-state the skew in embedding space.", "", understatement_sentence(spread), "",
+                     distance_markdown(spread), ""]
     if not personal.empty:
         sections += [
             "## Personalised models", "",
