@@ -205,6 +205,29 @@ def test_the_readme_is_short_and_keeps_its_two_commands_and_the_report_markers()
     assert readme.count(START) == 1 and readme.count(END) == 1
 
 
+DURATION = re.compile(r"\b\d+ min \d+ s\b")  # a measured wall clock or CPU time, as the pages write it
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+
+
+def _sections(text: str) -> list[str]:
+    """A page cut at its headings: the unit a measurement's date must sit in."""
+    return re.split(r"(?m)^(?=#{1,4} )", text)
+
+
+def test_every_measured_time_is_on_one_page_with_its_date():
+    """A measurement is stated on one page (the others link to it), so two copies cannot drift apart, and the section
+    stating it names the day it was measured."""
+    pages_of: dict[str, set[str]] = {}
+    for page in PAGES:
+        for section in _sections((ROOT / page).read_text()):
+            times = DURATION.findall(section)
+            assert not times or DATE.search(section), f"{page}: {times[0]} in a section without its measurement date"
+            for time in times:
+                pages_of.setdefault(time, set()).add(page)
+    repeated = {time: sorted(pages) for time, pages in pages_of.items() if len(pages) > 1}
+    assert not repeated, f"measured times stated on more than one page (state once, link from the others): {repeated}"
+
+
 def test_the_readme_and_the_algorithm_guide_list_every_algorithm():
     from network.algorithms import list_algorithms
 
