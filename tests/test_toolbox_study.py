@@ -5,6 +5,7 @@ any work."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 import yaml
 
 import run_pipeline
+from network.client import UNSEEN_SPLIT_OF
 from pipeline.experiment import load_experiment
 from pipeline.runner import Pipeline
 from pipeline.studies.grid.runner import GridStudy
@@ -165,8 +167,10 @@ def test_tiny_heterogeneity_study_end_to_end(tmp_path, capsys):
     config["model"]["image_size"] = 8
     config["centralized"]["n_epochs"] = 1
     config["federated"].update(rounds_x_local_steps=2, evaluations=1, finetune_steps=1)
-    config["grid"][0].update(local_steps=[1], algorithms={"fedavg": {}, "ifca": {"n_cluster_models": 3}})
-    config["grid"][0]["partitions"] = [situation(config, "mild_label_skew"), dict(LABEL_GROUPS, situation="distinct_groups")]
+    config["grid"][0].update(local_steps=[1], algorithms={"fedavg": {"weighting": ["samples", "noisy"]},
+                                                          "ifca": {"n_cluster_models": 3}})
+    config["grid"][0]["partitions"] = [dict(situation(config, "mild_label_skew"), unseen_fraction=0.2),
+                                       dict(LABEL_GROUPS, situation="distinct_groups")]
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     run_pipeline.main([str(path), "--results", str(tmp_path / "results"), "--threads", "1", "--no-progress",
@@ -176,7 +180,34 @@ def test_tiny_heterogeneity_study_end_to_end(tmp_path, capsys):
     report = pd.read_csv(out / "report.csv")
     assert list(zip(report.situation, report.method)) == [
         (name, method) for name in ("mild_label_skew", "distinct_groups")
-        for method in ("fedavg", "fedavg+ft", "ifca-n_cluster_models3")]
+        for method in ("fedavg-weightingsamples", "fedavg-weightingsamples+ft", "fedavg-weightingnoisy",
+                       "fedavg-weightingnoisy+ft", "ifca-n_cluster_models3")]
+    # Unseen clients (2 of 10 held out in mild_label_skew only): each method's unseen column is its run's unseen twin
+    # of the split it is scored on, and empty where no client was held out.
+    runs = pd.read_csv(out / "runs.csv")
+    for _, row in runs.iterrows():
+        (metrics_csv,) = out.glob(f"federated/{row.situation}/J1/{row.method.removesuffix('+ft')}/s0-*/metrics.csv")
+        metrics = pd.read_csv(metrics_csv, dtype={"client": str})
+        unseen = metrics[(metrics.split == UNSEEN_SPLIT_OF[row.split]) & (metrics.client == "mean")
+                         & (metrics.metric == "top1")]
+        if row.situation == "mild_label_skew":
+            assert row.unseen == pytest.approx(unseen[unseen["round"] == unseen["round"].max()].value.iloc[0])
+        else:
+            assert unseen.empty and math.isnan(row.unseen)
+    text = (out / "report.md").read_text()
+    assert "| method | global | personalised | worst 10% | unseen clients | seeds |" in text
+    # Private weighting: the noisy variant against its samples twin, per situation and for fedavg+ft too (one seed:
+    # a difference without an interval).
+    weightings = pd.read_csv(out / "weightings.csv")
+    assert list(zip(weightings.situation, weightings.method, weightings.against)) == [
+        (name, "fedavg-weightingnoisy" + suffix, "fedavg-weightingsamples" + suffix)
+        for name in ("mild_label_skew", "distinct_groups") for suffix in ("", "+ft")]
+    by_method = runs.set_index(["situation", "method"])
+    first = weightings.iloc[0]
+    assert first.personal_mean == pytest.approx(by_method.personal[("mild_label_skew", "fedavg-weightingnoisy")]
+                                                - by_method.personal[("mild_label_skew", "fedavg-weightingsamples")])
+    assert first.personal_verdict == "undecided: 1 paired seed, 3 needed"
+    assert "## Private weightings against samples" in text
     situations = pd.read_csv(out / "situations.csv")
     meters = {path.parent.name.rsplit("-s0-", 1)[0]: json.loads(path.read_text())["g2"]
               for path in out.glob("heterogeneity/*/meter.json")}
@@ -197,3 +228,32 @@ def test_the_skew_situations_of_the_file_are_step3b_options_converted_by_their_f
     assert partitions["feature_skew"] == {"feature_noise": 0.3}
     assert partitions["concept_shift"] == {"label_swap": "2", "concept_fraction": 1.0}
     assert partitions["temporal_skew"] == {"alpha": 0.5, "temporal": "rotate:3:10", "n_rounds": 30}
+
+
+def test_private_weightings_pair_with_their_samples_twin_and_differences_are_paired_by_seed():
+    """A bucketed or noisy variant pairs with the variant of the same settings weighted by samples, named or by
+    default (settings that only matter to private weightings ignored); one without a twin is left out. The difference
+    is private − samples over the seeds both have, with its t interval."""
+    from pipeline.studies.grid.runs import Variant
+    from pipeline.studies.heterogeneity_toolbox import weighting_pairs, weighting_table
+
+    variants = [Variant("fedavg", ()), Variant("fedavg", (("buckets", "5,50"), ("weighting", "bucketed"))),
+                Variant("fedprox", (("mu", 0.1), ("weighting", "samples"))), Variant("fedprox", (("mu", 0.1), ("weighting", "noisy"))),
+                Variant("fedprox", (("mu", 0.5), ("weighting", "noisy"))),  # no samples twin at mu 0.5
+                Variant("scaffold", (("weighting", "uniform"),))]
+    pairs = weighting_pairs({"grid": [{"variants": variants}]})
+    assert pairs == [("fedavg-buckets5,50-weightingbucketed", "fedavg"),
+                     ("fedprox-mu0.1-weightingnoisy", "fedprox-mu0.1-weightingsamples")]
+    personal = {("fedavg", 0): 0.80, ("fedavg", 1): 0.70, ("fedavg", 2): 0.90, ("fedavg", 3): 0.5,
+                ("fedavg-buckets5,50-weightingbucketed", 0): 0.78, ("fedavg-buckets5,50-weightingbucketed", 1): 0.69,
+                ("fedavg-buckets5,50-weightingbucketed", 2): 0.87}
+    runs = pd.DataFrame([{"situation": "s", "method": method, "seed": seed, "global": math.nan, "personal": value,
+                          "worst10": math.nan, "unseen": math.nan} for (method, seed), value in personal.items()])
+    (row,) = weighting_table(runs, pairs).to_dict("records")
+    # Differences -0.02, -0.01, -0.03 (seed 3 has no bucketed run: left out): mean -0.02, s = 0.01.
+    half_width = 4.302652729911275 * 0.01 / math.sqrt(3)  # t(0.975, 2) · s / √n, s = 0.01
+    assert (row["method"], row["against"]) == ("fedavg-buckets5,50-weightingbucketed", "fedavg")
+    assert row["personal_mean"] == pytest.approx(-0.02)
+    assert (row["personal_low"], row["personal_high"]) == pytest.approx((-0.02 - half_width, -0.02 + half_width))
+    assert row["personal_verdict"] == "undecided: the 95% interval contains 0"
+    assert math.isnan(row["global_mean"]) and row["global_verdict"] == "no paired seed"

@@ -13,6 +13,9 @@ utils/statistics.py), at the final round:
   IFCA's and CFL's cluster models, FedEM's mixture, local), the fine-tuned model for local fine-tuning
   (FedAvg's model after ``--finetune_steps``, reported as ``fedavg+ft``), else the global model;
 * **worst 10%**: the mean of the worst ⌈10%⌉ clients on the same split (metrics.csv's ``worst_decile``);
+* **unseen clients** (partitions with step 3b's ``unseen_fraction``): the mean top-1 over the clients held out of all
+  training, on their test rows, under the same kind of model after the method's own adaptation of the final model
+  (metrics.csv's ``unseen_test*`` splits); personalised accuracy and the worst 10% are then the seen clients';
 * **G² at the start**: step 3c's gradient dissimilarity G² = Σ p_k‖∇F_k − ∇F‖² (and B²) of the
   situation's clients at the seed's centralized model, the model the theory's G² is defined at.
 
@@ -28,8 +31,12 @@ interval against the best contains 0), *disagrees* when every recommended method
 the best, and is *undecided* when neither can be said (too few seeds, zero variance). A row no
 situation of the run tests is listed as not measured.
 
+**Private weightings** (an algorithm's ``weighting: [samples, bucketed, noisy]`` in the grid): each bucketed or noisy
+variant against its twin with the same settings weighted by exact sizes, every metric, paired by seed
+(``weightings.csv`` and a report section): what keeping the client sizes private costs.
+
 Outputs: ``runs.csv`` (one row per run and method), ``report.csv`` (situation × method),
-``situations.csv`` (G², B² and the winners), ``table_check.csv`` and ``report.md``.
+``situations.csv`` (G², B² and the winners), ``table_check.csv``, ``weightings.csv`` and ``report.md``.
 """
 
 from __future__ import annotations
@@ -41,7 +48,8 @@ from typing import Any
 
 import pandas as pd
 
-from network.client import CLIENT_TEST_SPLIT, FINETUNED_TEST_SPLIT, GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT
+from network.client import (CLIENT_TEST_SPLIT, FINETUNED_TEST_SPLIT, GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT,
+                            UNSEEN_SPLIT_OF)
 from network.run_outputs import GLOBAL_CLIENT, METRICS_COLUMNS
 from pipeline.schema import Mapping
 from pipeline.studies.grid.kind import register_grid_kind
@@ -52,7 +60,10 @@ from utils.statistics import NONNEGATIVE, UNIT, PairedDifference, mean_interval,
 
 BASELINE = "fedavg"
 FINETUNED_SUFFIX = "+ft"  # FedAvg's fine-tuned model: the local fine-tuning method
-METRICS = {"global": "global accuracy", "personal": "personalised accuracy", "worst10": "worst 10% of clients"}
+METRICS = {"global": "global accuracy", "personal": "personalised accuracy", "worst10": "worst 10% of clients",
+           "unseen": "accuracy on unseen clients"}
+HEADERS = {"global": "global", "personal": "personalised", "worst10": "worst 10%", "unseen": "unseen clients"}
+PRIVATE_WEIGHTINGS = ("bucketed", "noisy")  # network/aggregation.py: the exact client size never leaves the client
 
 
 @dataclass(frozen=True)
@@ -94,9 +105,10 @@ def _value(final: pd.DataFrame, split: str, client: str) -> float:
 
 
 def accuracies(final: pd.DataFrame, split: str) -> dict[str, float]:
-    """Global top-1, and the mean and worst-decile top-1 over clients of ``split``."""
+    """Global top-1, the mean and worst-decile top-1 over the seen clients of ``split``, and the mean over the unseen
+    clients of ``split``'s unseen twin (the same model after the method's own adaptation; NaN without unseen clients)."""
     return {"global": _value(final, GLOBAL_TEST_SPLIT, GLOBAL_CLIENT), "personal": _value(final, split, "mean"),
-            "worst10": _value(final, split, "worst_decile")}
+            "worst10": _value(final, split, "worst_decile"), "unseen": _value(final, UNSEEN_SPLIT_OF[split], "mean")}
 
 
 def run_rows(run, run_dir: Path) -> list[dict[str, Any]]:
@@ -249,6 +261,81 @@ def table_check(runs: pd.DataFrame, mapping: dict[str, str]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+# ----- private weightings -----
+PRIVATE_ONLY = ("buckets", "noise_scale")  # settings that change nothing under samples weighting
+
+
+def _weighting_key(variant) -> tuple:
+    """A variant's algorithm and settings with weighting defaulted to samples and the private-only settings left out."""
+    settings = {name: value for name, value in variant.settings if name not in PRIVATE_ONLY}
+    settings.setdefault("weighting", "samples")
+    return variant.algorithm, tuple(sorted((name, str(value)) for name, value in settings.items()))
+
+
+def weighting_pairs(config: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(private variant, its samples twin)`` labels: each variant weighted ``bucketed`` or ``noisy`` and the variant of
+    its block with the same algorithm and settings weighted by samples (named, or by default). A private variant
+    without such a twin is left out: there is nothing to pair it with."""
+    pairs = []
+    for block in config["grid"]:
+        samples = {_weighting_key(variant): variant.label for variant in block["variants"]
+                   if dict(variant.settings).get("weighting", "samples") == "samples"}
+        for variant in block["variants"]:
+            weighting = dict(variant.settings).get("weighting")
+            if weighting in PRIVATE_WEIGHTINGS:
+                key = _weighting_key(variant)
+                twin = samples.get((key[0], tuple(sorted({**dict(key[1]), "weighting": "samples"}.items()))))
+                if twin is not None:
+                    pairs.append((variant.label, twin))
+    return list(dict.fromkeys(pairs))
+
+
+def weighting_table(runs: pd.DataFrame, pairs: list[tuple[str, str]]) -> pd.DataFrame:
+    """Per situation and pair (local fine-tuning's ``+ft`` twins too): private − samples of every metric, paired by
+    seed, in accuracy points (mean, 95% interval, verdict)."""
+    rows = []
+    for situation, group in runs.groupby("situation", sort=False):
+        methods = set(group.method)
+        for private, reference in pairs:
+            for suffix in ("", FINETUNED_SUFFIX):
+                if private + suffix not in methods or reference + suffix not in methods:
+                    continue
+                row = {"situation": situation, "method": private + suffix, "against": reference + suffix}
+                for column in METRICS:
+                    difference = paired(group, reference + suffix, private + suffix, column)
+                    row.update({f"{column}_mean": difference.mean if difference else math.nan,
+                                f"{column}_low": difference.low if difference else math.nan,
+                                f"{column}_high": difference.high if difference else math.nan,
+                                f"{column}_verdict": difference.explain() if difference else "no paired seed"})
+                rows.append(row)
+    columns = ["situation", "method", "against"] + [f"{column}_{part}" for column in METRICS
+                                                    for part in ("mean", "low", "high", "verdict")]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def weighting_lines(weightings: pd.DataFrame) -> list[str]:
+    """The report's section on the private weightings (none when the grid pairs none)."""
+    if weightings.empty:
+        return []
+    lines = ["", "## Private weightings against samples", "",
+             "What hiding the exact client sizes costs: each bucketed or noisy variant minus the same method weighted by "
+             "exact sizes, paired by seed, in accuracy points at the final round [95% t interval] (utils/statistics.py).",
+             "", "| situation | method | against | " + " | ".join(METRICS.values()) + " |",
+             "|---|---|---|" + "---|" * len(METRICS)]
+    for _, row in weightings.iterrows():
+        cells = []
+        for column in METRICS:
+            mean, low, high = (row[f"{column}_{part}"] for part in ("mean", "low", "high"))
+            if math.isnan(mean):
+                cells.append("–")
+                continue
+            interval = "" if math.isnan(low) else f" [{100 * low:+.1f}, {100 * high:+.1f}]"
+            decided = "" if row[f"{column}_verdict"] != "decided" else " **decided**"
+            cells.append(f"{100 * mean:+.1f}{interval}{decided}")
+        lines.append(f"| {row.situation} | {row.method} | {row.against} | {' | '.join(cells)} |")
+    return lines
+
+
 # ----- text -----
 def _interval(values: list[float], column: str, scale: str) -> dict[str, float]:
     mean, low, high = mean_interval(values, scale) if values else (math.nan, math.nan, math.nan)
@@ -320,7 +407,7 @@ def situation_options(config: dict[str, Any]) -> dict[str, str]:
 
 
 def report_lines(config: dict[str, Any], command: str, runs: pd.DataFrame, table: pd.DataFrame,
-                 situations: pd.DataFrame, check: pd.DataFrame) -> list[str]:
+                 situations: pd.DataFrame, check: pd.DataFrame, weightings: pd.DataFrame) -> list[str]:
     federated = config["federated"]
     counts = check.outcome.value_counts()
     lines = [f"# {config['name']}: which method for which heterogeneity", "", f"Command: `{command}`", "",
@@ -340,9 +427,11 @@ def report_lines(config: dict[str, Any], command: str, runs: pd.DataFrame, table
              f"{counts.get('disagrees', 0)} disagree, {counts.get('undecided', 0)} undecided, "
              f"{counts.get('not measured', 0)} not measured."]
     for _, row in situations.iterrows():
+        unseen = ("" if row.unseen_vs_fedavg == "no values"
+                  else f", best on unseen clients {row.unseen_winner} ({row.unseen_vs_fedavg})")
         lines.append(f"- {row.situation}: G² {_cell(row, 'g2', 1.0, 3)}; best personalised accuracy "
                      f"{row.personal_winner} ({row.personal_vs_fedavg}), best global accuracy {row.global_winner} "
-                     f"({row.global_vs_fedavg}).")
+                     f"({row.global_vs_fedavg}){unseen}.")
     lines += ["", "## Against the practitioners' table", "",
               "| row | situation | metric | outcome | detail |", "|---|---|---|---|---|"]
     for _, row in check.iterrows():
@@ -355,13 +444,19 @@ def report_lines(config: dict[str, Any], command: str, runs: pd.DataFrame, table
                      f"{_cell(row, 'b2', 1.0, 2)} |")
     lines += ["", "G² = Σ p_k‖∇F_k − ∇F‖² and B² = Σ p_k‖∇F_k‖²/‖∇F‖² of the situation's clients at the seed's "
               "centralized model (step 3c), mean [95% interval, log scale] over seeds."]
+    shown = [column for column in METRICS if column != "unseen" or runs.unseen.notna().any()]
     for situation, group in runs.groupby("situation", sort=False):
         lines += ["", f"## {situation}", "", *winner_lines(group), "",
-                  "| method | global | personalised | worst 10% | seeds |", "|---|---|---|---|---|"]
+                  "| method | " + " | ".join(HEADERS[column] for column in shown) + " | seeds |",
+                  "|---|" + "---|" * len(shown) + "---|"]
         for _, row in table[table.situation == situation].iterrows():
-            lines.append(f"| {row.method} | {_cell(row, 'global')} | {_cell(row, 'personal')} | "
-                         f"{_cell(row, 'worst10')} | {row.seeds} |")
-    return lines
+            lines.append(f"| {row.method} | " + " | ".join(_cell(row, column) for column in shown) + f" | {row.seeds} |")
+    if "unseen" in shown:
+        lines += ["", "Personalised and worst 10% are over the seen clients (those that trained); unseen clients never "
+                  "trained or sent an update (step 3b's unseen_fraction) and are scored on their test rows after the "
+                  "method's own adaptation of the final model (its personalisation step, or local fine-tuning for "
+                  "fedavg+ft; the global model for methods without one)."]
+    return lines + weighting_lines(weightings)
 
 
 def write_report(config: dict[str, Any], out_dir: Path, run_dirs: dict, centralized: dict[int, Path], command: str,
@@ -376,7 +471,10 @@ def write_report(config: dict[str, Any], out_dir: Path, run_dirs: dict, centrali
     situations.to_csv(out_dir / "situations.csv", index=False)
     check = table_check(runs, config["practitioners_table"])
     check.to_csv(out_dir / "table_check.csv", index=False)
-    atomic_write_text(out_dir / "report.md", "\n".join(report_lines(config, command, runs, table, situations, check)) + "\n")
+    weightings = weighting_table(runs, weighting_pairs(config))
+    weightings.to_csv(out_dir / "weightings.csv", index=False)
+    atomic_write_text(out_dir / "report.md",
+                      "\n".join(report_lines(config, command, runs, table, situations, check, weightings)) + "\n")
     return table
 
 
