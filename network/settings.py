@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import typing
 from typing import Any, Mapping
@@ -62,12 +63,13 @@ class SettingInfo:
         return f"at most {self.high if self.type is int else format(self.high, 'g')} in magnitude"
 
 
-def describe(settings_class: type) -> list[SettingInfo]:
+@functools.cache  # a pure function of the class, with an immutable result: get_type_hints is most of a run check's cost
+def describe(settings_class: type) -> tuple[SettingInfo, ...]:
     """The declared settings of a ``Settings`` dataclass, in declaration order."""
     hints = typing.get_type_hints(settings_class)
-    return [SettingInfo(field.name, hints[field.name], field.default, field.metadata.get("help", ""),
-                        field.metadata.get("choices"), _high(hints[field.name], field.metadata.get("high")))
-            for field in dataclasses.fields(settings_class)]
+    return tuple(SettingInfo(field.name, hints[field.name], field.default, field.metadata.get("help", ""),
+                             field.metadata.get("choices"), _high(hints[field.name], field.metadata.get("high")))
+                 for field in dataclasses.fields(settings_class))
 
 
 def _high(kind: type, declared: float | None) -> float | None:

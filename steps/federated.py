@@ -141,7 +141,8 @@ def build_parser(method: str | None = None, prog: str = "test_fed.py", descripti
     return parser
 
 
-def check_arguments(argv: list[str], *, n_clients: int | None = None) -> argparse.Namespace:
+def check_arguments(argv: list[str], *, n_clients: int | None = None,
+                    parsers: dict[str, argparse.ArgumentParser] | None = None) -> argparse.Namespace:
     """Parse step 4's command line and make every check the step makes from its arguments alone.
 
     No file is read (neither the manifest nor assignments.csv), nothing is written, no model is built and no thread
@@ -163,6 +164,8 @@ def check_arguments(argv: list[str], *, n_clients: int | None = None) -> argpars
         argv: the command line, as ``test_fed.py`` takes it.
         n_clients: the number of clients of the assignments the run will read, when the caller knows it (the
             pipeline knows it from the partition it asks step 3b for); None: the ``--n_clients`` flag, if given.
+        parsers: method -> its parser, filled as methods are met, for a caller that checks many runs (a grid of
+            10,000 runs builds each method's parser once instead of once a run); None: a new parser.
 
     Returns:
         The parsed arguments, algorithm settings included (as given, strings on a command line). With
@@ -171,11 +174,11 @@ def check_arguments(argv: list[str], *, n_clients: int | None = None) -> argpars
     Raises:
         TaskHetError: one line naming the flag (``--n_components``, ``--lr_schedule``, ...) and what it allows.
     """
-    return _checked(argv, n_clients)[0]
+    return _checked(argv, n_clients, parsers=parsers)[0]
 
 
-def _checked(argv: list[str], n_clients: int | None = None, prog: str = "test_fed.py",
-             description: str = DESCRIPTION) -> tuple[argparse.Namespace, RunConfig | None]:
+def _checked(argv: list[str], n_clients: int | None = None, prog: str = "test_fed.py", description: str = DESCRIPTION,
+             parsers: dict[str, argparse.ArgumentParser] | None = None) -> tuple[argparse.Namespace, RunConfig | None]:
     """:func:`check_arguments`, also returning the run config it checked (None after --list_methods)."""
     argv = list(argv)
     first = cli.ArgumentParser(prog=prog, add_help=False)
@@ -185,7 +188,10 @@ def _checked(argv: list[str], n_clients: int | None = None, prog: str = "test_fe
     if known.list_methods:
         return argparse.Namespace(list_methods=True, method=known.method), None
     settings_class = get_settings_class(known.method)
-    args, unknown = build_parser(known.method, prog, description).parse_known_args(argv)
+    parsers = {} if parsers is None else parsers
+    if known.method not in parsers:
+        parsers[known.method] = build_parser(known.method, prog, description)
+    args, unknown = parsers[known.method].parse_known_args(argv)
     if unknown:
         listing = ", ".join(f"--{info.name}" for info in describe(settings_class)) or "none"
         flags = [arg.split("=", 1)[0] for arg in unknown if arg.startswith("-")] or unknown

@@ -209,7 +209,7 @@ DURATION = re.compile(r"\b\d+ min \d+ s\b")  # a measured wall clock or CPU time
 DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
 
 
-def _sections(text: str) -> list[str]:
+def _cut_at_headings(text: str) -> list[str]:
     """A page cut at its headings: the unit a measurement's date must sit in."""
     return re.split(r"(?m)^(?=#{1,4} )", text)
 
@@ -219,7 +219,7 @@ def test_every_measured_time_is_on_one_page_with_its_date():
     stating it names the day it was measured."""
     pages_of: dict[str, set[str]] = {}
     for page in PAGES:
-        for section in _sections((ROOT / page).read_text()):
+        for section in _cut_at_headings((ROOT / page).read_text()):
             times = DURATION.findall(section)
             assert not times or DATE.search(section), f"{page}: {times[0]} in a section without its measurement date"
             for time in times:

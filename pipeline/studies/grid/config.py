@@ -139,7 +139,7 @@ def check_stages(config: dict[str, Any], source: Path) -> None:
         params = assignment_params(config, partition, seed, "manifest.csv", "groups.csv" if partition.class_groups else None)
         origins = {**STUDY_ORIGINS, **{name: f"{entry.key}.{name}" for name in partition.params}}
         checks.check_partition_stage(config, Entry(entry.key, partition.scheme, params, origins), params, source)
-    n_clients = config["federated"]["n_clients"]
+    n_clients, parsers = config["federated"]["n_clients"], {}  # parsers: one per method for every run checked
     for index, block in enumerate(config["grid"]):
         for partition, local_steps, variant in itertools.product(block["partitions"], block["local_steps"],
                                                                  block["variants"]):
@@ -149,7 +149,7 @@ def check_stages(config: dict[str, Any], source: Path) -> None:
             origins = {**STUDY_ORIGINS, "local_steps": f"grid[{index}].local_steps", "method": f"grid[{index}].algorithms",
                        **{name: f"{key}.{name}" for name, _ in variant.settings}}
             entry = Entry(key, variant.algorithm, params, origins)
-            checks.check_stage(entry, lambda argv: step4.check_arguments(argv, n_clients=n_clients), params, source)
+            checks.check_stage(entry, lambda argv: step4.check_arguments(argv, n_clients=n_clients, parsers=parsers), params, source)
             options = dict(partition.params)
             checks.check_schedule_fits(Entry(f"grid[{index}] ({partition.label}, J={local_steps})", partition.scheme, {}),
                                        options.get("temporal"), options.get("n_rounds"), params["n_rounds"],

@@ -347,13 +347,14 @@ def check_stages(config: dict[str, Any], source: Path) -> None:
             params = assignment_params(config, grouping, entry.params.get("alpha", math.inf), seed, "manifest.csv", groups)
             checks.check_partition_stage(config, Entry(entry.key, params["scheme"], params, entry.origins), params, source)
     references = [IID_REFERENCE] if partition["iid_reference"] else []
-    n_clients = partition["n_clients"]
+    n_clients, parsers = partition["n_clients"], {}  # parsers: one per method for every run checked
     for task, algorithm, grouping in itertools.product(config["tasks"], config["federated"]["algorithms"],
                                                        [partition["groupings"][0], *references]):
         combination = Combination(task, grouping, float(partition["alphas"][0]), algorithm, seed)
         params = federated_params(config, combination, "data", "manifest.csv", "assignments.csv", "best.pt")
         entry = Entry(f"federated ({task}, {algorithm})", algorithm, params, run_origins(config, task, algorithm))
-        checks.check_stage(entry, lambda argv: step4.check_arguments(argv, n_clients=n_clients), params, source)
+        checks.check_stage(entry, lambda argv: step4.check_arguments(argv, n_clients=n_clients, parsers=parsers), params,
+                           source)
     for task in config["tasks"]:
         rounds = task_federated(config, task)["n_rounds"]
         rounds_key = f"federated.per_task.{task}.n_rounds" if "n_rounds" in config["federated"]["per_task"].get(task, {}) \
