@@ -67,10 +67,23 @@ def fresh_copy(base: Path, to: Path) -> Path:
     return to
 
 
+def records_of(results: Path) -> list[dict]:
+    return [json.loads(path.read_text()) for path in (results / NAME).rglob(PLACEMENT_FILE)]
+
+
 def grid_span(results: Path) -> float:
     """Seconds from the first run's start to the last run's end (the placement records of the runs)."""
-    records = [json.loads(path.read_text()) for path in (results / NAME).rglob(PLACEMENT_FILE)]
+    records = records_of(results)
     return max(record["finished"] for record in records) - min(record["started"] for record in records)
+
+
+def where_time_goes(results: Path, jobs: int) -> str:
+    """The span split into time inside runs (mean seconds per run, from each run's own start to its end) and the
+    slots' idle time between runs (span × jobs − Σ run seconds, per run): what the executor costs a run."""
+    records = records_of(results)
+    inside = [record["finished"] - record["started"] for record in records]
+    idle = grid_span(results) * jobs - sum(inside)
+    return f"{statistics.mean(inside):.2f} s inside a run, {idle / len(records):.2f} s idle slot time per run"
 
 
 def metrics_files(results: Path) -> dict[str, bytes]:
@@ -103,8 +116,8 @@ def main() -> None:
                 wall, span = timed(experiment, results, flags)
                 assert metrics_files(results) == reference, f"{side}: metrics.csv differ from the one-process run"
                 spans[side].append(span)
-                print(f"{side} call {repeat + 1}: {len(reference)} runs, wall {wall:.1f} s, grid span {span:.1f} s",
-                      flush=True)
+                print(f"{side} call {repeat + 1}: {len(reference)} runs, wall {wall:.1f} s, grid span {span:.1f} s "
+                      f"({where_time_goes(results, args.jobs)})", flush=True)
     local, ray = statistics.median(spans["local"]), statistics.median(spans["ray"])
     print(f"median grid span: local pool {local:.1f} s, Ray {ray:.1f} s; throughput Ray / local = {local / ray:.2f} "
           f"(goal >= 0.9); every metrics.csv equal to the one-process run's")

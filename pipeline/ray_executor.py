@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import shutil
 import socket
 import time
 import warnings
@@ -33,6 +34,8 @@ from utils.run_dir import atomic_write_text
 
 CONNECT_SECONDS = 10  # a --ray_address that does not accept a TCP connection in this time is unreachable
 PROBE_SECONDS = 120  # every node answers the storage check within this time (a busy node starts a worker first)
+WARM_SECONDS = 60  # a warm-up task waits this long at most for the others to check in (a busy node starts late)
+WARM_FOLDER = ".ray-workers-starting"
 LOCK_WAIT_SECONDS = 300  # a rerun waits this long for the folder lock of a run whose node died (NFS frees it late)
 STORAGE_MARKER = ".ray-storage-check"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -59,6 +62,7 @@ class RayExecutor:
     max_retries: int
     jobs: int | None  # runs in flight at most (None: as many as the resources allow)
     cwd: str
+    out_dir: Path | None = None  # the results folder every node sees (start_workers' check-in folder goes there)
     in_process: bool = False
 
     @classmethod
@@ -78,7 +82,7 @@ class RayExecutor:
         except BaseException:
             ray.shutdown()
             raise
-        return cls(ray, cluster, nodes, cpus, gpus, max_retries, jobs, cwd)
+        return cls(ray, cluster, nodes, cpus, gpus, max_retries, jobs, cwd, Path(out_dir))
 
     def describe(self) -> str:
         most = f", at most {self.jobs} at a time" if self.jobs else ""
@@ -89,6 +93,7 @@ class RayExecutor:
         """Submit ``stages`` (at most ``jobs`` in flight), report each as it finishes; the first failure cancels the
         rest (a cancelled run resumes from its checkpoint on a rerun) and is raised naming its stage."""
         ray = self.ray
+        self.start_workers(min(self.jobs or len(stages), len(stages), self.slots()))
         # max_calls=1: a task that takes a GPU gets a fresh process, whose CUDA sees only the GPUs Ray gave it.
         task = ray.remote(num_cpus=self.cpus, num_gpus=self.gpus, max_retries=self.max_retries,
                           retry_exceptions=False, max_calls=1 if self.gpus else 0)(run_ray_task)
@@ -108,6 +113,31 @@ class RayExecutor:
             for ref in running:
                 ray.cancel(ref, force=True)
             raise
+
+    def slots(self) -> int:
+        """Runs the cluster can hold at once by CPUs (GPUs limit it further; Ray enforces both)."""
+        return sum(int(node["Resources"].get("CPU", 0.0) / self.cpus + 1e-9) for node in self.nodes) if self.cpus else 0
+
+    def start_workers(self, count: int) -> None:
+        """Start ``count`` worker processes together before the first run.
+
+        Ray starts a worker for this job's runtime environment only when a task asks for one, one lease at a time,
+        so without this the grid's second run waited while its worker started beside the first run: 1.7 s on an
+        idle machine, about 7 s with the first run importing what a run imports (docs/BENCHMARKS.md, "The grid on
+        Ray"). Each warm-up task checks in to a folder on the shared results storage and holds its worker until
+        all ``count`` have checked in (at most :data:`WARM_SECONDS`), so they need ``count`` processes, each of
+        which has imported the pipeline when the first run starts, as the local pool's workers have. A task with
+        GPUs gets a fresh process anyway (``max_calls=1``): nothing to start then.
+        """
+        if self.gpus or count < 2 or self.out_dir is None:
+            return
+        folder = self.out_dir.resolve() / f"{WARM_FOLDER}-{secrets.token_hex(8)}"
+        folder.mkdir(parents=True)
+        try:
+            warm = self.ray.remote(num_cpus=self.cpus, max_retries=0)(hold_a_worker)
+            self.ray.get([warm.remote(str(folder), count, WARM_SECONDS) for _ in range(count)])
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def result(self, ref: Any, stage: PoolStage) -> dict[str, Any]:
         """A finished task's placement record; its failure as one line naming the stage (a bug keeps its traceback)."""
@@ -239,6 +269,16 @@ def probe_storage(cwd: str, marker: str, token: str, node_id: str) -> str | None
     except OSError as error:
         return f"cannot write in {Path(marker).parent} ({error.strerror or type(error).__name__})"
     return None
+
+
+def hold_a_worker(folder: str, count: int, seconds: float) -> int:
+    """A warm-up task (:meth:`RayExecutor.start_workers`): checks in to ``folder`` and keeps its worker until ``count``
+    tasks have checked in, or ``seconds`` have passed; returns its pid."""
+    Path(folder, f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}").touch()
+    deadline = time.monotonic() + seconds
+    while len(os.listdir(folder)) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return os.getpid()
 
 
 def run_ray_task(script: str, stage_dir: str, params: dict[str, Any], argv: list[str], cwd: str) -> dict[str, Any]:

@@ -134,3 +134,74 @@ def test_a_ray_address_that_does_not_answer_is_one_line(tmp_path):
                                "--ray_address", address])
     assert str(raised.value).startswith(f"--ray_address {address}: nothing answers there (Connection refused)")
     assert not (tmp_path / "results").exists()
+
+
+# ----- the Ray executor starts its workers together (a stand-in for ray: each task a thread) -----
+class ThreadRay:
+    """``ray.remote(**resources)(fn).remote(*args)`` runs ``fn`` in a thread; ``ray.get`` joins them. Records the
+    resources each remote function declared."""
+
+    def __init__(self):
+        self.declared = []
+
+    def remote(self, **resources):
+        import threading
+
+        self.declared.append(resources)
+
+        def wrap(fn):
+            class Remote:
+                @staticmethod
+                def remote(*args):
+                    result = {}
+                    thread = threading.Thread(target=lambda: result.update(value=fn(*args)))
+                    thread.start()
+                    return thread, result
+
+            return Remote
+
+        return wrap
+
+    @staticmethod
+    def get(refs):
+        for thread, _ in refs:
+            thread.join()
+        return [result["value"] for _, result in refs]
+
+
+def thread_executor(tmp_path, cpus=1.0, gpus=0.0, node_cpus=(2.0, 3.0)):
+    from pipeline.ray_executor import RayExecutor
+
+    nodes = [{"Resources": {"CPU": value}} for value in node_cpus]
+    return RayExecutor(ThreadRay(), "a stand-in", nodes, cpus, gpus, 0, None, str(tmp_path), tmp_path / "results")
+
+
+def test_the_workers_start_together_each_task_held_until_all_checked_in(tmp_path):
+    from pipeline import ray_executor
+
+    executor = thread_executor(tmp_path)
+    assert executor.slots() == 5  # 2 + 3 CPUs at 1 a run
+    assert thread_executor(tmp_path, cpus=1.5).slots() == 1 + 2
+    (tmp_path / "results").mkdir()
+    executor.start_workers(3)
+    assert executor.ray.declared == [{"num_cpus": 1.0, "max_retries": 0}]  # the runs' own CPUs: one worker each
+    assert list((tmp_path / "results").iterdir()) == []  # the check-in folder is gone
+    # A task waits for the others: with 2 of 3 checked in it returns only at its deadline.
+    folder = tmp_path / "check-in"
+    folder.mkdir()
+    (folder / "another-1").touch()
+    start = ray_executor.time.monotonic()
+    assert ray_executor.hold_a_worker(str(folder), 3, 0.3) == ray_executor.os.getpid()
+    waited = ray_executor.time.monotonic() - start
+    assert waited >= 0.3 and len(list(folder.iterdir())) == 2
+    (folder / "another-2").touch()
+    start = ray_executor.time.monotonic()
+    ray_executor.hold_a_worker(str(folder), 3, 30)  # the third check-in: nothing to wait for
+    assert ray_executor.time.monotonic() - start < 30
+
+
+@pytest.mark.parametrize("gpus, count", [(1.0, 4), (0.0, 1)])
+def test_no_warm_up_for_gpu_tasks_or_a_single_run(tmp_path, gpus, count):
+    executor = thread_executor(tmp_path, gpus=gpus)
+    executor.start_workers(count)
+    assert executor.ray.declared == []  # GPU tasks get a fresh process each; one run has nothing to wait beside
