@@ -95,6 +95,17 @@ def situation(config: dict, name: str) -> dict:
     (lambda c: situation(c, "mild_label_skew").update(n_clients=5),
      "grid[0].partitions[0].n_clients: not a step-3b option a study may set"),
     (lambda c: situation(c, "mild_label_skew").update(seed=3), "grid[0].partitions[0].seed: not a step-3b option"),
+    # Unseen clients and private weightings: step 3b's and the algorithm's own checks, named by the YAML key.
+    (lambda c: situation(c, "mild_label_skew").update(unseen_fraction=1.5), "grid[0].partitions[0].unseen_fraction"),
+    (lambda c: situation(c, "mild_label_skew").update(unseen_fraction=".nan"), "grid[0].partitions[0].unseen_fraction"),
+    (lambda c: situation(c, "mild_label_skew").update(unseen_fraction=0.01),
+     "grid[0].partitions[0].unseen_fraction"),  # round(0.01 · 10) = 0 clients held out
+    (lambda c: c["grid"][0]["algorithms"].update(fedavg={"weighting": ["samples", "hidden"]}),
+     "grid[0].algorithms.fedavg.weighting"),
+    (lambda c: c["grid"][0]["algorithms"].update(fedavg={"weighting": "noisy", "noise_scale": 0}),
+     "grid[0].algorithms.fedavg"),
+    (lambda c: c["grid"][0]["algorithms"].update(fedavg={"weighting": ["noisy", "noisy"]}),
+     "grid[0].algorithms.fedavg.weighting lists the value 'noisy' twice"),
     (lambda c: situation(c, "quantity_skew").update(alpha=1.0), "grid[0].partitions[5].alpha: scheme iid does not take it"),
     (lambda c: situation(c, "mild_label_skew").update(alpha=-1), "grid[0].partitions[0].alpha must be a finite number > 0"),
     (lambda c: situation(c, "mild_label_skew").update(situation="mild skew"),
