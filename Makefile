@@ -64,13 +64,10 @@ demo: setup
 paper-cpu: setup
 	$(PY) run_pipeline.py experiments/paper_cpu.yaml --jobs $(JOBS) --threads 1
 
-# Three pytest workers per two cores (pytest-xdist): on 2 cores with one worker per core the CPU sat idle
-# 22% of the time while tests waited on subprocesses and Ray or Flower start-ups (docs/BENCHMARKS.md).
-# Tests share no temporary path, port or global state. The docs requirements too: tests/test_docs_site.py
-# builds the site strictly.
-TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n * 3 / 2 > 2 ? n * 3 / 2 : 2 )))
+# One pytest worker per core (pytest-xdist); tests share no temporary path, port or global state.
+# The docs requirements too: tests/test_docs_site.py builds the site strictly.
 test: setup $(DOCS_STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
+	$(PY) -m pytest -q -n auto tests
 
 # The documentation site (mkdocs.yml), strictly: a broken link, a missing page or image fails it. Its
 # reference pages are generated from the code at build time (docsgen/), so it builds in the project's venv.

@@ -149,10 +149,15 @@ def test_write_report_on_hand_made_runs(tmp_path):
               "model": {"encoder": "small_cnn", "image_size": 16}, "seeds": [0, 1, 2],
               "federated": {"n_clients": 10, "client_fraction": 0.5, "rounds_x_local_steps": 120,
                             "client_test_fraction": 0.2, "finetune_steps": 0},
-              "grid": [{"partitions": [partition]}], "practitioners_table": {"severe": "mild_label_skew"}}
+              "grid": [{"partitions": [partition], "variants": list(dict.fromkeys(run.variant for run in run_dirs))}],
+              "practitioners_table": {"severe": "mild_label_skew"}}
     out = tmp_path / "out"
     out.mkdir()
     table = write_report(config, out, run_dirs, {}, "cmd", meters)
+    # No private weighting in the grid, no unseen client in the runs: an empty weightings.csv, no such section or column.
+    assert pd.read_csv(out / "weightings.csv").empty
+    assert "Private weightings" not in (out / "report.md").read_text()
+    assert "unseen clients" not in (out / "report.md").read_text() and table.unseen_mean.isna().all()
     assert list(table.method) == ["fedavg", "fedem"]
     fedem = table.set_index("method").loc["fedem"]
     assert fedem.personal_mean == pytest.approx((0.70 + 0.73 + 0.74) / 3)
