@@ -48,22 +48,13 @@ from typing import Any
 
 import pandas as pd
 
-from network.client import (CLIENT_TEST_SPLIT, FINETUNED_TEST_SPLIT, GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT,
-                            UNSEEN_SPLIT_OF)
-from network.run_outputs import GLOBAL_CLIENT, METRICS_COLUMNS
 from pipeline.schema import Mapping
 from pipeline.studies.grid.kind import register_grid_kind
+from pipeline.studies.toolbox_runs import BASELINE, HEADERS, METRICS, meter_rows, paired, run_rows
+from pipeline.studies.toolbox_weightings import weighting_lines, weighting_pairs, weighting_table
 from utils.errors import TaskHetError
-from utils.loaders import load_json, read_csv
 from utils.run_dir import atomic_write_text
-from utils.statistics import NONNEGATIVE, UNIT, PairedDifference, mean_interval, paired_difference
-
-BASELINE = "fedavg"
-FINETUNED_SUFFIX = "+ft"  # FedAvg's fine-tuned model: the local fine-tuning method
-METRICS = {"global": "global accuracy", "personal": "personalised accuracy", "worst10": "worst 10% of clients",
-           "unseen": "accuracy on unseen clients"}
-HEADERS = {"global": "global", "personal": "personalised", "worst10": "worst 10%", "unseen": "unseen clients"}
-PRIVATE_WEIGHTINGS = ("bucketed", "noisy")  # network/aggregation.py: the exact client size never leaves the client
+from utils.statistics import NONNEGATIVE, UNIT, PairedDifference, mean_interval
 
 
 @dataclass(frozen=True)
@@ -89,57 +80,6 @@ TABLE = {
     "transfer": Row("transfer", ("fedper",), "personal"),
     "severe": Row("severe skew", ("fedem",), "personal"),
 }
-
-
-# ----- reading runs -----
-def final_rows(metrics_csv: Path) -> pd.DataFrame:
-    """metrics.csv's rows of the last evaluated round (the last round with global test rows)."""
-    metrics = read_csv(metrics_csv, "step-4 metrics", METRICS_COLUMNS, finished=True, dtype={"client": str})
-    evaluated = metrics[(metrics.split == GLOBAL_TEST_SPLIT) & (metrics.client == GLOBAL_CLIENT)]
-    return metrics[metrics["round"] == evaluated["round"].max()]
-
-
-def _value(final: pd.DataFrame, split: str, client: str) -> float:
-    rows = final[(final.split == split) & (final.client == client) & (final.metric == "top1")]["value"]
-    return float(rows.iloc[0]) if len(rows) else math.nan
-
-
-def accuracies(final: pd.DataFrame, split: str) -> dict[str, float]:
-    """Global top-1, the mean and worst-decile top-1 over the seen clients of ``split``, and the mean over the unseen
-    clients of ``split``'s unseen twin (the same model after the method's own adaptation; NaN without unseen clients)."""
-    return {"global": _value(final, GLOBAL_TEST_SPLIT, GLOBAL_CLIENT), "personal": _value(final, split, "mean"),
-            "worst10": _value(final, split, "worst_decile"), "unseen": _value(final, UNSEEN_SPLIT_OF[split], "mean")}
-
-
-def run_rows(run, run_dir: Path) -> list[dict[str, Any]]:
-    """The method rows of one run: its algorithm on its personal split (or the global model's), plus ``fedavg+ft``
-    (FedAvg's fine-tuned models) from FedAvg's runs when they were fine-tuned."""
-    final = final_rows(run_dir / "metrics.csv")
-    base = {"situation": run.partition.label, "seed": run.seed}
-    split = PERSONAL_TEST_SPLIT if (final.split == PERSONAL_TEST_SPLIT).any() else CLIENT_TEST_SPLIT
-    rows = [{**base, "method": run.variant.label, "algorithm": run.variant.algorithm, "split": split,
-             **accuracies(final, split)}]
-    if run.variant.algorithm == BASELINE and (final.split == FINETUNED_TEST_SPLIT).any():
-        rows.append({**base, "method": run.variant.label + FINETUNED_SUFFIX, "algorithm": BASELINE + FINETUNED_SUFFIX,
-                     "split": FINETUNED_TEST_SPLIT, **accuracies(final, FINETUNED_TEST_SPLIT)})
-    return rows
-
-
-def meter_rows(meters: dict) -> pd.DataFrame:
-    """G² and B² of every (partition, seed) step 3c measured."""
-    rows = [{"situation": partition.label, "seed": seed,
-             **{key: load_json(stage_dir / "meter.json", "step-3c meter", finished=True)[key] for key in ("g2", "b2")}}
-            for (partition, seed), stage_dir in meters.items()]
-    return pd.DataFrame(rows, columns=["situation", "seed", "g2", "b2"])
-
-
-# ----- statistics -----
-def paired(runs: pd.DataFrame, method_a: str, method_b: str, column: str) -> PairedDifference | None:
-    """``b − a`` of ``column`` over the seeds both methods have a value for (None: no such seed)."""
-    a = runs[runs.method == method_a].set_index("seed")[column].dropna()
-    b = runs[runs.method == method_b].set_index("seed")[column].dropna()
-    seeds = sorted(set(a.index) & set(b.index))
-    return paired_difference(a[seeds].tolist(), b[seeds].tolist(), scale=UNIT) if seeds else None
 
 
 @dataclass(frozen=True)
@@ -259,81 +199,6 @@ def table_check(runs: pd.DataFrame, mapping: dict[str, str]) -> pd.DataFrame:
         rows.append({"row": key, "recommendation": row.text, "metric": row.metric, "situation": situation or "",
                      "outcome": verdict.outcome, "detail": verdict.detail})
     return pd.DataFrame(rows)
-
-
-# ----- private weightings -----
-PRIVATE_ONLY = ("buckets", "noise_scale")  # settings that change nothing under samples weighting
-
-
-def _weighting_key(variant) -> tuple:
-    """A variant's algorithm and settings with weighting defaulted to samples and the private-only settings left out."""
-    settings = {name: value for name, value in variant.settings if name not in PRIVATE_ONLY}
-    settings.setdefault("weighting", "samples")
-    return variant.algorithm, tuple(sorted((name, str(value)) for name, value in settings.items()))
-
-
-def weighting_pairs(config: dict[str, Any]) -> list[tuple[str, str]]:
-    """``(private variant, its samples twin)`` labels: each variant weighted ``bucketed`` or ``noisy`` and the variant of
-    its block with the same algorithm and settings weighted by samples (named, or by default). A private variant
-    without such a twin is left out: there is nothing to pair it with."""
-    pairs = []
-    for block in config["grid"]:
-        samples = {_weighting_key(variant): variant.label for variant in block["variants"]
-                   if dict(variant.settings).get("weighting", "samples") == "samples"}
-        for variant in block["variants"]:
-            weighting = dict(variant.settings).get("weighting")
-            if weighting in PRIVATE_WEIGHTINGS:
-                key = _weighting_key(variant)
-                twin = samples.get((key[0], tuple(sorted({**dict(key[1]), "weighting": "samples"}.items()))))
-                if twin is not None:
-                    pairs.append((variant.label, twin))
-    return list(dict.fromkeys(pairs))
-
-
-def weighting_table(runs: pd.DataFrame, pairs: list[tuple[str, str]]) -> pd.DataFrame:
-    """Per situation and pair (local fine-tuning's ``+ft`` twins too): private − samples of every metric, paired by
-    seed, in accuracy points (mean, 95% interval, verdict)."""
-    rows = []
-    for situation, group in runs.groupby("situation", sort=False):
-        methods = set(group.method)
-        for private, reference in pairs:
-            for suffix in ("", FINETUNED_SUFFIX):
-                if private + suffix not in methods or reference + suffix not in methods:
-                    continue
-                row = {"situation": situation, "method": private + suffix, "against": reference + suffix}
-                for column in METRICS:
-                    difference = paired(group, reference + suffix, private + suffix, column)
-                    row.update({f"{column}_mean": difference.mean if difference else math.nan,
-                                f"{column}_low": difference.low if difference else math.nan,
-                                f"{column}_high": difference.high if difference else math.nan,
-                                f"{column}_verdict": difference.explain() if difference else "no paired seed"})
-                rows.append(row)
-    columns = ["situation", "method", "against"] + [f"{column}_{part}" for column in METRICS
-                                                    for part in ("mean", "low", "high", "verdict")]
-    return pd.DataFrame(rows, columns=columns)
-
-
-def weighting_lines(weightings: pd.DataFrame) -> list[str]:
-    """The report's section on the private weightings (none when the grid pairs none)."""
-    if weightings.empty:
-        return []
-    lines = ["", "## Private weightings against samples", "",
-             "What hiding the exact client sizes costs: each bucketed or noisy variant minus the same method weighted by "
-             "exact sizes, paired by seed, in accuracy points at the final round [95% t interval] (utils/statistics.py).",
-             "", "| situation | method | against | " + " | ".join(METRICS.values()) + " |",
-             "|---|---|---|" + "---|" * len(METRICS)]
-    for _, row in weightings.iterrows():
-        cells = []
-        for column in METRICS:
-            mean, low, high = (row[f"{column}_{part}"] for part in ("mean", "low", "high"))
-            if math.isnan(mean):
-                cells.append("–")
-                continue
-            interval = "" if math.isnan(low) else f" [{100 * low:+.1f}, {100 * high:+.1f}]"
-            decided = "" if row[f"{column}_verdict"] != "decided" else " **decided**"
-            cells.append(f"{100 * mean:+.1f}{interval}{decided}")
-        lines.append(f"| {row.situation} | {row.method} | {row.against} | {' | '.join(cells)} |")
-    return lines
 
 
 # ----- text -----
