@@ -65,9 +65,10 @@ paper-cpu: setup
 	$(PY) run_pipeline.py experiments/paper_cpu.yaml --jobs $(JOBS) --threads 1
 
 # One pytest worker per core (pytest-xdist); tests share no temporary path, port or global state.
-# The docs requirements too: tests/test_docs_site.py builds the site strictly.
+# The docs requirements too: tests/test_docs_site.py builds the site strictly. The 20 slowest tests are
+# listed at the end (tests/conftest.py starts the modules of those marked slow first).
 test: setup $(DOCS_STAMP)
-	$(PY) -m pytest -q -n auto tests
+	$(PY) -m pytest -q -n auto --durations=20 tests
 
 # The documentation site (mkdocs.yml), strictly: a broken link, a missing page or image fails it. Its
 # reference pages are generated from the code at build time (docsgen/), so it builds in the project's venv.

@@ -116,6 +116,7 @@ def tiny_digits_experiment(tmp_path) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_digits_pipeline_end_to_end(tmp_path):
     experiment = tmp_path / "digits.yaml"
     experiment.write_text(yaml.safe_dump(tiny_digits_experiment(tmp_path)))

@@ -281,6 +281,7 @@ def _render_like_make_demo(checkout: Path) -> Path:
 
 
 @pytest.mark.parametrize("beside", ["a fresh clone", "a make demo render"])
+@pytest.mark.slow
 def test_the_tutorial_block_runs_as_written(tmp_path, beside):
     # The page's own block at the sizes it documents for the suite: 6 buildings × 2 views at 16 px, 1 epoch, 1 round.
     checkout = _checkout(tmp_path / "clone")

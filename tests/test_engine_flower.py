@@ -304,6 +304,7 @@ def test_bad_options_are_refused_before_anything_starts(tmp_path):
 
 # ----- Flower's simulation runtime (Ray) -----
 @pytest.mark.parametrize("name, num_nodes", [("fedavg", None), ("fedrep", 2)])
+@pytest.mark.slow
 def test_the_simulation_runtime_equals_the_sequential_engine(tmp_path, name, num_nodes):
     reference = run_sequential(tmp_path / "sequential", name, rounds=2)
     engine = run_simulated(tmp_path / "flower", name, rounds=2, num_nodes=num_nodes)

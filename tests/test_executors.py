@@ -86,6 +86,7 @@ def test_too_many_gpus_for_this_machine_stops_run_pipeline_before_step_0(tmp_pat
     assert not (tmp_path / "results").exists()
 
 
+@pytest.mark.slow
 def test_each_local_worker_sees_one_gpu_of_its_own(tmp_path, monkeypatch, capsys):
     """Fake GPUs: no CUDA here, so the runs use the CPU; what each worker was given is in its runs' placement.json."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")

@@ -53,6 +53,7 @@ def test_a_huge_study_grid_is_refused_with_its_count_before_anything_expands_it(
     assert time.perf_counter() - start < 30  # nothing was expanded (expanding took a MemoryError)
 
 
+@pytest.mark.slow
 def test_the_study_limit_admits_exactly_max_runs(tmp_path):
     config = tiny_study(tmp_path)
     config["seeds"] = [0, 1]
@@ -272,6 +273,7 @@ def test_two_learning_rates_that_share_a_search_folder_are_refused():
 
 
 # ----- item 13: a study honours --jobs with the main job's worker pool
+@pytest.mark.slow
 def test_a_study_runs_its_federated_grid_jobs_at_a_time_with_the_sequential_result(tmp_path, capsys):
     import pandas as pd
 

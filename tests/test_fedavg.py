@@ -121,6 +121,7 @@ def test_partial_participation_averages_only_the_sampled_clients(tmp_path):
     assert torch.allclose(weights, sum(finals) / sum(sizes), atol=1e-12)
 
 
+@pytest.mark.slow
 def test_fedavg_with_several_local_steps_converges_away_from_the_optimum(tmp_path):
     data = least_squares_clients()
     lr = 0.5 / max_curvature(data)

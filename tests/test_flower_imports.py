@@ -56,6 +56,7 @@ print(json.dumps({"answer": answer, "imported": sorted(name for name in spec["ne
 """
 
 
+@pytest.mark.slow
 def test_a_node_answers_a_train_message_with_the_runs_threads_and_no_unneeded_library(tiny_data_root,  # noqa: F811
                                                                                         tiny_manifest, tmp_path):
     from network.flower import protocol

@@ -213,6 +213,7 @@ def test_the_adapter_refuses_to_import_beside_the_repositorys_datasets_package(f
         flower.adapter.import_flower_datasets()
 
 
+@pytest.mark.slow
 def test_the_adapter_imports_outside_the_repository_without_torch(tmp_path):
     """A Flower user's process: the repository on PYTHONPATH (ahead of site-packages, so its datasets/ would shadow
     Hugging Face's), the working directory elsewhere, and no TaskHet venv start-up hook (it imports torch when any

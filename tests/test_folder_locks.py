@@ -100,6 +100,7 @@ def test_a_run_refused_before_work_leaves_no_folder_behind(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.slow
 def test_two_pipelines_on_one_experiment_the_second_is_refused_and_a_rerun_completes(tmp_path, capsys, monkeypatch):
     config = tiny_digits_experiment(tmp_path)
     config["federated"]["n_rounds"] = 4  # steps 2-4 and the report: seconds of work left when the second starts

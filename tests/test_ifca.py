@@ -23,6 +23,7 @@ def two_cluster_data():
     return least_squares_clients(sizes=(20, 30, 25, 15, 30, 20, 10, 35), shift=directions)
 
 
+@pytest.mark.slow
 def test_recovers_the_clusters_and_reaches_each_clusters_optimum(tmp_path):
     data = two_cluster_data()
     # Each cluster model's error shrinks 9.5-fold per 100 rounds: 5x the rtol/atol of 1e-6 is left after 500

@@ -121,6 +121,7 @@ def test_ctrl_c_stops_step4_with_one_line_naming_the_round_and_exit_130(tiny_dat
     assert "round 1 of 500" in stdout  # the per-round lines go to stdout, the interruption to stderr
 
 
+@pytest.mark.slow
 def test_sigterm_to_a_pipeline_with_workers_names_the_running_stages_and_the_workers_die_quietly(tmp_path):
     """The pool of run_pipeline.py --jobs 2 (pipeline/pool.py), two stages running in two workers."""
     pids = [tmp_path / "a.pid", tmp_path / "b.pid"]

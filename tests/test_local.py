@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.oracles import DIM, least_squares_clients, max_curvature, run_oracle
@@ -11,6 +12,7 @@ def own_optimum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.linalg.lstsq(a, b.unsqueeze(1)).solution.squeeze(1)
 
 
+@pytest.mark.slow
 def test_the_server_never_changes_and_each_client_reaches_its_own_optimum(tmp_path):
     data = least_squares_clients(sizes=(12, 30, 50, 8))  # unequal sizes, different local optima
     # 3 rounds of 1500 steps: the slowest client (12 rows) is 1e-13 from its optimum (2.5e-9 after 2 rounds)

@@ -49,6 +49,7 @@ def finished_stages(results: Path) -> dict[str, float]:
     return {str(path.parent.relative_to(results)): path.stat().st_mtime_ns for path in results.rglob("stage.json")}
 
 
+@pytest.mark.slow
 def test_tiny_experiment_end_to_end(tmp_path):
     config = tiny_experiment(tmp_path)
     config["federated"]["algorithms"]["fedrep"] = {}
@@ -121,6 +122,7 @@ def copy_results(sequential_run: tuple[Path, Path], to: Path, *without: str) -> 
     return out
 
 
+@pytest.mark.slow
 def test_killed_during_step4_resumes_to_the_same_report(sequential_run, tmp_path):
     experiment, clean = sequential_run
     killed = tmp_path / "killed"
@@ -179,6 +181,7 @@ def test_shipped_experiment_files_are_valid():
         assert json.dumps(config)
 
 
+@pytest.mark.slow
 def test_verdicts_do_not_depend_on_the_thread_count(tmp_path):
     """Floating-point sums differ with the number of threads; the report's verdicts must not."""
     import torch
@@ -201,6 +204,7 @@ def test_verdicts_do_not_depend_on_the_thread_count(tmp_path):
     assert (reports[1].gap_percent - reports[2].gap_percent).abs().max() < 1.0  # percentage points
 
 
+@pytest.mark.slow
 def test_parallel_federated_runs_give_the_report_of_sequential_ones(sequential_run, tmp_path, capsys):
     experiment, sequential = sequential_run
     # Steps 1-3 come from the sequential run (only steps 3c and 4 go to the worker pool): they are redone in parallel.
@@ -215,6 +219,7 @@ def test_parallel_federated_runs_give_the_report_of_sequential_ones(sequential_r
     assert len(list((tmp_path / "parallel" / "tiny").glob("federated/**/stage.json"))) == 4  # 2 groupings x 2 algorithms
 
 
+@pytest.mark.slow
 def test_a_failing_parallel_run_stops_the_pipeline_with_its_error(sequential_run, tmp_path):
     experiment, _ = sequential_run
     config = yaml.safe_load(experiment.read_text())  # the shared run's data and steps 1-3

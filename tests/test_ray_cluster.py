@@ -100,6 +100,7 @@ def run_on(results: Path, pids: set[int]) -> Path | None:
     return None
 
 
+@pytest.mark.slow
 def test_a_grid_on_two_nodes_equals_the_local_one_each_run_sees_its_own_gpu_and_a_lost_node_is_survived(
         local_grid, tmp_path):
     """One grid on a head (2 CPUs, 2 fake GPUs: two runs at once) and a worker node (1 CPU, 2 fake GPUs), 1 GPU per
@@ -161,6 +162,7 @@ def can_hide_a_folder() -> bool:
 
 
 @pytest.mark.skipif(not can_hide_a_folder(), reason="no mount namespaces here (unshare)")
+@pytest.mark.slow
 def test_settings_the_cluster_cannot_meet_and_an_unshared_results_folder_are_one_line(tmp_path):
     config = experiment_config()
     experiment = tmp_path / "digits.yaml"

@@ -76,6 +76,7 @@ def experiment(tmp_path: Path, root: Path, **data) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_steps_1_to_4_run_on_real_format_data(tmp_path):
     root = build_real_format_root(tmp_path / "taskonomy")
     run_pipeline.main([str(experiment(tmp_path, root)), "--results", str(tmp_path / "results")])

@@ -123,6 +123,7 @@ def pooled_loss(weights: torch.Tensor, data) -> float:
 
 
 @pytest.mark.parametrize("scale, n_clients, rounds", [(0.2, 20, 100), (0.5, 4, 170)])
+@pytest.mark.slow
 def test_option_two_with_momentum_converges_at_the_issue_setting(tmp_path, scale, n_clients, rounds):
     # issue 19: 20 heterogeneous clients, K = 10, μ = 0.9. The plain mean of the raw gradients (the
     # earlier option II) diverged from lr 0.15/L_max; this rule contracts by 0.83 per round at 0.2/L_max

@@ -36,6 +36,7 @@ def searched(digits400, tmp_path_factory):
     return out, search.main(argv(digits400, out, "0.000001,0.003", "--seeds", "0,1"))
 
 
+@pytest.mark.slow
 def test_search_picks_the_known_best_lr(searched):
     out, table = searched
     best = json.loads((out / "best.json").read_text())

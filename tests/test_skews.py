@@ -540,6 +540,7 @@ def test_the_meter_reads_a_variant_clients_rows_for_the_variant(tiny_data_root, 
 
 
 # ----- experiment files: partition.skews passes step 3b's skew flags -----
+@pytest.mark.slow
 def test_an_experiment_file_partitions_with_skews(tmp_path):
     import yaml
 
@@ -599,16 +600,20 @@ def test_the_heatmap_rows_say_what_each_client_gets():
     assert skew_summary(record, 2) == ""
 
 
+@pytest.mark.slow
 def test_the_flower_engine_applies_the_same_skews(manifest_path, tmp_path):
+    """test_fed.py --engine flower (Flower's simulation runtime) equals the sequential engine under every skew at
+    once: SCAFFOLD over 2 rounds, so its control variates cross Flower's messages between rounds too."""
     from utils.loaders import load_checkpoint
 
     path = step3b(manifest_path, tmp_path / "a", "--feature_noise", "0.3", "--feature_shift", "contrast=0.3",
                   "--label_swap", "1", "--concept_fraction", "0.5")
-    federated.main(step4_argv(manifest_path, path, tmp_path / "sequential"))
+    scaffold = ("--method", "scaffold", "--n_rounds", "2")
+    federated.main(step4_argv(manifest_path, path, tmp_path / "sequential", *scaffold))
     # Flower's simulation (Ray) in a process of its own: it is the subject here, and a Ray instance's end must not
     # take down a pytest-xdist worker that other tests still use
     flower = subprocess.run([sys.executable, "test_fed.py", *step4_argv(manifest_path, path, tmp_path / "flower",
-                                                                        "--engine", "flower")],
+                                                                        *scaffold, "--engine", "flower")],
                             cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=600)
     assert flower.returncode == 0, flower.stderr
     runs = [pd.read_csv(tmp_path / name / "metrics.csv", dtype={"client": str}) for name in ("sequential", "flower")]

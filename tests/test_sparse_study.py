@@ -58,6 +58,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_tiny_sparse_study_end_to_end(tmp_path, one_thread):
     run_pipeline.main([str(write(tmp_path, tiny_sparse_study())), "--results", str(tmp_path / "results")])
     out = tmp_path / "results" / "tinysparse"

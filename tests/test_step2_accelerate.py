@@ -86,6 +86,7 @@ def one_process(digits88, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_two_processes_train_what_one_process_trains(digits88, one_process, tmp_path):
     out = tmp_path / "two"
     result = launch_two_processes(argv(digits88, out))
@@ -102,6 +103,7 @@ class Killed(Exception):
     """Stands in for the process being killed."""
 
 
+@pytest.mark.slow
 def test_run_stopped_in_one_process_resumes_in_two(digits88, one_process, tmp_path, monkeypatch):
     out = tmp_path / "resumed"
     real_save = training.loop.atomic_torch_save
@@ -121,6 +123,7 @@ def test_run_stopped_in_one_process_resumes_in_two(digits88, one_process, tmp_pa
     assert_same_run(one_process, out)
 
 
+@pytest.mark.slow
 def test_global_batch_not_divisible_by_the_processes_is_refused(digits88, tmp_path):
     out = tmp_path / "odd"
     result = launch_two_processes(argv(digits88, out) + ["--batch_size", "7"])

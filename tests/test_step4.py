@@ -127,19 +127,6 @@ def test_contradictory_arguments_are_rejected_naming_the_flag(tiny_data_root, ti
         test_fed.main(argv(tiny_data_root, tiny_manifest, assignments, tmp_path / "run", *extra))
 
 
-def test_step4_flower_engine_matches_the_sequential_engine(tiny_data_root, tiny_manifest, assignments, tmp_path):  # noqa: F811
-    common = argv(tiny_data_root, tiny_manifest, assignments, tmp_path / "unused", "--method", "scaffold")
-    test_fed.main([*common, "--out", str(tmp_path / "sequential")])
-    test_fed.main([*common, "--out", str(tmp_path / "flower"), "--engine", "flower"])
-    sequential = pd.read_csv(tmp_path / "sequential" / "metrics.csv", dtype={"client": str})
-    flower = pd.read_csv(tmp_path / "flower" / "metrics.csv", dtype={"client": str})
-    pd.testing.assert_frame_equal(sequential[["round", "split", "client", "metric"]], flower[["round", "split", "client", "metric"]])
-    assert (sequential.value - flower.value).abs().max() < 1e-5
-    weights = [load_checkpoint(tmp_path / name / "checkpoint.pt")["model"] for name in ("sequential", "flower")]
-    for key, value in weights[0].items():
-        torch.testing.assert_close(weights[1][key], value, rtol=1e-5, atol=1e-6)
-
-
 def test_step4_gives_the_flower_engine_its_min_available_clients(tiny_data_root, tiny_manifest, assignments, tmp_path):  # noqa: F811
     """--min_available_clients reaches the Flower engine: above the 3 clients a round samples it is refused."""
     with pytest.raises(TaskHetError, match=r"--min_available_clients must be between 1 and the 3 clients sampled per "

@@ -65,6 +65,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_tiny_digits_study_end_to_end_and_rerun_skips(tmp_path, one_thread):
     study = write(tmp_path, tiny_study(tmp_path))
     run_pipeline.main([str(study), "--results", str(tmp_path / "results")])

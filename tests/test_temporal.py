@@ -372,6 +372,7 @@ def fed_argv(manifest: Path, assignments: Path, out: Path, rounds: int) -> list[
             "--rand_seed", "5"]
 
 
+@pytest.mark.slow
 def test_a_run_killed_mid_schedule_resumes_bit_identical(digits_manifest, tmp_path):
     rounds = 12
     path = compound(digits_manifest, tmp_path / "a", "--temporal", "rotate:3:2", "--n_rounds", str(rounds))
@@ -402,6 +403,7 @@ def test_a_run_killed_mid_schedule_resumes_bit_identical(digits_manifest, tmp_pa
 
 
 # ----- experiment files -----
+@pytest.mark.slow
 def test_an_experiment_file_runs_a_compound_partition_through_steps_3b_and_4(tmp_path):
     import yaml
 

@@ -168,6 +168,7 @@ def test_a_step3b_option_is_a_study_option_without_study_code(tmp_path, monkeypa
         load_experiment(path)
 
 
+@pytest.mark.slow
 def test_tiny_heterogeneity_study_end_to_end(tmp_path, capsys):
     """The study file at a tiny size: step 3c runs per situation and seed (in the worker pool, beside the federated
     runs), the class-group file feeds step 3b, and the report holds every method (fedavg+ft included), G² and the

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.test_digits import tiny_digits_experiment
@@ -52,6 +53,7 @@ def alive(pids: list[int]) -> list[int]:
     return [pid for pid in pids if pid in table and table[pid][1] != "Z"]
 
 
+@pytest.mark.slow
 def test_killing_the_pipeline_with_sigkill_kills_its_workers(tmp_path):
     config = tiny_digits_experiment(tmp_path)
     config["federated"]["n_rounds"] = 400  # the workers would train for minutes after the kill
