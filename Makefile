@@ -66,7 +66,7 @@ paper-cpu: setup
 
 # One pytest worker per core (pytest-xdist); tests share no temporary path, port or global state.
 # The docs requirements too: tests/test_docs_site.py builds the site strictly. The 20 slowest tests are
-# listed at the end (tests/conftest.py starts the modules of those marked slow first).
+# listed at the end; those marked slow (9 s or more) are left out by `pytest -m "not slow"`, a quick pass.
 test: setup $(DOCS_STAMP)
 	$(PY) -m pytest -q -n auto --durations=20 tests
 

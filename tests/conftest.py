@@ -28,14 +28,6 @@ def pytest_configure(config):
                                        "of a quick local pass; CI runs them)")
 
 
-def pytest_collection_modifyitems(items):
-    """The modules holding a slow test first, each module's own order kept: a slow test started last would run
-    alone on one core while the other worker idles (the suite's tail), and a module's tests stay together, so
-    its module-scoped fixtures are built once a worker."""
-    slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.module.__name__ not in slow_modules)  # a stable sort
-
-
 @pytest.fixture(autouse=True, scope="session")
 def one_torch_thread():
     """The tests' tensors are tiny: extra OpenMP threads only add synchronisation, and thrash
