@@ -52,19 +52,13 @@ def test_the_tutorial_describes_the_demo_file_it_runs():
     momentum, lr, batch, kp_rounds = _number(r"\(momentum ([\d.]+), lr ([\d.]+), batch (\d+); keypoints2d (\d+) rounds", bullet)
     assert int(kp_rounds) == federated["per_task"]["keypoints2d"]["n_rounds"]
     assert (float(momentum), float(lr), int(batch)) == (federated["momentum"], federated["init_lr"], federated["batch_size"])
-    # the experiments/paper_cpu.yaml bullet: its tasks and the control's own settings
+    # the experiments/paper_cpu.yaml bullet: its tasks' rounds and its run count
     paper = yaml.safe_load((ROOT / "experiments" / "paper_cpu.yaml").read_text())
     paper_bullet = readme[readme.index("`experiments/paper_cpu.yaml` (`make paper-cpu`): "):][:700]
-    class_batch, class_lr, class_schedule = _number(
-        r"class_scene batch (\d+),\s+lr ([\d.]+) with a (\w+) schedule through `federated.per_task`", paper_bullet)
     per_task = paper["federated"]["per_task"]
-    class_scene = per_task["class_scene"]
-    assert (int(class_batch), float(class_lr), class_schedule) == (class_scene["batch_size"], class_scene["init_lr"],
-                                                                  class_scene["lr_schedule"])
-    class_rounds = _number(r"through `federated.per_task`, and (\d+) rounds\)", paper_bullet)[0]
-    assert int(class_rounds) == class_scene["n_rounds"]
-    assert _number(r"keypoints2d (\d+) rounds, normal (\d+)", paper_bullet) == (str(per_task["keypoints2d"]["n_rounds"]),
-                                                                        str(per_task["normal"]["n_rounds"]))
+    rounds = _number(r"edge_texture (\d+) rounds, keypoints2d (\d+) rounds,\s+normal (\d+) through", paper_bullet)
+    assert [int(value) for value in rounds] == [per_task[task]["n_rounds"] for task in ("edge_texture", "keypoints2d", "normal")]
+    assert sorted(paper["tasks"]) == sorted(task for task in per_task if task in paper_bullet)
     cells = len(paper["partition"]["groupings"]) * len(paper["partition"]["alphas"]) + int(paper["partition"]["iid_reference"])
     paper_runs = len(paper["tasks"]) * cells * len(paper["federated"]["algorithms"]) * len(paper["seeds"])
     assert int(_number(r"(\d+) federated runs", paper_bullet)[0]) == paper_runs
