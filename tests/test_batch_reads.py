@@ -9,7 +9,8 @@ import torch
 from torch.utils.data import DataLoader, Subset, default_collate
 
 from datasets.batch_reads import BatchReads, batch_reader
-from datasets.cifar import CifarDataset, load_split, select_cifar
+from datasets.cifar import CifarDataset, select_cifar
+from datasets.cifar_files import load_split
 from datasets.digits import DigitsDataset, select_digits
 from datasets.encoded import ENCODED_KEY, EncodedDataset
 from datasets.family import list_families
