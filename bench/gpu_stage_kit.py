@@ -32,7 +32,7 @@ class Plan:
     vector_models: tuple[str, ...] = ("mlp", "cnn", "decoder")
     vector_counts: tuple[int, ...] = (32, 128)
     vector_rounds: int = 2
-    vector_batch: int | None = None  # None: each case's own batch size (bench_vectorized.CASES)
+    vector_batch: int | None = None  # None: each case's own batch size (bench/vectorized_cases.py, CASES)
     pfl_rounds: int = 3
     paper_encoder: str | None = None
     paper_image: int | None = None

@@ -10,7 +10,7 @@ import traceback
 
 import torch
 
-from bench import bench_train_loop, bench_vectorized
+from bench import bench_train_loop, vectorized_cases, vectorized_pfl
 from bench.gpu_report import FAILED
 from bench.gpu_stage_kit import (DENSE_TASK, Context, Steps, first_line, repeated, reset_peak_memory,
                                  synced_seconds)
@@ -116,10 +116,10 @@ def vectorised_stage(ctx: Context) -> None:
             ctx.skip(f"{figure}_ratio", "the stage's time budget is spent")
             continue
         reset_peak_memory(ctx.device)
-        timing = bench_vectorized.measure(model, count, count, plan.vector_rounds, ctx.device, item_reads=False,
+        timing = vectorized_cases.measure(model, count, count, plan.vector_rounds, ctx.device, item_reads=False,
                                           batch_size=plan.vector_batch)
         batch = f"batch {plan.vector_batch}" if plan.vector_batch else "bench_vectorized.py's batch"
-        detail = (f"FedAvg, {count} clients × {bench_vectorized.STEPS} local steps, {batch}, whole-round chunks, "
+        detail = (f"FedAvg, {count} clients × {vectorized_cases.STEPS} local steps, {batch}, whole-round chunks, "
                   f"median of {plan.vector_rounds} interleaved rounds after a warm-up")
         ctx.add(f"{figure}_sequential", 1 / timing.sequential, "rounds/s", detail)
         ctx.add(f"{figure}_vectorised", 1 / timing.vectorised, "rounds/s", detail)
@@ -133,7 +133,7 @@ def vectorised_stage(ctx: Context) -> None:
 # ----- stage 4: TaskHet vs pfl-research -----
 
 def pfl_stage(ctx: Context) -> None:
-    missing = bench_vectorized.pfl_unavailable()
+    missing = vectorized_pfl.pfl_unavailable()
     if missing:
         ctx.add("pfl", "not installed", "", f"{missing}; the check never installs it (offline machines): "
                 "docs/BENCHMARKS.md, 'Side by side with pfl-research', says how")
@@ -149,8 +149,8 @@ def pfl_stage(ctx: Context) -> None:
         if not steps.start(f"K={count}"):
             ctx.skip(f"k{count}_vectorised_over_pfl", "the stage's time budget is spent")
             continue
-        rates = bench_vectorized.taskhet_and_pfl(count, count, ctx.plan.pfl_rounds, ctx.device, False)
-        detail = (f"tiny MLP, FedAvg, {count} clients × {bench_vectorized.STEPS} local steps, "
+        rates = vectorized_pfl.taskhet_and_pfl(count, count, ctx.plan.pfl_rounds, ctx.device, False)
+        detail = (f"tiny MLP, FedAvg, {count} clients × {vectorized_cases.STEPS} local steps, "
                   f"{ctx.plan.pfl_rounds} rounds")
         ctx.add(f"k{count}_pfl", rates["pfl"], "rounds/s", detail + "; pfl on its default device")
         ctx.add(f"k{count}_sequential_over_pfl", rates["sequential"] / rates["pfl"], "×", detail)
