@@ -3,7 +3,8 @@
 The fast path on one machine (docs/DESIGN.md §4). It owns the round loop and nothing
 else: client sampling (network.sampling), per-client seeds, streaming aggregation
 (each upload is folded into the algorithm's aggregate as soon as its client
-finishes), client state (network.client_store), evaluation (network.client), checkpoints
+finishes), client state (network.client_store), evaluation (network.client, through
+network/engine_evaluation.py's RoundEvaluation, which the engine inherits), checkpoints
 and the metrics file. It depends only on a model, ``loss_fn(model, batch)``, an
 ``evaluate_fn(model, loader)`` and per-client loaders, so a Taskonomy TaskModel and the
 least-squares oracle of the tests run through the very same code.
@@ -32,25 +33,22 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from network.aggregation import Weights
-from network.algorithms.base import (ALGORITHMS, Algorithm, ClientConfig, ClientResult, LossFn, ServerState, Upload,
-                                     load_weights)
-from network.client import (CLIENT_TEST_SPLIT, GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT, UNSEEN_PERSONAL_SPLIT,
-                            UNSEEN_SPLITS, UNSEEN_TEST_SPLIT, ClientData, ClientFailure, EvaluateFn, Finetune,
-                            adaptation_seed, evaluate_client, evaluate_model, evaluate_unseen_client, finetune_seed,
-                            train_client, train_clients)
+from network.algorithms.base import (ALGORITHMS, Algorithm, ClientConfig, ClientResult, LossFn, ServerState,
+                                     Upload)
+from network.client import ClientData, ClientFailure, EvaluateFn, train_client, train_clients
 from models.frozen_encoder import frozen_encoder_of, strip_frozen_encoder
 from network.checkpoints import BEST_FILE, CHECKPOINT_FILE, load_resumable, run_fingerprint
 from network.client_store import ClientStore
 from network.clients_table import CLIENTS_FILE, write_clients_table
-from network.diagnostics import (ALL_CLIENTS, PLOT_FILE as DIAGNOSTICS_PLOT, DriftMeter, client_gradient, gradient_rows,
-                                 gradient_seed, plot_diagnostics)
+from network.diagnostics import PLOT_FILE as DIAGNOSTICS_PLOT, DriftMeter, plot_diagnostics
 from network.engine_config import EngineConfig
+from network.engine_evaluation import RoundEvaluation
 from network.local_train import NonFiniteLossError
-from network.run_outputs import (CLIENT_SPLITS, CURVES_FILE, GLOBAL_CLIENT, GLOBAL_VAL_SPLIT, METRICS_COLUMNS, METRICS_FILE,
-                                 LOG_ONLY, MODEL_CLIENT_PREFIX, ROUND_LINE, SKIPPED_CLIENT, TRAIN_SPLIT, client_rows,
-                                 mean_train_loss, metric_row, not_a_round_line, not_log_only, plot_curves, run_title)
+from network.run_outputs import (CURVES_FILE, GLOBAL_CLIENT, GLOBAL_VAL_SPLIT, METRICS_COLUMNS, METRICS_FILE, LOG_ONLY,
+                                 ROUND_LINE, TRAIN_SPLIT, mean_train_loss, metric_row, not_a_round_line, not_log_only,
+                                 plot_curves, run_title)
 from network.sampling import client_seed, sample_clients
-from network.schedule import client_at, diagnosed_round, evaluation_view, holding_clients, train_sizes_at
+from network.schedule import client_at, holding_clients
 from network.vectorized import require_vectorizable
 from utils.errors import TaskHetError
 from utils.interrupts import RESUME_HINT, interrupted
@@ -60,7 +58,7 @@ from utils.tensorboard_log import mirror_to_tensorboard
 
 
 
-class SequentialEngine:
+class SequentialEngine(RoundEvaluation):
     """Runs ``algorithm`` over ``clients`` for ``config.n_rounds`` rounds; see the module docstring.
 
     Args:
@@ -234,88 +232,6 @@ class SequentialEngine:
             rows += self.drift.finish(round_index, plot=self._evaluates(round_index))
         return rows
 
-    def _evaluates(self, round_index: int) -> bool:
-        return round_index % self.config.eval_every == 0 or round_index == self.config.n_rounds
-
-    def diagnose(self, round_index: int) -> list[dict[str, Any]]:
-        """G², B² and every client's ‖∇F_k‖² at the global model on a diagnostics round (network.diagnostics)."""
-        if not self.config.diagnostics or round_index % self.config.diagnostics_every or not self.shares_parameters:
-            return []
-        began = time.perf_counter()
-        held_in = diagnosed_round(round_index)  # temporal skew: F_k over the rows a client holds then
-        rows = gradient_rows(round_index, self.client_gradients(round_index), self.train_sizes(held_in))
-        reading = {row["metric"]: row["value"] for row in rows if row["client"] == ALL_CLIENTS}
-        if reading:
-            self.logger.info("round %d: G² %.4g, B² %.4g at the global model over %d clients (%.1fs)", round_index,
-                             reading["g2"], reading["b2"], len(rows) - len(reading), time.perf_counter() - began,
-                             extra={ROUND_LINE: True})
-        return rows
-
-    def evaluate(self, round_index: int) -> tuple[list[dict[str, Any]], float]:
-        """Server models on the global test split, the global model on the validation rows (if any), then every
-        client's splits (network.client.evaluate_client).
-
-        Returns:
-            The metric rows and the global model's test loss.
-        """
-        models = self.algorithm.evaluated_models(self.server)
-        rows, global_loss = [], None
-        for index, (name, weights) in enumerate(models.items()):
-            load_weights(self.model, weights)
-            test = evaluate_model(self.model, self.evaluate_fn, self.test_loader)
-            owners = ([GLOBAL_CLIENT] if index == 0 else []) + ([MODEL_CLIENT_PREFIX + name] if len(models) > 1 else [])
-            rows += [metric_row(round_index, GLOBAL_TEST_SPLIT, owner, metric, value)
-                     for owner in owners for metric, value in test.items()]
-            if index == 0 and self.val_loader is not None:
-                rows += [metric_row(round_index, GLOBAL_VAL_SPLIT, GLOBAL_CLIENT, metric, value)
-                         for metric, value in evaluate_model(self.model, self.evaluate_fn, self.val_loader).items()]
-            global_loss = float(test["loss"]) if index == 0 else global_loss
-        per_split = self.client_evaluations(round_index)
-        for split in CLIENT_SPLITS:
-            rows += client_rows(round_index, split, per_split.get(split, {}))
-        if self.algorithm.personalized:
-            # Every client with test samples has a client_test row: an engine whose clients are remote counts them so.
-            skipped = len(per_split.get(CLIENT_TEST_SPLIT, {})) - len(per_split.get(PERSONAL_TEST_SPLIT, {}))
-            rows.append(metric_row(round_index, PERSONAL_TEST_SPLIT, SKIPPED_CLIENT, "clients", skipped))
-        if self.unseen:  # after every other row: without unseen clients metrics.csv is what it was
-            rows += self.unseen_rows(round_index)
-        return rows, global_loss
-
-    def unseen_rows(self, round_index: int) -> list[dict[str, Any]]:
-        """The unseen clients' splits (per client, plus the summary rows of every client split) and, for a
-        personalised algorithm, their ``skipped`` count: unseen clients with test rows but no personal model."""
-        per_split = self.unseen_evaluations(round_index)
-        rows = [row for split in UNSEEN_SPLITS for row in client_rows(round_index, split, per_split.get(split, {}))]
-        if self.algorithm.personalized:
-            skipped = len(per_split.get(UNSEEN_TEST_SPLIT, {})) - len(per_split.get(UNSEEN_PERSONAL_SPLIT, {}))
-            rows.append(metric_row(round_index, UNSEEN_PERSONAL_SPLIT, SKIPPED_CLIENT, "clients", skipped))
-        return rows
-
-    def unseen_evaluations(self, round_index: int) -> dict[str, dict[str, dict[str, float]]]:
-        """split -> unseen client id -> metrics (network.client.evaluate_unseen_client), in id order.
-
-        Each unseen client adapts from the current server state's broadcast, with the round's local learning rate
-        and the run's local budget, under its own seeds; nothing it trains is kept (the server state and the client
-        store are never written), so the next round trains exactly as it would without unseen clients.
-        """
-        broadcast = self.algorithm.broadcast(self.server)
-        lr = float(self.config.lr_schedule(max(round_index, 1)))
-        per_split: dict[str, dict[str, dict[str, float]]] = {}
-        for client_id, client in self.unseen.items():
-            view = evaluation_view(client, round_index)
-            try:
-                splits = evaluate_unseen_client(
-                    self.algorithm, self.model, self.evaluate_fn, self.server.models, self.global_weights, broadcast,
-                    view, self.loss_fn, self.device, self.finetune(round_index), self.client_config(lr, view.num_samples),
-                    (adaptation_seed(self.config.seed, round_index, client_id),
-                     finetune_seed(self.config.seed, round_index, client_id)))
-            except Exception as error:  # a failure names the unseen client
-                raise ClientFailure(f"round {round_index}, unseen client {client_id} failed: {type(error).__name__}: "
-                                    f"{error}; {self._stop_message()}") from error
-            for split, metrics in splits.items():
-                per_split.setdefault(split, {})[client_id] = metrics
-        return per_split
-
     # ----- how an engine reaches its clients (the Flower engine overrides these two) -----
     def client_results(self, round_index: int, sampled: list[str], broadcast: dict[str, Weights],
                        lr: float) -> Iterator[tuple[str, ClientResult]]:
@@ -328,40 +244,6 @@ class SequentialEngine:
         for start in range(0, len(sampled), chunk):
             members = sampled[start:start + chunk]
             yield from zip(members, self._train_chunk(round_index, members, broadcast, lr))
-
-    def train_sizes(self, round_index: int) -> dict[str, int]:
-        """Each client's number of train rows in ``round_index`` (a temporal schedule's rows held then)."""
-        return train_sizes_at(self.clients, self.algorithm.federation.client_sizes, round_index)
-
-    def client_gradients(self, round_index: int) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(client_id, ∇F_k)`` at the global model for every client with train rows (under temporal skew: those it
-        holds in ``diagnosed_round(round_index)``, over those rows), in the engine's client order."""
-        load_weights(self.model, self.global_weights)
-        held_in = diagnosed_round(round_index)
-        sizes = self.train_sizes(held_in)
-        for client_id, client in self.clients.items():
-            if sizes[client_id]:
-                yield client_id, client_gradient(self.model, client_at(client, held_in), self.loss_fn, self.device,
-                                                 gradient_seed(self.config.seed, client_id),
-                                                 self.config.diagnostics_max_samples, self.private_params)
-
-    def client_evaluations(self, round_index: int) -> dict[str, dict[str, dict[str, float]]]:
-        """split -> client id -> metrics, for every client with test samples (in the engine's client order)."""
-        per_split: dict[str, dict[str, dict[str, float]]] = {}
-        for client_id, client in self.clients.items():
-            splits = evaluate_client(self.algorithm, self.model, self.evaluate_fn, self.server.models,
-                                     self.global_weights, self.store.get(client_id),
-                                     evaluation_view(client, round_index), self.loss_fn,
-                                     self.device, self.finetune(round_index), finetune_seed(self.config.seed,
-                                                                                            round_index, client_id))
-            for split, metrics in splits.items():
-                per_split.setdefault(split, {})[client_id] = metrics
-        return per_split
-
-    def finetune(self, round_index: int) -> Finetune:
-        """Evaluation-time fine-tuning with this round's local learning rate."""
-        return Finetune(self.config.finetune_steps, float(self.config.lr_schedule(max(round_index, 1))),
-                        self.config.momentum, self.config.weight_decay)
 
     def client_config(self, lr: float, num_samples: int) -> ClientConfig:
         return ClientConfig(lr=lr, loss_fn=self.loss_fn, device=self.device, num_samples=num_samples,

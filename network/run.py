@@ -10,7 +10,6 @@ model and the engine config; :func:`run` adds the client data and runs an engine
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -18,13 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import pandas as pd
 import torch
 
 from datasets.encoded import model_input_key
-from datasets.family import load_manifest, validation_mask
-from datasets.long_tail import class_groups
+from datasets.family import load_manifest
 from models import build_task_model, get_task, load_task_model
 from network.algorithms import build_algorithm
 from network.algorithms.base import Algorithm
@@ -33,6 +30,8 @@ from network.diagnostics import check_diagnostics_options
 from network.engine_config import EngineConfig
 from network.engine_sequential import check_vectorizable
 from network.lr_schedule import make_lr_schedule
+from network.run_inputs import (default_assignments, skews_signature, split_unseen, train_class_groups,
+                                unseen_signature)
 from partitioning.assignments import UNSEEN_KEY, load_assignments
 from partitioning.temporal import check_horizon
 from partitioning.groupings import EMBEDDING_BASED, LABEL_BASED
@@ -230,37 +229,6 @@ def prepare(config: RunConfig) -> FedSetup:
         feature_model=task_model if config.cache_features else None, unseen_table=unseen_table)
 
 
-def split_unseen(table: pd.DataFrame, meta: dict) -> tuple[pd.DataFrame, pd.DataFrame | None]:
-    """``(the federation's rows, the unseen clients' rows or None)`` of the assignments, by the sidecar's checked
-    ``unseen_clients``; without any, ``table`` itself comes back untouched."""
-    unseen = meta.get(UNSEEN_KEY) or []
-    if not unseen:
-        return table, None
-    held_out = table["client_id"].isin(unseen)
-    return table[~held_out], table[held_out]
-
-
-def unseen_signature(meta: dict) -> dict[str, str]:
-    """The unseen clients, in the run's signature (only when there are any, so other signatures are unchanged)."""
-    unseen = meta.get(UNSEEN_KEY) or []
-    return {UNSEEN_KEY: ",".join(map(str, unseen))} if unseen else {}
-
-
-def skews_signature(meta: dict) -> dict[str, str]:
-    """The recorded per-client skews' hash (partitioning/skews.py): a resume after an edited record is refused."""
-    if "skews" not in meta:
-        return {}
-    return {"skews": hashlib.sha256(json.dumps(meta["skews"], sort_keys=True).encode()).hexdigest()}
-
-
-def train_class_groups(family, manifest: pd.DataFrame) -> dict[str, list[int]]:
-    """Head/middle/tail classes by both conventions (datasets.long_tail.class_groups) of the manifest's training
-    rows (validation rows left out): every classifier's evaluation reports each group's top-1."""
-    train = manifest[(manifest["split"] == "train") & ~validation_mask(manifest)]
-    counts = np.bincount(train[family.label_column].to_numpy(dtype=np.int64), minlength=family.num_classes(manifest))
-    return class_groups(counts)
-
-
 def resolve(config: RunConfig, meta: dict) -> RunConfig:
     """Check the config against itself and against the assignment file's sidecar ``meta``."""
     if config.local_steps is not None and config.local_epochs is not None:
@@ -298,13 +266,6 @@ def resolve(config: RunConfig, meta: dict) -> RunConfig:
         config = config.replace(out=Path("results/test_federated") / config.task / config.type / config.method
                                 / f"a{config.alpha}-s{config.rand_seed}")
     return config
-
-
-def default_assignments(config: RunConfig) -> Path:
-    if config.alpha is None or config.type is None:
-        raise TaskHetError("pass --assignments FILE, or --type and --alpha to find it under --assignment_files_path")
-    owner = Path(config.task, f"k{config.n_clusters}") if config.type == EMBEDDING_BASED else Path("labels")
-    return config.assignment_files_path / config.type / owner / f"a{config.alpha:g}" / "assignments.csv"
 
 
 def initial_model(config: RunConfig, num_classes: int | None) -> torch.nn.Module:

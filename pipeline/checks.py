@@ -82,7 +82,7 @@ def check_input_files(config: dict[str, Any]) -> None:
             raise TaskHetError(f"data.split_csv: {split_csv_path(data)} does not exist (download_taskonomy.py writes "
                                "train_val_test_<subset>.csv into data.root)")
     if data["source"] in ("cifar10", "cifar100"):
-        from datasets.cifar import FETCH_COMMAND, expected_files
+        from datasets.cifar_files import FETCH_COMMAND, expected_files
 
         missing = [path for path in expected_files(Path(data["root"]), data["source"]) if not path.is_file()]
         if missing:

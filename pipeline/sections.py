@@ -175,7 +175,7 @@ def most_label_groups(config: dict[str, Any]) -> int | None:
 
         return NUM_CLASSES
     if data_source in ("cifar10", "cifar100"):
-        from datasets.cifar import DATASET_CLASSES
+        from datasets.cifar_files import DATASET_CLASSES
 
         return DATASET_CLASSES[data_source].num_classes
     return config["data"]["top_k_classes"]

@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from datasets.cifar import DATASET_CLASSES, VAL_COLUMN, download, select_cifar
+from datasets.cifar import VAL_COLUMN, select_cifar
+from datasets.cifar_files import DATASET_CLASSES, download
 from datasets.family import class_counts
 from steps.manifest_output import claim_step1_folder, write_step1_outputs
 from utils import cli

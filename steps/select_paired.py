@@ -9,7 +9,8 @@ from pathlib import Path
 
 from datasets.family import class_counts
 from datasets.folder_files import skipped_line
-from datasets.paired_folders import FAMILY, TASK_OF_KIND, select_paired
+from datasets.paired_folders import FAMILY, TASK_OF_KIND
+from datasets.paired_selection import select_paired
 from steps.manifest_output import claim_step1_folder, write_step1_outputs
 from steps.select_imagefolder import add_split_flags, split_csv_path
 from utils import cli

@@ -18,7 +18,8 @@ from datasets.encoded import encoded_dataset, model_input_key
 from datasets.family import load_manifest
 from models import build_task_model, get_task, list_encoders
 from models.encoders import NAMED_WEIGHTS, default_weights
-from training.loop import TEST_SPLIT, check_resumable, fit, make_loader
+from training.fit import check_resumable, fit
+from training.loop import TEST_SPLIT, make_loader
 from training.schedules import OPTIMIZERS, ScheduleConfig, list_schedulers, make_optimizer, make_scheduler
 from training.selection import centralized_splits, selection_split
 from utils import cli
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
         argv: command-line arguments; None reads sys.argv.
 
     Returns:
-        The summary of :func:`training.loop.fit` for the run.
+        The summary of :func:`training.fit.fit` for the run.
     """
     try:
         return train(resolve(cli.apply_runtime_flags(build_parser().parse_args(argv))))
@@ -232,7 +233,7 @@ def train(args: argparse.Namespace) -> dict:
     Under ``accelerate launch`` every process calls it; only the main one holds the folder's lock and writes.
 
     Returns:
-        The summary of :func:`training.loop.fit` (``best_epoch``, ``best_val_loss``, ``selected_on``, ...).
+        The summary of :func:`training.fit.fit` (``best_epoch``, ``best_val_loss``, ``selected_on``, ...).
     """
     accelerator = make_accelerator(args)
     # one run at a time writes the folder

@@ -9,12 +9,14 @@ import torch
 from torch.utils.data import DataLoader, Subset, default_collate
 
 from datasets.batch_reads import BatchReads, batch_reader
-from datasets.cifar import CifarDataset, load_split, select_cifar
+from datasets.cifar import CifarDataset, select_cifar
+from datasets.cifar_files import load_split
 from datasets.digits import DigitsDataset, select_digits
 from datasets.encoded import ENCODED_KEY, EncodedDataset
 from datasets.family import list_families
 from datasets.imagefolder import ImageFolderDataset, select_imagefolder
-from datasets.paired_folders import PairedDataset, select_paired
+from datasets.paired_folders import PairedDataset
+from datasets.paired_selection import select_paired
 from datasets.taskonomy import TaskonomyDataset, read_manifest
 from models import build_task_model, get_task
 from tests.fixtures import tiny_data_root, tiny_manifest, write_tiny_cifar  # noqa: F401 (fixtures)

@@ -10,7 +10,8 @@ import pandas as pd
 import pytest
 import torch
 
-from datasets.cifar import CifarDataset, load_split, select_cifar, validation_rows
+from datasets.cifar import CifarDataset, select_cifar, validation_rows
+from datasets.cifar_files import load_split
 from datasets.family import load_manifest
 from datasets.long_tail import long_tail_counts
 from steps import select

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from datasets.cifar import load_split
+from datasets.cifar_files import load_split
 from datasets.family import get_family, load_manifest
 from models import get_task
 from steps import select, train_centralized
@@ -143,12 +143,14 @@ def test_a_payload_never_runs_where_steps_3_and_4_read(clean, tmp_path):
 
 
 def test_the_file_table_is_torchvisions():
-    """datasets/cifar.py holds torchvision's file names, md5s and download itself (so that it never imports a
+    """datasets/cifar_files.py holds torchvision's file names, md5s and download itself (so that it never imports a
     reader that unpickles with plain pickle): they must stay the values torchvision's classes give."""
-    import datasets.cifar as cifar
+    import datasets.cifar
+    import datasets.cifar_files as cifar
     from torchvision.datasets import CIFAR10, CIFAR100
 
-    assert not hasattr(cifar, "CIFAR10") and not hasattr(cifar, "CIFAR100")
+    for module in (cifar, datasets.cifar):
+        assert not hasattr(module, "CIFAR10") and not hasattr(module, "CIFAR100")
     for name, dataset_class in (("cifar10", CIFAR10), ("cifar100", CIFAR100)):
         files = cifar.DATASET_CLASSES[name]
         assert files.folder_name == dataset_class.base_folder
@@ -302,7 +304,7 @@ def test_a_class_without_images_refuses_a_long_tail(tmp_path, capsys, missing):
 
 def test_download_fetches_and_never_unpickles(tmp_path, monkeypatch):
     """--download used to build torchvision's CIFAR10, which unpickles the files it fetched; now it only fetches."""
-    import datasets.cifar as cifar
+    import datasets.cifar_files as cifar
     from torchvision.datasets import CIFAR10
 
     marker, calls = tmp_path / "marker", []

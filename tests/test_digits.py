@@ -165,7 +165,7 @@ def test_step4_class_groups_count_a_digit_without_training_rows_as_tail_and_few(
     rows without the validation rows: a digit with no training row (here 9) is a tail and a few-shot class, so the
     tail metrics count its test images."""
     from datasets.family import get_family
-    from network.run import train_class_groups
+    from network.run_inputs import train_class_groups
 
     manifest = select_digits(0.2, seed=0, n_samples=600)
     manifest = manifest[~((manifest["label"] == 9) & (manifest["split"] == "train"))]

@@ -13,7 +13,7 @@ from datasets.cifar import select_cifar
 from datasets.digits import select_digits
 from datasets.family import FAMILY_COLUMN, get_family, list_families, load_manifest
 from datasets.imagefolder import select_imagefolder
-from datasets.paired_folders import select_paired
+from datasets.paired_selection import select_paired
 from models.tasks import get_task, list_tasks
 from steps.select import STEP1_MODULES
 from tests.fixtures import tiny_data_root, tiny_manifest, write_tiny_cifar  # noqa: F401  (session fixtures)

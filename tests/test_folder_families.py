@@ -19,7 +19,8 @@ from PIL import Image
 import run_pipeline
 from datasets.family import load_manifest
 from datasets.imagefolder import ImageFolderDataset
-from datasets.paired_folders import PairedDataset, label_numbers
+from datasets.paired_folders import PairedDataset
+from datasets.paired_selection import label_numbers
 from datasets.paired_targets import make_spec
 from datasets.taskonomy_domains import SEGMENT_IGNORE_INDEX
 from models import get_task, load_task_model

@@ -16,7 +16,7 @@ import torch
 
 import network.engine_sequential
 import test_fed
-import training.loop
+import training.fit
 from datasets.taskonomy import read_manifest
 from models import build_task_model, load_task_model
 from models.encoders import build_encoder
@@ -207,17 +207,17 @@ def test_a_spilled_client_state_leaves_the_encoder_out_and_reads_back_whole(tmp_
 def test_a_killed_and_resumed_frozen_step2_run_is_bit_identical(frozen_runs, tmp_path, monkeypatch):
     data_root, manifest = frozen_runs["data"]
     interrupted = tmp_path / "interrupted"
-    real_save = training.loop.atomic_torch_save
+    real_save = training.fit.atomic_torch_save
 
     def save_then_die(obj, path):
         real_save(obj, path)
         if path.name == "last.pt" and obj["state"]["epoch"] == 1:
             raise Killed
 
-    monkeypatch.setattr(training.loop, "atomic_torch_save", save_then_die)
+    monkeypatch.setattr(training.fit, "atomic_torch_save", save_then_die)
     with pytest.raises(Killed):
         step2.main(step2_argv(data_root, manifest, interrupted, frozen_runs["weights"]))
-    monkeypatch.setattr(training.loop, "atomic_torch_save", real_save)
+    monkeypatch.setattr(training.fit, "atomic_torch_save", real_save)
     assert encoder_keys(load_checkpoint(interrupted / "last.pt")) == []
     step2.main(step2_argv(data_root, manifest, interrupted, frozen_runs["weights"], "--resume"))
 
@@ -273,7 +273,7 @@ def sparse_run_folder(path):
 
 READERS = {
     "load_task_model (steps 3, 3c, 4's --init_from centralized)": ("best.pt", lambda path: load_task_model(path)),
-    "step-2 resume": ("last.pt", lambda path: training.loop.check_resumable(path.parent, {}, True)),
+    "step-2 resume": ("last.pt", lambda path: training.fit.check_resumable(path.parent, {}, True)),
     "step-4 resume": ("checkpoint.pt", lambda path: load_resumable(path, {})),
     "merge": ("best.pt", load_model_weights),
     "merge --run": ("checkpoint.pt", lambda path: read_run(sparse_run_folder(path))),

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from bench import gpu_check
+from bench import gpu_check, gpu_stage_kit, gpu_stages
 from bench.gpu_report import COLUMNS, CSV_FILE, MARKDOWN_FILE, Report, Row, goal_lines
 from utils.cli import run_main
 
@@ -79,12 +79,12 @@ def check_projection(report: Report, eval_samples: int) -> None:
 
 
 def stage(name, run, budget=10.0):
-    return gpu_check.Stage(name, name, budget, run)
+    return gpu_stage_kit.Stage(name, name, budget, run)
 
 
 def context(tmp_path):
     report = Report(tmp_path, ["# test"])
-    return gpu_check.Context(report, gpu_check.DRY, torch.device("cpu"), 10, (), 0.0)
+    return gpu_stage_kit.Context(report, gpu_stage_kit.DRY, torch.device("cpu"), 10, (), 0.0)
 
 
 def test_a_failing_stage_is_one_error_row_and_the_later_stages_still_run(tmp_path, capsys):
@@ -116,7 +116,7 @@ def test_a_spent_budget_skips_the_later_stages(tmp_path, capsys):
 def test_a_case_that_no_longer_fits_the_stage_budget_is_not_started(tmp_path, capsys):
     ctx = context(tmp_path)
     ctx.deadline = float("-inf")
-    steps = gpu_check.Steps(ctx, 2)
+    steps = gpu_stage_kit.Steps(ctx, 2)
     assert steps.start("first")  # the first case always runs: nothing says how long it takes
     steps.finish()
     assert not steps.start("second")
@@ -168,7 +168,7 @@ def test_quick_dry_run_trains_one_step_of_each_chosen_encoder(capsys):
                                         ("NVIDIA H200", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),
                                         ("NVIDIA L40S", 362.0), ("NVIDIA L4", 121.0), ("Tesla V100-SXM2-16GB", None)])
 def test_the_bf16_peak_is_the_longest_matching_name(name, peak):
-    assert gpu_check.bf16_peak(name) == peak
+    assert gpu_stages.bf16_peak(name) == peak
 
 
 def rows_report(rows, dry_run=False):

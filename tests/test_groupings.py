@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from network.run import default_assignments
+from network.run_inputs import default_assignments
 from steps.federated import build_parser, parse_run_config
 from partitioning.groupings import GROUPINGS, LABEL_BASED, canonical_grouping
 from pipeline.experiment import load_experiment

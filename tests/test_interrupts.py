@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import training.loop
+import training.fit
 from tests.fixtures import tiny_data_root, tiny_manifest  # noqa: F401  (session fixtures)
 from tests.test_engine import make_clients, make_engine
 from tests.test_step4 import argv as fed_argv, assignments  # noqa: F401  (a fixture)
@@ -40,7 +40,7 @@ def test_a_step2_interrupt_names_the_running_epoch_and_last_pt(tiny_data_root, t
     from steps import train_centralized as step2
     from tests.test_step2 import argv as step2_argv
 
-    evaluate_all = training.loop._evaluate_all
+    evaluate_all = training.fit._evaluate_all
     calls = []
 
     def stopped_in_epoch_2(*args, **kwargs):  # calls: epoch 0 (untrained), epoch 1, epoch 2
@@ -49,7 +49,7 @@ def test_a_step2_interrupt_names_the_running_epoch_and_last_pt(tiny_data_root, t
             raise KeyboardInterrupt
         return evaluate_all(*args, **kwargs)
 
-    monkeypatch.setattr(training.loop, "_evaluate_all", stopped_in_epoch_2)
+    monkeypatch.setattr(training.fit, "_evaluate_all", stopped_in_epoch_2)
     with pytest.raises(Interrupted, match=re.escape(f"interrupted at epoch 2 (checkpoint at epoch 1); {HINT}")):
         step2.main(step2_argv(tiny_data_root, tiny_manifest, tmp_path / "run", "normal", "--n_epochs", "3",
                               "--no-progress"))

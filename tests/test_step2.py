@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 import torch
 
-import training.loop
+import training.fit
 from datasets.cifar import select_cifar
 from datasets.digits import select_digits
 from datasets.family import get_family, list_families
@@ -112,17 +112,17 @@ def test_killed_and_resumed_run_is_bit_identical(tiny_data_root, tiny_manifest, 
     step2.main(argv(tiny_data_root, tiny_manifest, uninterrupted, "segment_semantic", *extra))
 
     interrupted = tmp_path / "interrupted"
-    real_save = training.loop.atomic_torch_save
+    real_save = training.fit.atomic_torch_save
 
     def save_then_die(obj, path):
         real_save(obj, path)
         if path.name == "last.pt" and obj["state"]["epoch"] == 1:
             raise Killed
 
-    monkeypatch.setattr(training.loop, "atomic_torch_save", save_then_die)
+    monkeypatch.setattr(training.fit, "atomic_torch_save", save_then_die)
     with pytest.raises(Killed):
         step2.main(argv(tiny_data_root, tiny_manifest, interrupted, "segment_semantic", *extra))
-    monkeypatch.setattr(training.loop, "atomic_torch_save", real_save)
+    monkeypatch.setattr(training.fit, "atomic_torch_save", real_save)
     assert load_checkpoint(interrupted / "last.pt")["state"]["epoch"] == 1
     step2.main(argv(tiny_data_root, tiny_manifest, interrupted, "segment_semantic", *extra, "--resume"))
 
@@ -242,7 +242,7 @@ def scripted_evaluation(monkeypatch):
         calls["epoch"] += 1
         return {split: {"loss": SCRIPTED[split][epoch], "top1": 0.5} for split in loaders}
 
-    monkeypatch.setattr(training.loop, "_evaluate_all", evaluate_all)
+    monkeypatch.setattr(training.fit, "_evaluate_all", evaluate_all)
 
 
 def test_validation_not_test_picks_best_pt_and_stops_early(digits96, tmp_path, monkeypatch):

@@ -24,7 +24,7 @@ import pandas as pd
 import pytest
 import torch
 
-import training.loop
+import training.fit
 from datasets.digits import select_digits
 from steps import train_centralized as step2
 from utils.errors import TaskHetError
@@ -106,14 +106,14 @@ class Killed(Exception):
 @pytest.mark.slow
 def test_run_stopped_in_one_process_resumes_in_two(digits88, one_process, tmp_path, monkeypatch):
     out = tmp_path / "resumed"
-    real_save = training.loop.atomic_torch_save
+    real_save = training.fit.atomic_torch_save
 
     def save_then_die(obj, path):
         real_save(obj, path)
         if path.name == "last.pt" and obj["state"]["epoch"] == 1:
             raise Killed
 
-    monkeypatch.setattr(training.loop, "atomic_torch_save", save_then_die)
+    monkeypatch.setattr(training.fit, "atomic_torch_save", save_then_die)
     with pytest.raises(Killed):
         step2.main(argv(digits88, out))
     assert load_checkpoint(out / "last.pt")["state"]["epoch"] == 1

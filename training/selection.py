@@ -8,7 +8,7 @@ without validation rows would select on its test split: step 2 refuses that unle
 can say so.
 
 The readers below take step 2's ``metrics.csv`` (``epoch, split, metric, value``) and
-answer with what ``training.loop.fit`` selected, so a report never recomputes the rule.
+answer with what ``training.fit.fit`` selected, so a report never recomputes the rule.
 """
 
 from __future__ import annotations

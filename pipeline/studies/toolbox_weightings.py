@@ -11,14 +11,15 @@ import pandas as pd
 from pipeline.studies.toolbox_runs import FINETUNED_SUFFIX, METRICS, paired
 
 PRIVATE_WEIGHTINGS = ("bucketed", "noisy")  # network/aggregation.py: the exact client size never leaves the client
-PRIVATE_ONLY = ("buckets", "noise_scale")  # settings that change nothing under samples weighting
+# What a private variant and its samples twin may differ in: the weighting, and the settings only a private
+# weighting reads (they change nothing under samples weighting).
+WEIGHTING_SETTINGS = ("weighting", "buckets", "noise_scale")
 
 
-def _weighting_key(variant) -> tuple:
-    """A variant's algorithm and settings with weighting defaulted to samples and the private-only settings left out."""
-    settings = {name: value for name, value in variant.settings if name not in PRIVATE_ONLY}
-    settings.setdefault("weighting", "samples")
-    return variant.algorithm, tuple(sorted((name, str(value)) for name, value in settings.items()))
+def _twin_key(variant) -> tuple:
+    """A variant's algorithm and every setting but :data:`WEIGHTING_SETTINGS`: equal for a variant and its twin."""
+    return variant.algorithm, tuple(sorted((name, str(value)) for name, value in variant.settings
+                                           if name not in WEIGHTING_SETTINGS))
 
 
 def weighting_pairs(config: dict[str, Any]) -> list[tuple[str, str]]:
@@ -27,15 +28,12 @@ def weighting_pairs(config: dict[str, Any]) -> list[tuple[str, str]]:
     without such a twin is left out: there is nothing to pair it with."""
     pairs = []
     for block in config["grid"]:
-        samples = {_weighting_key(variant): variant.label for variant in block["variants"]
+        samples = {_twin_key(variant): variant.label for variant in block["variants"]
                    if dict(variant.settings).get("weighting", "samples") == "samples"}
         for variant in block["variants"]:
-            weighting = dict(variant.settings).get("weighting")
-            if weighting in PRIVATE_WEIGHTINGS:
-                key = _weighting_key(variant)
-                twin = samples.get((key[0], tuple(sorted({**dict(key[1]), "weighting": "samples"}.items()))))
-                if twin is not None:
-                    pairs.append((variant.label, twin))
+            twin = samples.get(_twin_key(variant))
+            if dict(variant.settings).get("weighting") in PRIVATE_WEIGHTINGS and twin is not None:
+                pairs.append((variant.label, twin))
     return list(dict.fromkeys(pairs))
 
 

@@ -28,7 +28,8 @@ from partitioning.temporal import MAX_ROUNDS
 from pipeline.schema import LEARNING_RATE, MOMENTUM, SHARED_TYPES, Bool, Check, Float, Int, ListOf, Str, check_types
 from pipeline.sections import (check_run_count, merge_keys, most_label_groups, shared_sections, validate_data,
                                validate_encoder, validate_lr_schedule)
-from pipeline.studies.grid.runs import Partition, StudyRun, Variant, rounds_for
+from pipeline.studies.grid.params import assignment_params, federated_params
+from pipeline.studies.grid.runs import Partition, StudyRun, Variant
 from steps.federated import MAX_LOCAL_STEPS
 from utils.cli import MAX_BATCH_SIZE
 from utils.errors import TaskHetError
@@ -153,7 +154,7 @@ def check_stages(config: dict[str, Any], source: Path) -> None:
             options = dict(partition.params)
             checks.check_schedule_fits(Entry(f"grid[{index}] ({partition.label}, J={local_steps})", partition.scheme, {}),
                                        options.get("temporal"), options.get("n_rounds"), params["n_rounds"],
-                                       f"federated.rounds_x_local_steps / J", source)
+                                       "federated.rounds_x_local_steps / J", source)
 
 
 def partition_entries(config: dict[str, Any]) -> list[Entry]:
@@ -368,43 +369,3 @@ def expand_settings(algorithm: str, settings: Any, key: str) -> list[Variant]:
                                f"({options!r}); each value of a grid must be distinct after conversion to "
                                f"{infos[name].type.__name__}")
     return [Variant(algorithm, tuple(zip(names, combination))) for combination in itertools.product(*values)]
-
-
-# ----- stage parameters: what the runner passes to steps 3b and 4, and what the validation checks -----
-def assignment_params(config: dict[str, Any], partition: Partition, seed: int, manifest: Path | str,
-                      groups: Path | str | None = None) -> dict[str, Any]:
-    """Step 3b's parameters for one partition and seed (``groups``: its class-groups file, if any)."""
-    federated = config["federated"]
-    params = {"manifest": str(manifest), "scheme": partition.scheme, **dict(partition.params),
-              "n_clients": federated["n_clients"], "client_test_fraction": federated["client_test_fraction"],
-              "seed": seed}
-    if groups is not None:
-        params["groups"] = str(groups)
-    return params
-
-
-def federated_params(config: dict[str, Any], run: StudyRun, root: Path | str, manifest: Path | str,
-                     assignments_csv: Path | str, start_checkpoint: Path | str) -> dict[str, Any]:
-    """Step 4's parameters for one run of the grid (``start_checkpoint``: the model it starts from, unless scratch)."""
-    federated, model = config["federated"], config["model"]
-    rounds = rounds_for(config, run.local_steps)
-    params = {
-        "task": config["task"], "method": run.variant.algorithm, "rand_seed": run.seed,
-        "data_path": str(root), "manifest": str(manifest), "assignments": str(assignments_csv),
-        "encoder": model["encoder"], "weights": model["weights"],
-        "freeze_encoder": model["freeze_encoder"] and federated["init_from"] != "head",
-        "image_size": model["image_size"], "use_accelerator": config["use_accelerator"],
-        "n_rounds": rounds, "local_steps": run.local_steps, "eval_every": max(1, rounds // federated["evaluations"]),
-        **{key: federated[key] for key in ("batch_size", "init_lr", "lr_schedule", "momentum", "weight_decay",
-                                           "client_fraction", "init_from")},
-        **dict(run.variant.settings),
-    }
-    if federated["init_from"] != "scratch":
-        params.update(init_from="centralized", centralized_checkpoint=str(start_checkpoint))
-    if federated["calibration_fraction"]:
-        params["calibration_fraction"] = federated["calibration_fraction"]
-    if federated["local_test"] != "assigned":
-        params["local_test"] = federated["local_test"]
-    if federated["finetune_steps"]:
-        params["finetune_steps"] = federated["finetune_steps"]
-    return params

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 from pipeline.argv import flags
 from pipeline.pool import PoolStage
 from steps import assign as step3b
-from pipeline.studies.grid.config import assignment_params, federated_params
+from pipeline.studies.grid.params import assignment_params, federated_params
 from pipeline.studies.grid.runs import Partition, StudyRun, study_runs
 from utils.stages import run_stage, stage_key
 
