@@ -41,6 +41,9 @@ class EngineConfig:
             summary line at the end (what a pipeline of hundreds of runs wants).
         vectorize_chunk: 0 trains the sampled clients one after another; C > 0 trains them in
             lock-step, C at a time (``--vectorize_clients``, network/vectorized.py).
+        plots: draw the run's pictures (``curves.png`` at the end; with diagnostics, ``diagnostics.png`` and the
+            cosine heatmaps). Step 4 always draws them; a caller that reads none (a benchmark, a test of the
+            numbers) may skip them: ``curves.png`` alone is about half of a tiny run's time.
     """
 
     out_dir: Path
@@ -65,6 +68,7 @@ class EngineConfig:
     tensorboard: bool = False
     round_lines: bool = True
     vectorize_chunk: int = 0
+    plots: bool = True
 
     def __post_init__(self) -> None:
         check_diagnostics_options(self.diagnostics_every, self.diagnostics_max_samples)

@@ -171,8 +171,9 @@ class SequentialEngine(RoundEvaluation):
                 self._run_round(round_index, bar, pace)
         if hasattr(self.metrics, "close"):  # the TensorBoard mirror's event file
             self.metrics.close()
-        plot_curves(self.out_dir / METRICS_FILE, self.out_dir / CURVES_FILE, run_title(self.algorithm.name, self.out_dir))
-        if self.config.diagnostics:
+        if self.config.plots:
+            plot_curves(self.out_dir / METRICS_FILE, self.out_dir / CURVES_FILE, run_title(self.algorithm.name, self.out_dir))
+        if self.config.diagnostics and self.config.plots:
             plot_diagnostics(self.out_dir / METRICS_FILE, self.out_dir / DIAGNOSTICS_PLOT,
                              run_title(self.algorithm.name, self.out_dir))
         write_clients_table(self.out_dir / METRICS_FILE, self.algorithm.federation.client_sizes,
@@ -229,7 +230,7 @@ class SequentialEngine(RoundEvaluation):
             values = [metrics[metric] for metrics in results.values() if metric in metrics]
             rows.append(metric_row(round_index, TRAIN_SPLIT, "mean", metric, sum(values) / len(values)))
         if self.drift is not None:
-            rows += self.drift.finish(round_index, plot=self._evaluates(round_index))
+            rows += self.drift.finish(round_index, plot=self.config.plots and self._evaluates(round_index))
         return rows
 
     # ----- how an engine reaches its clients (the Flower engine overrides these two) -----

@@ -82,7 +82,7 @@ def run_oracle(tmp_path, name, rounds, steps, lr, data, fraction=1.0, momentum=0
                                         {client.client_id: client.num_samples for client in clients}, settings)
     config = EngineConfig(out_dir=tmp_path / name, n_rounds=rounds, lr_schedule=make_lr_schedule("constant", lr, rounds),
                           local_steps=steps, client_fraction=fraction, eval_every=rounds, momentum=momentum,
-                          progress=False)
+                          progress=False, plots=False)  # the oracles read numbers, never a picture
     engine = SequentialEngine(worker, algorithm, clients, least_squares_loss, mean_loss, pooled, config, CPU)
     final = engine.run()
     return (final["weight"].squeeze(0) if "weight" in final else final), engine

@@ -72,7 +72,8 @@ def make_engine(out_dir, name="scaffold", rounds=5, clients=None, algorithm_clas
     if algorithm_class is not None:  # a spy subclass of the same algorithm
         algorithm = algorithm_class(algorithm.settings, algorithm.federation)
     engine_settings = dict(out_dir=out_dir, n_rounds=rounds, lr_schedule=make_lr_schedule("cosine", 0.05, rounds), seed=7,
-                           local_steps=3, client_fraction=0.6, eval_every=2, momentum=0.5, progress=False)
+                           local_steps=3, client_fraction=0.6, eval_every=2, momentum=0.5, progress=False,
+                           plots=False)  # curves.png: only the test that reads it draws it
     return SequentialEngine(model, algorithm, clients, loss_fn, evaluate, global_test(),
                             EngineConfig(**{**engine_settings, **overrides}), CPU, model_config={"name": "tiny"})
 
@@ -232,8 +233,19 @@ def test_spilling_client_state_to_disk_changes_nothing(tmp_path, name, limit):
     assert_same_states(memory_states, disk_states)
 
 
+def test_a_run_without_plots_draws_no_picture_and_computes_the_same_numbers(tmp_path):
+    """``plots=False`` (benchmarks, tests of numbers) skips curves.png, diagnostics.png and the cosine heatmaps, and
+    nothing else: metrics.csv is the same file."""
+    make_engine(tmp_path / "drawn", "fedavg", plots=True, diagnostics=True).run()
+    make_engine(tmp_path / "bare", "fedavg", diagnostics=True).run()
+    drawn = sorted(path.relative_to(tmp_path / "drawn").as_posix() for path in (tmp_path / "drawn").rglob("*.png"))
+    assert {"curves.png", "diagnostics.png"} <= set(drawn) and any(name.startswith("diagnostics/") for name in drawn)
+    assert not list((tmp_path / "bare").rglob("*.png"))
+    assert (tmp_path / "bare" / "metrics.csv").read_bytes() == (tmp_path / "drawn" / "metrics.csv").read_bytes()
+
+
 def test_metrics_file_has_round_zero_eval_rounds_and_client_summaries(tmp_path):
-    make_engine(tmp_path, "fedrep").run()
+    make_engine(tmp_path, "fedrep", plots=True).run()
     metrics = pd.read_csv(tmp_path / "metrics.csv", dtype={"client": str})
     assert list(metrics.columns) == ["round", "split", "client", "metric", "value"]
     tested = metrics[(metrics.split == GLOBAL_TEST_SPLIT) & (metrics.client == GLOBAL_CLIENT)]

@@ -135,7 +135,8 @@ def engine_inputs(out_dir: Path, name: str, rounds: int, clients: list[ClientDat
                                        FAST_SETTINGS.get(name), seed=SEED)
     config = EngineConfig(out_dir=out_dir, n_rounds=rounds, lr_schedule=make_lr_schedule("constant", 0.05, rounds),
                           seed=SEED, local_steps=3, client_fraction=fraction, momentum=0.5, progress=False,
-                          signature={"test": name}, finetune_steps=finetune_steps, **config_extra)
+                          signature={"test": name}, finetune_steps=finetune_steps,
+                          **{"plots": False, **config_extra})  # pictures only where a test reads one
     return model, algorithm, clients, loss_fn, evaluate, global_test(), config, CPU
 
 
@@ -213,7 +214,7 @@ def test_every_algorithm_over_flower_messages_equals_the_sequential_engine(tmp_p
 def test_diagnostics_gradients_taken_on_the_nodes_equal_the_sequential_engines(tmp_path, name):
     """--diagnostics over Flower: each node takes its clients' gradients at the global model (fedper: its shared
     body only), every client of the federation, sampled or not, on a fixed sample of 10 rows."""
-    options = {"diagnostics": True, "diagnostics_every": 2, "diagnostics_max_samples": 10}
+    options = {"diagnostics": True, "diagnostics_every": 2, "diagnostics_max_samples": 10, "plots": True}
     reference = run_sequential(tmp_path / "sequential", name, rounds=2, **options)
     flower = run_in_process(tmp_path / "flower", name, rounds=2, **options)
     assert_same_server(reference, flower)

@@ -54,7 +54,7 @@ def run_fedem(tmp_path, data, rounds, steps, lr, **settings):
     algorithm, worker = build_algorithm("fedem", linear_model(), {client.client_id: client.num_samples
                                                                     for client in clients}, settings, seed=3)
     config = EngineConfig(out_dir=tmp_path, n_rounds=rounds, lr_schedule=make_lr_schedule("constant", lr, rounds),
-                          local_steps=steps, eval_every=rounds, progress=False)
+                          local_steps=steps, eval_every=rounds, progress=False, plots=False)
     engine = SequentialEngine(worker, algorithm, clients, least_squares_loss, mean_loss, clients[0].test_loader,
                               config, CPU)
     engine.run()

@@ -179,7 +179,7 @@ def federation(weighting: str, out_dir, vectorize_chunk: int = 0):
                                        {"weighting": weighting, **PRIVATE[weighting]}, seed=SEED)
     config = EngineConfig(out_dir=out_dir, n_rounds=2, lr_schedule=make_lr_schedule("constant", 0.05, 2), seed=SEED,
                           local_steps=3, client_fraction=1.0, progress=False, signature={"test": weighting},
-                          vectorize_chunk=vectorize_chunk)
+                          vectorize_chunk=vectorize_chunk, plots=False)
     return model, algorithm, clients, config, global_test()
 
 

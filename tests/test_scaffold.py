@@ -243,7 +243,7 @@ def test_momentum_and_weight_decay_converge_to_the_regularised_optimum(tmp_path)
     rounds = 150  # the round map contracts by 0.86 here (lr 0.2/L_max)
     config = EngineConfig(out_dir=tmp_path, n_rounds=rounds, local_steps=10, eval_every=rounds, momentum=0.9,
                           lr_schedule=make_lr_schedule("constant", 0.2 / max_curvature(data), rounds),
-                          weight_decay=decay, progress=False)
+                          weight_decay=decay, progress=False, plots=False)
     final = SequentialEngine(worker, algorithm, clients, least_squares_loss, mean_loss, [{"x": a, "y": b}], config,
                              CPU).run()
     assert relative_error(final["weight"].squeeze(0), optimum) < 1e-7

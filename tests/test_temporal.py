@@ -121,7 +121,7 @@ def engine_parts(out_dir: Path, chunk: int = 0):
     algorithm.weights, algorithm.clock = {}, clock
     config = EngineConfig(out_dir=out_dir, n_rounds=ROUNDS, lr_schedule=make_lr_schedule("constant", 0.01, ROUNDS),
                           seed=3, local_epochs=1, client_fraction=1.0, eval_every=ROUNDS, progress=False,
-                          signature={"test": "temporal"}, vectorize_chunk=chunk)
+                          signature={"test": "temporal"}, vectorize_chunk=chunk, plots=False)
     test = list(DataLoader([s for index in range(4) for s in client_samples(index, 20)[16:]], batch_size=8))
     return model, algorithm, clients, test, config, log, clock
 

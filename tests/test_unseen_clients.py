@@ -148,7 +148,8 @@ def tiny_engine(out_dir, name, with_unseen: bool, calls: list | None = None, rou
     algorithm, worker = build_algorithm(name, model, {client.client_id: client.num_samples for client in seen},
                                         FAST_SETTINGS.get(name), seed=7)
     config = EngineConfig(out_dir=out_dir, n_rounds=rounds, lr_schedule=make_lr_schedule("constant", 0.05, rounds),
-                          seed=7, local_steps=2, client_fraction=0.5, eval_every=2, finetune_steps=1, progress=False)
+                          seed=7, local_steps=2, client_fraction=0.5, eval_every=2, finetune_steps=1, progress=False,
+                          plots=False)
     engine = SequentialEngine(worker, algorithm, seen, loss_fn, evaluate, test, config, CPU, model_config={"name": "tiny"},
                               unseen_clients=unseen if with_unseen else None)
     training = engine.train_round
@@ -258,7 +259,7 @@ def line_run(tmp_path, method: str) -> pd.DataFrame:
     unseen = [line_client("1", ([1.0], [3.0]), ([2.0], [6.0])), line_client("2", ([1.0], [1.0]), ([1.0], [1.0]))]
     algorithm, worker = build_algorithm(method, model, {"0": 2}, {})
     config = EngineConfig(out_dir=tmp_path / method, n_rounds=1, lr_schedule=make_lr_schedule("constant", 0.1, 1),
-                          local_steps=1, finetune_steps=1, progress=False)
+                          local_steps=1, finetune_steps=1, progress=False, plots=False)
     SequentialEngine(worker, algorithm, seen, line_loss, line_evaluate, seen[0].test_loader, config, CPU,
                      unseen_clients=unseen).run()
     rows = pd.read_csv(tmp_path / method / "metrics.csv", dtype={"client": str})

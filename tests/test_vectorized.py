@@ -93,7 +93,7 @@ def make_engine(out_dir: Path, name: str, settings: dict, chunk: int, rounds: in
     local = {"local_steps": 4} if budget == "steps" else {"local_epochs": 1}
     config = EngineConfig(out_dir=out_dir, n_rounds=rounds, lr_schedule=make_lr_schedule("constant", LR, rounds),
                           seed=3, client_fraction=0.6, momentum=0.9, weight_decay=0.01, progress=False,
-                          signature={"test": name}, vectorize_chunk=chunk, **local)
+                          signature={"test": name}, vectorize_chunk=chunk, plots=False, **local)
     test = list(DataLoader([cast(sample, dtype) for index in range(len(SIZES)) for sample in client_samples(index, 8)],
                            batch_size=8))
     return SequentialEngine(worker, algorithm, clients, loss_fn, evaluate, test, config, CPU)
