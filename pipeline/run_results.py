@@ -30,7 +30,7 @@ def final_personal_loss(metrics: pd.DataFrame, metric: str = "loss") -> float:
 
 
 def centralized_reference(metrics_csv: Path) -> tuple[float, str]:
-    """The centralized model's test loss at the epoch best.pt holds, and the split that chose that epoch (``val``; ``test``
-    only for a step-2 run made with ``--select_on_test``, which a report must say)."""
+    """The centralized model's test loss at the epoch best.pt holds, and what chose that epoch (``val``; ``last`` for a
+    step-2 run made with ``--last_epoch`` on data without validation rows, which a report must say)."""
     selected = selected_test_metrics(metrics_csv)
     return float(selected["loss"]), str(selected["selected_on"])

@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--val_fraction", type=cli.floats(0.0, 1.0, high_open=True), default=DEFAULT_VAL_FRACTION,
                         help="share of buildings (or samples) set aside from training for validation (column val = 1), "
                              "on which step 2 selects its best epoch; at least one when > 0; 0: no validation part, and "
-                             f"step 2 then needs --select_on_test (default: {DEFAULT_VAL_FRACTION})")
+                             f"step 2 then needs --last_epoch (default: {DEFAULT_VAL_FRACTION})")
     parser.add_argument("--split_by", choices=SPLIT_BY, default="building",
                         help="building: whole buildings per split, stratified by scene class, so no building's views sit "
                              "on both sides; csv: the split CSV's own train/val/test columns (real Taskonomy's official "

@@ -19,7 +19,7 @@ from datasets.family import load_manifest
 from models import build_task_model, get_task, list_encoders
 from models.encoders import NAMED_WEIGHTS, default_weights
 from training.fit import check_resumable, fit
-from training.loop import TEST_SPLIT, make_loader
+from training.loop import LAST_EPOCH, make_loader
 from training.schedules import OPTIMIZERS, ScheduleConfig, list_schedulers, make_optimizer, make_scheduler
 from training.selection import centralized_splits, selection_split
 from utils import cli
@@ -112,10 +112,10 @@ def add_training_arguments(parser: argparse.ArgumentParser, searched: bool = Tru
     add("--cache_dir", type=Path, default=None, help="decoded-sample cache folder (default: none)")
     add("--resume", "--resume_training", action=argparse.BooleanOptionalAction, default=True,
         help="continue from <out>/last.pt if present (default: yes); --no-resume starts over")
-    add("--select_on_test", action=argparse.BooleanOptionalAction, default=False,
-        help="a manifest without validation rows (column val) selects best.pt and stops early on the TEST split: "
-             "refused unless this flag asks for it; config.json and run.log record it, and every report that reads "
-             "the run (its metrics.csv has no val rows) says its numbers were selected on test (default: no)")
+    add("--last_epoch", action=argparse.BooleanOptionalAction, default=False,
+        help="a manifest without validation rows (column val) has nothing to select best.pt on (the test split never "
+             "does): refused unless this flag asks to keep the last epoch as best.pt, with no early stopping; "
+             "config.json and run.log record it, and every report that reads the run says so (default: no)")
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -248,10 +248,13 @@ def train_locked(args: argparse.Namespace, accelerator: Accelerator) -> dict:
     family.check_task(args.task, f"--task (manifest {args.manifest})")
     splits = centralized_splits(manifest, f"manifest {args.manifest}")
     select = selection_split(splits)
-    if select == TEST_SPLIT and not args.select_on_test:
-        raise TaskHetError(f"manifest {args.manifest} has no validation rows (column val), so best.pt would be chosen on "
-                           "the test split; make the manifest with a validation part (step 1's --val_fraction, the "
-                           "default) or pass --select_on_test to select on test knowingly (reports then say so)")
+    if select == LAST_EPOCH and not args.last_epoch:
+        raise TaskHetError(f"manifest {args.manifest} has no validation rows (column val) to choose best.pt on (the "
+                           "test split never chooses); make the manifest with a validation part (step 1's "
+                           "--val_fraction, the default) or pass --last_epoch to keep the last epoch (reports then say so)")
+    if select == LAST_EPOCH and args.early_stopping_patience:
+        raise TaskHetError(f"--early_stopping_patience {args.early_stopping_patience}: manifest {args.manifest} has no "
+                           "validation rows to stop on (the test split never decides); drop it or add a validation part")
     if main_process:
         claim_folder(args.out, STEP)
     signature = {key: str(value) for key, value in vars(args).items() if key not in NOT_IN_SIGNATURE}
@@ -270,9 +273,11 @@ def train_locked(args: argparse.Namespace, accelerator: Accelerator) -> dict:
         write_config(args.out, {**vars(args), "num_processes": accelerator.num_processes}, step=STEP)
     logger = setup_logging(args.out, "train_centralized") if main_process else _silent_logger()
     device = accelerator.device
-    logger.info("task %s, encoder %s (weights %s), %s samples, best epoch chosen on %s, device %s, %d process(es), "
+    logger.info("task %s, encoder %s (weights %s), %s samples, best.pt: %s, device %s, %d process(es), "
                 "mixed precision %s", args.task, args.encoder, args.weights,
-                " / ".join(f"{len(data)} {split}" for split, data in datasets.items()), select, device,
+                " / ".join(f"{len(data)} {split}" for split, data in datasets.items()),
+                "the last epoch (no validation rows)" if select == LAST_EPOCH else f"the epoch of the lowest {select} loss",
+                device,
                 accelerator.num_processes, args.mixed_precision)
     model = prepare_model(model, device)
     if args.cache_features:  # a frozen encoder's maps, computed once (datasets/encoded.py); the main process fills the cache

@@ -217,3 +217,12 @@ def test_fedrep_enters_the_table_the_counts_and_the_plots_through_its_personal_m
     assert max(line.get_ydata().max() for line in curve_axis.get_lines()) < 4.0
     legend = [text.get_text() for text in drawn["round_curves.png"].legends[0].get_texts()]
     assert "fedrep (clients' own models)" in legend and "fedavg" in legend
+
+
+def test_the_selection_note_names_a_last_epoch_reference_and_never_a_test_selection():
+    from pipeline.studies.main_job.report import selection_note
+
+    assert "epoch its **validation** rows chose" in selection_note({"normal": "val"})
+    note = selection_note({"normal": "val", "edge_texture": "last"})
+    assert "except for edge_texture: its **last epoch**" in note and "--last_epoch" in note
+    assert "test split" not in note

@@ -233,14 +233,14 @@ def test_step2_trains_each_epoch_at_the_scheduled_rate(digits96, tmp_path):
 SCRIPTED = {"val": [2.0, 1.0, 1.5, 1.8, 1.9], "test": [2.0, 1.9, 1.5, 1.2, 1.1]}
 
 
-def scripted_evaluation(monkeypatch):
-    """Replace fit's evaluation by SCRIPTED (training itself still runs), so val and test disagree on the best epoch."""
+def scripted_evaluation(monkeypatch, scripted: dict[str, list[float]] = SCRIPTED):
+    """Replace fit's evaluation by ``scripted`` (training itself still runs), so val and test disagree on the best epoch."""
     calls = {"epoch": 0}
 
     def evaluate_all(model, loaders, spec, device, input_key, progress=True):
         epoch = calls["epoch"]
         calls["epoch"] += 1
-        return {split: {"loss": SCRIPTED[split][epoch], "top1": 0.5} for split in loaders}
+        return {split: {"loss": scripted[split][epoch], "top1": 0.5} for split in loaders}
 
     monkeypatch.setattr(training.fit, "_evaluate_all", evaluate_all)
 
@@ -256,9 +256,11 @@ def test_validation_not_test_picks_best_pt_and_stops_early(digits96, tmp_path, m
     assert selected_test_metrics(out / "metrics.csv") == {"epoch": 1, "selected_on": "val", "loss": 1.9, "top1": 0.5}
 
 
-def test_without_a_validation_part_selecting_on_test_is_refused_unless_asked_for(digits96, tmp_path, monkeypatch,
-                                                                                capsys):
-    scripted_evaluation(monkeypatch)
+def test_without_a_validation_part_nothing_is_selected_and_the_last_epoch_only_when_asked_for(
+        digits96, tmp_path, monkeypatch, capsys):
+    """The test split never selects: without validation rows step 2 is refused in one line, unless --last_epoch asks
+    to keep the last epoch; best.pt is then epoch 4 though the test loss was lowest at epoch 1."""
+    scripted_evaluation(monkeypatch, {"test": [2.0, 1.2, 1.5, 1.8, 1.9]})
     manifest = tmp_path / "manifest.csv"
     pd.read_csv(digits96[1]).drop(columns="val").to_csv(manifest, index=False)
     out = tmp_path / "run"
@@ -266,14 +268,19 @@ def test_without_a_validation_part_selecting_on_test_is_refused_unless_asked_for
         run_main(step2.main, argv(digits96[0], manifest, out, "digit_class", "--n_epochs", "4"))
     error = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and "\n" not in error
-    assert error.startswith(f"error: manifest {manifest} has no validation rows (column val), so best.pt would be chosen "
-                            "on the test split") and "--select_on_test" in error
+    assert error.startswith(f"error: manifest {manifest} has no validation rows (column val) to choose best.pt on (the "
+                            "test split never chooses)") and "--last_epoch" in error
     assert not out.exists()  # refused before the folder is claimed
-    summary = step2.main(argv(digits96[0], manifest, out, "digit_class", "--n_epochs", "4", "--select_on_test"))
-    assert summary["selected_on"] == "test" and summary["best_epoch"] == 4
+    with pytest.raises(TaskHetError, match="^--early_stopping_patience 2: manifest .* has no validation rows to stop on"):
+        step2.main(argv(digits96[0], manifest, out, "digit_class", "--n_epochs", "4", "--last_epoch",
+                        "--early_stopping_patience", "2"))
+    assert not out.exists()
+    summary = step2.main(argv(digits96[0], manifest, out, "digit_class", "--n_epochs", "4", "--last_epoch"))
+    assert summary["selected_on"] == "last" and summary["best_epoch"] == 4 and summary["epochs_done"] == 4
+    assert load_checkpoint(out / "best.pt")["epoch"] == 4
     assert set(pd.read_csv(out / "metrics.csv").split) == {"train", "test"}
-    # what a report reads: the lowest test loss, and that test chose it
-    assert selected_test_metrics(out / "metrics.csv") == {"epoch": 4, "selected_on": "test", "loss": 1.1, "top1": 0.5}
+    # what a report reads: the last epoch's test metrics, and that no split chose them
+    assert selected_test_metrics(out / "metrics.csv") == {"epoch": 4, "selected_on": "last", "loss": 1.9, "top1": 0.5}
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -26,7 +26,8 @@ from tqdm import tqdm
 
 from models.frozen_encoder import FrozenEncoder, frozen_encoder_of, load_full_checkpoint, strip_frozen_encoder
 from models.tasks import TaskSpec
-from training.loop import METRICS_COLUMNS, TRAIN_SPLIT, VAL_SPLIT, evaluate, task_spec, train_one_batch
+from training.loop import (LAST_EPOCH, METRICS_COLUMNS, TEST_SPLIT, TRAIN_SPLIT, VAL_SPLIT, evaluate, task_spec,
+                           train_one_batch)
 from utils.errors import NonFiniteLossError, TaskHetError
 from utils.interrupts import RESUME_HINT, interrupted
 from utils.progress import Pace
@@ -90,8 +91,9 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
         out_dir: the run folder.
         run_signature: the arguments that define the run; resuming a checkpoint written
             with other values is refused.
-        select_split: the key of ``eval_loaders`` whose loss picks best.pt and stops early (``val``; step 2 passes
-            ``test`` only under --select_on_test).
+        select_split: the key of ``eval_loaders`` whose loss picks best.pt and stops early (``val``), or
+            :data:`~training.loop.LAST_EPOCH`: no split selects, best.pt is the last epoch and nothing stops early
+            (step 2's --last_epoch, for data without validation rows; the test split never selects).
         early_stopping_patience: stop after this many epochs without a lower ``select_split`` loss.
         resume: continue from ``out_dir/last.pt`` when it exists; otherwise start over.
         logger: where the per-epoch summary goes.
@@ -106,7 +108,7 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
         utils.interrupts.Interrupted: on Ctrl-C or SIGTERM, naming the epoch that was running and the epoch of
             last.pt (a rerun resumes from it).
     """
-    if select_split not in eval_loaders:
+    if select_split not in eval_loaders and select_split != LAST_EPOCH:
         raise TaskHetError(f"the selection split {select_split!r} is not among the evaluated splits {sorted(eval_loaders)}")
     spec = task_spec(task)
     logger = logger or logging.getLogger(__name__)
@@ -137,7 +139,7 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
         metrics_csv = run.metrics_csv(csv_path, tensorboard, out_dir)
         initial = run.evaluate_all()
         metrics_csv.write(_rows(0, initial))
-        _track_best(run, 0, initial[select_split], state, best_path)
+        _track_best(run, 0, initial.get(select_split), state, best_path)
         logger.info("epoch 0 (untrained): %s", _format_splits(initial))
 
     pace = Pace(state["epoch"], n_epochs)
@@ -165,13 +167,14 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
             rows += _rows(epoch, evaluated)
             # metrics before last.pt: a resume truncates rows past its checkpoint, never misses any
             metrics_csv.write(rows)
-            selection_loss = evaluated[select_split]["loss"]
+            watched = TEST_SPLIT if select_split == LAST_EPOCH else select_split  # a loss that shows divergence
+            selection_loss = evaluated[watched]["loss"]
             if not math.isfinite(selection_loss):  # diverged weights: a finite train loss alone does not say so
-                raise NonFiniteLossError(f"epoch {epoch}: the {select_split} loss is {selection_loss} (the weights "
+                raise NonFiniteLossError(f"epoch {epoch}: the {watched} loss is {selection_loss} (the weights "
                                          f"diverged; the training loss was {loss_sum / max(batches, 1):.3g}); the run "
                                          f"stopped, {out_dir} stays marked incomplete (lower --init_lr?)")
             state["epoch"] = epoch
-            _track_best(run, epoch, evaluated[select_split], state, best_path)
+            _track_best(run, epoch, evaluated.get(select_split), state, best_path)
             patience_over = early_stopping_patience is not None and state["epochs_without_improvement"] >= early_stopping_patience
             state["stopped_early"] = patience_over and epoch < n_epochs
             if run.main:
@@ -194,8 +197,11 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
     if run.main:
         _plot(csv_path, out_dir, spec)
     accelerator.wait_for_everyone()  # no process leaves (and ends its run) before the main one has written
-    logger.info("best epoch %d (by %s loss), %s loss %.5f", state["best_epoch"], select_split, select_split,
-                state["best_val_loss"])
+    if select_split == LAST_EPOCH:
+        logger.info("best.pt: the last epoch, %d (no validation rows: nothing selected)", state["best_epoch"])
+    else:
+        logger.info("best epoch %d (by %s loss), %s loss %.5f", state["best_epoch"], select_split, select_split,
+                    state["best_val_loss"])
     return {"best_epoch": state["best_epoch"], "best_val_loss": state["best_val_loss"], "selected_on": select_split,
             "epochs_done": state["epoch"], "stopped_early": state["stopped_early"]}
 
@@ -267,10 +273,12 @@ def _plot(csv_path: Path, out_dir: Path, spec: TaskSpec) -> None:
         plot_curves(csv_path, out_dir / f"{metric}.png", x="epoch", hue="split", where={"metric": metric}, title=title)
 
 
-def _track_best(run: _Run, epoch: int, val: dict[str, float], state: dict, best_path: Path) -> None:
-    """Write best.pt (main process) when the validation loss is the lowest so far (epoch 0, the untrained model, included)."""
-    if val["loss"] < state["best_val_loss"]:
-        state.update(best_epoch=epoch, best_val_loss=val["loss"], epochs_without_improvement=0)
+def _track_best(run: _Run, epoch: int, val: dict[str, float] | None, state: dict, best_path: Path) -> None:
+    """Write best.pt (main process) when the validation loss is the lowest so far (epoch 0, the untrained model,
+    included); ``val`` None (no split selects, :data:`~training.loop.LAST_EPOCH`): every epoch, so it ends the last."""
+    if val is None or val["loss"] < state["best_val_loss"]:
+        loss = math.nan if val is None else val["loss"]
+        state.update(best_epoch=epoch, best_val_loss=loss, epochs_without_improvement=0)
         if run.main:
             atomic_torch_save(strip_frozen_encoder({"model": run.module.state_dict(), "model_config": run.module.config,
                                                     "epoch": epoch, "val_metrics": val, "task": run.spec.name}, run.frozen),

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 METRICS_COLUMNS = ("epoch", "split", "metric", "value")
 TRAIN_SPLIT, VAL_SPLIT, TEST_SPLIT = "train", "val", "test"
+# What "selected" best.pt when no split did: data without validation rows keeps the last epoch (step 2's
+# --last_epoch); the test split never selects.
+LAST_EPOCH = "last"
 
 
 def task_spec(task: TaskSpec | str) -> TaskSpec:

@@ -2,10 +2,10 @@
 
 A manifest whose ``val`` column marks training rows (every family's step 1 writes one by default)
 trains on the other training rows, selects best.pt and stops early on the ``val`` rows, and
-evaluates the test split every epoch only for the curves and the final numbers. A manifest
-without validation rows would select on its test split: step 2 refuses that unless asked for it
-(``--select_on_test``), and :func:`selected_test_metrics` says which split selected, so a report
-can say so.
+evaluates the test split every epoch only for the curves and the final numbers. The test split
+never selects: a manifest without validation rows is refused by step 2 unless ``--last_epoch``
+asks it to keep the last epoch (no selection, no early stopping), and :func:`selected_test_metrics`
+says which rule chose (``val`` or ``last``), so a report can say so.
 
 The readers below take step 2's ``metrics.csv`` (``epoch, split, metric, value``) and
 answer with what ``training.fit.fit`` selected, so a report never recomputes the rule.
@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from datasets.family import VAL_COLUMN
-from training.loop import METRICS_COLUMNS, TEST_SPLIT, TRAIN_SPLIT, VAL_SPLIT
+from training.loop import LAST_EPOCH, METRICS_COLUMNS, TEST_SPLIT, TRAIN_SPLIT, VAL_SPLIT
 from utils.errors import TaskHetError
 from utils.loaders import read_csv
 
@@ -46,8 +46,9 @@ def centralized_splits(manifest: pd.DataFrame, source: str = "manifest") -> dict
 
 
 def selection_split(splits: dict) -> str:
-    """The split that selects: ``val`` when there is one, else ``test`` (``splits``: any mapping keyed by split)."""
-    return VAL_SPLIT if VAL_SPLIT in splits else TEST_SPLIT
+    """What selects best.pt: the ``val`` split when there is one, else :data:`~training.loop.LAST_EPOCH` (no split
+    selects; ``splits``: any mapping keyed by split)."""
+    return VAL_SPLIT if VAL_SPLIT in splits else LAST_EPOCH
 
 
 def read_metrics(metrics_csv: Path) -> pd.DataFrame:
@@ -62,19 +63,20 @@ def curve(metrics: pd.DataFrame, split: str, metric: str) -> pd.Series:
 
 
 def selected_epoch(metrics: pd.DataFrame) -> int:
-    """The epoch of best.pt: the first lowest loss on the selection split (val if the run has one, else test)."""
-    losses = curve(metrics, selection_split(set(metrics["split"])), "loss")
+    """The epoch of best.pt: the first lowest validation loss, or the last epoch of a run without validation rows."""
+    select = selection_split(set(metrics["split"]))
+    losses = curve(metrics, TEST_SPLIT if select == LAST_EPOCH else select, "loss")
     if losses.empty:
-        raise TaskHetError("step-2 metrics have no loss rows of the selection split")
-    return int(losses.idxmin())
+        raise TaskHetError(f"step-2 metrics have no loss rows of the {'test' if select == LAST_EPOCH else select} split")
+    return int(losses.index.max() if select == LAST_EPOCH else losses.idxmin())
 
 
 def selected_test_metrics(metrics_csv: Path) -> dict[str, float | str]:
     """The test-split metrics of the epoch best.pt holds (``{"epoch", "selected_on", "loss", ...}``).
 
     With a validation part this is the test loss of the epoch validation chose, never the test
-    split's own minimum; ``selected_on`` is ``val``. A run made with ``--select_on_test`` has none:
-    then it is the lowest test loss and ``selected_on`` is ``test``, which a report must say.
+    split's own minimum; ``selected_on`` is ``val``. A run made with ``--last_epoch`` has none: then it is the last
+    epoch's test metrics and ``selected_on`` is ``last``, which a report must say.
     """
     metrics = read_metrics(metrics_csv)
     epoch = selected_epoch(metrics)

@@ -11,8 +11,8 @@ Inputs are plain tables the pipeline collects from the run folders:
 - ``curves``: one row per evaluated round: the same keys plus round, loss (for a result_is_personal
   algorithm, its clients' own models' loss).
 - ``centralized``: task -> the centralized model's test loss (reference), at the epoch its validation rows chose.
-- ``selected_on``: task -> the split that chose that epoch (``val``; ``test`` only for a step-2 run made with
-  ``--select_on_test``, which the report then says).
+- ``selected_on``: task -> what chose that epoch (``val``; ``last`` for a step-2 run made with ``--last_epoch`` on
+  data without validation rows, which the report then says).
 - ``agreement``: task -> {"nmi": ..., "ari": ...} between clusters and the data family's class labels.
 - ``heatmaps``: (task, grouping, alpha) -> PNG of the seed-0 partition.
 - ``meters`` (optional): one row per partition and task: task, grouping, alpha, seed, g2, b2
@@ -220,11 +220,11 @@ def _interval_text(mean: float, low: float, high: float) -> str:
 
 def selection_note(selected_on: dict[str, str]) -> str:
     """What chose every number of the report: the federated runs' last round, and the centralized reference's epoch."""
-    on_test = sorted(task for task, split in selected_on.items() if split != "val")
-    reference = ("the centralized reference is the test loss at the epoch its **validation** rows chose" if not on_test else
+    on_last = sorted(task for task, split in selected_on.items() if split != "val")
+    reference = ("the centralized reference is the test loss at the epoch its **validation** rows chose" if not on_last else
                  f"the centralized reference is the test loss at the epoch chosen on its validation rows, except for "
-                 f"{', '.join(on_test)}: chosen on the **test split** (step 2 ran with --select_on_test, so those "
-                 "references are optimistic)")
+                 f"{', '.join(on_last)}: its **last epoch** (its data has no validation rows; step 2 ran with "
+                 "--last_epoch, so nothing was selected)")
     return ("Every federated number is the **last round**'s (no round is chosen on any split); " + reference + ".")
 
 
