@@ -21,7 +21,7 @@ import pandas as pd
 
 from utils.statistics import MIN_SEEDS, NONNEGATIVE, UNIT, mean_interval, metric_scale
 from training.loop import VAL_SPLIT
-from training.selection import curve, epochs_to_within, read_metrics, selected_test_metrics
+from training.selection import curve, epochs_to_within, read_metrics
 from utils.errors import TaskHetError
 from utils.plots import plot_curves
 from utils.run_dir import atomic_write_text
