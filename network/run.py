@@ -45,7 +45,7 @@ ENGINES = ("sequential", "flower")  # round loops over the same algorithm object
 # Fields that do not change what a run computes: a resumed run may differ in them.
 NOT_IN_SIGNATURE = ("out", "resume", "use_accelerator", "num_workers", "cache_dir", "deterministic", "n_rounds",
                     "eval_every", "checkpoint_every", "diagnostics", "progress", "client_state_memory_mb", "engine", "flower_mode", "flower_num_cpus",
-                    "flower_num_gpus", "min_available_clients", "threads", "tensorboard", "round_lines",
+                    "flower_num_gpus", "min_available_clients", "threads", "tensorboard", "round_lines", "plots",
                     "diagnostics_every", "diagnostics_max_samples")
 
 
@@ -103,6 +103,7 @@ class RunConfig:
     threads: int | None = None
     tensorboard: bool = False
     round_lines: bool = True
+    plots: bool = True
     resume: bool = True
     out: Path | None = None
     engine: str = "sequential"
@@ -215,7 +216,7 @@ def prepare(config: RunConfig) -> FedSetup:
         max_state_memory_bytes=int(config.client_state_memory_mb * 2**20), finetune_steps=config.finetune_steps,
         diagnostics=config.diagnostics, diagnostics_every=config.diagnostics_every,
         diagnostics_max_samples=config.diagnostics_max_samples, tensorboard=config.tensorboard,
-        round_lines=config.round_lines,
+        round_lines=config.round_lines, plots=config.plots,
         vectorize_chunk=config.vectorize_chunk if config.vectorize_clients else 0,
         signature={**{key: str(value) for key, value in dataclasses.asdict(config).items() if key not in NOT_IN_SIGNATURE},
                    **skews_signature(meta), **unseen_signature(meta)})

@@ -43,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="TensorBoard logs of every step-2 and step-4 run, each in its own run folder, so "
                              "`tensorboard --logdir results/<name>` shows the whole grid live; runs already finished "
                              "are not redone for it (default: the experiment file's tensorboard key, which is off)")
+    parser.add_argument("--run_plots", action=argparse.BooleanOptionalAction, default=None,
+                        help="each step-2 and step-4 run's own pictures (curves.png and the like, about a second of "
+                             "CPU a run); --no-run_plots leaves them out, metrics.csv alone, for a grid whose runs "
+                             "nobody opens one by one. The report's pictures are always drawn (default: the "
+                             "experiment file's run_plots key, which is on)")
     executors = parser.add_argument_group("where the runs go (results do not depend on these; docs/howto/ray-cluster.md)")
     executors.add_argument("--executor", choices=EXECUTORS.names(), default="local",
                            help="local: worker processes on this machine; ray: Ray tasks on a Ray cluster")
@@ -82,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     config = load_experiment(args.experiment, args.overrides)
     if args.tensorboard is not None:  # the flag wins over the file's key (every study kind takes the flag)
         config["tensorboard"] = args.tensorboard
+    if args.run_plots is not None:  # likewise
+        config["run_plots"] = args.run_plots
     show_progress = cli.apply_runtime_flags(args).progress
     out_dir = args.results / config["name"]
     with folder_lock(out_dir, f"experiment {config['name']!r} in --results"):  # a second run of it is refused

@@ -105,6 +105,8 @@ class Pipeline:
             shared.append("--no-round_lines")
         if script in (step2, step4) and self.config.get("tensorboard"):
             shared.append("--tensorboard")  # <run>/tensorboard: `tensorboard --logdir results/<name>` shows every run
+        if script in (step2, step4) and not self.config.get("run_plots", True):
+            shared.append("--no-plots")
         return shared
 
     # ----- steps -----

@@ -130,6 +130,7 @@ def build_parser(method: str | None = None, prog: str = "test_fed.py", descripti
     add("--tensorboard", action=argparse.BooleanOptionalAction, default=False,
         help="also write metrics.csv's rows as TensorBoard scalars under <out>/tensorboard (needs the tensorboard "
              "package; metrics.csv stays the source of truth)")
+    cli.add_plots_flag(parser, "curves.png (and with --diagnostics, diagnostics.png and the drift pictures)")
     add("--round_lines", action=argparse.BooleanOptionalAction, default=True,
         help="one console line per evaluated round (round, losses, ETA; run.log has every round); --no-round_lines "
              "keeps them in run.log and prints one line at the end")

@@ -44,7 +44,7 @@ Several GPUs (data parallel; --batch_size is the global batch, split evenly over
 STEP = "step 2"
 # Arguments that do not change what a run computes: a resumed run may differ in them.
 NOT_IN_SIGNATURE = ("out", "resume", "use_accelerator", "num_workers", "cache_dir", "deterministic", "progress", "threads",
-                    "tensorboard")
+                    "tensorboard", "plots")
 MIXED_PRECISION = ("no", "bf16", "fp16")
 # The flags a hyperparameter search (steps/search_centralized.py) replaces by lists.
 SEARCHED = ("init_lr", "weight_decay", "scheduler")
@@ -68,6 +68,7 @@ def add_training_arguments(parser: argparse.ArgumentParser, searched: bool = Tru
     """Step 2's flags but --out; ``searched=False`` leaves out :data:`SEARCHED` (the search adds them as lists)."""
     add = parser.add_argument
     cli.add_runtime_flags(parser)
+    cli.add_plots_flag(parser, "curves.png, loss.png and <metric>.png")
     add("--tensorboard", action=argparse.BooleanOptionalAction, default=False,
         help="also write metrics.csv's rows as TensorBoard scalars under <out>/tensorboard (needs the tensorboard "
              "package; metrics.csv stays the source of truth)")
@@ -297,7 +298,8 @@ def train_locked(args: argparse.Namespace, accelerator: Accelerator) -> dict:
                    input_key=model_input_key(family, args.cache_features),
                    n_epochs=args.n_epochs, out_dir=args.out, run_signature=signature, select_split=select,
                    early_stopping_patience=args.early_stopping_patience or None, resume=args.resume, logger=logger,
-                   progress=args.progress and main_process, tensorboard=args.tensorboard)
+                   progress=args.progress and main_process, tensorboard=args.tensorboard,
+                   plots=args.plots)
 
 
 def _silent_logger() -> logging.Logger:

@@ -98,13 +98,14 @@ def hand_reading(weights: np.ndarray, data, sizes=None) -> tuple[list[np.ndarray
 
 
 def least_squares_engine(out_dir, data, rounds: int, every: int, chunk: int = 0, clients=None, max_samples=None,
-                         diagnostics: bool = True, name: str = "fedavg", model=None, **extra) -> SequentialEngine:
+                         diagnostics: bool = True, name: str = "fedavg", model=None, plots: bool = False,
+                         **extra) -> SequentialEngine:
     clients = clients or oracle_clients(data)
     algorithm, worker = build_algorithm(name, model or linear_model(), {c.client_id: c.num_samples for c in clients})
     config = EngineConfig(out_dir=out_dir, n_rounds=rounds, lr_schedule=make_lr_schedule("constant", 0.02, rounds),
                           seed=5, local_steps=3, client_fraction=0.5, momentum=0.5, progress=False,
                           diagnostics=diagnostics, diagnostics_every=every, diagnostics_max_samples=max_samples,
-                          vectorize_chunk=chunk, **extra)
+                          vectorize_chunk=chunk, plots=plots, **extra)
     pooled = [{"x": torch.cat([a for a, _ in data]), "y": torch.cat([b for _, b in data])}]
     return SequentialEngine(worker, algorithm, clients, least_squares_loss, mean_loss, pooled, config, CPU)
 
@@ -119,7 +120,7 @@ def reading_of(metrics: pd.DataFrame, round_index: int) -> tuple[dict[str, float
 @pytest.mark.parametrize("chunk", [0, 2], ids=["sequential", "vectorised"])
 def test_g2_and_b2_at_the_global_model_over_all_clients_equal_a_hand_computation(tmp_path, chunk):
     data = least_squares_clients(sizes=SIZES)
-    engine = least_squares_engine(tmp_path, data, rounds=4, every=2, chunk=chunk)
+    engine = least_squares_engine(tmp_path, data, rounds=4, every=2, chunk=chunk, plots=True)
     final = engine.run()["weight"].squeeze(0).numpy()
     metrics = pd.read_csv(tmp_path / "metrics.csv", dtype={"client": str})
     assert sorted(metrics[metrics.split == "diagnostics"]["round"].unique()) == [0, 2, 4]  # every 2 rounds, round 0 too
@@ -188,7 +189,7 @@ def test_diagnostics_change_no_training_draw_no_global_random_number_and_resume_
         algorithm, worker = build_algorithm("fedavg", TinyNet(), {c.client_id: c.num_samples for c in clients})
         config = EngineConfig(out_dir=out, n_rounds=rounds, lr_schedule=make_lr_schedule("constant", 0.05, rounds),
                               seed=3, local_steps=3, client_fraction=0.5, momentum=0.9, progress=False,
-                              diagnostics=diagnostics, diagnostics_max_samples=10)
+                              diagnostics=diagnostics, diagnostics_max_samples=10, plots=False)
         test = list(DataLoader(client_samples(0, 8), batch_size=8))
         engine = SequentialEngine(worker, algorithm, clients, loss_fn, evaluate, test, config, CPU)
         return engine, engine.run()
@@ -342,7 +343,7 @@ def test_every_algorithm_is_measured_on_every_client_without_changing_its_traini
                                             FAST_SETTINGS.get(name), seed=3)
         config = EngineConfig(out_dir=out, n_rounds=1, lr_schedule=make_lr_schedule("constant", 0.05, 1), seed=3,
                               local_steps=2, client_fraction=0.5, progress=False, diagnostics=diagnostics,
-                              diagnostics_max_samples=12)
+                              diagnostics_max_samples=12, plots=False)
         engine = SequentialEngine(worker, algorithm, clients, loss_fn, evaluate,
                                   list(DataLoader(client_samples(0, 8), batch_size=8)), config, CPU)
         return engine, engine.run()

@@ -113,6 +113,7 @@ def tiny_digits_experiment(tmp_path) -> dict:
         "federated": {"algorithms": {"fedavg": {}}, "n_rounds": 2, "local_steps": 2, "batch_size": 8},
         "seeds": [0],
         "use_accelerator": False,
+        "run_plots": False,  # no test of it opens a run's own pictures (tests/test_pipeline.py draws them)
     }
 
 
@@ -120,9 +121,13 @@ def tiny_digits_experiment(tmp_path) -> dict:
 def test_digits_pipeline_end_to_end(tmp_path):
     experiment = tmp_path / "digits.yaml"
     experiment.write_text(yaml.safe_dump(tiny_digits_experiment(tmp_path)))
-    run_pipeline.main([str(experiment), "--results", str(tmp_path / "results")])
+    # --run_plots wins over the file's run_plots: false, as --tensorboard over its key
+    run_pipeline.main([str(experiment), "--results", str(tmp_path / "results"), "--run_plots"])
     out = tmp_path / "results" / "tinydigits"
     assert (out / "report.md").stat().st_size > 0
+    runs = list(out.glob("federated/**/metrics.csv"))
+    assert runs and all((run.parent / "curves.png").is_file() for run in runs)
+    assert len(list(out.glob("centralized/*/curves.png"))) == 1
     report = pd.read_csv(out / "report.csv")
     assert set(report.task) == {"digit_class"} and report.drop(columns=["diff_ci_low", "diff_ci_high", "p_value"]).notna().all(axis=None)
     assert (report.reason == "too few seeds").all() and not report.decided_after_bh.any()  # one seed: no verdict

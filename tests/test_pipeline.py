@@ -36,6 +36,7 @@ def tiny_experiment(tmp_path: Path) -> dict:
         "federated": {"algorithms": {"fedavg": {}}, "n_rounds": 2, "local_steps": 2, "batch_size": 4},
         "seeds": [0],
         "use_accelerator": False,
+        "run_plots": False,  # each run's own pictures: only test_tiny_experiment_end_to_end draws them
     }
 
 
@@ -58,9 +59,12 @@ def test_tiny_experiment_end_to_end(tmp_path):
     config["model"].update(freeze_encoder=True, cache_features=True, decoder_width=8)
     config["federated"]["task_init_lr"] = {"depth_euclidean": 0.0123}
     config["federated"]["per_task"] = {"depth_euclidean": {"local_steps": 3, "lr_schedule": "cosine"}}
+    config["run_plots"] = True
     experiment = write_experiment(tmp_path, config)
     run_pipeline.main([str(experiment), "--results", str(tmp_path / "results")])
     out = tmp_path / "results" / "tiny"
+    for run in (*out.glob("centralized/*/metrics.csv"), *out.glob("federated/**/metrics.csv")):
+        assert (run.parent / "curves.png").stat().st_size > 0, run  # each run's own pictures (run_plots)
     assert len(list((out / "cache").glob("encoded_*"))) == 1
     for run_config in out.glob("federated/**/config.json"):
         args = json.loads(run_config.read_text())["args"]
@@ -217,6 +221,9 @@ def test_parallel_federated_runs_give_the_report_of_sequential_ones(sequential_r
         reports = [pd.read_csv(path / "tiny" / report) for path in (sequential, tmp_path / "parallel")]
         pd.testing.assert_frame_equal(*reports)  # one thread each: the same arithmetic in either process
     assert len(list((tmp_path / "parallel" / "tiny").glob("federated/**/stage.json"))) == 4  # 2 groupings x 2 algorithms
+    # run_plots: false: no run drew its own pictures, in this process (step 2) or in a worker (step 4)
+    assert not list((tmp_path / "parallel" / "tiny").glob("centralized/*/*.png"))
+    assert not list((tmp_path / "parallel" / "tiny").glob("federated/**/*.png"))
 
 
 @pytest.mark.slow

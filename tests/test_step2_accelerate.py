@@ -44,7 +44,7 @@ def digits88(tmp_path_factory):
 def argv(manifest, out, *extra):
     return ["--task", "digit_class", "--encoder", "small_cnn", "--weights", "none", "--manifest", str(manifest),
             "--image_size", "16", "--batch_size", "8", "--optimizer", "sgd", "--init_lr", "0.1", "--n_epochs", "2",
-            "--seed", "3", "--no-use_accelerator", "--no-progress", "--out", str(out), *extra]
+            "--seed", "3", "--no-use_accelerator", "--no-progress", "--no-plots", "--out", str(out), *extra]
 
 
 def free_port() -> int:

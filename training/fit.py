@@ -66,7 +66,8 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
         optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None,
         accelerator: Accelerator, *, input_key: str, n_epochs: int, out_dir: Path, run_signature: dict,
         select_split: str = VAL_SPLIT, early_stopping_patience: int | None = None, resume: bool = True,
-        logger: logging.Logger | None = None, progress: bool = True, tensorboard: bool = False) -> dict:
+        logger: logging.Logger | None = None, progress: bool = True, tensorboard: bool = False,
+        plots: bool = True) -> dict:
     """Train ``n_epochs`` epochs (or until early stopping), evaluating every split and checkpointing after each.
 
     Under ``accelerate launch`` every process runs this function: each trains on its slice of every
@@ -99,6 +100,7 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
         logger: where the per-epoch summary goes.
         progress: draw the epoch and evaluation bars.
         tensorboard: also write metrics.csv's rows as TensorBoard scalars under ``out_dir/tensorboard``.
+        plots: draw curves.png, loss.png and <metric>.png at the end (off: metrics.csv alone).
 
     Returns:
         ``{"best_epoch", "best_val_loss" (the ``select_split`` loss of best.pt), "selected_on" (``select_split``),
@@ -194,7 +196,7 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
         raise interrupted(error, f"interrupted at epoch {state['epoch'] + 1} ({checkpoint}); {RESUME_HINT}") from None
     if hasattr(metrics_csv, "close"):  # the TensorBoard mirror's event file
         metrics_csv.close()
-    if run.main:
+    if run.main and plots:
         _plot(csv_path, out_dir, spec)
     accelerator.wait_for_everyone()  # no process leaves (and ends its run) before the main one has written
     if select_split == LAST_EPOCH:

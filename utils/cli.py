@@ -267,6 +267,15 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
                              "config.json")
 
 
+def add_plots_flag(parser: argparse.ArgumentParser, pictures: str) -> None:
+    """``--plots/--no-plots``: whether a run draws its ``pictures``; what it computes and writes to metrics.csv is the
+    same either way (not in the run's signature: a resumed run may change it)."""
+    parser.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True,
+                        help=f"draw {pictures} at the end of the run; --no-plots skips them (metrics.csv is the same, "
+                             "and utils/plots.py draws them later from it): about a second of CPU a run, which a "
+                             "grid of thousands of runs whose pictures nobody opens can keep")
+
+
 def refuse_several_processes(script: str) -> None:
     """Refuse to run ``script`` as one of several processes (``accelerate launch``/torchrun set WORLD_SIZE):
     each would write the same outputs. Only step 2 (train_centralized_task_model.py) trains data-parallel."""

@@ -70,6 +70,9 @@ SCHEMA: dict[str, Any] = {
     # TensorBoard logs of every step-2 and step-4 run, in its own folder (run_pipeline.py --tensorboard says the same);
     # how a run shows itself, not what it computes: no stage key holds it
     "tensorboard": False,
+    # Each step-2 and step-4 run's own pictures (curves.png and the like; run_pipeline.py --no-run_plots says the
+    # same); the report's pictures are always drawn. How a run shows itself, not what it computes: no stage key holds it
+    "run_plots": True,
 }
 # Sections whose values are free-form mappings (algorithm name -> its hyperparameters).
 FREE_FORM = frozenset({"federated.algorithms", "federated.task_init_lr", "federated.per_task", "partition.skews"})
@@ -108,6 +111,7 @@ TYPES: dict[str, Check] = {
     "federated.init_from": Str(("scratch", "centralized")),
     "heterogeneity_meter": Bool(),
     "tensorboard": Bool(),
+    "run_plots": Bool(),
 }
 
 
