@@ -102,7 +102,7 @@ def test_a_federated_run_on_cached_features_matches_one_on_images(tiny_data_root
     write_assignments(assignments, table, {"scheme": "round_robin", "alpha": 1.0, "n_clients": 3, "groups": "scene_class"})
     common = ["--task", "normal", "--data_path", str(tiny_data_root), "--manifest", str(tiny_manifest),
               "--assignments", str(assignments), "--encoder", "resnet18", "--freeze_encoder", "--image_size", "32",
-              "--n_rounds", "2", "--local_steps", "2", "--batch_size", "4", "--no-use_accelerator", "--no-progress",
+              "--n_rounds", "2", "--local_steps", "2", "--batch_size", "4", "--no-use_accelerator", "--no-progress", "--no-plots",
               "--method", "scaffold", "--momentum", "0.9", "--cache_dir", str(tmp_path / "cache")]
     test_fed.main([*common, "--out", str(tmp_path / "images")])
     test_fed.main([*common, "--out", str(tmp_path / "cached"), "--cache_features"])

@@ -280,14 +280,14 @@ def test_a_study_runs_its_federated_grid_jobs_at_a_time_with_the_sequential_resu
     config = tiny_study(tmp_path)
     config["grid"] = [{"partitions": [{"scheme": "iid"}], "local_steps": [1], "algorithms": {"fedavg": {}}}]
     study = write(tmp_path, config)
-    run_pipeline.main([str(study), "--results", str(tmp_path / "sequential"), "--threads", "1"])
+    run_pipeline.main([str(study), "--results", str(tmp_path / "sequential"), "--threads", "1", "--no-run_plots"])
     assert "2 at a time" not in capsys.readouterr().out
     # Steps 1-3b from the sequential run (a moved results folder redoes nothing): only step 4 goes to the pool.
     shutil.copytree(tmp_path / "sequential", tmp_path / "parallel")
     shutil.rmtree(tmp_path / "parallel" / "tinystudy" / "federated")
     for report in (tmp_path / "parallel" / "tinystudy").glob("report*"):
         report.unlink()
-    run_pipeline.main([str(study), "--results", str(tmp_path / "parallel"), "--threads", "1", "--jobs", "2"])
+    run_pipeline.main([str(study), "--results", str(tmp_path / "parallel"), "--threads", "1", "--jobs", "2", "--no-run_plots"])
     assert "step 4: 2 runs, 2 at a time" in capsys.readouterr().out  # the worker pool ran them, not this process
     sequential, parallel = (pd.read_csv(tmp_path / kind / "tinystudy" / "report.csv") for kind in ("sequential", "parallel"))
     pd.testing.assert_frame_equal(sequential, parallel)

@@ -186,14 +186,14 @@ def chain(tmp_path: Path, family: str, root: Path, task: str, step1_flags: tuple
     shared = ["--data_path", str(root), "--manifest", str(manifest), "--no-use_accelerator", "--no-progress"]
     train_centralized.main(["--task", task, "--encoder", "small_cnn", "--weights", "none", "--image_size", str(SIZE),
                             "--batch_size", "4", "--n_epochs", "1", "--cache_dir", str(tmp_path / "cache"), *shared,
-                            "--out", str(out["s2"])])
+                            "--no-plots", "--out", str(out["s2"])])
     embed.main(["--checkpoint", str(out["s2"] / "best.pt"), "--n_clusters", "2", "--n_init", "1", *shared,
                 "--out", str(out["s3"])])
     assign.main(["--manifest", str(manifest), "--groups", str(out["s3"] / "clusters.csv"), "--n_clients", "2",
                  "--alpha", "1.0", "--no-progress", "--out", str(out["s3b"])])
     federated.main(["--task", task, "--encoder", "small_cnn", "--image_size", str(SIZE), "--n_rounds", "1",
                     "--local_steps", "1", "--batch_size", "4", "--assignments", str(out["s3b"] / "assignments.csv"),
-                    "--rand_seed", "0", *shared, "--out", str(out["s4"])])
+                    "--rand_seed", "0", *shared, "--no-plots", "--out", str(out["s4"])])
     return {**out, "manifest": manifest}
 
 
@@ -260,7 +260,7 @@ def folder_experiment(tmp_path: Path, root: Path, source: str, task: str) -> Pat
 def test_run_pipeline_main_job_on_paired_folders(tmp_path):
     root = write_paired_folders(tmp_path / "data", n_images=12)
     experiment = folder_experiment(tmp_path, root, "paired_folders", "folder_segmentation")
-    run_pipeline.main([str(experiment), "--results", str(tmp_path / "results"), "--no-progress"])
+    run_pipeline.main([str(experiment), "--results", str(tmp_path / "results"), "--no-progress", "--no-run_plots"])
     out = tmp_path / "results" / "own"
     report = pd.read_csv(out / "report.csv")
     assert list(report.task) == ["folder_segmentation"] and list(report.algorithm) == ["fedavg"]

@@ -84,14 +84,14 @@ def assert_same(expected, got, where="checkpoint"):
 def step2_argv(data_root, manifest, out, weights, *extra):
     return ["--task", TASK, "--encoder", "small_cnn", "--weights", str(weights), "--freeze_encoder",
             "--data_path", str(data_root), "--manifest", str(manifest), "--image_size", "32", "--batch_size", "6",
-            "--optimizer", "adamw", "--init_lr", "0.003", "--scheduler", "cosine", "--no-use_accelerator",
+            "--optimizer", "adamw", "--init_lr", "0.003", "--scheduler", "cosine", "--no-use_accelerator", "--no-plots",
             "--n_epochs", "2", "--deterministic", "--seed", "7", "--out", str(out), *extra]
 
 
 def step4_argv(data_root, manifest, assignments, out, weights, *extra):
     return ["--task", TASK, "--data_path", str(data_root), "--manifest", str(manifest), "--assignments", str(assignments),
             "--out", str(out), "--encoder", "small_cnn", "--weights", str(weights), "--freeze_encoder", "--image_size",
-            "32", "--n_rounds", "2", "--local_steps", "2", "--batch_size", "4", "--no-use_accelerator", "--no-progress",
+            "32", "--n_rounds", "2", "--local_steps", "2", "--batch_size", "4", "--no-use_accelerator", "--no-progress", "--no-plots",
             "--rand_seed", "1", "--deterministic", *extra]
 
 

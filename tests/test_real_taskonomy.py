@@ -79,7 +79,7 @@ def experiment(tmp_path: Path, root: Path, **data) -> Path:
 @pytest.mark.slow
 def test_steps_1_to_4_run_on_real_format_data(tmp_path):
     root = build_real_format_root(tmp_path / "taskonomy")
-    run_pipeline.main([str(experiment(tmp_path, root)), "--results", str(tmp_path / "results")])
+    run_pipeline.main([str(experiment(tmp_path, root)), "--results", str(tmp_path / "results"), "--no-run_plots"])
     out = tmp_path / "results" / "real"
     (step1,) = out.glob("step1-*")
     manifest = read_manifest(step1 / "manifest.csv")

@@ -26,7 +26,7 @@ def digits400(tmp_path_factory):
 def argv(manifest, out, lrs="0.000001,0.003", *extra):
     return ["--lrs", lrs, "--schedulers", "none", "--task", "digit_class", "--encoder", "small_cnn", "--weights", "none",
             "--manifest", str(manifest), "--image_size", "32", "--n_epochs", "2", "--batch_size", "16", "--optimizer", "adamw",
-            "--no-use_accelerator", "--out", str(out), *extra]
+            "--no-use_accelerator", "--no-plots", "--out", str(out), *extra]
 
 
 @pytest.fixture(scope="module")

@@ -299,7 +299,7 @@ def test_a_duplicated_key_in_the_record_is_refused(manifest_path, tmp_path, caps
 def step4_argv(manifest: Path, assignments: Path, out: Path, *extra: str) -> list[str]:
     return ["--task", "digit_class", "--manifest", str(manifest), "--assignments", str(assignments), "--encoder", "small_cnn",
             "--image_size", str(IMAGE_SIZE), "--n_rounds", "1", "--local_steps", "2", "--batch_size", "8",
-            "--no-use_accelerator", "--no-progress", "--rand_seed", "1", "--out", str(out), *extra]
+            "--no-use_accelerator", "--no-progress", "--no-plots", "--rand_seed", "1", "--out", str(out), *extra]
 
 
 @pytest.mark.parametrize("flags", [("--feature_noise", "0.3"), ("--feature_shift", "brightness=0.3,contrast=0.3,blur=1,rotation=15"),
@@ -439,7 +439,7 @@ def test_the_meter_takes_each_clients_gradient_on_its_skewed_rows(manifest_path,
 
     train_centralized.main(["--task", "digit_class", "--encoder", "small_cnn", "--weights", "none", "--manifest",
                             str(manifest_path), "--image_size", str(IMAGE_SIZE), "--batch_size", "16", "--n_epochs", "1",
-                            "--optimizer", "adamw", "--no-use_accelerator", "--out", str(tmp_path / "step2")])
+                            "--optimizer", "adamw", "--no-use_accelerator", "--no-plots", "--out", str(tmp_path / "step2")])
     path = step3b(manifest_path, tmp_path / "a", "--label_swap", "1-7,2-3", "--concept_fraction", "0.5")
     meter.main(["--checkpoint", str(tmp_path / "step2" / "best.pt"), "--manifest", str(manifest_path), "--assignments",
                 str(path), "--data_path", str(manifest_path.parent), "--no-use_accelerator", "--out", str(tmp_path / "m")])
@@ -552,7 +552,7 @@ def test_an_experiment_file_partitions_with_skews(tmp_path):
     config["heterogeneity_meter"] = False
     experiment = tmp_path / "skews.yaml"
     experiment.write_text(yaml.safe_dump(config))
-    run_pipeline.main([str(experiment), "--results", str(tmp_path / "results")])
+    run_pipeline.main([str(experiment), "--results", str(tmp_path / "results"), "--no-run_plots"])
     sidecars = sorted((tmp_path / "results").rglob("assignments/**/assignments.json"))
     assert len(sidecars) == 2  # label-based and embedding-based
     for sidecar in sidecars:
@@ -611,7 +611,7 @@ def test_the_flower_engine_applies_the_same_skews(manifest_path, tmp_path):
 
     path = step3b(manifest_path, tmp_path / "a", "--feature_noise", "0.3", "--feature_shift", "contrast=0.3",
                   "--label_swap", "1", "--concept_fraction", "0.5", "--client_test_fraction", "0.25")
-    scaffold = ("--method", "scaffold", "--n_rounds", "2", "--finetune_steps", "1", "--no-plots")
+    scaffold = ("--method", "scaffold", "--n_rounds", "2", "--finetune_steps", "1")
     federated.main(step4_argv(manifest_path, path, tmp_path / "sequential", *scaffold))
     # Flower's simulation (Ray) in a process of its own: it is the subject here, and a Ray instance's end must not
     # take down a pytest-xdist worker that other tests still use

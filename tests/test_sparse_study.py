@@ -60,7 +60,7 @@ def one_thread():
 
 @pytest.mark.slow
 def test_tiny_sparse_study_end_to_end(tmp_path, one_thread):
-    run_pipeline.main([str(write(tmp_path, tiny_sparse_study())), "--results", str(tmp_path / "results")])
+    run_pipeline.main([str(write(tmp_path, tiny_sparse_study())), "--results", str(tmp_path / "results"), "--no-run_plots"])
     out = tmp_path / "results" / "tinysparse"
     report = pd.read_csv(out / "report.csv", keep_default_na=False, na_values=[""])
     assert list(report.columns) == SPARSE_COLUMNS
@@ -166,7 +166,7 @@ def test_server_masks_calibrate_on_rows_no_client_holds(tmp_path, one_thread):
                        "algorithms": {"sparse_ft": {"density": 0.1, "calibration_rounds": 2, "calibration_batches": 1,
                                                     "mask_source": "server", "input_key": "image"}}}]
     config["seeds"] = [0]
-    run_pipeline.main([str(write(tmp_path, config)), "--results", str(tmp_path / "results")])
+    run_pipeline.main([str(write(tmp_path, config)), "--results", str(tmp_path / "results"), "--no-run_plots"])
     out = tmp_path / "results" / "tinysparse"
     full = pd.read_csv(next(out.glob("step1-*/manifest.csv")))
     clients = pd.read_csv(next(out.glob("calibration/s0-*/manifest.csv")))

@@ -68,7 +68,7 @@ def one_thread():
 @pytest.mark.slow
 def test_tiny_digits_study_end_to_end_and_rerun_skips(tmp_path, one_thread):
     study = write(tmp_path, tiny_study(tmp_path))
-    run_pipeline.main([str(study), "--results", str(tmp_path / "results")])
+    run_pipeline.main([str(study), "--results", str(tmp_path / "results"), "--no-run_plots"])
     out = tmp_path / "results" / "tinystudy"
     report = pd.read_csv(out / "report.csv")
     assert list(report.columns) == STUDY_COLUMNS
@@ -88,7 +88,7 @@ def test_tiny_digits_study_end_to_end_and_rerun_skips(tmp_path, one_thread):
         assert (table.groupby("client_id")["group"].nunique() == 1).all()
         assert np.ptp(table.groupby("client_id").size()) <= 1
     before = stage_times(out)
-    run_pipeline.main([str(study), "--results", str(tmp_path / "results")])
+    run_pipeline.main([str(study), "--results", str(tmp_path / "results"), "--no-run_plots"])
     assert stage_times(out) == before  # a rerun redoes nothing
 
 

@@ -368,7 +368,7 @@ def fed_argv(manifest: Path, assignments: Path, out: Path, rounds: int) -> list[
     return ["--task", "digit_class", "--manifest", str(manifest), "--assignments", str(assignments), "--out", str(out),
             "--data_path", str(manifest.parent), "--encoder", "small_cnn", "--weights", "none", "--image_size", "8",
             "--n_rounds", str(rounds), "--local_steps", "3", "--batch_size", "8", "--method", "fedavg",
-            "--client_fraction", "0.5", "--eval_every", "4", "--no-use_accelerator", "--no-progress", "--threads", "1",
+            "--client_fraction", "0.5", "--eval_every", "4", "--no-use_accelerator", "--no-progress", "--no-plots", "--threads", "1",
             "--rand_seed", "5"]
 
 
@@ -414,7 +414,7 @@ def test_an_experiment_file_runs_a_compound_partition_through_steps_3b_and_4(tmp
     config["partition"].update(size_skew="lognormal:0.5", temporal="abrupt:2")
     experiment = tmp_path / "health.yaml"
     experiment.write_text(yaml.safe_dump(config))
-    run_pipeline.main([str(experiment), "--results", str(tmp_path / "results")])
+    run_pipeline.main([str(experiment), "--results", str(tmp_path / "results"), "--no-run_plots"])
     out = tmp_path / "results" / "tinydigits"
     sidecars = [pd.read_json(path, typ="series") for path in out.rglob("assignments/**/assignments.json")]
     assert sidecars and all(meta["temporal"]["change_round"] == 2 and meta["temporal"]["n_rounds"] == 2

@@ -186,7 +186,7 @@ def test_tiny_heterogeneity_study_end_to_end(tmp_path, capsys):
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     run_pipeline.main([str(path), "--results", str(tmp_path / "results"), "--threads", "1", "--no-progress",
-                       "--jobs", "2"])
+                       "--jobs", "2", "--no-run_plots"])
     assert re.search(r"step 3c: 2 readings; step 4: \d+ runs, 2 at a time in worker processes", capsys.readouterr().out)
     out = tmp_path / "results" / "tiny"
     report = pd.read_csv(out / "report.csv")

@@ -323,7 +323,7 @@ def step4_assignments(manifest_path, folder, with_unseen: bool):
 def step4_argv(data_root, manifest, assignments, out, *extra):
     return ["--task", "depth_euclidean", "--data_path", str(data_root), "--manifest", str(manifest),
             "--assignments", str(assignments), "--out", str(out), "--encoder", "small_cnn", "--image_size", "32",
-            "--n_rounds", "2", "--local_steps", "2", "--batch_size", "4", "--no-use_accelerator", "--no-progress",
+            "--n_rounds", "2", "--local_steps", "2", "--batch_size", "4", "--no-use_accelerator", "--no-progress", "--no-plots",
             "--rand_seed", "1", "--finetune_steps", "1", *extra]
 
 
