@@ -17,8 +17,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
-from sklearn.decomposition import PCA  # noqa: E402
-from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score, silhouette_score  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from tqdm import tqdm  # noqa: E402
@@ -73,6 +71,8 @@ def cluster_diagnostics(features: np.ndarray, labels: np.ndarray, class_labels: 
         "nmi": float, "ari": float}``; NMI/ARI are 1 when clusters equal the classes
         and ~0 when unrelated.
     """
+    from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score, silhouette_score  # see kmeans.py
+
     n_labels = np.unique(labels).size
     silhouette = float("nan")
     if 2 <= n_labels <= labels.size - 1:
@@ -88,6 +88,8 @@ def cluster_diagnostics(features: np.ndarray, labels: np.ndarray, class_labels: 
 
 def plot_scatter(features: np.ndarray, colours: np.ndarray, path: Path, title: str, seed: int) -> None:
     """2-D PCA scatter of ``features`` coloured by ``colours`` (a seeded subsample if large)."""
+    from sklearn.decomposition import PCA  # see kmeans.py
+
     rng = numpy_rng(seed, "scatter")
     keep = np.sort(rng.choice(features.shape[0], size=min(features.shape[0], SCATTER_POINTS), replace=False))
     points = features[keep]

@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from sklearn.cluster import KMeans, MiniBatchKMeans
-from sklearn.decomposition import PCA
 
 from utils.errors import TaskHetError
 from utils.seeding import derive_seed
@@ -63,6 +61,11 @@ def cluster_embeddings(
         n_init: KMeans restarts; the best inertia wins.
         minibatch_threshold: use MiniBatchKMeans above this many samples.
     """
+    # scikit-learn here, not at the top: its import (about a second) would otherwise be paid by every process that
+    # imports the pipeline, each pool worker and Ray task among them, though only step 3 clusters
+    from sklearn.cluster import KMeans, MiniBatchKMeans
+    from sklearn.decomposition import PCA
+
     embeddings = np.asarray(embeddings, dtype=np.float32)
     n_samples, dim = embeddings.shape
     if not 1 <= n_clusters <= n_samples:

@@ -32,6 +32,7 @@ from pipeline.checks import check_input_files
 from pipeline.executors import Executor, ExecutorSettings, GridProgress, open_local
 from pipeline.pool import PoolStage, stage_counts
 from pipeline.sections import DATA_SOURCES, FOLDER_SOURCES, split_csv_path
+from steps import assign as step3b
 from steps import embed as step3
 from steps import federated as step4
 from steps import meter as step3c
@@ -105,7 +106,7 @@ class Pipeline:
             shared.append("--no-round_lines")
         if script in (step2, step4) and self.config.get("tensorboard"):
             shared.append("--tensorboard")  # <run>/tensorboard: `tensorboard --logdir results/<name>` shows every run
-        if script in (step2, step4) and not self.config.get("run_plots", True):
+        if script in (step2, step3b, step4) and not self.config.get("run_plots", True):
             shared.append("--no-plots")
         return shared
 

@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_skew_flags(parser)
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     cli.add_runtime_flags(parser)
+    cli.add_plots_flag(parser, "client_group_heatmap.png (with --temporal also client_schedule_heatmap.png)")
     return parser
 
 
@@ -248,13 +249,15 @@ def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, group
     stats = stats.assign(**skew_columns(skews or {}, args.n_clients))  # new columns after the existing ones
     if spec is not None:
         stats = stats.merge(phase_stats(table, phases, args.n_clients), on="client_id")
-        write_schedule_plot(args, table, phases, spec)
+        if args.plots:
+            write_schedule_plot(args, table, phases, spec)
     stats = stats.assign(**distance_columns(distances, args.n_clients))  # after every other column
     stats.to_csv(args.out / "client_stats.csv", index=False)
     alpha = "" if meta["alpha"] is None else f", α={meta['alpha']:g}"  # iid and the shard schemes have none
-    plot_heatmap(stats, args.out / "client_group_heatmap.png", f"{args.scheme}{alpha}; groups: {Path(args.groups).name}"
-                 + (f"; skews: {', '.join(skews)}" if skews else ""),
-                 row_notes=[skew_summary(skews, client) for client in range(args.n_clients)] if skews else None)
+    if args.plots:
+        plot_heatmap(stats, args.out / "client_group_heatmap.png",
+                     f"{args.scheme}{alpha}; groups: {Path(args.groups).name}" + (f"; skews: {', '.join(skews)}" if skews else ""),
+                     row_notes=[skew_summary(skews, client) for client in range(args.n_clients)] if skews else None)
     summary = {
         "n_assigned": len(table), "n_unused": int(partition.unused.size), "n_client_test": int((table["subset"] == "test").sum()),
         "client_size_min": int(stats["size"].min()), "client_size_max": int(stats["size"].max()),

@@ -221,9 +221,10 @@ def test_parallel_federated_runs_give_the_report_of_sequential_ones(sequential_r
         reports = [pd.read_csv(path / "tiny" / report) for path in (sequential, tmp_path / "parallel")]
         pd.testing.assert_frame_equal(*reports)  # one thread each: the same arithmetic in either process
     assert len(list((tmp_path / "parallel" / "tiny").glob("federated/**/stage.json"))) == 4  # 2 groupings x 2 algorithms
-    # run_plots: false: no run drew its own pictures, in this process (step 2) or in a worker (step 4)
+    # run_plots: false: no stage drew its own pictures, in this process (steps 2, 3b) or in a worker (step 4)
     assert not list((tmp_path / "parallel" / "tiny").glob("centralized/*/*.png"))
     assert not list((tmp_path / "parallel" / "tiny").glob("federated/**/*.png"))
+    assert not list((tmp_path / "parallel" / "tiny").glob("assignments/**/*.png"))  # step 3b, in this process
 
 
 @pytest.mark.slow

@@ -40,7 +40,8 @@ def manifest_path(tmp_path_factory) -> Path:
 
 
 def step3b(manifest: Path, out: Path, *flags: str) -> Path:
-    assign.main(["--manifest", str(manifest), "--n_clients", str(N_CLIENTS), "--out", str(out), "--seed", "3", *flags])
+    assign.main(["--manifest", str(manifest), "--n_clients", str(N_CLIENTS), "--out", str(out), "--seed", "3", "--no-plots",
+                 *flags])
     return out / "assignments.csv"
 
 

@@ -79,14 +79,18 @@ def test_extract_embeddings_then_assignments_end_to_end(tiny):
         outputs[name] = tiny["base"] / f"step3b-{name}"
         assign.main(["--manifest", str(tiny["manifest"]), "--groups", groups, "--scheme", "dirichlet_mixture",
                                       "--alpha", "0.5", "--n_clients", "3", "--client_test_fraction", "0.25", "--seed", "1",
-                                      "--out", str(outputs[name])])
+                                      "--out", str(outputs[name]), *(["--no-plots"] if name == "again" else [])])
     table, meta = load_assignments(outputs["embedding"] / "assignments.csv", manifest)
     train_ids = set(manifest.loc[(manifest.split == "train") & ~validation_mask(manifest), "sample_id"])
     assert manifest["val"].sum() > 0  # the validation rows exist, and no client holds them
     assert set(table["sample_id"]) == train_ids  # dirichlet_mixture uses every train sample, no test or val sample
     assert meta["scheme"] == "dirichlet_mixture" and meta["alpha"] == 0.5 and meta["n_clients"] == 3
     assert set(meta["sources"]) == {"manifest", "groups"} and meta["n_unused"] == 0
+    # --no-plots draws no heatmap and changes no file the step writes besides it
     assert (outputs["embedding"] / "assignments.csv").read_bytes() == (outputs["again"] / "assignments.csv").read_bytes()
+    assert (outputs["embedding"] / "client_stats.csv").read_bytes() == (outputs["again"] / "client_stats.csv").read_bytes()
+    assert (outputs["embedding"] / "client_group_heatmap.png").is_file()
+    assert not list(outputs["again"].glob("*.png"))
     label_table, _ = load_assignments(outputs["label"] / "assignments.csv", manifest)
     scene_of = manifest.set_index("sample_id")["scene_class"]
     assert (label_table["group"].astype(int) == label_table["sample_id"].map(scene_of)).all()

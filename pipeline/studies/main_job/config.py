@@ -70,7 +70,7 @@ SCHEMA: dict[str, Any] = {
     # TensorBoard logs of every step-2 and step-4 run, in its own folder (run_pipeline.py --tensorboard says the same);
     # how a run shows itself, not what it computes: no stage key holds it
     "tensorboard": False,
-    # Each step-2 and step-4 run's own pictures (curves.png and the like; run_pipeline.py --no-run_plots says the
+    # Each step-2, step-3b and step-4 stage's own pictures (curves.png, the heatmap; run_pipeline.py --no-run_plots says the
     # same); the report's pictures are always drawn. How a run shows itself, not what it computes: no stage key holds it
     "run_plots": True,
 }
