@@ -130,7 +130,9 @@ def copy_results(sequential_run: tuple[Path, Path], to: Path, *without: str) -> 
 def test_killed_during_step4_resumes_to_the_same_report(sequential_run, tmp_path):
     experiment, clean = sequential_run
     killed = tmp_path / "killed"
-    # A real process killed with SIGKILL in step 4 (steps 1-3 ran in it too); the rerun may run here.
+    # A real process killed with SIGKILL in step 4; the rerun may run here. Steps 1-3 are the shared run's (a moved
+    # folder redoes nothing), so the process spends its time in steps 3c and 4.
+    copy_results(sequential_run, killed, "heterogeneity", "federated")
     command = [sys.executable, "run_pipeline.py", str(experiment), "--results", str(killed), "--threads", "1"]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
