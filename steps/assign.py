@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_skew_flags(parser)
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     cli.add_runtime_flags(parser)
-    cli.add_plots_flag(parser, "client_group_heatmap.png (with --temporal also client_schedule_heatmap.png)")
+    cli.add_plots_flag(parser, "client_group_heatmap.png (with --temporal also client_schedule_heatmap.png)",
+                       "client_stats.csv and assignments.csv")
     return parser
 
 

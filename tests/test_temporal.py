@@ -271,7 +271,8 @@ def test_the_compound_partition_has_the_label_quantity_and_temporal_skew_asked_f
 
 
 def test_abrupt_changes_every_clients_rows_at_the_chosen_round(digits_manifest, tmp_path):
-    table = pd.read_csv(compound(digits_manifest, tmp_path, "--temporal", "abrupt:4"), dtype={"sample_id": str})
+    table = pd.read_csv(compound(digits_manifest, tmp_path, "--temporal", "abrupt:4", "--no-plots"), dtype={"sample_id": str})
+    assert not list(tmp_path.glob("*.png"))  # --no-plots: neither the group heatmap nor the schedule's
     train = table[table.subset == "train"]
     assert sorted(set(zip(train.from_round.fillna(1), train.to_round.fillna(-1)))) == [(1, 3), (4, -1)]
     assert not train.sample_id.duplicated().any()

@@ -267,13 +267,13 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
                              "config.json")
 
 
-def add_plots_flag(parser: argparse.ArgumentParser, pictures: str) -> None:
-    """``--plots/--no-plots``: whether a run draws its ``pictures``; what it computes and writes to metrics.csv is the
-    same either way (not in the run's signature: a resumed run may change it)."""
+def add_plots_flag(parser: argparse.ArgumentParser, pictures: str, drawn_from: str = "metrics.csv") -> None:
+    """``--plots/--no-plots``: whether a step draws its ``pictures`` (made from its ``drawn_from`` file); every other
+    output is the same either way (not in a run's signature: a resumed run may change it)."""
     parser.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True,
-                        help=f"draw {pictures} at the end of the run; --no-plots skips them (metrics.csv is the same, "
-                             "and utils/plots.py draws them later from it): about a second of CPU a run, which a "
-                             "grid of thousands of runs whose pictures nobody opens can keep")
+                        help=f"draw {pictures}; --no-plots skips them and every other output stays the same (their "
+                             f"numbers are in {drawn_from}, written either way): up to a second of CPU each, "
+                             "which a grid of thousands of runs whose pictures nobody opens can keep")
 
 
 def refuse_several_processes(script: str) -> None:
