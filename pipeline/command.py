@@ -46,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--run_plots", action=argparse.BooleanOptionalAction, default=None,
                         help="each step-2, step-3b and step-4 stage's own pictures (curves.png, the partition's "
                              "heatmap: up to a second of CPU each); --no-run_plots leaves them out, every other file "
-                             "the same, for a grid whose runs nobody opens one by one. The report's pictures are always drawn (default: the "
-                             "experiment file's run_plots key, which is on)")
+                             "the same, for a grid whose runs nobody opens one by one. The report's pictures are "
+                             "always drawn (default: the experiment file's run_plots key, which is on)")
     executors = parser.add_argument_group("where the runs go (results do not depend on these; docs/howto/ray-cluster.md)")
     executors.add_argument("--executor", choices=EXECUTORS.names(), default="local",
                            help="local: worker processes on this machine; ray: Ray tasks on a Ray cluster")

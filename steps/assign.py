@@ -254,10 +254,10 @@ def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, group
             write_schedule_plot(args, table, phases, spec)
     stats = stats.assign(**distance_columns(distances, args.n_clients))  # after every other column
     stats.to_csv(args.out / "client_stats.csv", index=False)
-    alpha = "" if meta["alpha"] is None else f", α={meta['alpha']:g}"  # iid and the shard schemes have none
     if args.plots:
-        plot_heatmap(stats, args.out / "client_group_heatmap.png",
-                     f"{args.scheme}{alpha}; groups: {Path(args.groups).name}" + (f"; skews: {', '.join(skews)}" if skews else ""),
+        alpha = "" if meta["alpha"] is None else f", α={meta['alpha']:g}"  # iid and the shard schemes have none
+        title = f"{args.scheme}{alpha}; groups: {Path(args.groups).name}" + (f"; skews: {', '.join(skews)}" if skews else "")
+        plot_heatmap(stats, args.out / "client_group_heatmap.png", title,
                      row_notes=[skew_summary(skews, client) for client in range(args.n_clients)] if skews else None)
     summary = {
         "n_assigned": len(table), "n_unused": int(partition.unused.size), "n_client_test": int((table["subset"] == "test").sum()),
