@@ -85,10 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     cli.refuse_several_processes("run_pipeline.py")
     settings = executor_settings(args)
     config = load_experiment(args.experiment, args.overrides)
-    if args.tensorboard is not None:  # the flag wins over the file's key (every study kind takes the flag)
-        config["tensorboard"] = args.tensorboard
-    if args.run_plots is not None:  # likewise
-        config["run_plots"] = args.run_plots
+    for key in ("tensorboard", "run_plots"):  # the flag wins over the file's key (every study kind takes the flag)
+        if getattr(args, key) is not None:
+            config[key] = getattr(args, key)
     show_progress = cli.apply_runtime_flags(args).progress
     out_dir = args.results / config["name"]
     with folder_lock(out_dir, f"experiment {config['name']!r} in --results"):  # a second run of it is refused

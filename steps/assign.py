@@ -250,11 +250,11 @@ def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, group
     stats = stats.assign(**skew_columns(skews or {}, args.n_clients))  # new columns after the existing ones
     if spec is not None:
         stats = stats.merge(phase_stats(table, phases, args.n_clients), on="client_id")
-        if args.plots:
-            write_schedule_plot(args, table, phases, spec)
     stats = stats.assign(**distance_columns(distances, args.n_clients))  # after every other column
     stats.to_csv(args.out / "client_stats.csv", index=False)
     if args.plots:
+        if spec is not None:
+            write_schedule_plot(args, table, phases, spec)
         alpha = "" if meta["alpha"] is None else f", α={meta['alpha']:g}"  # iid and the shard schemes have none
         title = f"{args.scheme}{alpha}; groups: {Path(args.groups).name}" + (f"; skews: {', '.join(skews)}" if skews else "")
         plot_heatmap(stats, args.out / "client_group_heatmap.png", title,

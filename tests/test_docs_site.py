@@ -4,6 +4,7 @@ the page shows it, in a fresh clone beside a `make demo` render."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -286,8 +287,6 @@ def test_the_tutorial_block_runs_as_written_beside_a_make_demo_render(tmp_path):
     in a fresh clone that also holds what `make demo` renders. Every step reads the block's own data: each config.json
     names data/tutorial, so a step left without --data_path (which in a bare fresh clone would look for the missing
     data/synthetic, and here would find the demo's folder) is caught by name; and the demo's render is untouched."""
-    import json
-
     checkout = _checkout(tmp_path / "clone")
     demo = _render_like_make_demo(checkout)
     before = sorted(path.relative_to(demo) for path in demo.rglob("*"))
