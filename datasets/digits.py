@@ -11,6 +11,8 @@ cifar family: the test split only gives final numbers.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,12 +40,28 @@ MAX_PIXEL = 16.0  # load_digits' grey levels are 0..16
 MANIFEST_COLUMNS = (FAMILY_COLUMN, "sample_id", "image_index", "label", "split", VAL_COLUMN)
 
 
+@functools.lru_cache(maxsize=1)
 def load_arrays() -> tuple[np.ndarray, np.ndarray]:
-    """``(images float64 [1797, 8, 8] in 0..16, labels int64 [1797])`` as scikit-learn ships them."""
-    from sklearn.datasets import load_digits  # here: scikit-learn takes seconds to import; reading a manifest does not
+    """``(images float64 [1797, 8, 8] in 0..16, labels int64 [1797])``: ``sklearn.datasets.load_digits()``'s arrays.
 
-    bunch = load_digits()
-    return bunch.images, bunch.target.astype(np.int64)
+    Read once per process and read-only: every dataset and check of a run needs them, and parsing the file takes
+    about 25 ms a time. The file is read as ``load_digits`` reads it (``np.loadtxt``, the label in the last column)
+    but without importing scikit-learn, which costs about 2 s in every worker process that trains on digits.
+    """
+    data = np.loadtxt(_bundled_digits_file(), delimiter=",")
+    images, labels = data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(np.int64)
+    images.flags.writeable = labels.flags.writeable = False
+    return images, labels
+
+
+def _bundled_digits_file() -> Path:
+    """``sklearn/datasets/data/digits.csv.gz``, found without running scikit-learn's ``__init__``."""
+    spec = importlib.util.find_spec("sklearn")
+    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz" if spec else None
+    if path is None or not path.is_file():
+        raise TaskHetError("the digits family reads scikit-learn's bundled digits.csv.gz, and this Python has no "
+                           "scikit-learn with it (make setup installs it)")
+    return path
 
 
 def select_digits(test_fraction: float, seed: int, n_samples: int | None = None, val_fraction: float = 0.1,
@@ -72,7 +90,7 @@ def select_digits(test_fraction: float, seed: int, n_samples: int | None = None,
         raise TaskHetError(f"--test_fraction must be in (0, 1), got {test_fraction}")
     if not 0.0 < imbalance_factor <= 1.0:
         raise TaskHetError(f"--imbalance_factor must be in (0, 1], got {imbalance_factor}")
-    from sklearn.model_selection import train_test_split  # here, as in load_arrays
+    from sklearn.model_selection import train_test_split  # here: scikit-learn takes seconds to import
 
     _, labels = load_arrays()
     kept = np.arange(len(labels))

@@ -7,7 +7,7 @@ raised as one :class:`TaskHetError` naming the stage. Where a stage runs changes
 (metrics.csv is the same file byte for byte), so these settings are flags of run_pipeline.py, never experiment
 keys, and enter no stage key.
 
-- ``local`` (the default): ``--jobs N`` spawned worker processes on this machine (1: the pipeline's own process,
+- ``local`` (the default): ``--jobs N`` worker processes on this machine (1: the pipeline's own process,
   one stage after another). With G visible GPUs, worker i sees only GPU ``i mod G``.
 - ``ray``: every stage is a Ray task declaring ``--cpus_per_run`` CPUs and ``--gpus_per_run`` GPUs, on the cluster
   at ``--ray_address`` (none: a Ray instance started on this machine); Ray places it and sets its
@@ -120,7 +120,7 @@ EXECUTORS: Registry[Callable[[ExecutorSettings, Path, bool], Executor]] = Regist
 
 @dataclass
 class LocalExecutor:
-    """``jobs`` spawned worker processes on this machine, worker i seeing only ``devices[i]`` (none: every GPU)."""
+    """``jobs`` worker processes on this machine, worker i seeing only ``devices[i]`` (none: every GPU)."""
 
     jobs: int = 1
     threads: int | None = None

@@ -2,7 +2,7 @@
 
 Each stage is a module's ``main(argv)`` run through ``utils.stages.run_stage`` (skip if done, resume
 otherwise), so a worker runs exactly what the user's numbered script runs, wherever it runs: in a local
-spawned process (:func:`run_in_workers`, ``--jobs N``) or as a Ray task (pipeline/ray_executor.py), both
+worker process (:func:`run_in_workers`, ``--jobs N``) or as a Ray task (pipeline/ray_executor.py), both
 through :func:`run_pool_stage`. Local workers die with the pipeline (utils/parent_death.py), each sees one
 GPU when there are any, and the first failure cancels the stages not yet started.
 """
@@ -36,7 +36,7 @@ PLACEMENT_FILE = "placement.json"  # where and when a pooled stage ran: host, pi
 @dataclass(frozen=True)
 class PoolStage:
     """One stage for the worker pool: its progress label, folder, stage parameters, command line and script
-    (a module name with a ``main(argv)``, so that a spawned worker can import it: step 4 or step 3c)."""
+    (a module name with a ``main(argv)``, so that a worker can import it: step 4 or step 3c)."""
 
     name: str
     stage_dir: Path
@@ -56,18 +56,45 @@ def worker_devices(jobs: int, visible: list[str]) -> list[str]:
     return [visible[index % len(visible)] for index in range(jobs)] if visible else []
 
 
-def init_worker(threads: int | None, parent_pid: int, devices: Any = None) -> None:
-    """A pool worker process: dies with the pipeline (``parent_pid``); sees the one GPU it takes from the queue
-    ``devices`` (None: the GPUs its parent sees); ``threads`` torch threads (None: torch's choice). Ctrl-C is left
-    to the pipeline, and SIGTERM from it ends the worker without a word (utils/interrupts.py)."""
+def worker_pool(jobs: int, threads: int | None, devices: list[str] | None = None) -> ProcessPoolExecutor:
+    """``jobs`` worker processes of ``threads`` torch threads, forked from a fork server that has imported this
+    module once; worker i sees ``devices[i]`` (None or empty: the GPUs this process sees now).
+
+    Not ``fork``: a forked child of a process that already ran OpenMP threads (steps 2-3) can hang; the fork
+    server is a fresh interpreter that has run nothing. Not ``spawn``: each spawned worker imported torch, pandas
+    and the steps again, about 4 s of CPU a worker (6 s under run_pipeline.py, whose ``__main__`` it imported
+    too); forked from the server, a worker starts in milliseconds. The server starts with the first pool and
+    serves every later pool of this process, with the environment of its start: so each pool passes the GPUs
+    this process sees to its workers.
+    """
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["__main__", __name__])
+    queue = None
+    if devices:
+        queue = context.Queue()
+        for device in devices:
+            queue.put(device)
+    # Workers die with this process, even when it is killed with SIGKILL (utils/parent_death.py).
+    return ProcessPoolExecutor(jobs, mp_context=context, initializer=init_worker,
+                               initargs=(threads, queue, os.environ.get(VISIBLE_DEVICES)))
+
+
+def init_worker(threads: int | None, devices: Any = None, parent_devices: str | None = None) -> None:
+    """A pool worker process: dies with the pipeline; sees the one GPU it takes from the queue ``devices`` (None:
+    ``parent_devices``, the GPUs the pipeline sees: the fork server kept the environment of the time it started);
+    ``threads`` torch threads (None: torch's choice). Ctrl-C is left to the pipeline, and SIGTERM from it ends the
+    worker without a word (utils/interrupts.py)."""
     quiet_worker()
-    die_with_parent(parent_pid)
-    if devices is not None:
-        torch = sys.modules.get("torch")
-        # CUDA reads the variable once, when it starts: a worker that had started it would keep every GPU.
-        if torch is not None and torch.cuda.is_initialized():
-            raise RuntimeError("CUDA started in a pool worker before its GPU was chosen")
-        os.environ[VISIBLE_DEVICES] = devices.get()
+    die_with_parent()
+    torch = sys.modules.get("torch")
+    # CUDA reads the variable once, when it starts: a worker that had started it would keep every GPU.
+    if torch is not None and torch.cuda.is_initialized():
+        raise RuntimeError("CUDA started in a pool worker before its GPU was chosen")
+    visible = devices.get() if devices is not None else parent_devices
+    if visible is None:
+        os.environ.pop(VISIBLE_DEVICES, None)
+    else:
+        os.environ[VISIBLE_DEVICES] = visible
     if threads is not None:
         import torch
 
@@ -81,7 +108,7 @@ def placement(where: dict[str, Any] | None = None) -> dict[str, Any]:
 
 def run_pool_stage(script: str, stage_dir: Path, params: dict[str, Any], argv: list[str],
                    where: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One stage in a worker (module level, so a spawned process or a Ray worker can import it).
+    """One stage in a worker (module level, so a pool worker or a Ray worker can import it).
 
     Returns where and when it ran (its placement record, also written to the stage's ``placement.json`` before
     its ``stage.json``), with ``ran`` False when the stage was already done (nothing was run).
@@ -108,8 +135,8 @@ def named_failure(stage: PoolStage, error: TaskHetError) -> TaskHetError:
 
 def run_in_workers(stages: list[PoolStage], jobs: int, threads: int | None,
                    on_done: Callable[[PoolStage, dict[str, Any]], None], devices: list[str] | None = None) -> None:
-    """Run ``stages`` (each ``argv`` complete) ``jobs`` at a time in spawned worker processes of ``threads`` torch
-    threads each.
+    """Run ``stages`` (each ``argv`` complete) ``jobs`` at a time in worker processes (:func:`worker_pool`) of
+    ``threads`` torch threads each.
 
     ``devices`` (one per worker, from :func:`worker_devices`; None or empty: unchanged) sets each worker's
     ``CUDA_VISIBLE_DEVICES``. ``on_done(stage, placement)`` is called per finished stage. The first failure stops
@@ -117,17 +144,7 @@ def run_in_workers(stages: list[PoolStage], jobs: int, threads: int | None,
     worker (each stage resumes from its checkpoint on a rerun) and is raised as one
     :class:`utils.interrupts.Interrupted` naming the stages that were running.
     """
-    # spawn, not fork: a forked child of a process that already ran OpenMP threads (steps 2-3) can hang.
-    context = multiprocessing.get_context("spawn")
-    queue = None
-    if devices:
-        queue = context.Queue()
-        for device in devices:
-            queue.put(device)
-    # Workers die with this process, even when it is killed with SIGKILL (utils/parent_death.py). The death
-    # signal follows the thread that started a worker: submit() starts them, from this (the main) thread.
-    with ProcessPoolExecutor(jobs, mp_context=context, initializer=init_worker,
-                             initargs=(threads, os.getpid(), queue)) as pool:
+    with worker_pool(jobs, threads, devices) as pool:
         futures = {pool.submit(run_pool_stage, stage.script, stage.stage_dir, stage.params, stage.argv): stage
                    for stage in stages}
         try:

@@ -84,6 +84,20 @@ def test_step1_command_writes_a_digits_manifest(tmp_path):
         select.main(["--family", "digitz"])
 
 
+def test_the_arrays_are_scikit_learns_digits_read_only():
+    """load_arrays reads the bundled file without scikit-learn's loader; it must give that loader's arrays."""
+    from sklearn.datasets import load_digits
+
+    images, labels = load_arrays()
+    bunch = load_digits()
+    assert images.dtype == np.float64 and labels.dtype == np.int64
+    np.testing.assert_array_equal(images, bunch.images)
+    np.testing.assert_array_equal(labels, bunch.target)
+    assert load_arrays()[0] is images  # read once per process
+    with pytest.raises(ValueError, match="read-only"):  # so no caller can change the next one's digits
+        images[0, 0, 0] = 1.0
+
+
 def test_images_are_scaled_resized_and_grey(tmp_path):
     manifest = select_digits(0.2, seed=0, n_samples=50)
     item = DigitsDataset(manifest, 32)[0]

@@ -5,6 +5,7 @@ tests/test_ray_cluster.py."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -103,6 +104,20 @@ def test_each_local_worker_sees_one_gpu_of_its_own(tmp_path, monkeypatch, capsys
     assert len(set(device_of.values())) == len(device_of)  # two workers, two GPUs
     assert [line.split(":")[0] for line in out.splitlines() if line.startswith("run ")] == [
         f"run {k} of 4 done" for k in range(1, 5)]
+
+
+def test_a_worker_sees_the_gpus_the_pipeline_sees_when_its_pool_starts(monkeypatch):
+    """The pool's fork server keeps the environment of its own start (an earlier pool of this process); a worker
+    without a GPU of its own must see what the pipeline sees now, and one given a GPU only that one."""
+    from pipeline.pool import worker_pool
+
+    for visible, devices, expected in (("5", None, ["5"]), (None, None, [None]), ("0,1", ["1"], ["1"])):
+        if visible is None:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        with worker_pool(1, 1, devices) as pool:
+            assert [pool.submit(os.getenv, "CUDA_VISIBLE_DEVICES").result()] == expected
 
 
 def test_progress_lines_count_the_runs_and_say_the_time_left(capsys):

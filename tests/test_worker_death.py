@@ -44,8 +44,10 @@ def process_table() -> dict[int, tuple[int, str, str]]:
 
 
 def workers_of(parent: int) -> list[int]:
-    """The multiprocessing workers (spawned children) of ``parent``."""
-    return [pid for pid, (ppid, _, cmdline) in process_table().items() if ppid == parent and "spawn_main" in cmdline]
+    """The pool workers of ``parent``: the children of its multiprocessing fork server (pipeline/pool.py)."""
+    table = process_table()
+    servers = {pid for pid, (ppid, _, cmdline) in table.items() if ppid == parent and "forkserver" in cmdline}
+    return [pid for pid, (ppid, _, _) in table.items() if ppid in servers]
 
 
 def alive(pids: list[int]) -> list[int]:
@@ -86,34 +88,45 @@ def test_killing_the_pipeline_with_sigkill_kills_its_workers(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
-def test_a_worker_whose_parent_is_already_gone_kills_itself_at_once():
-    """The race prctl leaves open: the parent dies before the worker sets its death signal."""
-    code = ("import os, sys; from utils.parent_death import die_with_parent; "
-            "die_with_parent(os.getppid() + 1_000_000); print('survived')")
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == -signal.SIGKILL and "survived" not in result.stdout
+ORPHAN_SCRIPT = """
+import multiprocessing, os, sys, time
 
+def child(late):
+    if late:
+        time.sleep(1.0)  # the parent is gone by now: the race, a parent dead before the watch starts
+    from utils.parent_death import die_with_parent
+    die_with_parent()
+    time.sleep(60 if not late else 2)
+    print("survived", flush=True)
 
-def test_the_fallback_watcher_kills_an_orphan(tmp_path):
-    """Where prctl is missing (macOS, Windows), a thread watching the parent's pid does the same job."""
-    code = """
-import os, subprocess, sys, time
-child = subprocess.Popen([sys.executable, "-c", '''
-import os, sys, time
-from utils import parent_death
-parent_death.sys.platform = "darwin"  # take the path of platforms without prctl
-print(parent_death.die_with_parent(os.getppid()), os.getpid(), flush=True)
-time.sleep(60)
-'''], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-print(child.stdout.readline().strip(), flush=True)
-os._exit(0)  # the parent goes without waiting for its child
+if __name__ == "__main__":
+    worker = multiprocessing.get_context("forkserver").Process(target=child, args=(sys.argv[1] == "late",))
+    worker.start()
+    print(worker.pid, flush=True)
+    time.sleep(0.5)
+    os._exit(0)  # the parent goes without a word, as after SIGKILL
 """
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-    how, pid = result.stdout.split()
-    assert how == "watcher"
-    deadline = time.time() + 2.0
-    while alive([int(pid)]) and time.time() < deadline:
+
+
+@pytest.mark.parametrize("when", ["early", "late"])
+def test_a_worker_dies_with_its_parent_also_when_the_parent_died_first(tmp_path, when):
+    """A fork server's child (the pool's kind of worker) dies once its parent is gone, whether the parent dies
+    after the worker started watching it or before."""
+    script = tmp_path / "orphan.py"
+    script.write_text(ORPHAN_SCRIPT)
+    parent = subprocess.run([sys.executable, str(script), when], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    pid = int(parent.stdout.split()[0])
+    deadline = time.time() + (4.0 if when == "late" else 2.0)
+    while alive([pid]) and time.time() < deadline:
         time.sleep(0.05)
-    assert alive([int(pid)]) == []
+    assert alive([pid]) == [], f"the worker outlived its parent ({when})"
+    assert "survived" not in parent.stdout
+
+
+def test_die_with_parent_outside_multiprocessing_is_refused():
+    from utils.parent_death import die_with_parent
+
+    with pytest.raises(RuntimeError, match="started by multiprocessing"):
+        die_with_parent()
 

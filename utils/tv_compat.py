@@ -15,8 +15,8 @@ without the extension (it checks for it), which this project never calls;
 ``torch.ops.torchvision.nms`` gets a correct, O(n^2) pure-PyTorch kernel.
 
 Every project module that imports torchvision imports this module first, so the
-fallback is present in worker processes too (spawned workers re-import the
-project modules they unpickle). Where the compiled ops load, it does nothing.
+fallback is present in worker processes too (a worker imports the
+project modules it runs). Where the compiled ops load, it does nothing.
 """
 
 from __future__ import annotations
