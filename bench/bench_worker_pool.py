@@ -1,0 +1,71 @@
+"""Benchmark: starting run_pipeline.py's worker pool (``--jobs N``), forked from a fork server vs spawned.
+
+Times a pool of N workers from its creation until every worker has answered one task that needs
+``pipeline.pool`` (what a step-3c or step-4 stage imports first), three ways, in one run:
+
+- spawned workers (how the pool started them before): each imports torch, pandas and the steps itself;
+- the pool of ``pipeline.pool.worker_pool`` the first time in a process: the fork server starts and imports
+  ``pipeline.pool`` once, then forks the N workers;
+- the same again, the server already running (a study's later grids, a second pool of the same process).
+
+Prints each time, the machine's CPU seconds over it (``/proc/stat``: every process, the server's and the
+workers' included; other load too) and the ratios spawned / forked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+# `make bench` runs this file as a script, so the repository root is not on sys.path by itself.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pipeline.pool import placement, worker_pool  # noqa: E402
+from utils.cli import positive_int, run_main  # noqa: E402
+
+
+def machine_cpu_seconds() -> float | None:
+    """User + system CPU seconds of the whole machine so far (None where there is no /proc/stat)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return None
+    return sum(int(value) for value in fields[:3]) / 100.0  # user, nice, system, in 1/100 s
+
+
+def time_pool(make_pool, jobs: int) -> tuple[float, float | None]:
+    """(seconds, machine CPU seconds) from the pool's creation until each of ``jobs`` tasks has answered."""
+    cpu, start = machine_cpu_seconds(), time.perf_counter()
+    with make_pool() as pool:
+        for answer in [pool.submit(placement) for _ in range(jobs)]:
+            answer.result()
+    seconds, used = time.perf_counter() - start, machine_cpu_seconds()
+    return seconds, (used - cpu if cpu is not None and used is not None else None)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--jobs", type=positive_int, default=2, help="workers per pool (run_pipeline.py --jobs)")
+    args = parser.parse_args(argv)
+    spawn = multiprocessing.get_context("spawn")
+    cases = {
+        "spawned": lambda: ProcessPoolExecutor(args.jobs, mp_context=spawn),
+        "fork server, first pool": lambda: worker_pool(args.jobs, 1),
+        "fork server, later pool": lambda: worker_pool(args.jobs, 1),
+    }
+    results = {name: time_pool(make_pool, args.jobs) for name, make_pool in cases.items()}
+    print(f"a pool of {args.jobs} workers, until each has answered a task that needs pipeline.pool:")
+    for name, (seconds, cpu) in results.items():
+        shown_cpu = f", {cpu:.1f} s of machine CPU" if cpu is not None else ""
+        print(f"  {name:25s} {seconds:6.2f} s{shown_cpu}")
+    spawned = results["spawned"][0]
+    print(f"ratio spawned / fork server: first pool {spawned / results['fork server, first pool'][0]:.1f}x, "
+          f"later pool {spawned / results['fork server, later pool'][0]:.1f}x")
+
+
+if __name__ == "__main__":
+    run_main(main)
