@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pipeline.pool import PoolStage, named_failure, run_pool_stage
+from pipeline.ray_probe import probe_storage
 from utils.errors import FolderInUseError, TaskHetError
 from utils.locks import folder_lock
 from utils.run_dir import atomic_write_text
@@ -251,24 +252,6 @@ def check_shared_storage(ray: Any, nodes: list[dict[str, Any]], out_dir: Path, c
 def node_name(node: dict[str, Any]) -> str:
     """``10.0.0.5 (host-a)`` for a node of ``ray.nodes()``."""
     return f"{node.get('NodeManagerAddress')} ({node.get('NodeManagerHostname')})"
-
-
-def probe_storage(cwd: str, marker: str, token: str, node_id: str) -> str | None:
-    """On one node: None when it sees the driver's working directory and ``marker`` holding ``token`` and can write
-    beside it; else what it cannot do (a Ray task: module level, imported on the node)."""
-    if not Path(cwd).is_dir():
-        return f"has no folder {cwd} (the driver's working directory, where every relative path starts)"
-    try:
-        seen = Path(marker).read_text()
-    except OSError as error:
-        return f"cannot read {marker}, which this machine wrote ({error.strerror or type(error).__name__})"
-    if seen != token:
-        return f"reads another file at {marker} than the one this machine wrote"
-    try:
-        atomic_write_text(Path(f"{marker}.{node_id}"), token)
-    except OSError as error:
-        return f"cannot write in {Path(marker).parent} ({error.strerror or type(error).__name__})"
-    return None
 
 
 def hold_a_worker(folder: str, count: int, seconds: float) -> int:

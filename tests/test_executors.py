@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -118,6 +120,27 @@ def test_a_worker_sees_the_gpus_the_pipeline_sees_when_its_pool_starts(monkeypat
             monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
         with worker_pool(1, 1, devices) as pool:
             assert [pool.submit(os.getenv, "CUDA_VISIBLE_DEVICES").result()] == expected
+
+
+def test_the_storage_check_task_imports_only_the_standard_library(tmp_path):
+    """Ray imports a task's module on the node: the results-folder check must not bring torch or pandas there."""
+    code = "import json, sys; import pipeline.ray_probe; print(json.dumps(sorted(set(sys.modules) & {'torch', 'pandas', 'numpy'})))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=Path(run_pipeline.__file__).parent, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout) == []
+
+
+def test_the_storage_check_task_answers_what_a_node_cannot_do(tmp_path):
+    from pipeline.ray_probe import probe_storage
+
+    marker = tmp_path / "marker"
+    marker.write_text("token")
+    assert probe_storage(str(tmp_path), str(marker), "token", "n1") is None
+    assert (tmp_path / "marker.n1").read_text() == "token"  # the reply the driver reads
+    assert probe_storage(str(tmp_path / "nowhere"), str(marker), "token", "n1").startswith("has no folder")
+    assert probe_storage(str(tmp_path), str(marker), "other", "n1").startswith("reads another file")
+    assert probe_storage(str(tmp_path), str(tmp_path / "missing"), "token", "n1").startswith("cannot read")
 
 
 def test_progress_lines_count_the_runs_and_say_the_time_left(capsys):
