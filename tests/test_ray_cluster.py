@@ -9,6 +9,7 @@ metrics.csv must equal the local one byte for byte.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -30,6 +31,7 @@ from tests.test_digits import tiny_digits_experiment  # noqa: E402
 from tests.test_worker_death import process_table  # noqa: E402
 from utils.errors import TaskHetError  # noqa: E402
 from utils.locks import LOCK_FILE  # noqa: E402
+from utils.stages import MARKER  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "tinydigits"
@@ -88,16 +90,34 @@ def worker_node_pids(node) -> set[int]:
     return {raylet} | {pid for pid, (parent, _, _) in process_table().items() if parent == raylet}
 
 
-def run_on(results: Path, pids: set[int]) -> Path | None:
-    """A step-4 folder with a checkpoint whose lock a process of ``pids`` holds: a run in the middle, on that node."""
+def run_on(results: Path, pids: set[int]) -> tuple[Path, int] | None:
+    """A step-4 folder with a checkpoint whose lock a process of ``pids`` holds, and that process: a run in the
+    middle, on that node."""
     for lock in (results / NAME / "federated").rglob(LOCK_FILE):
         try:
             holder = json.loads(lock.read_text() or "{}")
         except (OSError, ValueError):
             continue
         if holder.get("pid") in pids and (lock.parent / "checkpoint.pt").exists():
-            return lock.parent
+            return lock.parent, holder["pid"]
     return None
+
+
+def freeze_in_the_middle(caught: tuple[Path, int] | None) -> tuple[Path, int] | None:
+    """Stop the caught run's process (SIGSTOP) so that it is still in the middle when its node is removed: a round
+    of this grid takes a fifth of a second, less than removing a node takes, so an unfrozen run could finish on the
+    node first. None when the run had finished before it was frozen."""
+    if caught is None:
+        return None
+    folder, pid = caught
+    try:
+        os.kill(pid, signal.SIGSTOP)
+    except ProcessLookupError:
+        return None
+    if (folder / MARKER).exists():
+        os.kill(pid, signal.SIGCONT)
+        return None
+    return caught
 
 
 @pytest.mark.slow
@@ -118,12 +138,15 @@ def test_a_grid_on_two_nodes_equals_the_local_one_each_run_sees_its_own_gpu_and_
                                    "--gpus_per_run", "1", "--cpus_per_run", "1", "--max_retries", "2"],
                                   cwd=ROOT, stdout=console, stderr=subprocess.STDOUT)
     try:
-        deadline, killed = time.time() + 600, None
-        while killed is None and driver.poll() is None and time.time() < deadline:
-            killed = run_on(results, worker_node_pids(worker))
+        deadline, caught = time.time() + 600, None
+        while caught is None and driver.poll() is None and time.time() < deadline:
+            caught = freeze_in_the_middle(run_on(results, worker_node_pids(worker)))
             time.sleep(0.05)
-        assert killed is not None, "no run was caught in the middle on the worker node"
+        assert caught is not None, "no run was caught in the middle on the worker node"
+        killed, frozen_pid = caught
         cluster.remove_node(worker, allow_graceful=False)  # the raylet and its workers die with SIGKILL
+        with contextlib.suppress(ProcessLookupError):  # and the frozen run, which cannot notice its raylet is gone
+            os.kill(frozen_pid, signal.SIGKILL)
         driver.wait(timeout=900)
     finally:
         if driver.poll() is None:
