@@ -10,21 +10,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from tqdm import tqdm
 
 # The clustering itself has no torch or matplotlib (partitioning/kmeans.py): Flower Datasets' partitioners use it.
-from partitioning.kmeans import MINIBATCH_THRESHOLD, Clustering, cluster_embeddings, sklearn_seed  # noqa: E402,F401
-from utils.plots import save_figure  # noqa: E402
-from utils.seeding import numpy_rng  # noqa: E402
+from partitioning.kmeans import MINIBATCH_THRESHOLD, Clustering, cluster_embeddings, sklearn_seed  # noqa: F401
+from utils.seeding import numpy_rng
 
 # Silhouette is O(n²); it is computed on a seeded subsample of this size.
 SILHOUETTE_SAMPLE = 10_000
@@ -90,6 +85,8 @@ def plot_scatter(features: np.ndarray, colours: np.ndarray, path: Path, title: s
     """2-D PCA scatter of ``features`` coloured by ``colours`` (a seeded subsample if large)."""
     from sklearn.decomposition import PCA  # see kmeans.py
 
+    from utils.plots import plt, save_figure  # here: matplotlib costs every pool worker 0.4 s of import
+
     rng = numpy_rng(seed, "scatter")
     keep = np.sort(rng.choice(features.shape[0], size=min(features.shape[0], SCATTER_POINTS), replace=False))
     points = features[keep]
@@ -111,6 +108,7 @@ def plot_scatter(features: np.ndarray, colours: np.ndarray, path: Path, title: s
 
 def plot_contingency(table: pd.DataFrame, path: Path) -> None:
     """Heatmap of the cluster × class table (:func:`contingency`), each cluster's row as fractions."""
+    from utils.plots import plt, save_figure  # see plot_scatter
     fractions = table.to_numpy(dtype=float) / np.maximum(table.to_numpy().sum(axis=1, keepdims=True), 1)
     figure, axis = plt.subplots(figsize=(np.clip(3 + 0.4 * table.shape[1], 6, 16), np.clip(2 + 0.4 * table.shape[0], 4, 12)))
     image = axis.imshow(fractions, aspect="auto", cmap="magma", vmin=0, vmax=1)

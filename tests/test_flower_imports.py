@@ -76,12 +76,18 @@ def test_a_node_answers_a_train_message_with_the_runs_threads_and_no_unneeded_li
     assert train_rows_of_client_0 > 0
 
 
-def test_a_pipeline_worker_imports_no_clustering_or_statistics_library():
-    """A ``--jobs N`` worker and a Ray task import pipeline.pool to run a step-4 or step-3c stage; scikit-learn and
-    scipy (step 3's clustering, the reports' statistics) cost about a second of each worker's start and none of
-    its work, so they are imported only where used. A worker that trains on digits reads them without either."""
+def test_a_pipeline_worker_imports_no_clustering_statistics_or_plotting_library():
+    """A ``--jobs N`` worker and a Ray task import pipeline.pool to run a step-4 or step-3c stage; scikit-learn,
+    scipy and matplotlib (step 3's clustering, the reports' statistics, step 3's pictures) cost about 1.5 s of each
+    worker's start and none of its work, so they are imported only where used. A worker that trains on digits
+    reads them without scikit-learn. run_pipeline.py imports no scipy before its report: an experiment file refused
+    at once is refused without it."""
     code = ("import json, sys; import pipeline.pool; from datasets.digits import load_arrays; load_arrays(); "
-            "print(json.dumps(sorted(name for name in ('sklearn', 'scipy') if name in sys.modules)))")
+            "print(json.dumps(sorted(name for name in ('sklearn', 'scipy', 'matplotlib') if name in sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+    code = "import json, sys; import run_pipeline; print(json.dumps(sorted(name for name in ('sklearn', 'scipy') if name in sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == []

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-from scipy import stats
 
 LEVEL = 0.95
 MIN_SEEDS = 3
@@ -113,6 +112,7 @@ def paired_difference(a: Sequence[float], b: Sequence[float], level: float = LEV
     to a bound on the far side of 0 never changes the verdict."""
     if len(a) != len(b) or not len(a):
         raise ValueError(f"need the same non-zero number of values on both sides, got {len(a)} and {len(b)}")
+    from scipy import stats  # here: scipy.stats takes 0.8 s to import, which every run_pipeline.py start paid
     differences = np.asarray(b, dtype=float) - np.asarray(a, dtype=float)
     n, mean = len(differences), float(differences.mean())
     a_mean = float(np.mean(a))
@@ -145,6 +145,8 @@ def mean_interval(values: Sequence[float], scale: str = UNBOUNDED, level: float 
     mean = float(data.mean())
     if len(data) < 2:
         return mean, math.nan, math.nan
+    from scipy import stats  # see paired_difference
+
     forward, back = _transforms(scale)
     moved = forward(data)
     centre, std = float(moved.mean()), float(moved.std(ddof=1))
@@ -176,6 +178,8 @@ def adjusted_decided(differences: Sequence[PairedDifference | None], rate: float
     """
     if not len(differences):
         return []
+    from scipy import stats  # see paired_difference
+
     p_values = [1.0 if item is None or not item.testable else item.p_value for item in differences]
     adjusted = stats.false_discovery_control(p_values, method="bh")
     return [bool(item is not None and item.decided and value <= rate) for item, value in zip(differences, adjusted)]
