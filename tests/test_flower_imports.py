@@ -76,18 +76,25 @@ def test_a_node_answers_a_train_message_with_the_runs_threads_and_no_unneeded_li
     assert train_rows_of_client_0 > 0
 
 
+def modules_loaded_by(code: str, names: tuple[str, ...]) -> list[str]:
+    """Which of ``names`` a fresh Python process has imported after running ``code`` in the repository root."""
+    probe = f"{code}; import json, sys; print(json.dumps(sorted(name for name in {names!r} if name in sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def test_a_pipeline_worker_imports_no_clustering_statistics_or_plotting_library():
     """A ``--jobs N`` worker and a Ray task import pipeline.pool to run a step-4 or step-3c stage; scikit-learn,
     scipy and matplotlib (step 3's clustering, the reports' statistics, step 3's pictures) cost about 1.5 s of each
     worker's start and none of its work, so they are imported only where used. A worker that trains on digits
     reads them without scikit-learn. run_pipeline.py imports no scipy before its report: an experiment file refused
     at once is refused without it."""
-    code = ("import json, sys; import pipeline.pool; from datasets.digits import load_arrays; load_arrays(); "
-            "print(json.dumps(sorted(name for name in ('sklearn', 'scipy', 'matplotlib') if name in sys.modules)))")
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
-    code = "import json, sys; import run_pipeline; print(json.dumps(sorted(name for name in ('sklearn', 'scipy') if name in sys.modules)))"
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+    worker = "import pipeline.pool; from datasets.digits import load_arrays; load_arrays()"
+    assert modules_loaded_by(worker, ("sklearn", "scipy", "matplotlib")) == []
+    assert modules_loaded_by("import run_pipeline", ("sklearn", "scipy")) == []
+
+
+def test_the_ray_storage_check_task_imports_only_the_standard_library():
+    """Ray imports a task's module on the node: the results-folder check must not bring torch or pandas there."""
+    assert modules_loaded_by("import pipeline.ray_probe", ("torch", "pandas", "numpy")) == []
