@@ -24,7 +24,7 @@ def visible_gpu_ids() -> list[str]:
 
     Set: its comma-separated entries up to the first that hides the rest (CUDA stops at an entry starting with
     ``-``, such as ``-1``); empty: none. Unset: ``0 .. n-1`` for torch's device count, which asks NVML and makes no
-    CUDA context, so a pool's spawned workers can still be given their own devices.
+    CUDA context, so a pool's workers can still be given their own devices.
     """
     names = os.environ.get(VISIBLE_DEVICES)
     if names is None:
