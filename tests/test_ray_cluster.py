@@ -28,7 +28,6 @@ from ray.cluster_utils import Cluster  # noqa: E402
 import run_pipeline  # noqa: E402
 from pipeline.pool import PLACEMENT_FILE  # noqa: E402
 from tests.test_digits import tiny_digits_experiment  # noqa: E402
-from tests.test_worker_death import process_table  # noqa: E402
 from utils.errors import TaskHetError  # noqa: E402
 from utils.locks import LOCK_FILE  # noqa: E402
 from utils.stages import MARKER  # noqa: E402
@@ -84,22 +83,33 @@ def start_cluster(*nodes: dict) -> Cluster:
     return cluster
 
 
-def worker_node_pids(node) -> set[int]:
-    """The processes of a node's raylet and its workers (the workers are the raylet's children)."""
-    raylet = node.all_processes[ray._private.ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
-    return {raylet} | {pid for pid, (parent, _, _) in process_table().items() if parent == raylet}
+def raylet_pid(node) -> int:
+    return node.all_processes[ray._private.ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
 
 
-def run_on(results: Path, pids: set[int]) -> tuple[Path, int] | None:
-    """A step-4 folder with a checkpoint whose lock a process of ``pids`` holds, and that process: a run in the
-    middle, on that node."""
-    for lock in (results / NAME / "federated").rglob(LOCK_FILE):
+def parent_pid(pid: int) -> int | None:
+    """``pid``'s parent, from /proc (None once it has gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def run_on(results: Path, raylet: int) -> tuple[Path, int] | None:
+    """A step-4 folder with a checkpoint whose lock a worker of the node with this raylet holds (the workers are the
+    raylet's children), and that worker: a run in the middle, on that node. Only the lock holders' own parents are
+    read: the test polls this 20 times a second, and reading every process's entry each time cost seconds of CPU."""
+    # os.walk, not rglob: a folder made only to wait for a lock is removed again while it is read (rglob raises; seen)
+    for folder, _, names in os.walk(results / NAME / "federated"):
+        if LOCK_FILE not in names or "checkpoint.pt" not in names:
+            continue
         try:
-            holder = json.loads(lock.read_text() or "{}")
+            holder = json.loads((Path(folder) / LOCK_FILE).read_text() or "{}")
         except (OSError, ValueError):
             continue
-        if holder.get("pid") in pids and (lock.parent / "checkpoint.pt").exists():
-            return lock.parent, holder["pid"]
+        if "pid" in holder and parent_pid(holder["pid"]) == raylet:
+            return Path(folder), holder["pid"]
     return None
 
 
@@ -140,7 +150,7 @@ def test_a_grid_on_two_nodes_equals_the_local_one_each_run_sees_its_own_gpu_and_
     try:
         deadline, caught = time.time() + 600, None
         while caught is None and driver.poll() is None and time.time() < deadline:
-            caught = freeze_in_the_middle(run_on(results, worker_node_pids(worker)))
+            caught = freeze_in_the_middle(run_on(results, raylet_pid(worker)))
             time.sleep(0.05)
         assert caught is not None, "no run was caught in the middle on the worker node"
         killed, frozen_pid = caught
