@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -293,9 +294,15 @@ def test_phases_cut_each_client_into_near_equal_contiguous_group_blocks():
 
 
 # ----- bad input: one error naming the file, the row and the column -----
-def write_schedule(tmp_path: Path, manifest: Path, edit) -> Path:
-    """A valid scheduled assignments file of the digits manifest with one edit applied to its rows."""
-    path = compound(manifest, tmp_path / "base", "--temporal", "abrupt:3")
+@pytest.fixture(scope="module")
+def scheduled(digits_manifest, tmp_path_factory) -> Path:
+    """A valid scheduled assignments file of the digits manifest, made once: the tests below edit copies of it."""
+    return compound(digits_manifest, tmp_path_factory.mktemp("scheduled") / "base", "--temporal", "abrupt:3")
+
+
+def write_schedule(tmp_path: Path, scheduled: Path, edit) -> Path:
+    """A copy of the ``scheduled`` step-3b folder whose assignments file has one edit applied to its rows."""
+    path = Path(shutil.copytree(scheduled.parent, tmp_path / "base")) / scheduled.name
     table = pd.read_csv(path, dtype=str, keep_default_na=False)
     edit(table)
     table.to_csv(path, index=False)
@@ -331,17 +338,17 @@ def duplicate_first_train(table: pd.DataFrame) -> None:
     (set_cell("to_round", "4", test_row=True), "a window on a client-test row"),
     (duplicate_first_train, "duplicated sample id (held twice in one round)"),
 ])
-def test_a_bad_schedule_is_one_error_naming_the_file_row_and_column(digits_manifest, tmp_path, edit, named):
-    path = write_schedule(tmp_path, digits_manifest, edit)
+def test_a_bad_schedule_is_one_error_naming_the_file_row_and_column(digits_manifest, scheduled, tmp_path, edit, named):
+    path = write_schedule(tmp_path, scheduled, edit)
     with pytest.raises(TaskHetError) as caught:
         load_assignments(path, pd.read_csv(digits_manifest, dtype={"sample_id": str}))
     message = str(caught.value)
     assert str(path) in message and named in message and "row " in message, message
 
 
-def test_a_schedule_round_beyond_n_rounds_is_refused_by_step4_in_one_error_line(digits_manifest, tmp_path, capsys,
-                                                                                 monkeypatch):
-    path = write_schedule(tmp_path, digits_manifest, set_cell("to_round", "40"))
+def test_a_schedule_round_beyond_n_rounds_is_refused_by_step4_in_one_error_line(digits_manifest, scheduled, tmp_path,
+                                                                                 capsys, monkeypatch):
+    path = write_schedule(tmp_path, scheduled, set_cell("to_round", "40"))
     table, _ = load_assignments(path, pd.read_csv(digits_manifest, dtype={"sample_id": str}))
     with pytest.raises(TaskHetError, match=r"column to_round: round beyond --n_rounds 12: row \d+"):
         check_horizon(table, 12, str(path))
