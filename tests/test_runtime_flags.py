@@ -9,6 +9,7 @@ import json
 import pandas as pd
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
 import test_fed
 from network.algorithms.base import TRAIN_LOSS
@@ -121,6 +122,50 @@ def test_step4_writes_clients_csv_tensorboard_and_one_line_instead_of_one_per_ro
     assert len(scalars) == len(metrics)
     for row in metrics.itertuples():
         assert scalars[(f"{row.split}/{row.client}/{row.metric}", int(row.round))] == pytest.approx(row.value, rel=1e-6)
+
+
+def pivoted_clients_table(metrics: pd.DataFrame, client_sizes: dict[str, int]) -> pd.DataFrame:
+    """clients.csv's table the pandas way (pivot_table and joins), written from its docstring: the oracle below."""
+    metrics = metrics.assign(client=metrics["client"].astype(str))
+    table = pd.DataFrame({"client": list(client_sizes), "train_samples": list(client_sizes.values())}).set_index("client")
+    for split, prefix in (("client_test", "global"), ("client_test_personal", "personal"),
+                          ("client_test_finetuned", "finetuned")):
+        rows = metrics[(metrics.split == split) & metrics.client.isin(table.index)]
+        if not rows.empty:
+            last = rows[rows["round"] == rows["round"].max()]
+            table = table.join(last.pivot_table(index="client", columns="metric", values="value",
+                                                aggfunc="first").add_prefix(f"{prefix}_"))
+    trained = metrics[(metrics.split == "train") & metrics.client.isin(table.index)]
+    if not trained.empty:
+        last_round = trained.groupby("client")["round"].max().rename("last_trained_round")
+        latest = trained.merge(last_round, left_on="client", right_index=True)
+        latest = latest[latest["round"] == latest["last_trained_round"]]
+        table = table.join(last_round).join(latest.pivot_table(index="client", columns="metric", values="value",
+                                                               aggfunc="first"))
+    return table.reset_index()
+
+
+# Few rounds, splits, clients and metrics: drawn rows share cells (a value after a first one, a missing first
+# value), and the last round of a split holds several metrics (their column order); "x" is no client of the run.
+CELLS = [(round_index, split, client, metric) for round_index in (0, 1)
+         for split in ("train", "client_test", "client_test_personal") for client in ("0", "1", "x")
+         for metric in ("rmse", "loss", "cluster")]
+
+
+@given(rows=st.lists(st.tuples(st.sampled_from(CELLS), st.one_of(st.floats(-1e3, 1e3), st.just(float("nan")))),
+                     min_size=8, max_size=40),
+       clients=st.lists(st.sampled_from(["0", "1", "2"]), min_size=1, max_size=3, unique=True))
+def test_clients_table_equals_pandas_pivot_of_the_same_rows(rows, clients):
+    """Any rows (missing values, clients never evaluated or trained, rounds out of order, rows of other clients)
+    give the frame and the bytes of pandas' pivot_table: the same columns in the same order, dtypes and values."""
+    from network.clients_table import clients_table
+
+    metrics = pd.DataFrame([(*cell, value) for cell, value in rows],
+                           columns=["round", "split", "client", "metric", "value"]).astype({"round": int})
+    sizes = {client: 10 + index for index, client in enumerate(clients)}
+    expected = pivoted_clients_table(metrics, sizes)
+    pd.testing.assert_frame_equal(clients_table(metrics, sizes), expected)
+    assert clients_table(metrics, sizes).to_csv(index=False) == expected.to_csv(index=False)
 
 
 def test_clients_table_on_hand_made_rows():
