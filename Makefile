@@ -67,8 +67,10 @@ paper-cpu: setup
 # One pytest worker per core (pytest-xdist); tests share no temporary path, port or global state.
 # The docs requirements too: tests/test_docs_site.py builds the site strictly. The 20 slowest tests are
 # listed at the end; those marked slow (9 s or more) are left out by `pytest -m "not slow"`, a quick pass.
+# Bytecode is cached (__pycache__, git-ignored) even where the environment sets PYTHONDONTWRITEBYTECODE: the
+# suite starts about a hundred Python processes, and without the cache each compiles the project's modules again.
 test: setup $(DOCS_STAMP)
-	$(PY) -m pytest -q -n auto --durations=20 tests
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n auto --durations=20 tests
 
 # The documentation site (mkdocs.yml), strictly: a broken link, a missing page or image fails it. Its
 # reference pages are generated from the code at build time (docsgen/), so it builds in the project's venv.
