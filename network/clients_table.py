@@ -34,16 +34,18 @@ def clients_table(metrics: pd.DataFrame, client_sizes: dict[str, int]) -> pd.Dat
     20-30 ms a run for a few hundred rows; the columns, their order and their dtypes are the same.
     """
     clients = [str(client) for client in client_sizes]
-    rows = list(zip(metrics["round"].tolist(), metrics["split"].tolist(), metrics["client"].astype(str).tolist(),
-                    metrics["metric"].tolist(), metrics["value"].tolist()))
     known = set(clients)
+    by_split: dict[str, list[tuple]] = {}  # the rows of this run's clients, by split
+    for row in zip(metrics["round"].tolist(), metrics["split"].tolist(), metrics["client"].astype(str).tolist(),
+                   metrics["metric"].tolist(), metrics["value"].tolist()):
+        if row[2] in known:
+            by_split.setdefault(row[1], []).append(row)
     columns: dict[str, list] = {"client": clients, "train_samples": list(client_sizes.values())}
     for split, prefix in PREFIX.items():
-        rows_of_split = [row for row in rows if row[1] == split and row[2] in known]
-        if rows_of_split:
-            last = max(row[0] for row in rows_of_split)
-            columns.update(first_values(clients, [row for row in rows_of_split if row[0] == last], f"{prefix}_"))
-    trained = [row for row in rows if row[1] == TRAIN_SPLIT and row[2] in known]
+        if split in by_split:
+            last = max(row[0] for row in by_split[split])
+            columns.update(first_values(clients, [row for row in by_split[split] if row[0] == last], f"{prefix}_"))
+    trained = by_split.get(TRAIN_SPLIT, [])
     if trained:
         last_round: dict[str, int] = {}
         for round_index, _, client, _, _ in trained:
