@@ -28,6 +28,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 import run_pipeline  # noqa: E402
 from pipeline.pool import PLACEMENT_FILE  # noqa: E402
 from tests.test_digits import tiny_digits_experiment  # noqa: E402
+from tests.test_worker_death import parent_of  # noqa: E402
 from utils.errors import TaskHetError  # noqa: E402
 from utils.locks import LOCK_FILE  # noqa: E402
 from utils.stages import MARKER  # noqa: E402
@@ -87,15 +88,6 @@ def raylet_pid(node) -> int:
     return node.all_processes[ray._private.ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
 
 
-def parent_pid(pid: int) -> int | None:
-    """``pid``'s parent, from /proc (None once it has gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(")") + 2:].split()[1])
-
-
 def run_on(results: Path, raylet: int) -> tuple[Path, int] | None:
     """A step-4 folder with a checkpoint whose lock a worker of the node with this raylet holds (the workers are the
     raylet's children), and that worker: a run in the middle, on that node. Only the lock holders' own parents are
@@ -108,7 +100,7 @@ def run_on(results: Path, raylet: int) -> tuple[Path, int] | None:
             holder = json.loads((Path(folder) / LOCK_FILE).read_text() or "{}")
         except (OSError, ValueError):
             continue
-        if "pid" in holder and parent_pid(holder["pid"]) == raylet:
+        if "pid" in holder and parent_of(holder["pid"]) == raylet:
             return Path(folder), holder["pid"]
     return None
 

@@ -33,14 +33,30 @@ def process_table() -> dict[int, tuple[int, str, str]]:
     table = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
+            fields = stat_fields(int(entry.name))
             try:
-                stat = (entry / "stat").read_text()
                 cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            fields = stat[stat.rindex(")") + 2:].split()
-            table[int(entry.name)] = (int(fields[1]), fields[0], cmdline)
+            if fields is not None:
+                table[int(entry.name)] = (int(fields[1]), fields[0], cmdline)
     return table
+
+
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (the state letter, then the parent pid, ...); None once
+    the process has gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def parent_of(pid: int) -> int | None:
+    """``pid``'s parent, from /proc (None once it has gone)."""
+    fields = stat_fields(pid)
+    return None if fields is None else int(fields[1])
 
 
 def workers_of(parent: int) -> list[int]:
