@@ -24,17 +24,9 @@ from pathlib import Path
 # `make bench` runs this file as a script, so the repository root is not on sys.path by itself.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.machine import machine_cpu_seconds, used_between  # noqa: E402
 from pipeline.pool import placement, worker_pool  # noqa: E402
 from utils.cli import positive_int, run_main  # noqa: E402
-
-
-def machine_cpu_seconds() -> float | None:
-    """User + system CPU seconds of the whole machine so far (None where there is no /proc/stat)."""
-    try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    except OSError:
-        return None
-    return sum(int(value) for value in fields[:3]) / 100.0  # user, nice, system, in 1/100 s
 
 
 def time_pool(make_pool, jobs: int) -> tuple[float, float | None]:
@@ -43,8 +35,8 @@ def time_pool(make_pool, jobs: int) -> tuple[float, float | None]:
     with make_pool() as pool:
         for answer in [pool.submit(placement) for _ in range(jobs)]:
             answer.result()
-    seconds, used = time.perf_counter() - start, machine_cpu_seconds()
-    return seconds, (used - cpu if cpu is not None and used is not None else None)
+    seconds, used = time.perf_counter() - start, used_between(cpu, machine_cpu_seconds())
+    return seconds, (None if used is None else used.busy)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,91 @@
+"""Benchmark: the test suite as `make test` runs it, with the host's speed measured before and after.
+
+On the 2-core development machine the same commit's suite has taken from 4 min 18 s to 6 min 57 s, and the spread
+followed the host, not the code: a fresh ``python -c "import run_pipeline"`` took 2.4 s in the fast hours and
+3.3-4.2 s in the slow ones. So the suite's time alone does not say whether a change made it faster. This script
+runs the host probe (that import, in a new interpreter, the median of ``--probes``), then the suite, then the probe
+again, and prints:
+
+- the suite's wall time and pytest's own count and time;
+- the machine's busy and idle CPU seconds over the suite (``/proc/stat``: every process the tests start, Ray's
+  daemons included; other load too): idle near zero means the suite is CPU-bound and only less work is faster;
+- the probe before and after, and the suite's time in probes (wall / mean probe), which moves much less with the
+  host than the wall time does.
+
+Arguments after ``--`` replace the suite's (``tests``), e.g. ``-- tests/test_engine.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# `make bench` runs this file as a script, so the repository root is not on sys.path by itself.
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.machine import machine_cpu_seconds, used_between  # noqa: E402
+from utils.cli import ints, run_main  # noqa: E402
+from utils.errors import TaskHetError  # noqa: E402
+
+PROBE = "import run_pipeline"  # torch, pandas, matplotlib and the project: what every process of the suite pays
+SUMMARY = re.compile(r"^=*\s*(?P<counts>\d+ passed.*?) in (?P<seconds>[0-9.]+)s")
+
+
+def suite_environment() -> dict[str, str]:
+    """`make test`'s environment: bytecode cached (this machine sets PYTHONDONTWRITEBYTECODE)."""
+    return {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
+
+
+def probe_seconds(times: int) -> float:
+    """The median wall time of ``times`` fresh interpreters that run :data:`PROBE` in the repository."""
+    seconds = []
+    for _ in range(times):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=suite_environment(), check=True)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+def run_suite(pytest_args: list[str]) -> tuple[float, str, int]:
+    """(wall seconds, pytest's last line, exit code) of ``python -m pytest -q -n auto <pytest_args>``."""
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "auto", *pytest_args], cwd=ROOT,
+                          env=suite_environment(), capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    return time.perf_counter() - start, (lines[-1] if lines else done.stderr.strip()[-300:]), done.returncode
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, pytest_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, ["tests"])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0],
+                                     epilog="arguments after -- go to pytest instead of `tests`")
+    parser.add_argument("--probes", type=ints(1, 50), default=3,
+                        help="fresh interpreters timed for the host probe, before and after the suite")
+    args = parser.parse_args(own)
+    before = probe_seconds(args.probes)
+    cpu = machine_cpu_seconds()
+    wall, last_line, code = run_suite(pytest_args or ["tests"])
+    used = used_between(cpu, machine_cpu_seconds())
+    after = probe_seconds(args.probes)
+    summary = SUMMARY.match(last_line)
+    if code != 0 or summary is None:
+        raise TaskHetError(f"the suite did not pass (pytest exit code {code}): {last_line}")
+    print(f"suite: {summary['counts']}, {wall:.0f} s of wall time ({wall / 60:.0f} min {wall % 60:02.0f} s; "
+          f"pytest's own {float(summary['seconds']):.0f} s)")
+    if used is not None:
+        print(f"machine CPU over it: {used.busy:.0f} s busy, {used.idle:.0f} s idle ({os.cpu_count()} cores)")
+    print(f"host probe (`{PROBE}` in a new interpreter, median of {args.probes}): {before:.2f} s before, "
+          f"{after:.2f} s after")
+    print(f"ratio suite / probe: {wall / ((before + after) / 2):.0f}")
+
+
+if __name__ == "__main__":
+    run_main(main)
