@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     summary = SUMMARY.match(last_line)
     if code != 0 or summary is None:
         raise TaskHetError(f"the suite did not pass (pytest exit code {code}): {last_line}")
-    print(f"suite: {summary['counts']}, {wall:.0f} s of wall time ({wall / 60:.0f} min {wall % 60:02.0f} s; "
+    minutes, seconds = divmod(round(wall), 60)
+    print(f"suite: {summary['counts']}, {wall:.0f} s of wall time ({minutes} min {seconds:02d} s; "
           f"pytest's own {float(summary['seconds']):.0f} s)")
     if used is not None:
         print(f"machine CPU over it: {used.busy:.0f} s busy, {used.idle:.0f} s idle ({os.cpu_count()} cores)")

@@ -63,6 +63,15 @@ def test_the_report_names_the_suite_the_cpu_and_the_probes(monkeypatch, capsys):
     assert "ratio suite / probe: 131" in out  # 262 / 2.0
 
 
+@pytest.mark.parametrize("wall, shown", [(405.4, "405 s of wall time (6 min 45 s;"),
+                                         (359.6, "360 s of wall time (6 min 00 s;"),
+                                         (59.4, "59 s of wall time (0 min 59 s;")])
+def test_minutes_and_seconds_are_whole_and_never_rounded_up_past_the_minute(monkeypatch, capsys, wall, shown):
+    fake_run(monkeypatch, "1 passed in 0.10s", 0, wall=wall)
+    bench_suite.main([])
+    assert shown in capsys.readouterr().out
+
+
 def test_arguments_after_the_separator_go_to_pytest(monkeypatch, capsys):
     seen = fake_run(monkeypatch, "1 passed in 0.10s", 0)
     bench_suite.main(["--probes", "1", "--", "tests/test_engine.py", "-k", "resume"])
