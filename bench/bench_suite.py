@@ -63,16 +63,15 @@ def run_suite(pytest_args: list[str]) -> tuple[float, str, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    own, pytest_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, ["tests"])
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0],
-                                     epilog="arguments after -- go to pytest instead of `tests`")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--probes", type=ints(1, 50), default=3,
                         help="fresh interpreters timed for the host probe, before and after the suite")
-    args = parser.parse_args(own)
+    parser.add_argument("pytest_args", nargs="*", default=["tests"],
+                        help="what pytest runs instead of `tests`, after -- (e.g. -- tests/test_engine.py -k resume)")
+    args = parser.parse_args(argv)
     before = probe_seconds(args.probes)
     cpu = machine_cpu_seconds()
-    wall, last_line, code = run_suite(pytest_args or ["tests"])
+    wall, last_line, code = run_suite(args.pytest_args)
     used = used_between(cpu, machine_cpu_seconds())
     after = probe_seconds(args.probes)
     summary = SUMMARY.match(last_line)

@@ -34,12 +34,13 @@ def process_table() -> dict[int, tuple[int, str, str]]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             fields = stat_fields(int(entry.name))
+            if fields is None:
+                continue
             try:
                 cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            if fields is not None:
-                table[int(entry.name)] = (int(fields[1]), fields[0], cmdline)
+            table[int(entry.name)] = (int(fields[1]), fields[0], cmdline)
     return table
 
 
