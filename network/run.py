@@ -45,7 +45,7 @@ ENGINES = ("sequential", "flower")  # round loops over the same algorithm object
 # Fields that do not change what a run computes: a resumed run may differ in them.
 NOT_IN_SIGNATURE = ("out", "resume", "use_accelerator", "num_workers", "cache_dir", "deterministic", "n_rounds",
                     "eval_every", "checkpoint_every", "diagnostics", "progress", "client_state_memory_mb", "engine", "flower_mode", "flower_num_cpus",
-                    "flower_num_gpus", "min_available_clients", "threads", "tensorboard", "round_lines", "plots",
+                    "flower_num_gpus", "flower_num_nodes", "min_available_clients", "threads", "tensorboard", "round_lines", "plots",
                     "diagnostics_every", "diagnostics_max_samples")
 
 
@@ -112,6 +112,7 @@ class RunConfig:
     flower_mode: str = "simulation"
     flower_num_cpus: float = 1.0
     flower_num_gpus: float = 0.0
+    flower_num_nodes: int | None = None
     min_available_clients: int | None = None
 
     def __post_init__(self) -> None:
@@ -193,6 +194,7 @@ def prepare(config: RunConfig) -> FedSetup:
     config = resolve(config, meta)
     table, unseen_table = split_unseen(table, meta)  # the federation is the seen clients alone
     check_horizon(table, config.n_rounds, str(config.assignments))  # temporal skew: a schedule fits the run
+    check_flower_counts(config, table["client_id"].nunique())  # before a folder is written
     set_deterministic(config.deterministic)
     num_classes = family.output_channels(manifest, task)
     input_key = model_input_key(family, config.cache_features)
@@ -228,6 +230,18 @@ def prepare(config: RunConfig) -> FedSetup:
         evaluate_fn=lambda net, loader: evaluate(net, loader, task, next(net.parameters()).device, input_key=input_key,
                                                  progress=False, class_groups=groups),
         feature_model=task_model if config.cache_features else None, unseen_table=unseen_table)
+
+
+def check_flower_counts(config: RunConfig, n_clients: int) -> None:
+    """The Flower engine's counts against the run's ``n_clients``: ``--min_available_clients`` (at most the clients a
+    round samples) and ``--flower_num_nodes`` (at most the clients). Nothing to check for another engine."""
+    if config.engine != "flower":
+        return
+    from network.flower.server import check_min_available  # only here: the sequential path never imports flwr
+    from network.flower.simulation import check_num_nodes
+
+    check_min_available(config.min_available_clients, n_clients, config.client_fraction)
+    check_num_nodes(config.flower_num_nodes, n_clients)
 
 
 def resolve(config: RunConfig, meta: dict) -> RunConfig:
@@ -308,7 +322,8 @@ def run(setup: FedSetup) -> dict:
 
             engine = run_flower(*inputs, model_config=setup.model_config, logger=logger, options=FlowerOptions(
                 mode=config.flower_mode, num_cpus=config.flower_num_cpus, num_gpus=config.flower_num_gpus,
-                min_available_clients=config.min_available_clients), val_loader=val_loader)
+                min_available_clients=config.min_available_clients, num_nodes=config.flower_num_nodes),
+                val_loader=val_loader)
         else:
             engine = SequentialEngine(*inputs, model_config=setup.model_config, logger=logger, val_loader=val_loader,
                                       calibration_loader=calibration, unseen_clients=unseen)

@@ -15,7 +15,7 @@ from network.algorithms import describe_algorithms, list_algorithms
 from network.algorithms.base import ALGORITHMS, get_settings_class
 from network.client_data import LOCAL_TESTS
 from network.lr_schedule import LR_SCHEDULE_HELP, make_lr_schedule
-from network.run import ENGINES, RunConfig, prepare, resolve
+from network.run import ENGINES, RunConfig, check_flower_counts, prepare, resolve
 from network.run_inputs import default_assignments
 from partitioning.groupings import GROUPINGS, canonical_grouping
 from partitioning.temporal import ROUNDS
@@ -61,6 +61,9 @@ def build_parser(method: str | None = None, prog: str = "test_fed.py", descripti
         help="--engine flower: Flower's simulation runtime on this machine (a real deployment: docs/FLOWER.md)")
     add("--flower_num_cpus", type=cli.floats(0.0, cli.MAX_THREADS, low_open=True), default=1.0, help="--engine flower: CPU cores per client (default: 1)")
     add("--flower_num_gpus", type=cli.floats(0.0, MAX_GPUS_PER_CLIENT), default=0.0, help="--engine flower: share of a GPU per client, e.g. 0.25 (default: 0)")
+    add("--flower_num_nodes", type=CLIENTS, default=None,
+        help="--engine flower: simulated SuperNodes, at most the clients; node p of K hosts clients p, p+K, p+2K, ... "
+             "and keeps their state (default: one node per client)")
     add("--min_available_clients", type=CLIENTS, default=None,
         help="--engine flower: results a round needs; failed clients beyond that are logged by id (default: all sampled)")
     add("--manifest", type=Path, default=defaults.manifest, help="step-1 manifest.csv")
@@ -158,7 +161,8 @@ def check_arguments(argv: list[str], *, n_clients: int | None = None,
     and ``--vectorize_clients`` against the engine, ``--local_test``; ``--lr_schedule`` (its form and ranges);
     sparse_ft's server masks needing ``--calibration_fraction``. With the number of clients N (``n_clients``, or
     the ``--n_clients`` flag): the method against N (IFCA: ``--n_cluster_models`` <= N), a ``capped`` weighting's
-    ``--cap`` >= 1/N, and the Flower engine's ``--min_available_clients`` against the clients sampled per round.
+    ``--cap`` >= 1/N, and the Flower engine's ``--min_available_clients`` against the clients sampled per round
+    and its ``--flower_num_nodes`` against N.
     What needs the files stays with :func:`main`: the task against the manifest's family, the assignments against
     the manifest, a temporal schedule against ``--n_rounds``.
 
@@ -232,10 +236,7 @@ def check_run(config: RunConfig, n_clients: int | None) -> None:
     algorithm.check_num_clients(settings, n_clients)
     if getattr(settings, "weighting", None) == "capped":  # the cap must leave shares that sum to 1
         client_weights({str(client): 1 for client in range(n_clients)}, "capped", settings.cap)
-    if config.engine == "flower":
-        from network.flower.server import check_min_available
-
-        check_min_available(config.min_available_clients, n_clients, config.client_fraction)
+    check_flower_counts(config, n_clients)
 
 
 def check_run_config(config: RunConfig, n_clients: int | None = None) -> RunConfig:

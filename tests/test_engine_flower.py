@@ -163,11 +163,6 @@ def run_in_process(out_dir: Path, name: str, rounds: int, fraction: float = 0.75
     return engine
 
 
-def run_simulated(out_dir: Path, name: str, rounds: int, fraction: float = 0.75, **options) -> FlowerEngine:
-    inputs = engine_inputs(out_dir, name, rounds, make_clients(), fraction)
-    return run_flower(*inputs, logger=logging.getLogger(LOGGER), options=FlowerOptions(**options))
-
-
 # ----- comparisons -----
 def assert_close_weights(first: dict, second: dict) -> None:
     assert first.keys() == second.keys()
@@ -295,7 +290,7 @@ def test_bad_options_are_refused_before_anything_starts(tmp_path):
     for options, flag in ((FlowerOptions(mode="deployment"), "--flower_mode"),
                           (FlowerOptions(num_cpus=0), "--flower_num_cpus"),
                           (FlowerOptions(min_available_clients=3), "--min_available_clients"),
-                          (FlowerOptions(num_nodes=9), "simulated nodes")):
+                          (FlowerOptions(num_nodes=9), "--flower_num_nodes 9: the simulated nodes must be 1 to the run's 4 clients")):
         with pytest.raises(TaskHetError, match=flag):
             run_flower(*inputs, options=options)
     if not torch.cuda.is_available():
@@ -303,22 +298,8 @@ def test_bad_options_are_refused_before_anything_starts(tmp_path):
             run_flower(*inputs, options=FlowerOptions(num_gpus=0.5))
 
 
-# ----- Flower's simulation runtime (Ray) -----
-@pytest.mark.slow
-def test_the_simulation_runtime_equals_the_sequential_engine(tmp_path):
-    """FedRep on 2 simulated nodes for 4 clients; a shared-model algorithm on one node per client, through test_fed.py
-    and under every skew: tests/test_skews.py (each simulation starts Ray: about 25 s)."""
-    name = "fedrep"
-    reference = run_sequential(tmp_path / "sequential", name, rounds=2)
-    engine = run_simulated(tmp_path / "flower", name, rounds=2, num_nodes=2)
-    assert_same_server(reference, engine)
-    assert_same_metrics(tmp_path / "sequential", tmp_path / "flower")
-    metrics = metrics_of(tmp_path / "flower")
-    assert set(metrics.split) >= {"train", "test", CLIENT_TEST_SPLIT, FINETUNED_TEST_SPLIT}
-    # personal heads live on the nodes and were evaluated there
-    assert (metrics.split == PERSONAL_TEST_SPLIT).any()
-    heads = list((tmp_path / "flower" / "node_states").glob("*/client_*/round_2.pt"))
-    assert heads and all(set(load_checkpoint(path)) == {"head.weight", "head.bias"} for path in heads)
+# Flower's simulation runtime (Ray): FedRep on 2 simulated nodes for 4 clients under every skew, through
+# test_fed.py --flower_num_nodes, in tests/test_skews.py (a simulation starts Ray: about 25 s, so the suite has one).
 
 
 # ----- the deployment app -----

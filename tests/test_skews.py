@@ -603,30 +603,37 @@ def test_the_heatmap_rows_say_what_each_client_gets():
 
 @pytest.mark.slow
 def test_the_flower_engine_applies_the_same_skews(manifest_path, tmp_path):
-    """test_fed.py --engine flower (Flower's simulation runtime, one node per client) equals the sequential engine
-    under every skew at once: SCAFFOLD over 2 rounds, so its control variates cross Flower's messages between rounds
-    too, with the clients' own test rows evaluated on the nodes before and after fine-tuning. (The simulation of
-    tests/test_engine_flower.py covers a personalised algorithm on fewer nodes than clients.)"""
-    from network.client import CLIENT_TEST_SPLIT, FINETUNED_TEST_SPLIT
+    """test_fed.py --engine flower (Flower's simulation runtime: the project's one Ray simulation in the suite)
+    equals the sequential engine under every skew at once. FedRep over 2 rounds on 2 simulated nodes for the 4
+    clients: each node hosts two clients and keeps their personal heads between rounds, and the clients' own test
+    rows are evaluated on the nodes with those heads, and before and after fine-tuning. (Every algorithm over
+    Flower's messages, SCAFFOLD's control variates among them: tests/test_engine_flower.py, in this process.)"""
+    from network.client import CLIENT_TEST_SPLIT, FINETUNED_TEST_SPLIT, PERSONAL_TEST_SPLIT
     from utils.loaders import load_checkpoint
 
     path = step3b(manifest_path, tmp_path / "a", "--feature_noise", "0.3", "--feature_shift", "contrast=0.3",
                   "--label_swap", "1", "--concept_fraction", "0.5", "--client_test_fraction", "0.25")
-    scaffold = ("--method", "scaffold", "--n_rounds", "2", "--finetune_steps", "1")
-    federated.main(step4_argv(manifest_path, path, tmp_path / "sequential", *scaffold))
+    fedrep = ("--method", "fedrep", "--n_rounds", "2", "--finetune_steps", "1")
+    federated.main(step4_argv(manifest_path, path, tmp_path / "sequential", *fedrep))
     # Flower's simulation (Ray) in a process of its own: it is the subject here, and a Ray instance's end must not
     # take down a pytest-xdist worker that other tests still use
     flower = subprocess.run([sys.executable, "test_fed.py", *step4_argv(manifest_path, path, tmp_path / "flower",
-                                                                        *scaffold, "--engine", "flower")],
+                                                                        *fedrep, "--engine", "flower",
+                                                                        "--flower_num_nodes", "2")],
                             cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=600)
     assert flower.returncode == 0, flower.stderr
     runs = [pd.read_csv(tmp_path / name / "metrics.csv", dtype={"client": str}) for name in ("sequential", "flower")]
     pd.testing.assert_frame_equal(runs[0][["round", "split", "client", "metric"]], runs[1][["round", "split", "client", "metric"]])
     assert (runs[0].value - runs[1].value).abs().max() < 1e-5
-    assert set(runs[1].split) >= {"train", "test", CLIENT_TEST_SPLIT, FINETUNED_TEST_SPLIT}
+    assert set(runs[1].split) >= {"train", "test", CLIENT_TEST_SPLIT, FINETUNED_TEST_SPLIT, PERSONAL_TEST_SPLIT}
     weights = [load_checkpoint(tmp_path / name / "checkpoint.pt")["model"] for name in ("sequential", "flower")]
     for key, value in weights[0].items():
         torch.testing.assert_close(weights[1][key], value, rtol=1e-5, atol=1e-6)
+    # The personal heads stayed on the two nodes: a state per client, each holding only the head.
+    assert f"{N_CLIENTS} clients on 2 Flower nodes" in (tmp_path / "flower" / "run.log").read_text()
+    heads = sorted((tmp_path / "flower" / "node_states").glob("*/client_*/round_2.pt"))
+    assert len(heads) == N_CLIENTS
+    assert all(set(load_checkpoint(path)) == {"head.weight", "head.bias"} for path in heads)
 
 
 def test_a_batch_transformed_in_one_call_equals_each_image_alone_bit_for_bit():

@@ -135,6 +135,27 @@ def test_step4_gives_the_flower_engine_its_min_available_clients(tiny_data_root,
                            "--min_available_clients", "4"))
 
 
+def test_step4_refuses_more_simulated_flower_nodes_than_clients_before_any_work(tiny_data_root, tiny_manifest,  # noqa: F811
+                                                                                  assignments, tmp_path):
+    """--flower_num_nodes K: 1 to the run's clients, checked against the assignments before anything is written;
+    '²', 0 and huge values are refused by the parser; with N known, more nodes than N before any file is read."""
+    from steps import federated
+
+    with pytest.raises(TaskHetError, match=r"^--flower_num_nodes 4: the simulated nodes must be 1 to the run's 3 clients$"):
+        test_fed.main(argv(tiny_data_root, tiny_manifest, assignments, tmp_path / "run", "--engine", "flower",
+                           "--flower_num_nodes", "4"))
+    assert not (tmp_path / "run").exists()
+    for bad in ("²", "0", "-1", "1e3", "10000000000000000000000"):
+        with pytest.raises(TaskHetError, match=r"^argument --flower_num_nodes: must be an integer in \[1, 10000\], got "):
+            federated.check_arguments(["--task", "normal", "--flower_num_nodes", bad])
+    flower = ["--task", "normal", "--assignments", "a.csv", "--engine", "flower", "--flower_num_nodes"]
+    for nodes in ("1", "3"):
+        assert federated.check_arguments([*flower, nodes], n_clients=3).flower_num_nodes == int(nodes)
+    with pytest.raises(TaskHetError, match="^--flower_num_nodes 4: the simulated nodes must be 1 to the run's 3 clients$"):
+        federated.check_arguments([*flower, "4"], n_clients=3)
+    assert federated.check_arguments(flower[:4] + ["--flower_num_nodes", "4"], n_clients=3)  # another engine
+
+
 def test_step4_finetunes_each_client_before_evaluation_when_asked(tiny_data_root, tiny_manifest, assignments,  # noqa: F811
                                                                   tmp_path):
     out = tmp_path / "finetuned"

@@ -180,5 +180,12 @@ def _check_options(options: FlowerOptions, device: torch.device, num_clients: in
         raise TaskHetError(f"--flower_num_cpus must be in (0, {cores}] (this machine's cores), got {options.num_cpus}")
     if options.num_gpus < 0 or (options.num_gpus > 0 and not torch.cuda.is_available()):
         raise TaskHetError(f"--flower_num_gpus {options.num_gpus}: must be >= 0, and > 0 needs a CUDA GPU")
-    if options.num_nodes is not None and not 1 <= options.num_nodes <= num_clients:
-        raise TaskHetError(f"the number of simulated nodes must be in 1..{num_clients}, got {options.num_nodes}")
+    check_num_nodes(options.num_nodes, num_clients)
+
+
+def check_num_nodes(num_nodes: int | None, num_clients: int) -> None:
+    """``--flower_num_nodes``: None (one simulated node per client) or 1..``num_clients`` (a node without a client
+    would never answer)."""
+    if num_nodes is not None and not 1 <= num_nodes <= num_clients:
+        raise TaskHetError(f"--flower_num_nodes {num_nodes}: the simulated nodes must be 1 to the run's {num_clients} "
+                           "clients")
