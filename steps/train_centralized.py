@@ -176,6 +176,9 @@ def make_accelerator(args: argparse.Namespace) -> Accelerator:
     from the epoch's first samples by accelerate, so that every process gets an equal slice).
     """
     world_size = cli.world_size()
+    if args.batch_size % world_size:  # before the process group: every rank stops at once, none waits for the others
+        raise TaskHetError(f"--batch_size {args.batch_size} is the global batch: it must be a multiple of the "
+                           f"{world_size} processes")
     _shadowed_datasets_are_not_hugging_faces()
     # accelerate keeps its settings in process-wide state and refuses a second Accelerator with another mixed
     # precision or device; a pipeline or a search trains several step-2 models in one process. Reset as
@@ -190,12 +193,9 @@ def make_accelerator(args: argparse.Namespace) -> Accelerator:
         raise TaskHetError(f"--mixed_precision {args.mixed_precision}: {error}") from error
     if args.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise TaskHetError("--mixed_precision fp16 needs a GPU (accelerate ignores it on the CPU); use bf16 or no")
-    if accelerator.num_processes != world_size:
+    if accelerator.num_processes != world_size:  # so the batch check above counted the processes accelerate runs
         raise TaskHetError(f"launched as {world_size} processes, but accelerate sees {accelerator.num_processes}: "
                            "without GPUs, pass --no-use_accelerator to run the processes on the CPU")
-    if args.batch_size % accelerator.num_processes:
-        raise TaskHetError(f"--batch_size {args.batch_size} is the global batch: it must be a multiple of the "
-                           f"{accelerator.num_processes} processes")
     return accelerator
 
 

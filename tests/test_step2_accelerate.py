@@ -129,12 +129,14 @@ def test_run_stopped_in_one_process_resumes_in_two(digits88, one_process, tmp_pa
     assert_same_run(one_process, out)
 
 
-@pytest.mark.slow
-def test_global_batch_not_divisible_by_the_processes_is_refused(digits88, tmp_path):
+def test_global_batch_not_divisible_by_the_processes_is_refused(digits88, tmp_path, monkeypatch):
+    """Each rank refuses before it joins the process group (so none waits for the others): in this process, as torchrun
+    would have started it (WORLD_SIZE=2, what `accelerate launch --num_processes 2` sets)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
     out = tmp_path / "odd"
-    result = launch_two_processes(argv(digits88, out) + ["--batch_size", "7"])
-    assert result.returncode != 0
-    assert "error: --batch_size 7 is the global batch: it must be a multiple of the 2 processes" in result.stderr
+    with pytest.raises(TaskHetError, match=r"^--batch_size 7 is the global batch: it must be a multiple of the 2 "
+                                           r"processes$"):
+        step2.main(argv(digits88, out) + ["--batch_size", "7"])
     assert not out.exists()
 
 
