@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 # `make bench` runs this file as a script, so the repository root is not on sys.path by itself.
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,13 +54,37 @@ def probe_seconds(times: int) -> float:
     return statistics.median(seconds)
 
 
-def run_suite(pytest_args: list[str]) -> tuple[float, str, int]:
-    """(wall seconds, pytest's last line, exit code) of ``python -m pytest -q -n auto <pytest_args>``."""
+class SuiteRun(NamedTuple):
+    wall: float  # seconds
+    last_line: str  # pytest's summary line (or the end of its stderr when it printed nothing)
+    code: int  # pytest's exit code
+    failed: list[str]  # the node ids of pytest's FAILED and ERROR lines
+
+
+def failed_tests(output: str) -> list[str]:
+    """The node ids that pytest's short summary lists as FAILED or ERROR (``FAILED tests/a.py::t - message``)."""
+    return [line.split(" ", 2)[1] for line in output.splitlines()
+            if line.startswith(("FAILED ", "ERROR ")) and len(line.split(" ", 2)) > 1]
+
+
+def run_suite(pytest_args: list[str]) -> SuiteRun:
+    """``python -m pytest -q -n auto <pytest_args>``, timed."""
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "auto", *pytest_args], cwd=ROOT,
                           env=suite_environment(), capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.strip()]
-    return time.perf_counter() - start, (lines[-1] if lines else done.stderr.strip()[-300:]), done.returncode
+    return SuiteRun(time.perf_counter() - start, lines[-1] if lines else done.stderr.strip()[-300:], done.returncode,
+                    failed_tests(done.stdout))
+
+
+def failure_message(run: SuiteRun, most: int = 5) -> str:
+    """One line: pytest's exit code and summary, and the first ``most`` failed tests by name (a rare failure in a
+    6-minute run must be found again without running it twice)."""
+    message = f"the suite did not pass (pytest exit code {run.code}): {run.last_line}"
+    if run.failed:
+        more = f" and {len(run.failed) - most} more" if len(run.failed) > most else ""
+        message += f"; failed: {', '.join(run.failed[:most])}{more}"
+    return message
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,12 +96,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     before = probe_seconds(args.probes)
     cpu = machine_cpu_seconds()
-    wall, last_line, code = run_suite(args.pytest_args)
+    run = run_suite(args.pytest_args)
     used = used_between(cpu, machine_cpu_seconds())
     after = probe_seconds(args.probes)
-    summary = SUMMARY.match(last_line)
-    if code != 0 or summary is None:
-        raise TaskHetError(f"the suite did not pass (pytest exit code {code}): {last_line}")
+    summary = SUMMARY.match(run.last_line)
+    if run.code != 0 or summary is None:
+        raise TaskHetError(failure_message(run))
+    wall = run.wall
     minutes, seconds = divmod(round(wall), 60)
     print(f"suite: {summary['counts']}, {wall:.0f} s of wall time ({minutes} min {seconds:02d} s; "
           f"pytest's own {float(summary['seconds']):.0f} s)")

@@ -42,13 +42,13 @@ def test_a_suite_that_did_not_pass_is_not_read_as_passed(line):
     assert bench_suite.SUMMARY.match(line) is None
 
 
-def fake_run(monkeypatch, last_line: str, code: int, wall: float = 300.0):
+def fake_run(monkeypatch, last_line: str, code: int, wall: float = 300.0, failed: list[str] | None = None):
     monkeypatch.setattr(bench_suite, "probe_seconds", lambda times: {3: 2.0, 1: 3.0}[times])
     seen = []
 
     def run_suite(args):
         seen.append(args)
-        return wall, last_line, code
+        return bench_suite.SuiteRun(wall, last_line, code, failed or [])
     monkeypatch.setattr(bench_suite, "run_suite", run_suite)
     return seen
 
@@ -86,6 +86,25 @@ def test_a_failed_suite_is_an_error_naming_its_last_line(monkeypatch, capsys, la
     with pytest.raises(TaskHetError, match=rf"^the suite did not pass \(pytest exit code {code}\): {last_line}$"):
         bench_suite.main([])
     assert capsys.readouterr().out == ""  # no partial report
+
+
+def test_a_failed_suite_names_its_failed_tests_from_pytests_summary(monkeypatch, capsys):
+    output = "\n".join([
+        "........F..E [100%]",
+        "=========================== short test summary info ============================",
+        "FAILED tests/test_a.py::test_one[x-1] - AssertionError: assert 1 == 2",
+        "ERROR tests/test_b.py::test_two - RuntimeError: boom",
+        "FAILED: not a summary line",
+        "1 failed, 1 error, 10 passed in 3.00s"])
+    assert bench_suite.failed_tests(output) == ["tests/test_a.py::test_one[x-1]", "tests/test_b.py::test_two"]
+    fake_run(monkeypatch, "1 failed, 1 error, 10 passed in 3.00s", 1, failed=bench_suite.failed_tests(output))
+    with pytest.raises(TaskHetError) as raised:
+        bench_suite.main([])
+    assert str(raised.value) == ("the suite did not pass (pytest exit code 1): 1 failed, 1 error, 10 passed in 3.00s; "
+                                 "failed: tests/test_a.py::test_one[x-1], tests/test_b.py::test_two")
+    assert capsys.readouterr().out == ""
+    many = bench_suite.SuiteRun(1.0, "7 failed in 1.00s", 1, [f"t{index}" for index in range(7)])
+    assert bench_suite.failure_message(many).endswith("; failed: t0, t1, t2, t3, t4 and 2 more")
 
 
 @pytest.mark.parametrize("probes", ["0", "51", "²", "1e3", "-1"])
