@@ -1,8 +1,9 @@
 """Benchmark: the test suite as `make test` runs it, with the host's speed measured before and after.
 
-On the 2-core development machine the same commit's suite has taken from 4 min 18 s to 6 min 57 s, and the spread
-followed the host, not the code: a fresh ``python -c "import run_pipeline"`` took 2.4 s in the fast hours and
-3.3-4.2 s in the slow ones. So the suite's time alone does not say whether a change made it faster. This script
+On the 2-core development machine the same commit's suite has taken up to nearly twice as long in one hour as in
+another, and the spread followed the host, not the code: a fresh ``python -c "import run_pipeline"`` took nearly
+twice as long in the slow hours too (docs/BENCHMARKS.md, "The test suite"). So the suite's time alone does not say
+whether a change made it faster. This script
 runs the host probe (that import, in a new interpreter, the median of ``--probes``), then the suite, then the probe
 again, and prints:
 
@@ -63,8 +64,7 @@ class SuiteRun(NamedTuple):
 
 def failed_tests(output: str) -> list[str]:
     """The node ids that pytest's short summary lists as FAILED or ERROR (``FAILED tests/a.py::t - message``)."""
-    return [line.split(" ", 2)[1] for line in output.splitlines()
-            if line.startswith(("FAILED ", "ERROR ")) and len(line.split(" ", 2)) > 1]
+    return [line.split(" ", 2)[1] for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
 
 
 def run_suite(pytest_args: list[str]) -> SuiteRun:
@@ -102,15 +102,14 @@ def main(argv: list[str] | None = None) -> None:
     summary = SUMMARY.match(run.last_line)
     if run.code != 0 or summary is None:
         raise TaskHetError(failure_message(run))
-    wall = run.wall
-    minutes, seconds = divmod(round(wall), 60)
-    print(f"suite: {summary['counts']}, {wall:.0f} s of wall time ({minutes} min {seconds:02d} s; "
+    minutes, seconds = divmod(round(run.wall), 60)
+    print(f"suite: {summary['counts']}, {run.wall:.0f} s of wall time ({minutes} min {seconds:02d} s; "
           f"pytest's own {float(summary['seconds']):.0f} s)")
     if used is not None:
         print(f"machine CPU over it: {used.busy:.0f} s busy, {used.idle:.0f} s idle ({os.cpu_count()} cores)")
     print(f"host probe (`{PROBE}` in a new interpreter, median of {args.probes}): {before:.2f} s before, "
           f"{after:.2f} s after")
-    print(f"ratio suite / probe: {wall / ((before + after) / 2):.0f}")
+    print(f"ratio suite / probe: {run.wall / ((before + after) / 2):.0f}")
 
 
 if __name__ == "__main__":
