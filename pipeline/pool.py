@@ -65,10 +65,11 @@ def worker_pool(jobs: int, threads: int | None, devices: list[str] | None = None
     and the steps again, about 4 s of CPU a worker (6 s under run_pipeline.py, whose ``__main__`` it imported
     too); forked from the server, a worker starts in milliseconds. The server starts with the first pool and
     serves every later pool of this process, with the environment of its start: so each pool passes the GPUs
-    this process sees to its workers.
+    this process sees to its workers. The server also imports ``torch._dynamo``: every stage's first optimizer step
+    (and ``torch.use_deterministic_algorithms``) imports it, about 1.6 s of CPU that each worker paid again.
     """
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["__main__", __name__])
+    context.set_forkserver_preload(["__main__", __name__, "torch._dynamo"])
     queue = None
     if devices:
         queue = context.Queue()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,20 @@ def test_a_worker_sees_the_gpus_the_pipeline_sees_when_its_pool_starts(monkeypat
             monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
         with worker_pool(1, 1, devices) as pool:
             assert [pool.submit(os.getenv, "CUDA_VISIBLE_DEVICES").result()] == expected
+
+
+def imported(module: str) -> bool:
+    return module in sys.modules
+
+
+def test_a_worker_starts_with_torch_dynamo_imported_by_its_fork_server():
+    """Each stage's first optimizer step imports torch._dynamo (about 1.6 s of CPU); the fork server imports it
+    once, so a worker forked from it has it before it runs anything."""
+    from pipeline.pool import worker_pool
+
+    with worker_pool(1, 1) as pool:
+        assert pool.submit(imported, "torch._dynamo").result()
+        assert not pool.submit(imported, "sklearn.cluster").result()  # only what the server was asked to import
 
 
 def test_the_storage_check_task_answers_what_a_node_cannot_do(tmp_path):
