@@ -137,9 +137,17 @@ def check_weights_name(encoder: Encoder, name: str, weights: str) -> None:
         raise TaskHetError(missing_file_message(encoder, name, Path(weights)))
 
 
+def encoder_outline(name: str) -> Encoder:
+    """The registered encoder ``name`` on PyTorch's meta device: its attributes (the weights it offers, its channels)
+    without a weight allocated or initialised. A real build only to read them took 0.2 s for ResNet-50 and 2.6 s for
+    CLIP ViT-B/32 on the 2-core machine, and drew from torch's global RNG."""
+    with torch.device("meta"):
+        return ENCODERS.get(name)()
+
+
 def check_weights(name: str, weights: str) -> None:
-    """:func:`check_weights_name` for the registered encoder ``name`` (built once, without weights)."""
-    check_weights_name(ENCODERS.get(name)(), name, weights)
+    """:func:`check_weights_name` for the registered encoder ``name`` (its :func:`encoder_outline`)."""
+    check_weights_name(encoder_outline(name), name, weights)
 
 
 def load_encoder_weights(encoder: Encoder, name: str, weights: str) -> None:

@@ -96,9 +96,9 @@ def check_input_files(config: dict[str, Any]) -> None:
 
 
 def _is_path(weights: str, encoder: str) -> bool:
-    from models.encoders import ENCODERS, NAMED_WEIGHTS
+    from models.encoders import NAMED_WEIGHTS, encoder_outline
 
-    return weights != "none" and weights not in NAMED_WEIGHTS and weights not in ENCODERS.get(encoder)().pretrained
+    return weights != "none" and weights not in NAMED_WEIGHTS and weights not in encoder_outline(encoder).pretrained
 
 
 def _check_weights_name(config: dict[str, Any], source: Path) -> None:
