@@ -7,6 +7,7 @@ Every test reads real step-3b output (a small digits manifest) and real step-4 l
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -616,10 +617,13 @@ def test_the_flower_engine_applies_the_same_skews(manifest_path, tmp_path):
     fedrep = ("--method", "fedrep", "--n_rounds", "2", "--finetune_steps", "1")
     federated.main(step4_argv(manifest_path, path, tmp_path / "sequential", *fedrep))
     # Flower's simulation (Ray) in a process of its own: it is the subject here, and a Ray instance's end must not
-    # take down a pytest-xdist worker that other tests still use
+    # take down a pytest-xdist worker that other tests still use. Every core per client: one Ray actor runs the
+    # clients of both nodes, one after another (each actor is a process that imports torch, torchvision and Flower,
+    # about 25 s of CPU on the 2-core machine; a node's state lives in its folder, not in an actor).
     flower = subprocess.run([sys.executable, "test_fed.py", *step4_argv(manifest_path, path, tmp_path / "flower",
                                                                         *fedrep, "--engine", "flower",
-                                                                        "--flower_num_nodes", "2")],
+                                                                        "--flower_num_nodes", "2",
+                                                                        "--flower_num_cpus", str(os.cpu_count()))],
                             cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=600)
     assert flower.returncode == 0, flower.stderr
     runs = [pd.read_csv(tmp_path / name / "metrics.csv", dtype={"client": str}) for name in ("sequential", "flower")]
