@@ -13,12 +13,19 @@ HOOK_STAMP := $(VENV)/.torchvision_hook
 
 setup: $(STAMP) $(HOOK_STAMP)
 
+# pip installs uv, torch and torchvision (requirements-setup.txt): it reads the machine's own pip settings, such as a
+# folder holding a local torch wheel, which uv does not. uv then installs the rest, compiling bytecode in parallel:
+# 3x faster than pip here (docs/BENCHMARKS.md). Where uv fails, pip installs the same files. Both hold every package
+# to constraints.txt.
+UV := $(VENV)/bin/uv
+PIP_INSTALL := $(PIP) install --quiet --disable-pip-version-check -c constraints.txt
+install = $(UV) pip install --quiet --python $(PY) --compile-bytecode -c constraints.txt $(1) || $(PIP_INSTALL) $(1)
+
 # Re-installs only when a requirements file changes.
-$(STAMP): requirements.txt requirements-flower.txt requirements-flwr-datasets.txt constraints.txt
+$(STAMP): requirements-setup.txt requirements.txt requirements-flower.txt requirements-flwr-datasets.txt constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --disable-pip-version-check -c constraints.txt -r requirements.txt
-	$(PIP) install --quiet --disable-pip-version-check -c constraints.txt -r requirements-flower.txt
-	$(PIP) install --quiet --disable-pip-version-check -c constraints.txt -r requirements-flwr-datasets.txt
+	$(PIP_INSTALL) -r requirements-setup.txt
+	$(call install,-r requirements.txt -r requirements-flower.txt -r requirements-flwr-datasets.txt)
 	touch $(STAMP)
 
 # `import torchvision` in any code run by the venv's Python (utils/torchvision_hook.py says how).
@@ -75,20 +82,20 @@ test: setup $(DOCS_STAMP)
 # The documentation site (mkdocs.yml), strictly: a broken link, a missing page or image fails it. Its
 # reference pages are generated from the code at build time (docsgen/), so it builds in the project's venv.
 $(DOCS_STAMP): requirements-docs.txt constraints.txt $(STAMP)
-	$(PIP) install --quiet --disable-pip-version-check -c constraints.txt -r requirements-docs.txt
+	$(call install,-r requirements-docs.txt)
 	touch $(DOCS_STAMP)
 
 docs: setup $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 bench: setup
-	$(PIP) install --quiet --disable-pip-version-check -c constraints.txt -r bench/requirements.txt
+	$(call install,-r bench/requirements.txt)
 	for script in bench/bench_*.py; do $(PY) $$script || exit 1; done
 
 # Mutation testing (dev-only, not CI): mutmut over network/algorithms/ and network/aggregation.py with
 # the tests named in setup.cfg's [mutmut] section; 2 workers (the development machine has 2 cores).
 mutation: setup
-	$(PIP) install --quiet --disable-pip-version-check -c constraints.txt -r requirements-dev.txt
+	$(call install,-r requirements-dev.txt)
 	$(VENV)/bin/mutmut run --max-children 2
 	$(VENV)/bin/mutmut results
 
