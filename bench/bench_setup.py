@@ -4,8 +4,7 @@ with pip alone, each into a new venv with empty download caches.
 `make setup` installs uv, torch and torchvision with pip, then every other requirement file with uv; where uv fails,
 pip installs them (the Makefile says why). ``UV=/bin/false`` makes uv fail at once, so the second side is the pip-only
 install. The two sides run one after the other (``--repeats`` pairs, alternating which goes first) and the script
-prints each side's median seconds, their ratio, and whether the two venvs hold the same packages (``pip freeze``,
-uv itself left out).
+prints each side's median seconds, their ratio, and whether the two venvs hold the same packages (``pip freeze``).
 """
 
 from __future__ import annotations
@@ -37,10 +36,10 @@ def make_command(venv: Path, variables: list[str]) -> list[str]:
 
 
 def packages(venv: Path) -> list[str]:
-    """``pip freeze`` of ``venv``, without uv itself (only the uv side's installer would differ)."""
+    """``pip freeze`` of ``venv`` (both sides install uv: pip installs it before uv is tried)."""
     done = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "freeze"], capture_output=True, text=True,
                           check=True)
-    return sorted(line for line in done.stdout.splitlines() if line and not line.lower().startswith("uv=="))
+    return sorted(line for line in done.stdout.splitlines() if line)
 
 
 def differences(first: list[str], second: list[str]) -> list[str]:
@@ -56,8 +55,8 @@ def time_setup(variables: list[str], scratch: Path) -> tuple[float, list[str]]:
     done = subprocess.run(make_command(venv, variables), env=environment, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     if done.returncode != 0:
-        raise TaskHetError(f"make setup ({' '.join(variables) or 'uv'}) failed with exit code {done.returncode}: "
-                           f"{done.stderr.strip().splitlines()[-1:]}")
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise TaskHetError(f"make setup ({' '.join(variables) or 'uv'}) failed with exit code {done.returncode}: {last}")
     return seconds, packages(venv)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench import bench_setup
+from utils.errors import TaskHetError
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="GNU make is not installed")
@@ -33,7 +34,7 @@ def test_pip_installs_uv_torch_and_torchvision_first_under_the_constraints():
     assert first[:4] == [".venv/bin/python", "-m", "pip", "install"] and "||" not in first
     assert requirement_files(first) == ["requirements-setup.txt"] and "constraints.txt" in first
     wanted = [line.split("#")[0].strip() for line in (ROOT / "requirements-setup.txt").read_text().splitlines()]
-    assert [line for line in wanted if line] == ["uv==0.13.9", "torch", "torchvision"]  # their versions: constraints.txt
+    assert [line for line in wanted if line] == ["uv==0.12.24", "torch", "torchvision"]  # their versions: constraints.txt
 
 
 @pytest.mark.parametrize("target, files", [
@@ -74,3 +75,23 @@ def test_the_setup_benchmark_installs_into_its_own_venv_only(side, tmp_path):
 def test_the_setup_benchmark_names_each_package_that_differs():
     assert bench_setup.differences(["a==1", "b==2"], ["a==1", "b==3", "c==1"]) == ["-b==2", "+b==3", "+c==1"]
     assert bench_setup.differences(["a==1"], ["a==1"]) == []
+
+
+def test_the_pinned_uv_is_one_flwr_admits_so_uv_never_replaces_itself_during_the_install():
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    try:
+        wanted = [Requirement(line) for line in metadata.requires("flwr") or []]
+    except metadata.PackageNotFoundError:
+        pytest.skip("flwr is not installed")
+    uv = next(requirement for requirement in wanted if requirement.name == "uv")
+    pin = next(line for line in (ROOT / "requirements-setup.txt").read_text().splitlines() if line.startswith("uv=="))
+    assert uv.specifier.contains(pin.split("==")[1]), f"flwr needs {uv}, requirements-setup.txt pins {pin}"
+
+
+def test_a_failed_setup_is_one_error_naming_the_side_and_the_exit_code(monkeypatch, tmp_path):
+    monkeypatch.setattr(bench_setup, "make_command", lambda venv, variables: ["sh", "-c", "echo broken >&2; exit 3"])
+    with pytest.raises(TaskHetError, match=r"^make setup \(UV=/bin/false\) failed with exit code 3: broken$"):
+        bench_setup.time_setup(["UV=/bin/false"], tmp_path)
