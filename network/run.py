@@ -298,37 +298,38 @@ def run(setup: FedSetup) -> dict:
     """Build the clients and run the chosen engine; returns the run folder and the best global test loss."""
     from network.client_data import global_test_loader, global_val_loader, make_clients
     from network.engine_sequential import SequentialEngine
-    from utils.run_dir import unfinished
+    from utils.run_dir import run_log, unfinished
 
     config = setup.config
     clients = make_clients(config, setup.manifest, setup.table, setup.task, setup.feature_model)
     unseen = ([] if setup.unseen_table is None
               else make_clients(config, setup.manifest, setup.unseen_table, setup.task, setup.feature_model))
     calibration = calibration_loader(setup)  # before the folder is claimed: a refused split leaves it untouched
-    logger = open_run_folder(setup)
-    if calibration is not None:
-        logger.info("server calibration split: %d held-out train samples", len(calibration.dataset))
-    test_loader = global_test_loader(config, setup.manifest, setup.task, setup.feature_model)
-    val_loader = global_val_loader(config, setup.manifest, setup.task, setup.feature_model)
-    logger.info("%s on %s: %d clients (%d train samples), %d test samples, device %s", config.method, config.task,
-                len(clients), sum(client.num_samples for client in clients), len(test_loader.dataset), setup.device)
-    if unseen:
-        log_unseen(logger, unseen, setup.algorithm, config.finetune_steps)
-    inputs = (setup.model, setup.algorithm, clients, setup.loss_fn, setup.evaluate_fn, test_loader,
-              setup.engine_config, setup.device)
-    with unfinished(config.out, STEP):  # the report and later steps refuse a run that did not finish
-        if config.engine == "flower":
-            from network.flower.simulation import FlowerOptions, run_flower  # only here: the sequential path never imports flwr
+    open_run_folder(setup)
+    with run_log(config.out) as logger:
+        if calibration is not None:
+            logger.info("server calibration split: %d held-out train samples", len(calibration.dataset))
+        test_loader = global_test_loader(config, setup.manifest, setup.task, setup.feature_model)
+        val_loader = global_val_loader(config, setup.manifest, setup.task, setup.feature_model)
+        logger.info("%s on %s: %d clients (%d train samples), %d test samples, device %s", config.method, config.task,
+                    len(clients), sum(client.num_samples for client in clients), len(test_loader.dataset), setup.device)
+        if unseen:
+            log_unseen(logger, unseen, setup.algorithm, config.finetune_steps)
+        inputs = (setup.model, setup.algorithm, clients, setup.loss_fn, setup.evaluate_fn, test_loader,
+                  setup.engine_config, setup.device)
+        with unfinished(config.out, STEP):  # the report and later steps refuse a run that did not finish
+            if config.engine == "flower":
+                from network.flower.simulation import FlowerOptions, run_flower  # only here: the sequential path never imports flwr
 
-            engine = run_flower(*inputs, model_config=setup.model_config, logger=logger, options=FlowerOptions(
-                mode=config.flower_mode, num_cpus=config.flower_num_cpus, num_gpus=config.flower_num_gpus,
-                min_available_clients=config.min_available_clients, num_nodes=config.flower_num_nodes),
-                val_loader=val_loader)
-        else:
-            engine = SequentialEngine(*inputs, model_config=setup.model_config, logger=logger, val_loader=val_loader,
-                                      calibration_loader=calibration, unseen_clients=unseen)
-            engine.run()
-    return {"out": config.out, "best_test_loss": engine.best_loss}
+                engine = run_flower(*inputs, model_config=setup.model_config, logger=logger, options=FlowerOptions(
+                    mode=config.flower_mode, num_cpus=config.flower_num_cpus, num_gpus=config.flower_num_gpus,
+                    min_available_clients=config.min_available_clients, num_nodes=config.flower_num_nodes),
+                    val_loader=val_loader)
+            else:
+                engine = SequentialEngine(*inputs, model_config=setup.model_config, logger=logger, val_loader=val_loader,
+                                          calibration_loader=calibration, unseen_clients=unseen)
+                engine.run()
+        return {"out": config.out, "best_test_loss": engine.best_loss}
 
 
 def log_unseen(logger: logging.Logger, unseen: list, algorithm: Algorithm, finetune_steps: int) -> None:
@@ -361,13 +362,13 @@ def calibration_loader(setup: FedSetup) -> torch.utils.data.DataLoader | None:
                        config.num_workers)
 
 
-def open_run_folder(setup: FedSetup) -> logging.Logger:
+def open_run_folder(setup: FedSetup) -> None:
     """Check that the run folder is step 4's (or empty) and that a resume matches it, then write config.json.
 
     Every check comes first: a refused run leaves the folder exactly as it was.
     """
     from network.checkpoints import CHECKPOINT_FILE, load_resumable, run_fingerprint
-    from utils.run_dir import claim_folder, setup_logging, write_config
+    from utils.run_dir import claim_folder, write_config
 
     config = setup.config
     claim_folder(config.out, STEP)
@@ -377,4 +378,3 @@ def open_run_folder(setup: FedSetup) -> logging.Logger:
         load_resumable(checkpoint, run_fingerprint(setup.algorithm, setup.engine_config, client_ids))
     config.out.mkdir(parents=True, exist_ok=True)
     write_config(config.out, dataclasses.asdict(config), step=STEP)
-    return setup_logging(config.out, "test_fed")

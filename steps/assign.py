@@ -42,7 +42,7 @@ from steps.skew_flags import add_skew_flags, skew_settings
 from utils import cli
 from utils.errors import TaskHetError
 from utils.locks import folder_lock
-from utils.run_dir import claim_folder, setup_logging, unfinished, write_config
+from utils.run_dir import claim_folder, run_log, unfinished, write_config
 
 from utils.seeding import numpy_rng
 
@@ -196,9 +196,9 @@ def assign_clients(args: argparse.Namespace) -> Path:
     spaces = distance_spaces(args, train, family.label_column, groups, groups_file, manifest["sample_id"])
     args.out.mkdir(parents=True, exist_ok=True)
     write_config(args.out, vars(args), step=STEP)
-    logger = setup_logging(args.out, "make_client_assignments")
-    with unfinished(args.out, STEP):  # step 4 refuses an assignments.csv of a run that did not finish
-        return write_partition(args, family, train, groups, groups_file, logger, skews, test, spaces)
+    with run_log(args.out) as logger:
+        with unfinished(args.out, STEP):  # step 4 refuses an assignments.csv of a run that did not finish
+            return write_partition(args, family, train, groups, groups_file, logger, skews, test, spaces)
 
 
 def write_partition(args: argparse.Namespace, family, train: pd.DataFrame, groups: pd.Series, groups_file: Path | None,

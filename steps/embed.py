@@ -29,7 +29,7 @@ from utils.device import pick_device, prepare_model
 from utils.errors import TaskHetError
 from utils.loaders import load_json, load_npy, require_file, require_finished
 from utils.locks import folder_lock
-from utils.run_dir import atomic_write_text, claim_folder, setup_logging, unfinished, write_config
+from utils.run_dir import atomic_write_text, claim_folder, run_log, unfinished, write_config
 
 STEP = "step 3"
 MAX_PCA_DIM = 100_000  # PCA components: beyond any embedding's width here
@@ -128,9 +128,9 @@ def embed_and_cluster(args: argparse.Namespace) -> Path:
     family, manifest = load_manifest(args.manifest)
     args.out.mkdir(parents=True, exist_ok=True)
     write_config(args.out, vars(args), step=STEP)
-    logger = setup_logging(args.out, "extract_embeddings")
-    with unfinished(args.out, STEP):
-        return cluster(args, family, manifest, logger)
+    with run_log(args.out) as logger:
+        with unfinished(args.out, STEP):
+            return cluster(args, family, manifest, logger)
 
 
 def cluster(args: argparse.Namespace, family: DataFamily, manifest: pd.DataFrame, logger) -> Path:

@@ -25,7 +25,7 @@ from utils import cli
 from utils.errors import TaskHetError
 from utils.locks import folder_lock
 from utils.plots import plt, save_figure
-from utils.run_dir import MetricsCSV, atomic_write_text, claim_folder, setup_logging, unfinished, write_config
+from utils.run_dir import MetricsCSV, atomic_write_text, claim_folder, run_log, unfinished, write_config
 
 STEP = "explain_heterogeneity"
 TABLE_FILE = "explainer.csv"
@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     with folder_lock(args.out):  # one run at a time writes the folder
         claim_folder(args.out, STEP)
         write_config(args.out, vars(args), step=STEP)
-        logger = setup_logging(args.out, "explain")
-        with unfinished(args.out, STEP):
-            return explain(args, logger)
+        with run_log(args.out) as logger:
+            with unfinished(args.out, STEP):
+                return explain(args, logger)
 
 
 def check_arguments(argv: list[str] | None) -> argparse.Namespace:

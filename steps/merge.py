@@ -23,7 +23,7 @@ from sparse.from_run import VAL_SPLITS
 from utils import cli
 from utils.errors import TaskHetError
 from utils.locks import folder_lock
-from utils.run_dir import (MetricsCSV, atomic_torch_save, atomic_write_text, claim_folder, setup_logging, unfinished,
+from utils.run_dir import (MetricsCSV, atomic_torch_save, atomic_write_text, claim_folder, run_log, unfinished,
                            write_config)
 
 STEP = "merge"
@@ -88,38 +88,38 @@ def _write_merge(base: Weights, finetuned: Mapping[str, Weights], out_dir: Path,
                  client_loss: Callable[[str, Weights], float] | None, config: dict | None,
                  masks: Mapping[str, Weights] | None) -> Weights:
     write_config(out_dir, {**(config or {}), "models": list(finetuned), "lambdas": list(lambdas)}, step=STEP)
-    log = setup_logging(out_dir, "merge")
-    (out_dir / "merged.pt").unlink(missing_ok=True)  # a rerun's old result must not sit beside new tables
-    (out_dir / "metrics.csv").unlink(missing_ok=True)  # a rerun into the same folder starts the table afresh
-    metrics = MetricsCSV(out_dir / "metrics.csv", COLUMNS)
-    names = list(finetuned)
-    lam, losses = (lambdas[0], {}) if validation_loss is None else choose_lambda(base, vectors, validation_loss, lambdas)
-    metrics.write({"split": "val", "model": "merged", "other": f"lambda={key}", "metric": "loss", "value": value}
-                  for key, value in losses.items())
-    log.info("λ = %s%s", lam, f" (validation losses {losses})" if losses else "")
-    merged = merge(base, vectors, lam)
-    cosine = cosine_matrix(vectors)
-    jaccard = jaccard_matrix([masks[name] for name in names] if masks else [support(vector) for vector in vectors])
-    for row, first in enumerate(names):
-        metrics.write({"split": "interference", "model": first, "other": second, "metric": metric,
-                       "value": float(matrix[row, column])}
-                      for column, second in enumerate(names) for metric, matrix in (("cosine", cosine),
-                                                                                     ("jaccard", jaccard)))
-    if client_loss is not None:
-        table = pd.DataFrame([_compare(name, finetuned[name], merged, base, client_loss, lam) for name in names])
-        atomic_write_text(out_dir / "merge.csv", table.to_csv(index=False))
-        metrics.write({"split": "client", "model": row.client, "other": other, "metric": "loss",
-                       "value": getattr(row, f"{other}_loss")} for row in table.itertuples()
-                      for other in ("own", "merged", "base"))
-        log.info("clients: own model %.4f, merged %.4f, base %.4f (mean loss on their own data)",
-                 table.own_loss.mean(), table.merged_loss.mean(), table.base_loss.mean())
-    for name, matrix, vmin in (("cosine", cosine, -1.0), ("jaccard", jaccard, 0.0)):
-        np.save(out_dir / f"{name}.npy", matrix.numpy())
-        plot_matrix(matrix, names, f"{name} between clients' task vectors" if name == "cosine"
-                    else "Jaccard overlap of the clients' masks", out_dir / f"{name}.png", vmin=vmin)
-    atomic_torch_save({"model": merged, "lambda": lam}, out_dir / "merged.pt")
-    log.info("wrote %s", out_dir)
-    return merged
+    with run_log(out_dir) as log:
+        (out_dir / "merged.pt").unlink(missing_ok=True)  # a rerun's old result must not sit beside new tables
+        (out_dir / "metrics.csv").unlink(missing_ok=True)  # a rerun into the same folder starts the table afresh
+        metrics = MetricsCSV(out_dir / "metrics.csv", COLUMNS)
+        names = list(finetuned)
+        lam, losses = (lambdas[0], {}) if validation_loss is None else choose_lambda(base, vectors, validation_loss, lambdas)
+        metrics.write({"split": "val", "model": "merged", "other": f"lambda={key}", "metric": "loss", "value": value}
+                      for key, value in losses.items())
+        log.info("λ = %s%s", lam, f" (validation losses {losses})" if losses else "")
+        merged = merge(base, vectors, lam)
+        cosine = cosine_matrix(vectors)
+        jaccard = jaccard_matrix([masks[name] for name in names] if masks else [support(vector) for vector in vectors])
+        for row, first in enumerate(names):
+            metrics.write({"split": "interference", "model": first, "other": second, "metric": metric,
+                           "value": float(matrix[row, column])}
+                          for column, second in enumerate(names) for metric, matrix in (("cosine", cosine),
+                                                                                         ("jaccard", jaccard)))
+        if client_loss is not None:
+            table = pd.DataFrame([_compare(name, finetuned[name], merged, base, client_loss, lam) for name in names])
+            atomic_write_text(out_dir / "merge.csv", table.to_csv(index=False))
+            metrics.write({"split": "client", "model": row.client, "other": other, "metric": "loss",
+                           "value": getattr(row, f"{other}_loss")} for row in table.itertuples()
+                          for other in ("own", "merged", "base"))
+            log.info("clients: own model %.4f, merged %.4f, base %.4f (mean loss on their own data)",
+                     table.own_loss.mean(), table.merged_loss.mean(), table.base_loss.mean())
+        for name, matrix, vmin in (("cosine", cosine, -1.0), ("jaccard", jaccard, 0.0)):
+            np.save(out_dir / f"{name}.npy", matrix.numpy())
+            plot_matrix(matrix, names, f"{name} between clients' task vectors" if name == "cosine"
+                        else "Jaccard overlap of the clients' masks", out_dir / f"{name}.png", vmin=vmin)
+        atomic_torch_save({"model": merged, "lambda": lam}, out_dir / "merged.pt")
+        log.info("wrote %s", out_dir)
+        return merged
 
 
 def _compare(name: str, own: Weights, merged: Weights, base: Weights, client_loss: Callable[[str, Weights], float],

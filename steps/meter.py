@@ -33,7 +33,7 @@ from training.loop import make_loader
 from utils import cli
 from utils.device import pick_device, prepare_model
 from utils.locks import folder_lock
-from utils.run_dir import MetricsCSV, atomic_write_text, claim_folder, setup_logging, unfinished, write_config
+from utils.run_dir import MetricsCSV, atomic_write_text, claim_folder, run_log, unfinished, write_config
 
 METER_FILE = "meter.json"
 STEP = "step 3c"
@@ -69,9 +69,9 @@ def meter(args: argparse.Namespace) -> dict:
     task = get_task(model.config["task"])
     image_size = args.image_size or training_image_size(args.checkpoint)
     write_config(args.out, vars(args), step=STEP)
-    logger = setup_logging(args.out, "meter")
-    with unfinished(args.out, STEP):
-        return measure(args, family, manifest, table, model, task, image_size, logger)
+    with run_log(args.out) as logger:
+        with unfinished(args.out, STEP):
+            return measure(args, family, manifest, table, model, task, image_size, logger)
 
 
 def measure(args: argparse.Namespace, family: DataFamily, manifest: pd.DataFrame, table: pd.DataFrame, model: nn.Module,

@@ -22,7 +22,7 @@ from training.selection import centralized_splits, selected_test_metrics
 from utils import cli
 from utils.errors import NonFiniteLossError, TaskHetError
 from utils.locks import folder_lock
-from utils.run_dir import atomic_write_text, claim_folder, setup_logging, unfinished, write_config
+from utils.run_dir import atomic_write_text, claim_folder, run_log, unfinished, write_config
 
 STEP = "centralized search"
 DESCRIPTION = """Search the centralized baseline's lr x weight decay x scheduler on the validation split, over seeds.
@@ -121,11 +121,11 @@ def search(args: argparse.Namespace, configs: list[Config]) -> pd.DataFrame:
     claim_folder(args.out, STEP)
     args.out.mkdir(parents=True, exist_ok=True)
     write_config(args.out, vars(args), step=STEP)
-    logger = setup_logging(args.out, "search_centralized")
-    logger.info("search over %d configs x %d seed(s), %d epochs each, on the validation part of %s", len(configs),
-                len(args.seeds), args.n_epochs, args.manifest)
-    with unfinished(args.out, STEP):
-        return _search(args, configs, logger)
+    with run_log(args.out) as logger:
+        logger.info("search over %d configs x %d seed(s), %d epochs each, on the validation part of %s", len(configs),
+                    len(args.seeds), args.n_epochs, args.manifest)
+        with unfinished(args.out, STEP):
+            return _search(args, configs, logger)
 
 
 def _search(args: argparse.Namespace, configs: list[Config], logger) -> pd.DataFrame:

@@ -13,7 +13,7 @@ from datasets.family import class_counts
 from steps.manifest_output import claim_step1_folder, write_step1_outputs
 from utils import cli
 from utils.locks import folder_lock
-from utils.run_dir import setup_logging
+from utils.run_dir import run_log
 
 DESCRIPTION = """Step 1 (--family cifar): extract the datapoints used by the experiments.
 Inputs: torchvision's CIFAR files under --data_path (cifar-10-batches-py/ or cifar-100-python/; --download fetches
@@ -62,9 +62,9 @@ def select_and_write(args: argparse.Namespace) -> Path:
     manifest = select_cifar(args.data_path, args.dataset, args.imbalance_factor, args.val_fraction, args.seed,
                             args.verify_checksums)
     path = write_step1_outputs(args, manifest, class_counts(manifest))
-    logger = setup_logging(args.out)
-    train = manifest["split"] == "train"
-    num_val = int(manifest[VAL_COLUMN].sum())
-    logger.info("step 1 (cifar, %s, imbalance factor %g): %d train (%d of them validation, seed %d) / %d test; wrote %s",
-                args.dataset, args.imbalance_factor, int(train.sum()), num_val, args.seed, int((~train).sum()), path)
-    return path
+    with run_log(args.out) as logger:
+        train = manifest["split"] == "train"
+        num_val = int(manifest[VAL_COLUMN].sum())
+        logger.info("step 1 (cifar, %s, imbalance factor %g): %d train (%d of them validation, seed %d) / %d test; wrote %s",
+                    args.dataset, args.imbalance_factor, int(train.sum()), num_val, args.seed, int((~train).sum()), path)
+        return path

@@ -12,7 +12,7 @@ from datasets.family import class_counts
 from steps.manifest_output import claim_step1_folder, write_step1_outputs
 from utils import cli
 from utils.locks import folder_lock
-from utils.run_dir import setup_logging
+from utils.run_dir import run_log
 
 DESCRIPTION = """Step 1 (--family digits): extract the datapoints used by the experiments.
 Inputs: none (scikit-learn's 1,797 bundled 8x8 handwritten digits). Keeps --n_samples of them (stratified by
@@ -60,9 +60,9 @@ def select_and_write(args: argparse.Namespace) -> Path:
     claim_step1_folder(args.out)
     manifest = select_digits(args.test_fraction, args.seed, args.n_samples, args.val_fraction, args.imbalance_factor)
     path = write_step1_outputs(args, manifest, class_counts(manifest))
-    logger = setup_logging(args.out)
-    num_test = int((manifest["split"] == "test").sum())
-    num_val = int(manifest["val"].sum())
-    logger.info("step 1 (digits): %d samples, 10 digits; %d train (%d of them validation) / %d test (stratified by digit, "
-                "seed %d); wrote %s", len(manifest), len(manifest) - num_test, num_val, num_test, args.seed, path)
-    return path
+    with run_log(args.out) as logger:
+        num_test = int((manifest["split"] == "test").sum())
+        num_val = int(manifest["val"].sum())
+        logger.info("step 1 (digits): %d samples, 10 digits; %d train (%d of them validation) / %d test (stratified by digit, "
+                    "seed %d); wrote %s", len(manifest), len(manifest) - num_test, num_val, num_test, args.seed, path)
+        return path

@@ -13,7 +13,7 @@ from datasets.imagefolder import FAMILY, select_imagefolder
 from steps.manifest_output import claim_step1_folder, write_step1_outputs
 from utils import cli
 from utils.locks import folder_lock
-from utils.run_dir import setup_logging
+from utils.run_dir import run_log
 
 DESCRIPTION = """Step 1 (--family imagefolder): extract the datapoints of your own images, one folder per class.
 Inputs: --data_path, a folder in torchvision's ImageFolder layout (root/<class>/<image>; classes numbered 0..K-1
@@ -75,14 +75,14 @@ def select_and_write(args: argparse.Namespace) -> Path:
                                    progress=args.progress)
     manifest = selection.manifest
     path = write_step1_outputs(args, manifest, class_counts(manifest))
-    logger = setup_logging(args.out)
-    warning = skipped_line(args.data_path, selection.skipped, "are not images inside a class folder")
-    if warning:
-        logger.warning(warning)
-    if selection.unlisted:
-        logger.info("the split CSV leaves out %d image(s) of %s", selection.unlisted, args.data_path)
-    train = manifest["split"] == "train"
-    logger.info("step 1 (%s): %d images, %d classes; %d train (%d of them validation) / %d test (%s); wrote %s", FAMILY,
-                len(manifest), manifest["label"].nunique(), int(train.sum()), int(manifest["val"].sum()),
-                int((~train).sum()), "split CSV" if args.split_csv else f"seed {args.seed}", path)
-    return path
+    with run_log(args.out) as logger:
+        warning = skipped_line(args.data_path, selection.skipped, "are not images inside a class folder")
+        if warning:
+            logger.warning(warning)
+        if selection.unlisted:
+            logger.info("the split CSV leaves out %d image(s) of %s", selection.unlisted, args.data_path)
+        train = manifest["split"] == "train"
+        logger.info("step 1 (%s): %d images, %d classes; %d train (%d of them validation) / %d test (%s); wrote %s", FAMILY,
+                    len(manifest), manifest["label"].nunique(), int(train.sum()), int(manifest["val"].sum()),
+                    int((~train).sum()), "split CSV" if args.split_csv else f"seed {args.seed}", path)
+        return path

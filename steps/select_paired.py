@@ -15,7 +15,7 @@ from steps.manifest_output import claim_step1_folder, write_step1_outputs
 from steps.select_imagefolder import add_split_flags, split_csv_path
 from utils import cli
 from utils.locks import folder_lock
-from utils.run_dir import setup_logging
+from utils.run_dir import run_log
 
 DESCRIPTION = """Step 1 (--family paired_folders): extract the datapoints of your own images with dense targets.
 Inputs: --data_path, a folder holding images/<stem>.<ext> (.jpg .jpeg .png .ppm .bmp .pgm .tif .tiff .webp), one
@@ -64,16 +64,16 @@ def select_and_write(args: argparse.Namespace) -> Path:
                               names, args.require_labels, progress=args.progress)
     manifest = selection.manifest
     path = write_step1_outputs(args, manifest, class_counts(manifest))
-    logger = setup_logging(args.out)
-    warning = skipped_line(args.data_path, selection.skipped, "are neither images nor target files")
-    if warning:
-        logger.warning(warning)
-    if selection.unlisted:
-        logger.info("the split CSV leaves out %d image(s) of %s", selection.unlisted, args.data_path)
-    train = manifest["split"] == "train"
-    targets = ", ".join(f"{spec.name} ({spec.kind}: --task {TASK_OF_KIND[spec.kind]})" for spec in selection.targets)
-    labels = "no labels" if (manifest["label_name"] == "").all() else f"{manifest['label'].nunique()} labels"
-    logger.info("step 1 (%s): %d images, targets %s, %s; %d train (%d of them validation) / %d test (%s); wrote %s",
-                FAMILY, len(manifest), targets, labels, int(train.sum()), int(manifest["val"].sum()), int((~train).sum()),
-                "split CSV" if args.split_csv else f"seed {args.seed}", path)
-    return path
+    with run_log(args.out) as logger:
+        warning = skipped_line(args.data_path, selection.skipped, "are neither images nor target files")
+        if warning:
+            logger.warning(warning)
+        if selection.unlisted:
+            logger.info("the split CSV leaves out %d image(s) of %s", selection.unlisted, args.data_path)
+        train = manifest["split"] == "train"
+        targets = ", ".join(f"{spec.name} ({spec.kind}: --task {TASK_OF_KIND[spec.kind]})" for spec in selection.targets)
+        labels = "no labels" if (manifest["label_name"] == "").all() else f"{manifest['label'].nunique()} labels"
+        logger.info("step 1 (%s): %d images, targets %s, %s; %d train (%d of them validation) / %d test (%s); wrote %s",
+                    FAMILY, len(manifest), targets, labels, int(train.sum()), int(manifest["val"].sum()), int((~train).sum()),
+                    "split CSV" if args.split_csv else f"seed {args.seed}", path)
+        return path

@@ -15,7 +15,7 @@ from datasets.taskonomy_domains import TASKS as TASKONOMY_TASKS
 from utils import cli
 from utils.errors import TaskHetError
 from utils.locks import folder_lock
-from utils.run_dir import claim_folder, setup_logging, unfinished, write_config
+from utils.run_dir import claim_folder, run_log, unfinished, write_config
 
 STEP = "step 1"
 
@@ -135,7 +135,7 @@ def select_scenes(args: argparse.Namespace) -> Path:
     with unfinished(args.out, STEP):  # steps 2-4 refuse a manifest whose folder says it did not finish
         paths = write_selection(selection, args.out)
         write_config(args.out, vars(args), step=STEP)
-    logger = setup_logging(args.out)
-    log_selection(selection, logger)
-    logger.info(f"wrote {paths['manifest']}, {paths['class_counts'].name}, {paths['plot'].name}")
-    return paths["manifest"]
+    with run_log(args.out) as logger:
+        log_selection(selection, logger)
+        logger.info(f"wrote {paths['manifest']}, {paths['class_counts'].name}, {paths['plot'].name}")
+        return paths["manifest"]

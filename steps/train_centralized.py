@@ -26,7 +26,7 @@ from utils import cli
 from utils.device import prepare_model
 from utils.errors import TaskHetError
 from utils.locks import folder_lock
-from utils.run_dir import claim_folder, setup_logging, unfinished, write_config
+from utils.run_dir import claim_folder, run_log, unfinished, write_config
 from utils.seeding import derive_seed, set_deterministic
 
 DESCRIPTION = """Step 2 of TaskHet: train one centralized model per task.
@@ -272,34 +272,34 @@ def train_locked(args: argparse.Namespace, accelerator: Accelerator) -> dict:
     if main_process:
         args.out.mkdir(parents=True, exist_ok=True)
         write_config(args.out, {**vars(args), "num_processes": accelerator.num_processes}, step=STEP)
-    logger = setup_logging(args.out, "train_centralized") if main_process else _silent_logger()
-    device = accelerator.device
-    logger.info("task %s, encoder %s (weights %s), %s samples, best.pt: %s, device %s, %d process(es), "
-                "mixed precision %s", args.task, args.encoder, args.weights,
-                " / ".join(f"{len(data)} {split}" for split, data in datasets.items()),
-                "the last epoch (no validation rows)" if select == LAST_EPOCH else f"the epoch of the lowest {select} loss",
-                device,
-                accelerator.num_processes, args.mixed_precision)
-    model = prepare_model(model, device)
-    if args.cache_features:  # a frozen encoder's maps, computed once (datasets/encoded.py); the main process fills the cache
-        with accelerator.main_process_first():
-            datasets = {split: encoded_dataset(data, splits[split], family, model, args.data_path, args.image_size,
-                                               args.cache_dir, manifest) for split, data in datasets.items()}
-    optimizer, scheduler = optimizer_and_scheduler(args, model)
-    loader_seed = derive_seed(args.seed, "centralized", args.task)
-    # item reads: accelerator.prepare cuts each batch into per-process slices (split_batches), which needs a batch_size
-    train_loader = make_loader(datasets.pop("train"), args.batch_size, True, loader_seed, args.num_workers, batch_reads=False)
-    eval_loaders = {split: make_loader(data, args.batch_size, False, loader_seed, args.num_workers) for split, data in datasets.items()}
-    # the scheduler stays unprepared: it steps once per epoch, and it already holds the optimizer's parameter groups
-    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
-    accelerator.wait_for_everyone()  # the main process has checked and claimed the folder
-    with unfinished(args.out, STEP) if main_process else contextlib.nullcontext():  # step 3 refuses an unfinished best.pt
-        return fit(model, task, train_loader, eval_loaders, optimizer, scheduler, accelerator,
-                   input_key=model_input_key(family, args.cache_features),
-                   n_epochs=args.n_epochs, out_dir=args.out, run_signature=signature, select_split=select,
-                   early_stopping_patience=args.early_stopping_patience or None, resume=args.resume, logger=logger,
-                   progress=args.progress and main_process, tensorboard=args.tensorboard,
-                   plots=args.plots)
+    with run_log(args.out) if main_process else contextlib.nullcontext(_silent_logger()) as logger:
+        device = accelerator.device
+        logger.info("task %s, encoder %s (weights %s), %s samples, best.pt: %s, device %s, %d process(es), "
+                    "mixed precision %s", args.task, args.encoder, args.weights,
+                    " / ".join(f"{len(data)} {split}" for split, data in datasets.items()),
+                    "the last epoch (no validation rows)" if select == LAST_EPOCH else f"the epoch of the lowest {select} loss",
+                    device,
+                    accelerator.num_processes, args.mixed_precision)
+        model = prepare_model(model, device)
+        if args.cache_features:  # a frozen encoder's maps, computed once (datasets/encoded.py); the main process fills the cache
+            with accelerator.main_process_first():
+                datasets = {split: encoded_dataset(data, splits[split], family, model, args.data_path, args.image_size,
+                                                   args.cache_dir, manifest) for split, data in datasets.items()}
+        optimizer, scheduler = optimizer_and_scheduler(args, model)
+        loader_seed = derive_seed(args.seed, "centralized", args.task)
+        # item reads: accelerator.prepare cuts each batch into per-process slices (split_batches), which needs a batch_size
+        train_loader = make_loader(datasets.pop("train"), args.batch_size, True, loader_seed, args.num_workers, batch_reads=False)
+        eval_loaders = {split: make_loader(data, args.batch_size, False, loader_seed, args.num_workers) for split, data in datasets.items()}
+        # the scheduler stays unprepared: it steps once per epoch, and it already holds the optimizer's parameter groups
+        model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+        accelerator.wait_for_everyone()  # the main process has checked and claimed the folder
+        with unfinished(args.out, STEP) if main_process else contextlib.nullcontext():  # step 3 refuses an unfinished best.pt
+            return fit(model, task, train_loader, eval_loaders, optimizer, scheduler, accelerator,
+                       input_key=model_input_key(family, args.cache_features),
+                       n_epochs=args.n_epochs, out_dir=args.out, run_signature=signature, select_split=select,
+                       early_stopping_patience=args.early_stopping_patience or None, resume=args.resume, logger=logger,
+                       progress=args.progress and main_process, tensorboard=args.tensorboard,
+                       plots=args.plots)
 
 
 def _silent_logger() -> logging.Logger:

@@ -122,15 +122,13 @@ def test_every_shared_write_names_its_file_on_a_real_full_disk(small_disk):
 
 
 def test_a_run_log_that_cannot_be_written_stops_the_run_naming_it(small_disk, capsys):
-    logger = run_dir.setup_logging(small_disk / "run", "full_disk_test")
+    logger = run_dir.setup_logging(small_disk / "run")
     logger.info("started")
     (small_disk / "filler").write_bytes(b"\0" * (DISK_BYTES - 16 * 1024))
     with pytest.raises(DiskFullError, match=f"^{re.escape(str(small_disk / 'run' / 'run.log'))}: no space left"):
         logger.info("x" * 100_000)
     assert "Logging error" not in capsys.readouterr().err
-    for handler in logger.handlers:
-        handler.close()
-    logger.handlers.clear()
+    run_dir.close_logging(small_disk / "run")
 
 
 @pytest.mark.parametrize("quota", [errno.ENOSPC, errno.EDQUOT])

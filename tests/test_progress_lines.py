@@ -42,7 +42,7 @@ def _engine(out_dir, rounds: int, eval_every: int) -> SequentialEngine:
     config = EngineConfig(out_dir=out_dir, n_rounds=rounds, lr_schedule=make_lr_schedule("constant", 0.05, rounds),
                           seed=7, local_steps=2, client_fraction=0.6, eval_every=eval_every, progress=False)
     return SequentialEngine(model, algorithm, clients, loss_fn, evaluate, global_test(), config, CPU,
-                            logger=setup_logging(out_dir, "progress_test"))
+                            logger=setup_logging(out_dir))
 
 
 def test_a_run_prints_one_stdout_line_per_evaluated_round_and_run_log_has_every_round(tmp_path, capsys):

@@ -202,10 +202,16 @@ def unfinished(out_dir: Path, step: str) -> Iterator[None]:
     marker.unlink(missing_ok=True)
 
 
-def setup_logging(out_dir: Path, name: str = "taskhet") -> logging.Logger:
+def run_logger_name(out_dir: Path) -> str:
+    """The name of ``out_dir``'s logger: one logger per run folder, whichever step writes it."""
+    return f"taskhet.run.{Path(out_dir).resolve()}"
+
+
+def setup_logging(out_dir: Path) -> logging.Logger:
     """A logger that writes to the console (stdout: progress, not errors, so it reaches a log file of stdout alone)
-    and, with timestamps, to ``out_dir/run.log``."""
-    logger = logging.getLogger(f"{name}.{Path(out_dir).resolve()}")
+    and, with timestamps, to ``out_dir/run.log``; the same logger again while the folder's run goes on. A step
+    holds it through :func:`run_log`, which closes it when the step ends."""
+    logger = logging.getLogger(run_logger_name(out_dir))
     logger.setLevel(logging.INFO)
     logger.propagate = False
     if not logger.handlers:
@@ -217,6 +223,28 @@ def setup_logging(out_dir: Path, name: str = "taskhet") -> logging.Logger:
         logger.addHandler(file_handler)
         logger.addHandler(console)
     return logger
+
+
+def close_logging(out_dir: Path) -> None:
+    """Close ``out_dir``'s run.log and forget its logger (nothing when it has none). Without this a process that runs
+    many steps one after another (the pipeline's local executor, a pool worker, a notebook) keeps every run.log
+    open, a file descriptor each, until it runs out of them; and logging's registry keeps every logger. A later
+    :func:`setup_logging` of the folder, a rerun in the same process, starts a new logger that appends to run.log."""
+    logger = logging.Logger.manager.loggerDict.pop(run_logger_name(out_dir), None)  # the registry has no remove call
+    if isinstance(logger, logging.Logger):
+        for handler in list(logger.handlers):
+            logger.removeHandler(handler)
+            handler.close()
+
+
+@contextlib.contextmanager
+def run_log(out_dir: Path) -> Iterator[logging.Logger]:
+    """``out_dir``'s logger (:func:`setup_logging`) for the block; its run.log closed when the block ends, however."""
+    logger = setup_logging(out_dir)
+    try:
+        yield logger
+    finally:
+        close_logging(out_dir)
 
 
 class _RunLog(logging.FileHandler):

@@ -91,10 +91,13 @@ def build_engine(grid: Grid, context: Context) -> FlowerEngine:
     """The server side: the engine over every client of the assignments, writing the run folder."""
     from network.client_data import global_test_loader, global_val_loader
     from network.schedule import table_schedules
+    from utils.run_dir import setup_logging
 
     setup = prepare(use_threads(run_config(context)))
     config, flower = setup.config, context.run_config
-    logger = open_run_folder(setup)
+    open_run_folder(setup)
+    # Not closed here: Flower runs a deployment's ServerApp in a process of its own, which ends with the run.
+    logger = setup_logging(config.out)
     test_loader = global_test_loader(config, setup.manifest, setup.task, setup.feature_model)
     return FlowerEngine(grid, setup.model, setup.algorithm, client_ids(setup.table), setup.evaluate_fn,
                         test_loader, setup.engine_config, setup.device, setup.model_config, logger,
