@@ -7,10 +7,12 @@ until the last file is in place (utils/run_dir.py), so a killed step 1 never loo
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 import pandas as pd
 
+from datasets.folder_files import skipped_line
 from utils.run_dir import atomic_write_text, claim_folder, unfinished, write_config
 
 STEP = "step 1"
@@ -29,3 +31,13 @@ def write_step1_outputs(args: argparse.Namespace, manifest: pd.DataFrame, counts
         atomic_write_text(args.out / "class_counts.csv", counts.to_csv(index=False))
         write_config(args.out, vars(args), step=STEP)
     return path
+
+
+def log_folder_notes(logger: logging.Logger, root: Path, skipped: list[str], unlisted: int, kind: str) -> None:
+    """A folder family's two notes: one warning on the entries under ``root`` it skipped (those that ``kind``), and
+    how many images the split CSV leaves out."""
+    warning = skipped_line(root, skipped, kind)
+    if warning:
+        logger.warning(warning)
+    if unlisted:
+        logger.info("the split CSV leaves out %d image(s) of %s", unlisted, root)

@@ -8,9 +8,8 @@ import argparse
 from pathlib import Path
 
 from datasets.family import class_counts
-from datasets.folder_files import skipped_line
 from datasets.imagefolder import FAMILY, select_imagefolder
-from steps.manifest_output import claim_step1_folder, write_step1_outputs
+from steps.manifest_output import claim_step1_folder, log_folder_notes, write_step1_outputs
 from utils import cli
 from utils.locks import folder_lock
 from utils.run_dir import run_log
@@ -76,11 +75,7 @@ def select_and_write(args: argparse.Namespace) -> Path:
     manifest = selection.manifest
     path = write_step1_outputs(args, manifest, class_counts(manifest))
     with run_log(args.out) as logger:
-        warning = skipped_line(args.data_path, selection.skipped, "are not images inside a class folder")
-        if warning:
-            logger.warning(warning)
-        if selection.unlisted:
-            logger.info("the split CSV leaves out %d image(s) of %s", selection.unlisted, args.data_path)
+        log_folder_notes(logger, args.data_path, selection.skipped, selection.unlisted, "are not images inside a class folder")
         train = manifest["split"] == "train"
         logger.info("step 1 (%s): %d images, %d classes; %d train (%d of them validation) / %d test (%s); wrote %s", FAMILY,
                     len(manifest), manifest["label"].nunique(), int(train.sum()), int(manifest["val"].sum()),

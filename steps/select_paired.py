@@ -8,10 +8,9 @@ import argparse
 from pathlib import Path
 
 from datasets.family import class_counts
-from datasets.folder_files import skipped_line
 from datasets.paired_folders import FAMILY, TASK_OF_KIND
 from datasets.paired_selection import select_paired
-from steps.manifest_output import claim_step1_folder, write_step1_outputs
+from steps.manifest_output import claim_step1_folder, log_folder_notes, write_step1_outputs
 from steps.select_imagefolder import add_split_flags, split_csv_path
 from utils import cli
 from utils.locks import folder_lock
@@ -65,11 +64,7 @@ def select_and_write(args: argparse.Namespace) -> Path:
     manifest = selection.manifest
     path = write_step1_outputs(args, manifest, class_counts(manifest))
     with run_log(args.out) as logger:
-        warning = skipped_line(args.data_path, selection.skipped, "are neither images nor target files")
-        if warning:
-            logger.warning(warning)
-        if selection.unlisted:
-            logger.info("the split CSV leaves out %d image(s) of %s", selection.unlisted, args.data_path)
+        log_folder_notes(logger, args.data_path, selection.skipped, selection.unlisted, "are neither images nor target files")
         train = manifest["split"] == "train"
         targets = ", ".join(f"{spec.name} ({spec.kind}: --task {TASK_OF_KIND[spec.kind]})" for spec in selection.targets)
         labels = "no labels" if (manifest["label_name"] == "").all() else f"{manifest['label'].nunique()} labels"
