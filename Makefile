@@ -15,8 +15,8 @@ setup: $(STAMP) $(HOOK_STAMP)
 
 # pip installs uv, torch and torchvision (requirements-setup.txt): it reads the machine's own pip settings, such as a
 # folder holding a local torch wheel, which uv does not. uv then installs the rest, compiling bytecode in parallel:
-# 3x faster than pip here (docs/BENCHMARKS.md). Where uv fails, pip installs the same files. Both hold every package
-# to constraints.txt.
+# about twice as fast as pip here (docs/BENCHMARKS.md). Where uv fails, pip installs the same files. Both hold every
+# package to constraints.txt.
 UV := $(VENV)/bin/uv
 PIP_INSTALL := $(PIP) install --quiet --disable-pip-version-check -c constraints.txt
 install = $(UV) pip install --quiet --python $(PY) --compile-bytecode -c constraints.txt $(1) || $(PIP_INSTALL) $(1)
