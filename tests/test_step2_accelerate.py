@@ -70,7 +70,16 @@ def both_ends(text: str, keep: int = 3000) -> str:
 def assert_same_run(expected: Path, actual: Path) -> None:
     """Same model, momentum buffers, loader RNG and state in last.pt, and metrics.csv equal within float rounding."""
     want, got = load_checkpoint(expected / "last.pt"), load_checkpoint(actual / "last.pt")
-    assert got["state"] == want["state"] and torch.equal(got["rng"]["train_loader"], want["rng"]["train_loader"])
+    assert torch.equal(got["rng"]["train_loader"], want["rng"]["train_loader"])  # integers: the same draws exactly
+    # The state's counters must agree exactly; its float fields (best_val_loss) come from a loss summed over one
+    # process or gathered from two, a different order of additions, so they agree within the rounding of float32
+    # sums of a few dozen terms (rel 1e-6 covers it; AVX-512 and AVX2 kernels differ in the last bits).
+    assert got["state"].keys() == want["state"].keys()
+    for key, value in want["state"].items():
+        if isinstance(value, float):
+            assert got["state"][key] == pytest.approx(value, rel=1e-6), key
+        else:
+            assert got["state"][key] == value, key
     assert got["model"].keys() == want["model"].keys()  # the unwrapped model: no DDP "module." prefix
     for key, value in want["model"].items():
         torch.testing.assert_close(got["model"][key], value, rtol=1e-4, atol=1e-5, msg=key)

@@ -8,7 +8,9 @@ paper's objective in its primal form, on the head:
 
 * The body is shared and averaged (the model-averaging server: ``weighting``, server optimiser).
 * Each client keeps its own head w_k, but uploads its change: the server stores every client's
-  head (server tensors ``head/<id>/<entry>``) to learn the task relationships.
+  head (server tensors ``head/<id>/<entry>``) to learn the task relationships. Client and server
+  both update their copy as old + change, the same floating-point operations, so the two copies
+  are equal bit for bit on any CPU (old + (new − old) can differ from new in the last bit).
 * Ω = Σ⁻¹ with Σ = (WᵀW)^{1/2} / tr((WᵀW)^{1/2}) (the closed-form minimiser of the objective in Σ,
   Zhang & Yeung 2010), recomputed on the server after every round from the stored heads, by an
   eigendecomposition; Σ's eigenvalues are floored at ``eps`` so Ω stays finite when heads are
@@ -157,9 +159,13 @@ class Mocha(ModelAveraging):
         state = model.state_dict()
         check_head({key: state[key] for key in self._head}, {key: global_weights[key] for key in self._head},
                    self.settings, omega_kk, cfg)
-        upload = {DELTA: subtract(state, global_weights, self.shared_keys()),
-                  HEAD_DELTA: subtract(state, old_head, self._head)}
-        return ClientResult(upload, copy_state(model, self._head), metrics, cfg.num_samples)
+        head_delta = subtract(state, old_head, self._head)
+        upload = {DELTA: subtract(state, global_weights, self.shared_keys()), HEAD_DELTA: head_delta}
+        # The client keeps old + (new − old), the very operations the server runs on its copy, not the trained
+        # head itself: in floating point a + (b − a) need not be b (it is whenever b − a is exact, which depends on
+        # the last bits of training and so on the CPU's kernels), and the server's Ω and couplings must be built
+        # from the heads the clients hold, bit for bit, on every machine.
+        return ClientResult(upload, apply_update(old_head, head_delta), metrics, cfg.num_samples)
 
     def aggregate(self, server: ServerState, uploads: Iterable[Upload]) -> ServerState:
         mean, tensors = WeightedMean(), dict(server.tensors)
