@@ -2,8 +2,8 @@
 (mixed precision, and data-parallel processes under ``accelerate launch``; see :func:`fit`).
 
 It writes ``metrics.csv`` (long format ``epoch, split, metric, value``; epoch 0 is the untrained model; one
-set of rows per evaluated split, ``val`` and ``test`` or ``test`` alone), ``best.pt`` (lowest loss on the
-selection split, the untrained epoch 0 included), ``last.pt`` (every epoch, atomically), ``curves.png`` (every
+set of rows per evaluated split, ``val`` and ``test`` or ``test`` alone), ``best.pt`` (the first epoch of the
+lowest loss on the selection split, the untrained epoch 0 included: a later equal loss does not replace it), ``last.pt`` (every epoch, atomically), ``curves.png`` (every
 metric) and ``loss.png`` / ``<primary metric>.png`` (one metric, every split). ``last.pt`` holds the
 model, optimizer, scheduler, epoch, early-stopping counters and the training
 loader's RNG state, so a resumed run ends bit-identical to an uninterrupted one
@@ -37,6 +37,10 @@ from utils.tensorboard_log import mirror_to_tensorboard
 # accelerate and matplotlib (utils.plots) are imported in the functions that use them.
 if TYPE_CHECKING:
     from accelerate import Accelerator
+
+# The end of a run whose best.pt is epoch 0: without this line a small folder silently hands step 3 a random network.
+UNTRAINED_BEST = ("best.pt is the untrained model (epoch 0): no epoch lowered the %s loss below the untrained one's; "
+                  "step 3 refuses to embed it unless --allow_untrained asks (train longer, or change --init_lr)")
 
 
 def _check_signature(path: Path, saved: dict, current: dict) -> None:
@@ -95,7 +99,10 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
         select_split: the key of ``eval_loaders`` whose loss picks best.pt and stops early (``val``), or
             :data:`~training.loop.LAST_EPOCH`: no split selects, best.pt is the last epoch and nothing stops early
             (step 2's --last_epoch, for data without validation rows; the test split never selects).
-        early_stopping_patience: stop after this many epochs without a lower ``select_split`` loss.
+        early_stopping_patience: stop after this many epochs in a row without a strictly lower ``select_split``
+            loss than the best so far (an equal loss is no improvement; epoch 0 is the first best), so a best epoch
+            ``b`` stops the run after epoch ``b + patience``; reached at epoch ``n_epochs`` itself, nothing was cut
+            short and ``stopped_early`` stays False.
         resume: continue from ``out_dir/last.pt`` when it exists; otherwise start over.
         logger: where the per-epoch summary goes.
         progress: draw the epoch and evaluation bars.
@@ -104,7 +111,8 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
 
     Returns:
         ``{"best_epoch", "best_val_loss" (the ``select_split`` loss of best.pt), "selected_on" (``select_split``),
-        "epochs_done", "stopped_early"}``.
+        "epochs_done", "stopped_early"}``. ``best_epoch`` 0 means best.pt holds the untrained model (no epoch lowered
+        the loss below it); the log says so in one line, and step 3 refuses to embed it unless asked.
 
     Raises:
         utils.interrupts.Interrupted: on Ctrl-C or SIGTERM, naming the epoch that was running and the epoch of
@@ -204,6 +212,8 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
     else:
         logger.info("best epoch %d (by %s loss), %s loss %.5f", state["best_epoch"], select_split, select_split,
                     state["best_val_loss"])
+        if state["best_epoch"] == 0:
+            logger.warning(UNTRAINED_BEST, select_split)
     return {"best_epoch": state["best_epoch"], "best_val_loss": state["best_val_loss"], "selected_on": select_split,
             "epochs_done": state["epoch"], "stopped_early": state["stopped_early"]}
 
@@ -276,8 +286,9 @@ def _plot(csv_path: Path, out_dir: Path, spec: TaskSpec) -> None:
 
 
 def _track_best(run: _Run, epoch: int, val: dict[str, float] | None, state: dict, best_path: Path) -> None:
-    """Write best.pt (main process) when the validation loss is the lowest so far (epoch 0, the untrained model,
-    included); ``val`` None (no split selects, :data:`~training.loop.LAST_EPOCH`): every epoch, so it ends the last."""
+    """Write best.pt (main process) when the validation loss is strictly the lowest so far (epoch 0, the untrained
+    model, included; on a tie the earlier epoch stays, as :func:`training.selection.selected_epoch` reads it back);
+    ``val`` None (no split selects, :data:`~training.loop.LAST_EPOCH`): every epoch, so it ends the last."""
     if val is None or val["loss"] < state["best_val_loss"]:
         loss = math.nan if val is None else val["loss"]
         state.update(best_epoch=epoch, best_val_loss=loss, epochs_without_improvement=0)

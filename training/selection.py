@@ -68,6 +68,7 @@ def selected_epoch(metrics: pd.DataFrame) -> int:
     losses = curve(metrics, TEST_SPLIT if select == LAST_EPOCH else select, "loss")
     if losses.empty:
         raise TaskHetError(f"step-2 metrics have no loss rows of the {'test' if select == LAST_EPOCH else select} split")
+    # idxmin: the first of equal minima, as fit keeps the earlier epoch on a tie
     return int(losses.index.max() if select == LAST_EPOCH else losses.idxmin())
 
 
