@@ -7,7 +7,9 @@ other file is skipped and named in one warning of step 1), read every image with
 :func:`utils.loaders.load_image` (a corrupt file is one error naming it), split the samples the same way (a
 split CSV, or a seeded split stratified by label that keeps at least one training image of every label:
 :func:`datasets.family.stratified_validation`) and decode samples into the shared decoded-sample cache
-(:class:`FolderDataset`).
+(:class:`FolderDataset`). Every name that reaches a manifest (a class folder, an image, a target file) must be
+UTF-8 text, as the manifest is: one that is not (a file named on a Latin-1 system) is one error naming it
+(:func:`require_utf8_path`).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def list_folder(root: Path, folder: Path, extensions: tuple[str, ...], recursive
     """
     seen = set() if seen is None else seen
     seen.add(Path(folder).resolve())
+    require_utf8_path(root, Path(folder), "folder")  # what it holds is named in the manifest through it
     kept, others = [], []
     with os.scandir(folder) as entries:
         for entry in sorted(entries, key=lambda item: item.name):
@@ -70,18 +73,38 @@ def list_folder(root: Path, folder: Path, extensions: tuple[str, ...], recursive
                     kept += more_kept
                     others += more_others
             elif has_extension(entry.name, extensions):
+                require_utf8_path(root, Path(entry.path), "file")
                 kept.append(relative)
             else:
-                others.append(relative)
+                others.append(relative)  # skipped: only named in a warning, escaped there (skipped_line)
     return kept, others
+
+
+def shown_path(path: Path | str) -> str:
+    """``path`` as text any console or log can print: bytes of its name that are not UTF-8 (which Python keeps as
+    lone surrogates) shown as ``\\xNN`` (Python's backslashreplace)."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def require_utf8_path(root: Path, path: Path, what: str) -> None:
+    """Refuse ``path`` (a file or folder under ``root``) when its part below ``root`` is not UTF-8 text.
+
+    The manifest is a UTF-8 CSV that names every file by its path relative to the root, so a name with other bytes
+    (from a Latin-1 or Windows system) could not be written there, nor read back as the same file.
+    """
+    try:
+        Path(path).relative_to(root).as_posix().encode("utf-8")
+    except UnicodeEncodeError:
+        raise TaskHetError(f"{what} {shown_path(path)}: its name is not UTF-8 text (the bytes shown as \\xNN); the "
+                           "manifest names every file in UTF-8, so rename it (e.g. with convmv)") from None
 
 
 def skipped_line(root: Path, skipped: list[str], kind: str) -> str | None:
     """The one warning of step 1 about files it skipped under ``root`` (None when there were none)."""
     if not skipped:
         return None
-    named = ", ".join(skipped[:MAX_NAMED]) + (f" ... ({len(skipped)} in all)" if len(skipped) > MAX_NAMED else "")
-    return f"skipped {len(skipped)} entr{'y' if len(skipped) == 1 else 'ies'} under {root} that {kind}: {named}"
+    named = named_files([shown_path(entry) for entry in skipped])  # a skipped name need not be UTF-8: escaped
+    return f"skipped {len(skipped)} entr{'y' if len(skipped) == 1 else 'ies'} under {shown_path(root)} that {kind}: {named}"
 
 
 def named_files(paths: list[str]) -> str:

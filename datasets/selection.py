@@ -184,8 +184,11 @@ def _refuse_empty(split: pd.Series, units: pd.Series, unit: str, where: str, con
     empty = [name for name in wanted if counts[name] == 0]
     if empty:
         shown = ", ".join(f"{name} {counts[name]}" for name in wanted)
+        # the split CSV's own columns decide there: the fractions are not used, so they are no way out
+        hint = (f"mark one of them {empty[0]} in the split CSV" if config.split_by == "csv"
+                else f"use more {unit} or other --test_fraction/--val_fraction")
         raise TaskHetError(f"{where}: split {empty[0]!r} would hold 0 of the {units.nunique()} {unit} with kept samples "
-                           f"({shown}); use more {unit} or other --test_fraction/--val_fraction (split by {config.split_by})")
+                           f"({shown}); {hint} (split by {config.split_by})")
 
 
 def read_split_membership(path: Path) -> dict[str, str]:
