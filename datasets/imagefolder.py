@@ -120,7 +120,7 @@ def select_imagefolder(root: Path, test_fraction: float, val_fraction: float, se
     labels = np.array([classes.index(path.split("/", 1)[0]) for path in paths], dtype=np.int64)
     if split_csv is None:
         split, val = seeded_split(labels, test_fraction, val_fraction, seed, FAMILY)
-        hint = "raise --test_fraction or add images"
+        hint = "raise --test_fraction or add images: each class keeps one training image"
     else:
         split, val = split_from_csv(keys, table)
         hint = f"split CSV {split_csv}"

@@ -171,7 +171,8 @@ def split_stems(root: Path, stems: list[str], labels: np.ndarray, test_fraction:
     """``(stems kept, split, val, images the split CSV leaves out)``: the seeded split or the split CSV's."""
     if split_csv is None:
         split, val = seeded_split(labels, test_fraction, val_fraction, seed, FAMILY)
-        require_both_splits(split, val, root, "raise --test_fraction or add images")
+        require_both_splits(split, val, root,
+                            "raise --test_fraction or add images: each label keeps one training image")
         return stems, split, val, 0
     table = read_split_csv(split_csv, "stem")
     known = set(stems)

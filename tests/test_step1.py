@@ -11,7 +11,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from datasets.selection import SelectionConfig, read_scene_names, read_split_csv, select_datapoints, summary_line, write_selection
+from datasets.selection import (SelectionConfig, read_scene_names, read_split_csv, select_datapoints, split_samples,
+                                summary_line, write_selection)
 from datasets.synthetic import PLACES_FILE, SPLIT_FILE
 from datasets.taskonomy import MANIFEST_COLUMNS, domain_dir, read_manifest
 from datasets.taskonomy_domains import DOMAINS
@@ -261,3 +262,77 @@ def test_the_official_tiny_split_csv_is_read():
     path = Path(omnidata_taskonomy.taskonomy_split_files["tiny"])
     assert b"\r" in path.read_bytes() and b"\n" not in path.read_bytes()  # CR-only, as shipped
     assert len(read_split_csv(path)) == 35
+
+
+def building_samples(classes: dict[str, int], views: int = 2) -> pd.DataFrame:
+    """Samples (columns building, scene_class): ``views`` views of each building, all of its scene class."""
+    return pd.DataFrame([(building, label) for building, label in classes.items() for _ in range(views)],
+                        columns=["building", "scene_class"])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_building_split_is_stratified_by_each_buildings_majority_scene_class(tmp_path, seed):
+    # 12 buildings of unequal classes: 6 of class 0, 3 of class 1, 3 of class 2; a0 has a third view of class 2, but
+    # two of class 0 make its majority
+    classes = {**{f"a{i}": 0 for i in range(6)}, **{f"b{i}": 1 for i in range(3)}, **{f"c{i}": 2 for i in range(3)}}
+    samples = pd.concat([building_samples(classes), pd.DataFrame({"building": ["a0"], "scene_class": [2]})],
+                        ignore_index=True)
+    config = SelectionConfig(data_path=tmp_path, split_by="building", test_fraction=1 / 3, val_fraction=1 / 3, seed=seed)
+    split = split_samples(samples, config)
+    parts = split.groupby(samples["building"]).unique()
+    assert all(len(part) == 1 for part in parts)  # every building whole
+    counts = pd.crosstab(parts.str[0], parts.index.map(classes)).reindex(["train", "val", "test"])
+    # test: round(12 / 3) = 4 buildings, one from each quarter of the class-sorted order (0 0 0 | 0 0 0 | 1 1 1 | 2 2 2):
+    # 2, 1, 1. val: round(12 / 3) = 4 of the 8 left (0 0 | 0 0 | 1 1 | 2 2): 2, 1, 1 again; train keeps the rest.
+    # The same draw over an order blind to the classes gives these counts for 12 of the seeds 0..199 (none of 0..4).
+    assert counts.values.tolist() == [[2, 1, 1], [2, 1, 1], [2, 1, 1]]
+
+
+def write_split_flags(path: Path, flags: dict[str, str]) -> Path:
+    """A split CSV (id,train,val,test) from building -> "train" | "val" | "test"."""
+    rows = [f"{building},{int(part == 'train')},{int(part == 'val')},{int(part == 'test')}" for building, part in flags.items()]
+    path.write_text("id,train,val,test\n" + "\n".join(rows) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("parts, empty, shown", [
+    (("train", "train", "train", "test"), "val", "train 3, test 1, val 0"),
+    (("val", "val", "test", "val"), "train", "train 0, test 1, val 3"),
+    (("train", "val", "train", "train"), "test", "train 3, test 0, val 1"),
+])
+def test_a_split_csv_that_leaves_a_part_empty_is_one_error_line(tiny_data_root, tmp_path, capsys, parts, empty, shown):
+    csv = write_split_flags(tmp_path / "split.csv", {f"synth00{index}": part for index, part in enumerate(parts)})
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        run_main(step1.main, ["--data_path", str(tiny_data_root), "--client_file_name", str(csv), "--split_by", "csv",
+                              "--out", str(tmp_path / "out"), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and err == [
+        f"error: split CSV {csv}: split {empty!r} would hold 0 of the 4 buildings with kept samples ({shown}); mark one of "
+        f"them {empty} in the split CSV (split by csv)"]
+    assert not (tmp_path / "out" / "manifest.csv").exists()
+
+
+def test_a_split_csv_part_counts_only_buildings_with_kept_samples(tmp_path):
+    csv = write_split_flags(tmp_path / "split.csv", {"s0": "train", "s1": "val", "s2": "test"})
+    samples = building_samples({"s1": 0, "s2": 1})  # s0's views were all left out (a scene class not in the top K)
+    with pytest.raises(TaskHetError) as refused:
+        split_samples(samples, SelectionConfig(data_path=tmp_path, split_by="csv"), csv)
+    assert str(refused.value) == (f"split CSV {csv}: split 'train' would hold 0 of the 2 buildings with kept samples "
+                                  "(train 0, test 1, val 1); mark one of them train in the split CSV (split by csv)")
+
+
+def test_a_building_split_without_val_fraction_has_no_validation_part_and_is_not_refused(tmp_path):
+    samples = building_samples({"s0": 0, "s1": 0})
+    split = split_samples(samples, SelectionConfig(data_path=tmp_path, split_by="building", test_fraction=0.5))
+    assert sorted(split.groupby(samples["building"]).first()) == ["test", "train"]  # two buildings: one each
+
+
+def test_a_building_split_of_two_buildings_with_validation_leaves_train_empty(tmp_path):
+    samples = building_samples({"s0": 0, "s1": 1})
+    config = SelectionConfig(data_path=tmp_path, split_by="building", test_fraction=0.1, val_fraction=0.1)
+    with pytest.raises(TaskHetError) as refused:  # at least one building to test and one to val: none left to train
+        split_samples(samples, config)
+    assert str(refused.value) == ("--split_by: split 'train' would hold 0 of the 2 buildings with kept samples (train 0, "
+                                  "test 1, val 1); use more buildings or other --test_fraction/--val_fraction (split by "
+                                  "building)")
