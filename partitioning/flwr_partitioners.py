@@ -2,7 +2,7 @@
 
 A Flower user partitions any Hugging Face ``datasets.Dataset`` the way step 3b partitions a manifest::
 
-    import sys; sys.path.append("/path/to/taskhet")   # or PYTHONPATH=/path/to/taskhet
+    import sys; sys.path.append("/path/to/taskhet")   # append: the repository after site-packages (see Imports)
     from flwr_datasets import FederatedDataset
     from partitioning.flwr_partitioners import TaskHetEmbeddingPartitioner
 
@@ -23,10 +23,12 @@ manifest's train rows in manifest order. The first ``load_partition`` draws ever
 one column, read from the Arrow table without copying); each call then only selects its rows.
 
 Imports: numpy, scikit-learn (embedding columns only), Hugging Face ``datasets`` and ``flwr_datasets``; never torch
-or matplotlib. The repository's own ``datasets/`` package has the same name as Hugging Face's (docs/DESIGN.md §2):
-this module imports Hugging Face's with the repository root off ``sys.path``, so it works with the root anywhere on
-the path, but a process that already imported TaskHet's ``datasets`` package (a TaskHet step, the test suite's
-conftest) cannot import this module: :func:`import_flower_datasets` says so.
+or matplotlib. The repository's own ``datasets/`` package has the same name as Hugging Face's (docs/DESIGN.md §2),
+so a Flower user puts the repository root *after* site-packages (``sys.path.append``), never ahead of it
+(``PYTHONPATH``, ``sys.path.insert(0, ...)``, a script run from the root): there, the user's own
+``from datasets import Dataset`` would find TaskHet's package. This module itself imports Hugging Face's with the
+root off ``sys.path``, wherever the root is; but a process that already imported TaskHet's ``datasets`` package (a
+TaskHet step, the test suite's conftest) cannot import this module: :func:`import_flower_datasets` says so.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import numpy as np
 
 from partitioning.partition import get_partitioner
 from partitioning.partitioner import Partitioner as SchemePartitioner
+from utils import cli
 from utils.errors import TaskHetError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -50,6 +53,35 @@ FLOWER_NAMES = (("n_clients (--n_clients)", "num_partitions"), ("min_client_size
                 ("alpha (--alpha)", "alpha"), ("--n_clients", "num_partitions"), ("--min_client_size", "min_partition_size"),
                 ("--alpha", "alpha"), ("--size_skew", "size_skew"), ("--groups_per_client", "groups_per_client"),
                 ("--n_clusters", "n_clusters"), ("--pca_dim", "pca_dim"))
+
+
+# Every numeric argument is bounded as the step-3b or step-3 flag it stands for (utils/cli.py's ranges): a bool is not
+# an int, and a maximum stops a typo (n_init=10**9) from running KMeans for days. The maxima are those flags' own
+# (partitioning/assignments.py's MAX_CLIENTS and MAX_ALPHA, steps/assign.py's MAX_GROUPS_PER_CLIENT, steps/embed.py's
+# MAX_PCA_DIM and MAX_KMEANS_RESTARTS; tests/test_flwr_partitioners.py keeps them equal), written out here because
+# importing those modules imports TaskHet's datasets package, which cannot live beside Hugging Face's.
+MAX_PARTITIONS, MAX_ALPHA, MAX_GROUPS_PER_CLIENT, MAX_PCA_DIM, MAX_KMEANS_RESTARTS = 10_000, 1e6, 1_000, 100_000, 1_000
+ARGUMENTS = {
+    "num_partitions": cli.ints(1, MAX_PARTITIONS), "min_partition_size": cli.ints(1, cli.MAX_SAMPLES),
+    "seed": cli.SEEDS, "cluster_seed": cli.SEEDS, "alpha": cli.floats(0.0, MAX_ALPHA, low_open=True),
+    "groups_per_client": cli.ints(1, MAX_GROUPS_PER_CLIENT), "n_clusters": cli.ints(1, cli.MAX_CLUSTERS),
+    "pca_dim": cli.ints(1, MAX_PCA_DIM), "n_init": cli.ints(1, MAX_KMEANS_RESTARTS),
+}
+
+
+def check_argument(name: str, value: Any) -> int | float:
+    """``value`` in the range of ``ARGUMENTS[name]`` (a numpy number counts as the Python one; a bool never does).
+
+    Raises:
+        TaskHetError: one line naming the argument and its range (``num_partitions must be an integer in
+            [1, 10000], got True``).
+    """
+    if isinstance(value, (np.integer, np.floating)):
+        value = value.item()
+    try:
+        return ARGUMENTS[name].check(value)
+    except ValueError as error:
+        raise TaskHetError(f"{name} {error}") from None
 
 
 def _is_repo_root(entry: str) -> bool:
@@ -151,16 +183,19 @@ class TaskHetPartitioner(flwr_partitioner.Partitioner):
     """A registered TaskHet partition scheme over one column, as a Flower Datasets partitioner.
 
     Args:
-        num_partitions: the number of partitions (step 3b's ``--n_clients``).
+        num_partitions: the number of partitions, an integer in [1, 10000] (step 3b's ``--n_clients``).
         partition_by: the column whose values are the groups the scheme skews (a label).
         scheme: a registered scheme (``partitioning.partition.list_schemes()``; not ``natural``: Flower's
             ``NaturalIdPartitioner`` does that); default ``dirichlet_mixture``, the paper's.
-        seed: the root seed (step 3b's ``--seed``): the draw is ``numpy_rng(seed, "partition", scheme)``.
-        min_partition_size: the fewest rows a partition may hold (``--min_client_size``).
-        **scheme_params: the scheme's other parameters (``alpha``, ``size_skew``, ``groups_per_client``).
+        seed: the root seed, an integer in [0, 2^63-1] (step 3b's ``--seed``): the draw is
+            ``numpy_rng(seed, "partition", scheme)``.
+        min_partition_size: the fewest rows a partition may hold, an integer in [1, 10^8] (``--min_client_size``).
+        **scheme_params: the scheme's other parameters (``alpha`` in (0, 10^6], ``size_skew``,
+            ``groups_per_client`` in [1, 1000]).
 
     Raises:
-        TaskHetError: a parameter the scheme does not take or refuses (checked here, before any data).
+        TaskHetError: an argument outside its range (a bool is not an integer), or a parameter the scheme does not
+            take or refuses: one line naming it, checked here, before any data.
     """
 
     def __init__(self, num_partitions: int, partition_by: str, *, scheme: str = "dirichlet_mixture", seed: int = 0,
@@ -168,6 +203,14 @@ class TaskHetPartitioner(flwr_partitioner.Partitioner):
         super().__init__()
         if scheme == "natural":
             raise TaskHetError("scheme natural needs each row's owner: use flwr_datasets' NaturalIdPartitioner")
+        if not isinstance(partition_by, str) or not partition_by:
+            raise TaskHetError(f"partition_by must be a column name (a non-empty string), got {partition_by!r}")
+        num_partitions = check_argument("num_partitions", num_partitions)
+        seed = check_argument("seed", seed)
+        min_partition_size = check_argument("min_partition_size", min_partition_size)
+        for name in ("alpha", "groups_per_client"):  # the scheme's numeric parameters (None: the scheme's default)
+            if scheme_params.get(name) is not None:
+                scheme_params[name] = check_argument(name, scheme_params[name])
         try:
             self._scheme: SchemePartitioner = get_partitioner(scheme, num_partitions, seed=seed,
                                                               min_client_size=min_partition_size, **scheme_params)
@@ -221,12 +264,12 @@ class TaskHetLabelPartitioner(TaskHetPartitioner):
     ``--groups``): partition k's label mixture is q_k ~ Dir(α·p), p the label proportions.
 
     Args:
-        num_partitions: the number of partitions (``--n_clients``).
+        num_partitions: the number of partitions, in [1, 10000] (``--n_clients``).
         partition_by: the label column (default ``label``).
-        alpha: the Dirichlet concentration α > 0 (``--alpha``): small α, few labels per partition.
-        seed: the root seed (``--seed``).
+        alpha: the Dirichlet concentration α in (0, 10^6] (``--alpha``): small α, few labels per partition.
+        seed: the root seed, in [0, 2^63-1] (``--seed``).
         size_skew: ``None`` (equal sizes), ``"lognormal:σ"`` or ``"powerlaw:a"`` (``--size_skew``).
-        min_partition_size: the fewest rows a partition may hold (``--min_client_size``).
+        min_partition_size: the fewest rows a partition may hold, in [1, 10^8] (``--min_client_size``).
     """
 
     def __init__(self, num_partitions: int, partition_by: str = "label", *, alpha: float = 1.0, seed: int = 0,
@@ -246,16 +289,16 @@ class TaskHetEmbeddingPartitioner(TaskHetPartitioner):
     ``--n_init``, ``--seed``).
 
     Args:
-        num_partitions: the number of partitions (``--n_clients``).
+        num_partitions: the number of partitions, in [1, 10000] (``--n_clients``).
         partition_by: the cluster-id or embedding column.
-        n_clusters: the KMeans clusters of an embedding column; must be None for a cluster-id column.
-        alpha: the Dirichlet concentration α > 0 (``--alpha``).
-        seed: the root seed of the partition (step 3b's ``--seed``).
-        cluster_seed: the root seed of the PCA and KMeans (step 3's ``--seed``); default ``seed``.
-        pca_dim: reduce the embeddings to this many PCA components before KMeans (default: none).
-        n_init: KMeans restarts (the best inertia wins).
+        n_clusters: the KMeans clusters of an embedding column, in [1, 10000]; must be None for a cluster-id column.
+        alpha: the Dirichlet concentration α in (0, 10^6] (``--alpha``).
+        seed: the root seed of the partition, in [0, 2^63-1] (step 3b's ``--seed``).
+        cluster_seed: the root seed of the PCA and KMeans, in [0, 2^63-1] (step 3's ``--seed``); default ``seed``.
+        pca_dim: reduce the embeddings to this many PCA components before KMeans, in [1, 100000] (default: none).
+        n_init: KMeans restarts, in [1, 1000] (the best inertia wins).
         size_skew: ``None`` (equal sizes), ``"lognormal:σ"`` or ``"powerlaw:a"``.
-        min_partition_size: the fewest rows a partition may hold.
+        min_partition_size: the fewest rows a partition may hold, in [1, 10^8].
 
     Attributes:
         clusters: int64 [rows], each row's cluster after the first ``load_partition`` (None before).
@@ -266,11 +309,11 @@ class TaskHetEmbeddingPartitioner(TaskHetPartitioner):
                  size_skew: str | None = None, min_partition_size: int = 1) -> None:
         super().__init__(num_partitions, partition_by, scheme="dirichlet_mixture", seed=seed,
                          min_partition_size=min_partition_size, alpha=alpha, size_skew=size_skew)
-        for name, value in (("n_clusters", n_clusters), ("pca_dim", pca_dim), ("n_init", n_init)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
-                raise TaskHetError(f"{name} must be an integer >= 1, got {value!r}")
-        self.n_clusters, self.pca_dim, self.n_init = n_clusters, pca_dim, n_init
-        self.cluster_seed = seed if cluster_seed is None else cluster_seed
+        self.n_clusters = None if n_clusters is None else check_argument("n_clusters", n_clusters)
+        self.pca_dim = None if pca_dim is None else check_argument("pca_dim", pca_dim)
+        self.n_init = check_argument("n_init", n_init)
+        # the seed the base checked (and stored on the scheme) when no cluster seed of its own is given
+        self.cluster_seed = self._scheme.seed if cluster_seed is None else check_argument("cluster_seed", cluster_seed)
         self.clusters: np.ndarray | None = None
 
     def groups(self) -> np.ndarray:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,9 +22,11 @@ import pandas as pd
 import pytest
 
 from datasets.digits import load_arrays, select_digits
+from partitioning.assignments import MAX_ALPHA, MAX_CLIENTS
 from partitioning.kmeans import cluster_embeddings
 from partitioning.partition import get_partitioner
 from steps import assign
+from steps.embed import MAX_KMEANS_RESTARTS, MAX_PCA_DIM  # imported before the module swaps in Hugging Face's datasets
 from utils.errors import TaskHetError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,11 +140,92 @@ def test_a_shuffled_dataset_is_partitioned_in_the_order_it_shows(step3b, flower)
     assert rows_of(partitioner) != rows_of_step3b(step3b.assignments["label"])  # another order, another partition
 
 
+IDS = [f"r{row}" for row in range(6)]
+
+
+def in_two_tables(flower, columns: dict, cut: int):
+    """The rows of ``columns`` as a ``datasets.Dataset`` of two Arrow chunks: rows [0, cut) and [cut, end)."""
+    first, second = ({name: values[part] for name, values in columns.items()} for part in (slice(cut), slice(cut, None)))
+    joined = flower.hf.concatenate_datasets([flower.hf.Dataset.from_dict(first), flower.hf.Dataset.from_dict(second)])
+    assert all(joined.data.column(name).num_chunks == 2 for name in columns)  # what the test is about
+    return joined
+
+
+def test_a_label_column_of_several_arrow_chunks_is_partitioned_as_one_chunk(flower):
+    import pyarrow as pa
+
+    labels = [0, 0, 1, 1, 1, 0]
+    one = flower.hf.Dataset.from_dict({"sample_id": IDS, "label": labels})
+    two = in_two_tables(flower, {"sample_id": IDS, "label": labels}, cut=2)
+    chunked = flower.hf.Dataset(pa.table({"sample_id": pa.chunked_array([IDS[:3], IDS[3:]]),
+                                          "label": pa.chunked_array([labels[:3], labels[3:]])}))
+    assert chunked.data.column("label").num_chunks == 2
+    # By hand: one partition holds every row, those of the second chunk too.
+    whole = flower.adapter.TaskHetLabelPartitioner(1, seed=SEED)
+    whole.dataset = two
+    assert whole.load_partition(0)["sample_id"] == IDS
+    partitions = []
+    for dataset in (one, two, chunked):
+        partitioner = flower.adapter.TaskHetLabelPartitioner(2, alpha=ALPHA, seed=SEED)
+        partitioner.dataset = dataset
+        partitions.append(rows_of(partitioner))
+    assert partitions[1] == partitions[2] == partitions[0]
+    assert sorted(partitions[0][0] + partitions[0][1]) == IDS  # each row once, in one of the two
+
+
+# Two blobs by hand: rows 1, 2 and 4 lie near (0, 0), rows 0, 3 and 5 near (10, 10).
+VECTORS = [[10.0, 10.0], [0.0, 0.0], [0.0, 1.0], [10.0, 11.0], [0.0, 0.5], [10.0, 10.5]]
+
+
+def blobs(partitioner) -> list[set[str]]:
+    """The rows of each KMeans cluster the partitioner found, as sets of sample ids (cluster ids are arbitrary)."""
+    ids = partitioner.dataset["sample_id"]
+    return sorted(({ids[row] for row in np.flatnonzero(partitioner.clusters == cluster)}
+                   for cluster in np.unique(partitioner.clusters)), key=min)
+
+
+def test_an_embedding_column_of_several_arrow_chunks_is_clustered_and_partitioned_as_one_chunk(flower):
+    one = flower.hf.Dataset.from_dict({"sample_id": IDS, "e": VECTORS})
+    two = in_two_tables(flower, {"sample_id": IDS, "e": VECTORS}, cut=3)
+    partitions = []
+    for dataset in (one, two):
+        partitioner = flower.adapter.TaskHetEmbeddingPartitioner(2, "e", n_clusters=2, alpha=ALPHA, seed=SEED)
+        partitioner.dataset = dataset
+        partitions.append(rows_of(partitioner))
+        assert blobs(partitioner) == [{"r0", "r3", "r5"}, {"r1", "r2", "r4"}]
+    assert partitions[1] == partitions[0]
+    # A contiguous select slices the chunks (no row mapping): the first chunk now starts at its row 1, and each
+    # vector must still be its own row's, not the one before it (row 0 lies in the other blob).
+    sliced = two.select(range(1, 6))
+    assert sliced._indices is None and sliced.data.column("e").chunk(0).offset == 1
+    partitioner = flower.adapter.TaskHetEmbeddingPartitioner(2, "e", n_clusters=2, alpha=ALPHA, seed=SEED)
+    partitioner.dataset = sliced
+    rows_of(partitioner)
+    assert blobs(partitioner) == [{"r1", "r2", "r4"}, {"r3", "r5"}]
+
+
 CONSTRUCTION = {
-    "alpha 0": (dict(alpha=0.0), r"alpha must be a finite number > 0, got 0\.0"),
-    "alpha nan": (dict(alpha=float("nan")), r"alpha must be a finite number > 0"),
-    "no partitions": (dict(num_partitions=0), r"num_partitions must be an integer >= 1, got 0"),
-    "min size 0": (dict(min_partition_size=0), r"min_partition_size must be an integer >= 1, got 0"),
+    "alpha 0": (dict(alpha=0.0), r"^alpha must be a number in \(0, 1e\+06\], got 0\.0$"),
+    "alpha nan": (dict(alpha=float("nan")), r"^alpha must be a number in \(0, 1e\+06\], got nan$"),
+    "alpha above the maximum": (dict(alpha=1e6 * (1 + 1e-15)), r"^alpha must be a number in \(0, 1e\+06\], got 1"),
+    "alpha a bool": (dict(alpha=True), r"^alpha must be a number in \(0, 1e\+06\], got True$"),
+    "no partitions": (dict(num_partitions=0), r"^num_partitions must be an integer in \[1, 10000\], got 0$"),
+    "partitions a bool": (dict(num_partitions=True), r"^num_partitions must be an integer in \[1, 10000\], got True$"),
+    "partitions a numpy bool": (dict(num_partitions=np.bool_(True)), r"^num_partitions must be an integer in \[1, "
+                                                                      r"10000\], got np\.True_$"),
+    "partitions a float": (dict(num_partitions=4.0), r"^num_partitions must be an integer in \[1, 10000\], got 4\.0$"),
+    "partitions above the maximum": (dict(num_partitions=10_001),
+                                     r"^num_partitions must be an integer in \[1, 10000\], got 10001$"),
+    "min size 0": (dict(min_partition_size=0), r"^min_partition_size must be an integer in \[1, 100000000\], got 0$"),
+    "min size a bool": (dict(min_partition_size=True), r"^min_partition_size must be an integer in \[1, 100000000\], "
+                                                       r"got True$"),
+    "min size above the maximum": (dict(min_partition_size=10**8 + 1), r"^min_partition_size must be an integer in "
+                                                                      r"\[1, 100000000\], got 100000001$"),
+    "seed a bool": (dict(seed=False), r"^seed must be an integer in \[0, 2\^63-1\], got False$"),
+    "negative seed": (dict(seed=-1), r"^seed must be an integer in \[0, 2\^63-1\], got -1$"),
+    "seed past int64": (dict(seed=2**63), r"^seed must be an integer in \[0, 2\^63-1\], got 9223372036854775808$"),
+    "partition_by not a name": (dict(partition_by=3), r"^partition_by must be a column name \(a non-empty string\), "
+                                                      r"got 3$"),
     "bad size skew": (dict(size_skew="zipf:2"), r"zipf"),
 }
 
@@ -155,13 +239,43 @@ def test_bad_parameters_are_refused_when_the_partitioner_is_built(flower, case):
 
 
 @pytest.mark.parametrize("arguments, message", [
-    (dict(n_clusters=0), r"n_clusters must be an integer >= 1, got 0"),
-    (dict(pca_dim=1.5), r"pca_dim must be an integer >= 1, got 1\.5"),
-    (dict(n_init=True), r"n_init must be an integer >= 1, got True"),
+    (dict(n_clusters=0), r"^n_clusters must be an integer in \[1, 10000\], got 0$"),
+    (dict(n_clusters=True), r"^n_clusters must be an integer in \[1, 10000\], got True$"),
+    (dict(n_clusters=10_001), r"^n_clusters must be an integer in \[1, 10000\], got 10001$"),
+    (dict(pca_dim=1.5), r"^pca_dim must be an integer in \[1, 100000\], got 1\.5$"),
+    (dict(pca_dim=100_001), r"^pca_dim must be an integer in \[1, 100000\], got 100001$"),
+    (dict(n_init=True), r"^n_init must be an integer in \[1, 1000\], got True$"),
+    (dict(n_init=0), r"^n_init must be an integer in \[1, 1000\], got 0$"),
+    (dict(n_init=10**9), r"^n_init must be an integer in \[1, 1000\], got 1000000000$"),  # KMeans for days before
+    (dict(cluster_seed=True), r"^cluster_seed must be an integer in \[0, 2\^63-1\], got True$"),
+    (dict(cluster_seed=-1), r"^cluster_seed must be an integer in \[0, 2\^63-1\], got -1$"),
 ])
 def test_bad_kmeans_parameters_are_refused_when_built(flower, arguments, message):
     with pytest.raises(TaskHetError, match=message):
         flower.adapter.TaskHetEmbeddingPartitioner(4, "embedding", **arguments)
+
+
+def test_every_maximum_itself_is_accepted_and_numpy_numbers_count_as_python_ones(flower):
+    label = flower.adapter.TaskHetLabelPartitioner(np.int64(10_000), alpha=1e6, seed=2**63 - 1,
+                                                   min_partition_size=10**8)
+    assert label.num_partitions == 10_000 and type(label.num_partitions) is int
+    embedding = flower.adapter.TaskHetEmbeddingPartitioner(1, "e", n_clusters=10_000, pca_dim=100_000, n_init=1_000,
+                                                           alpha=np.float32(0.5), cluster_seed=np.int32(0), seed=3)
+    assert (embedding.n_clusters, embedding.pca_dim, embedding.n_init, embedding.cluster_seed) == (10_000, 100_000,
+                                                                                                   1_000, 0)
+    assert flower.adapter.TaskHetEmbeddingPartitioner(1, "e", seed=3).cluster_seed == 3  # the partition's seed
+    base = flower.adapter.TaskHetPartitioner(2, "label", scheme="shards", groups_per_client=1_000)
+    assert base.num_partitions == 2
+    with pytest.raises(TaskHetError, match=r"^groups_per_client must be an integer in \[1, 1000\], got 1001$"):
+        flower.adapter.TaskHetPartitioner(2, "label", scheme="shards", groups_per_client=1_001)
+
+
+def test_the_maxima_are_those_of_the_flags_the_arguments_stand_for(flower):
+    """The adapter writes the flags' maxima out (it cannot import TaskHet's steps beside Hugging Face's datasets)."""
+    ranges = flower.adapter.ARGUMENTS
+    assert (ranges["num_partitions"].high, ranges["alpha"].high) == (MAX_CLIENTS, MAX_ALPHA)
+    assert ranges["groups_per_client"].high == assign.MAX_GROUPS_PER_CLIENT
+    assert (ranges["pca_dim"].high, ranges["n_init"].high) == (MAX_PCA_DIM, MAX_KMEANS_RESTARTS)
 
 
 def test_the_natural_scheme_points_to_flowers_own(flower):
@@ -215,9 +329,10 @@ def test_the_adapter_refuses_to_import_beside_the_repositorys_datasets_package(f
 
 @pytest.mark.slow
 def test_the_adapter_imports_outside_the_repository_without_torch(tmp_path):
-    """A Flower user's process: the repository on PYTHONPATH (ahead of site-packages, so its datasets/ would shadow
-    Hugging Face's), the working directory elsewhere, and no TaskHet venv start-up hook (it imports torch when any
-    library looks for torchvision, as Hugging Face's datasets does)."""
+    """A process with the repository on PYTHONPATH (ahead of site-packages, so its datasets/ would shadow Hugging
+    Face's: the how-to warns against it for the user's own imports, but the module itself still imports Hugging
+    Face's), the working directory elsewhere, and no TaskHet venv start-up hook (it imports torch when any library
+    looks for torchvision, as Hugging Face's datasets does)."""
     code = ("import sys\n"
             "sys.meta_path[:] = [f for f in sys.meta_path if type(f).__module__ != 'taskhet_torchvision_hook']\n"
             f"import {ADAPTER} as adapter\n"
@@ -230,6 +345,54 @@ def test_the_adapter_imports_outside_the_repository_without_torch(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     hf_file, imported = result.stdout.splitlines()[-2:]
     assert Path(hf_file).resolve().parent != ROOT / "datasets" and imported == "[]"  # Hugging Face's, and no torch
+
+
+HOWTO = ROOT / "docs" / "howto" / "flower-partitioners.md"
+
+
+def howto_script() -> str:
+    """The how-to's first Python block, with the checkout's path where the page says ``/path/to/taskhet``."""
+    block = HOWTO.read_text().split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'sys.path.append("/path/to/taskhet")' in block
+    return block.replace("/path/to/taskhet", str(ROOT))
+
+
+def run_outside(tmp_path: Path, script: str, **env: str) -> subprocess.CompletedProcess:
+    """``python partition_digits.py`` as the how-to says, from a folder outside the checkout, offline."""
+    (tmp_path / "partition_digits.py").write_text(script)
+    environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    environment.update({"HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+                        "FLWR_TELEMETRY_ENABLED": "0", **env})
+    return subprocess.run([sys.executable, "partition_digits.py"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600, env=environment)
+
+
+@pytest.mark.slow
+def test_the_howtos_script_runs_as_its_page_says_from_outside_the_repository(tmp_path):
+    from sklearn.datasets import load_digits
+
+    assert not tmp_path.resolve().is_relative_to(ROOT)
+    result = run_outside(tmp_path, howto_script())
+    assert result.returncode == 0, result.stderr[-3000:]
+    label_line, embedding_line = result.stdout.splitlines()[-2:]
+    # What it prints is the partition step 3b's code draws from the same values and seeds.
+    digits = load_digits()
+    by_label = get_partitioner("dirichlet_mixture", 10, alpha=0.5, seed=0).split(digits.target).client_indices()
+    clusters = cluster_embeddings(digits.data.astype(np.float32), 8, 0).labels
+    by_cluster = get_partitioner("dirichlet_mixture", 10, alpha=0.5, seed=0).split(clusters).client_indices()
+    assert label_line == str(len(by_label[0]))
+    assert embedding_line == f"{len(by_cluster[0])} {np.bincount(clusters)}"
+    assert np.bincount(clusters).sum() == len(digits.target) == 1797
+
+
+@pytest.mark.slow
+def test_the_route_the_howto_warns_against_fails_as_it_says(tmp_path):
+    """With the root on PYTHONPATH (ahead of site-packages), the script's own ``from datasets import Dataset`` finds
+    TaskHet's package: the reason the page says ``sys.path.append`` and never ``PYTHONPATH``."""
+    result = run_outside(tmp_path, howto_script(), PYTHONPATH=str(ROOT))
+    assert result.returncode != 0
+    assert "cannot import name 'Dataset' from 'datasets'" in result.stderr
+    assert str(ROOT / "datasets") in result.stderr
 
 
 def test_the_generated_reference_lists_every_class_and_argument_as_the_code_has_them(flower):
