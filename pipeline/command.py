@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = cli.ArgumentParser(prog="run_pipeline.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("experiment", type=Path, help="YAML experiment file")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+    # default given: an absent list is optional to parse_intermixed_args too (else it names KEY=VALUE as missing)
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", default=[],
                         help="change a key of the file for this run, with the file's own checks: federated.n_rounds=10 "
                              "seeds=[0] grid[0].local_steps=[2] (a value is YAML); recorded in <results>/<name>/config.json")
     parser.add_argument("--results", type=Path, default=Path("results"), help="parent folder of the experiment's outputs")
@@ -68,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+    # intermixed: KEY=VALUE overrides may follow a flag (FILE --threads 1 federated.n_rounds=2), not only the file
+    return build_parser().parse_intermixed_args(argv)
 
 
 def executor_settings(args: argparse.Namespace) -> ExecutorSettings:

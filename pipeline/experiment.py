@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import pandas as pd
 
 from pipeline.executors import Executor
-from pipeline.overrides import apply_overrides, parse_overrides
+from pipeline.overrides import Override, apply_overrides, dotted, parse_overrides
 from pipeline.runner import Pipeline
 from pipeline.studies import MAIN_JOB, StudyKind, get_study
 from utils.errors import TaskHetError
@@ -42,11 +42,20 @@ def load_experiment(path: Path, overrides: Sequence[str] = ()) -> dict[str, Any]
         config = kind.load({key: value for key, value in raw.items() if key != "study"} if kind.name == MAIN_JOB else raw,
                            path)
     except TaskHetError as error:
-        named = [override.text for override in parsed if override.key in str(error)]
+        named = [override.text for override in parsed if names(override, str(error))]
         raise TaskHetError(str(error) + (f" (set by the override {named[0]!r})" if named else "")) from None
     config["study"] = kind.name
     config["overrides"] = [override.text for override in parsed]
     return config
+
+
+def names(override: Override, message: str) -> bool:
+    """Whether a kind's error is about the key ``override`` sets, or about the list it changes an item of
+    (``seeds[2]=1`` makes ``seeds lists an item twice``)."""
+    path = override.path
+    while len(path) > 1 and isinstance(path[-1], int):
+        path = path[:-1]
+    return override.key in message or dotted(path) in message
 
 
 def study_kind(raw: dict[str, Any], path: Path) -> StudyKind:

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from utils import plain_yaml
 from utils.errors import TaskHetError
 
 # A path: names of ASCII letters, digits and underscores joined by dots, each optionally indexed: grid[0].local_steps
@@ -34,10 +35,15 @@ class Override:
     @property
     def key(self) -> str:
         """The dotted key (``grid[0].local_steps``)."""
-        shown = ""
-        for part in self.path:
-            shown += f"[{part}]" if isinstance(part, int) else (f".{part}" if shown else part)
-        return shown
+        return dotted(self.path)
+
+
+def dotted(path: tuple[str | int, ...]) -> str:
+    """A path as the user writes it: ``("grid", 0, "local_steps")`` -> ``grid[0].local_steps``."""
+    shown = ""
+    for part in path:
+        shown += f"[{part}]" if isinstance(part, int) else (f".{part}" if shown else part)
+    return shown
 
 
 def parse_overrides(texts: list[str]) -> list[Override]:
@@ -71,13 +77,20 @@ def parse_path(key: str, text: str) -> tuple[str | int, ...]:
 
 
 def parse_value(value: str, text: str) -> Any:
-    """The value as YAML reads it (so ``[0, 1]`` is a list and ``1e-3`` the string YAML 1.1 makes of it, which the
-    key's type then reads as a number)."""
+    """The value as an experiment file's YAML reads it (``[0, 1]`` is a list, ``1e-3`` a number, nothing null);
+    a YAML 1.1 form read differently by other readers (``010`` is 8, ``1:30`` is 90) is refused, as in the file."""
     try:
-        return yaml.safe_load(value) if value.strip() else None
+        parsed = plain_yaml.load(value) if value.strip() else None
     except yaml.YAMLError as error:
         problem = str(error).splitlines()[0]
         raise TaskHetError(f"override {text!r}: the value is not YAML ({problem})") from None
+    found = plain_yaml.check_plain(parsed)
+    if found is not None:
+        inside, scalar = found  # inside: where in a list or mapping value ("" for the value itself)
+        key = text.partition("=")[0].strip()
+        where = f"{key}{inside if inside.startswith('[') else '.' + inside}: " if inside else ""
+        raise TaskHetError(f"override {text!r}: {where}{scalar.reason()}")
+    return parsed
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[Override], schema: dict[str, Any],
@@ -107,14 +120,13 @@ def check_path(override: Override, schema: dict[str, Any], free_form: frozenset[
 
 
 def set_value(raw: dict[str, Any], override: Override) -> None:
-    """Put the override's value at its path in ``raw``, making mappings the file leaves out."""
+    """Put the override's value at its path in ``raw``, making mappings the file leaves out (a list item must be
+    one the file has: the override changes it in place)."""
     node: Any = raw
     for position, part in enumerate(override.path[:-1]):
         following = override.path[position + 1]
         if isinstance(part, int):
-            if not isinstance(node, list) or part >= len(node):
-                raise TaskHetError(f"override {override.text!r}: {override.key}: the file has no item {part} there")
-            node = node[part]
+            node = node[list_index(node, override, position)]
             continue
         if not isinstance(node, dict):
             raise TaskHetError(f"override {override.text!r}: {override.key}: {part!r} is not inside a mapping")
@@ -123,8 +135,20 @@ def set_value(raw: dict[str, Any], override: Override) -> None:
             raise TaskHetError(f"override {override.text!r}: {override.key}: the file sets {part} to nothing")
     last = override.path[-1]
     if isinstance(last, int):
-        if not isinstance(node, list) or last >= len(node):
-            raise TaskHetError(f"override {override.text!r}: {override.key}: the file has no item {last} there")
+        last = list_index(node, override, len(override.path) - 1)
     elif not isinstance(node, dict):
         raise TaskHetError(f"override {override.text!r}: {override.key}: not inside a mapping")
     node[last] = override.value
+
+
+def list_index(node: Any, override: Override, position: int) -> int:
+    """The index at ``override.path[position]``, checked against the list ``node`` the file has there (an index
+    past its end would otherwise be an IndexError, or a new item no check expects)."""
+    index, owner = override.path[position], dotted(override.path[:position])
+    if not isinstance(node, list):
+        raise TaskHetError(f"override {override.text!r}: {owner} is not a list in the file, so it has no item {index}")
+    if index >= len(node):
+        indexes = f" (indexes 0 to {len(node) - 1})" if node else ""
+        raise TaskHetError(f"override {override.text!r}: {owner} has {len(node)} item{'' if len(node) == 1 else 's'} "
+                           f"in the file{indexes}, so no item {index}; set the whole list with {owner}=[...]")
+    return index

@@ -213,19 +213,26 @@ def load_json(path: Path, what: str, finished: bool = False) -> Any:
 
 
 def load_yaml(path: Path, what: str) -> Any:
-    """A YAML file's value (``yaml.safe_load``: no Python objects); an empty file is an error."""
+    """A YAML file's value (a safe loader: no Python objects); an empty file is an error, and so is a YAML 1.1
+    number or boolean form whose reading a writer may not mean (``010`` is 8, ``yes`` is true: utils/plain_yaml.py)."""
     import yaml
+
+    from utils import plain_yaml
 
     path = require_file(path, what)
     try:
         text = path.read_text()
-        value = yaml.safe_load(text)
+        value = plain_yaml.load(text)
     except UnicodeDecodeError:
         raise TaskHetError(f"{what} {path} is not a text file: expected YAML") from None
     except yaml.YAMLError as error:
         raise TaskHetError(f"{what} {path} is not valid YAML ({' '.join(str(error).split())})") from None
     if value is None:
         raise TaskHetError(f"{what} {path} is empty: expected a mapping of keys")
+    found = plain_yaml.check_plain(value)
+    if found is not None:
+        key, scalar = found
+        raise TaskHetError(f"{what} {path}, line {scalar.line}: {key + ': ' if key else ''}{scalar.reason()}")
     return value
 
 
