@@ -99,10 +99,13 @@ DISTANCES = {"js_distance": js_distance, "hellinger": hellinger_distance}
 def partition_distances(client_of: np.ndarray, groups: np.ndarray, n_clients: int, space: str) -> pd.DataFrame:
     """How far each client's mixture over ``groups`` lies from the pooled mixture of every client.
 
-    The client's mixture is the share of each group among the samples it holds (``client_of``: every assigned
-    row, the client-train and held-out client-test rows alike); the pooled mixture is that of all assigned rows
-    together (samples no client holds are left out, so a scheme that leaves samples unused is compared with what
-    the federation holds). Distances: :func:`js_distance` (base 2) and :func:`hellinger_distance`, both in [0, 1].
+    The client's mixture is the share of each group among the samples ``client_of`` gives it: the rows the
+    partition was drawn over (step 3b: the manifest's train rows, the client-train and held-out client-test rows
+    alike; with ``--client_tests test_split`` the test-split rows dealt to the clients are not among them: they are
+    dealt in each client's own train mixture and are never trained on). The pooled mixture is that of all those
+    rows together, so a client of 3 rows weighs three times one of 1 (samples no client holds are left out, so a
+    scheme that leaves samples unused is compared with what the federation holds). Distances: :func:`js_distance`
+    (base 2) and :func:`hellinger_distance`, both in [0, 1].
 
     Args:
         client_of: int [n_samples], client per sample, ``UNUSED`` (-1) for none.

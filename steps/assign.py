@@ -326,7 +326,9 @@ def distances_record(distances: dict[str, pd.DataFrame], spaces: dict[str, tuple
     ``hellinger_gap`` are the cluster mean minus the label mean (None without clusters): > 0 when label-space
     distances under-state the heterogeneity the embedding clusters show.
     """
-    record: dict = {"definition": "each client's group mixture against the pooled mixture of every assigned row; "
+    record: dict = {"definition": "each client's group mixture against the pooled mixture, both over the "
+                                  "partitioned train rows (held-out client-test rows included; test-split rows "
+                                  "dealt to clients are not); "
                                   "js_distance: sqrt of the base-2 Jensen-Shannon divergence; hellinger: "
                                   "(1/sqrt 2)*||sqrt p - sqrt q||_2; both in [0, 1]; means unweighted over clients"}
     for space in (LABEL_SPACE, CLUSTER_SPACE):

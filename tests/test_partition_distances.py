@@ -66,6 +66,31 @@ def test_partition_distances_against_the_pooled_mixture_by_hand():
     assert set(means) == {"mean_label_js_distance", "mean_label_hellinger"}
 
 
+def test_clients_of_unequal_sizes_are_compared_with_the_count_weighted_pooled_mixture():
+    # Client 0 holds 1 row (a), client 1 holds 3 (a, b, b), over 2 classes. The pooled mixture counts rows: 2 a and
+    # 2 b of 4, so q = (½, ½), not the mean of the two mixtures ((1 + ⅓)/2, (0 + ⅔)/2) = (⅔, ⅓).
+    # Client 0: p = (1, 0), the textbook pair: JS = 0.557923, H = √(1 − √½) = 0.541196.
+    # Client 1: p = (⅓, ⅔), m = (5/12, 7/12): KL(p‖m) = ⅓·log2(4/5) + ⅔·log2(8/7) = 0.021121,
+    #   KL(q‖m) = ½·log2(6/5) + ½·log2(6/7) = 0.020321, JS = √(½·0.021121 + ½·0.020321) = 0.143947;
+    #   H² = 1 − (√(⅓·½) + √(⅔·½)) = 1 − 0.408248 − 0.577350 = 0.014402, H = 0.120006.
+    table = partition_distances(np.array([0, 1, 1, 1]), np.array(["a", "a", "b", "b"]), 2, "label")
+    np.testing.assert_allclose(table["label_js_distance"], [0.557923, 0.143947], atol=1e-6)
+    np.testing.assert_allclose(table["label_hellinger"], [0.541196, 0.120006], atol=1e-6)
+    np.testing.assert_allclose(table["label_js_distance"], [js_by_hand((1, 0), (0.5, 0.5)),
+                                                            js_by_hand((1 / 3, 2 / 3), (0.5, 0.5))], rtol=1e-12)
+    # Each client counts once, whatever its size: (0.557923 + 0.143947) / 2, not (0.557923 + 3 · 0.143947) / 4.
+    means = mean_distances(table, "label")
+    assert means["mean_label_js_distance"] == pytest.approx(0.350935, abs=1e-6)
+    assert means["mean_label_hellinger"] == pytest.approx((0.541196 + 0.120006) / 2, abs=1e-6)
+
+
+def test_unequal_sizes_with_the_pooled_mixture_are_both_at_distance_zero():
+    # 2 rows (a, b) and 4 rows (a, a, b, b): both mixtures are (½, ½), the pooled one too.
+    table = partition_distances(np.array([0, 0, 1, 1, 1, 1]), np.array(["a", "b", "a", "a", "b", "b"]), 2, "label")
+    np.testing.assert_allclose(table[["label_js_distance", "label_hellinger"]].to_numpy(), 0.0, atol=1e-7)
+
+
+
 # ----- step 3b -----
 
 @pytest.fixture(scope="module")
@@ -138,6 +163,25 @@ def test_a_label_based_partition_without_clusters_leaves_the_cluster_distances_b
     assert meta["distances"]["cluster"] is None and meta["distances"]["js_gap"] is None
     assert meta["distances"]["hellinger_gap"] is None
     assert "mean_cluster_js_distance" not in set(pd.read_csv(tmp_path / "out" / "metrics.csv")["metric"])
+
+
+def test_with_test_split_client_tests_the_distances_are_over_the_partitioned_train_rows(digits, tmp_path):
+    """Under --client_tests test_split the manifest's test rows are dealt to the clients (subset test); the distances
+    are those of the partition itself, the train rows, as documented, not of every row assignments.csv lists."""
+    manifest, _, parity = digits
+    stats, meta = step3b(manifest, tmp_path / "out", "--client_tests", "test_split", "--distance_groups", str(parity))
+    assignments = pd.read_csv(tmp_path / "out" / "assignments.csv")
+    assert (assignments["subset"] == "test").sum() > 0  # test-split rows were dealt: the case this test is about
+    train_only = tmp_path / "train_rows.csv"
+    assignments[assignments["subset"] == "train"].to_csv(train_only, index=False)
+    label_js, label_h = distances_by_hand(manifest, train_only, lambda labels: labels)
+    cluster_js, _ = distances_by_hand(manifest, train_only, lambda labels: labels % 2)
+    np.testing.assert_allclose(stats["label_js_distance"], label_js, rtol=1e-9)
+    np.testing.assert_allclose(stats["label_hellinger"], label_h, rtol=1e-9)
+    np.testing.assert_allclose(stats["cluster_js_distance"], cluster_js, rtol=1e-9)
+    every_row_js, _ = distances_by_hand(manifest, tmp_path / "out" / "assignments.csv", lambda labels: labels)
+    assert not np.allclose(every_row_js, label_js, rtol=1e-6)  # the dealt test rows would have moved them
+    assert "partitioned train row" in meta["distances"]["definition"]
 
 
 @pytest.mark.parametrize("case, message", [
