@@ -1,8 +1,9 @@
 """``key=value`` overrides of an experiment file on the command line (``run_pipeline.py FILE federated.n_rounds=10
 seeds=[0]``), as Hydra users do in FL-bench.
 
-An override names a key by its dotted path in the file (``federated.n_rounds``; a list item as ``grid[0]``) and
-gives its value in YAML (``10``, ``[0, 1]``, ``{mu: 0.1}``, ``true``). Every path must be a key of the file's
+An override names a key by its dotted path in the file (``federated.n_rounds``; a list item the file has as
+``grid[0]``) and gives its value in YAML as an experiment file reads it (``10``, ``1e-3``, ``[0, 1]``, ``{mu: 0.1}``,
+``true``; utils/plain_yaml.py refuses YAML 1.1's ``010``, ``1:30`` and ``yes``). Every path must be a key of the file's
 study kind (checked against the kind's schema here, so a typo is one line naming it); the value then goes into
 the file's mapping before the kind loads it, so it meets exactly the checks a value written in the file meets.
 """

@@ -3,7 +3,7 @@
 :data:`SHARED_TYPES` maps each dotted key of the shared sections (pipeline/sections.py) to a check (a
 type, a range, a list of items, or None allowed); each study kind (pipeline/studies/) adds its own keys'
 checks, and a test keeps every kind's schema and types in step. A check returns the value to use (a float
-given as the string ``"1e-3"``, as YAML 1.1 reads it, becomes 1e-3) or raises a :class:`TaskHetError`
+given as the string ``"1e-3"``, as a quoted value is, becomes 1e-3) or raises a :class:`TaskHetError`
 naming the file and the key. Names the registries know (tasks, encoders, algorithms, schemes) are checked
 afterwards by the kind's validation.
 
@@ -78,7 +78,7 @@ class Float:
         expected = "a finite number" + (f" {lower}" if lower else "") + (" and" if lower and upper else "") + (
             f" {upper}" if upper else "")
         number = value
-        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+        if isinstance(value, str):  # a quoted "1e-3" (a file's plain 1e-3 is a number already: utils/plain_yaml.py)
             try:
                 number = float(value)
             except ValueError:
@@ -94,7 +94,8 @@ class Float:
 
 @dataclass(frozen=True)
 class Bool:
-    """true or false (YAML's unquoted yes/no are booleans too; a quoted 'no' is a string and refused)."""
+    """true or false (an unquoted yes/no/on/off is refused when the file is read, utils/plain_yaml.py; a quoted 'no'
+    is a string and refused here)."""
 
     def __call__(self, value: Any, key: str) -> bool:
         if not isinstance(value, bool):
