@@ -32,8 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     # default given: an absent list is optional to parse_intermixed_args too (else it names KEY=VALUE as missing)
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", default=[],
                         help="change a key of the file for this run, with the file's own checks: federated.n_rounds=10 "
-                             "seeds=[0] grid[0].local_steps=[2] (a value is YAML, its numbers plain decimals such as 10 or 1e-3; before "
-                             "or after the flags); recorded in <results>/<name>/config.json")
+                             "seeds=[0] grid[0].local_steps=[2] (a value is YAML, its numbers plain decimals such "
+                             "as 10 or 1e-3; before or after the flags); recorded in <results>/<name>/config.json")
     parser.add_argument("--results", type=Path, default=Path("results"), help="parent folder of the experiment's outputs")
     cli.add_runtime_flags(parser)  # --threads reaches every step; the steps draw no bars, the pipeline draws one
     parser.add_argument("--jobs", type=cli.ints(1, cli.MAX_WORKERS), default=None,
