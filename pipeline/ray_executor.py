@@ -200,14 +200,45 @@ def check_reachable(address: str) -> None:
                            "Ray on this machine") from None
 
 
+RESOURCE_SLACK = 1e-9  # Ray adds resources as floats: a node of 3 × 0.1 GPU holds a run of 0.3 GPU
+
+
+def fits(have: tuple[float, float], cpus: float, gpus: float) -> bool:
+    """Whether a node with ``have`` = (CPUs, GPUs) holds one run of ``cpus`` CPUs and ``gpus`` GPUs: all of it."""
+    return have[0] + RESOURCE_SLACK >= cpus and have[1] + RESOURCE_SLACK >= gpus
+
+
 def check_resources(nodes: list[dict[str, Any]], cpus: float, gpus: float, cluster: str) -> None:
-    """Some node can hold one run: a task asking more CPUs or GPUs than any node has would wait forever."""
-    for flag, key, asked in (("--cpus_per_run", "CPU", cpus), ("--gpus_per_run", "GPU", gpus)):
-        have = [node["Resources"].get(key, 0.0) for node in nodes]
-        if asked > max(have, default=0.0) + 1e-9:
-            raise TaskHetError(f"{flag} {asked:g}: no node of {cluster} has {asked:g} {key}s (the most on one node: "
-                               f"{max(have, default=0.0):g}; {sum(have):g} on {len(nodes)} node(s)), so a run would "
-                               "never start")
+    """Some one node holds a run's CPUs and GPUs together: Ray places a task on a single node, so a run asking more
+    than every node has waits forever, however much the nodes have between them (two 2-CPU nodes never start a
+    4-CPU run; a 4-CPU node and a 1-GPU node never start a run of 4 CPUs and 1 GPU).
+
+    Raises:
+        TaskHetError: one line naming the flag(s), the largest node's CPUs and GPUs and the cluster's total.
+    """
+    held = [(float(node["Resources"].get("CPU", 0.0)), float(node["Resources"].get("GPU", 0.0))) for node in nodes]
+    if any(fits(have, cpus, gpus) for have in held):
+        return
+    cpu_short = max((cpu for cpu, _ in held), default=0.0) + RESOURCE_SLACK < cpus
+    gpu_short = max((gpu for _, gpu in held), default=0.0) + RESOURCE_SLACK < gpus
+    together = not (cpu_short or gpu_short)  # some node has the CPUs, some the GPUs, none both
+    named = [(flag, value, key) for flag, value, key, short in (("--cpus_per_run", cpus, "CPU", cpu_short),
+                                                                ("--gpus_per_run", gpus, "GPU", gpu_short))
+             if short or (together and value > 0)]
+    # The largest node: the most GPUs where only GPUs are short, else the most CPUs (a tie: the more of the other).
+    by_gpus = gpu_short and not cpu_short
+    largest = max(held, key=lambda have: have[::-1] if by_gpus else have, default=(0.0, 0.0))
+    total = (sum(cpu for cpu, _ in held), sum(gpu for _, gpu in held))
+    raise TaskHetError(f"{' and '.join(f'{flag} {value:g}' for flag, value, _ in named)}: no node of {cluster} has "
+                       f"{' and '.join(amount(value, key) for _, value, key in named)}{' together' * together} (the "
+                       f"largest node has {amount(largest[0], 'CPU')} and {amount(largest[1], 'GPU')}; "
+                       f"{amount(total[0], 'CPU')} and {amount(total[1], 'GPU')} on {len(held)} node(s) together, "
+                       "but Ray places a run on one node), so a run would never start")
+
+
+def amount(value: float, key: str) -> str:
+    """``1 GPU``, ``2 GPUs``, ``0.5 GPUs``."""
+    return f"{value:g} {key}{'s' * (value != 1)}"
 
 
 def check_shared_storage(ray: Any, nodes: list[dict[str, Any]], out_dir: Path, cwd: str) -> None:

@@ -27,6 +27,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 import run_pipeline  # noqa: E402
 from pipeline.pool import PLACEMENT_FILE  # noqa: E402
+from pipeline.ray_executor import check_resources  # noqa: E402
 from tests.test_digits import tiny_digits_experiment  # noqa: E402
 from tests.test_worker_death import parent_of  # noqa: E402
 from utils.errors import TaskHetError  # noqa: E402
@@ -122,6 +123,47 @@ def freeze_in_the_middle(caught: tuple[Path, int] | None) -> tuple[Path, int] | 
     return caught
 
 
+# ----- the resource check on fake node lists (the part of ray.nodes() it reads; no cluster) -----
+
+def fake_nodes(*resources: tuple[float, float]) -> list[dict]:
+    """One ``ray.nodes()`` entry per (CPUs, GPUs); a node without GPUs lists none, as Ray's do."""
+    return [{"NodeID": f"node-{number}", "Alive": True, "Resources": {"CPU": cpus, **({"GPU": gpus} if gpus else {})}}
+            for number, (cpus, gpus) in enumerate(resources)]
+
+
+@pytest.mark.parametrize("resources, cpus, gpus", [
+    (((2, 0), (4, 0)), 4, 0),  # exactly the larger node's CPUs
+    (((2, 1), (2, 1)), 2, 1),  # exactly one node's CPUs and GPU, both at once
+    (((4, 0), (1, 1)), 1, 1),  # the GPU node holds it whole; the other is never asked
+    (((1, 0.3),), 1, 0.1 + 0.1 + 0.1),  # 0.30000000000000004 GPU on a node of 0.3: float sums, not a shortage
+])
+def test_a_run_one_node_holds_whole_is_feasible(resources, cpus, gpus):
+    assert check_resources(fake_nodes(*resources), cpus, gpus, "a stand-in") is None
+
+
+@pytest.mark.parametrize("resources, cpus, gpus, message", [
+    # more than every node, no more than the cluster's total: Ray would wait forever
+    (((2, 0), (2, 0)), 4, 0, "--cpus_per_run 4: no node of a stand-in has 4 CPUs (the largest node has 2 CPUs and "
+                             "0 GPUs; 4 CPUs and 0 GPUs on 2 node(s) together, but Ray places a run on one node), so a "
+                             "run would never start"),
+    (((2, 0), (2, 0)), 2.5, 0, "--cpus_per_run 2.5: no node of a stand-in has 2.5 CPUs (the largest node has 2 CPUs "
+                               "and 0 GPUs; 4 CPUs and 0 GPUs on 2 node(s) together, but Ray places a run on one "
+                               "node), so a run would never start"),
+    # the CPUs on one node, the GPU on another: each flag alone is met, the run is not
+    (((4, 0), (1, 1)), 4, 1, "--cpus_per_run 4 and --gpus_per_run 1: no node of a stand-in has 4 CPUs and 1 GPU "
+                             "together (the largest node has 4 CPUs and 0 GPUs; 5 CPUs and 1 GPU on 2 node(s) "
+                             "together, but Ray places a run on one node), so a run would never start"),
+    # GPUs short: the largest node is the one with the most GPUs, a tie broken by its CPUs
+    (((4, 0), (1, 1), (2, 1)), 1, 2, "--gpus_per_run 2: no node of a stand-in has 2 GPUs (the largest node has 2 CPUs "
+                                     "and 1 GPU; 7 CPUs and 2 GPUs on 3 node(s) together, but Ray places a run on one "
+                                     "node), so a run would never start"),
+])
+def test_a_run_beyond_every_node_is_refused_naming_the_largest_node(resources, cpus, gpus, message):
+    with pytest.raises(TaskHetError) as raised:
+        check_resources(fake_nodes(*resources), cpus, gpus, "a stand-in")
+    assert str(raised.value) == message
+
+
 @pytest.mark.slow
 def test_a_grid_on_two_nodes_equals_the_local_one_each_run_sees_its_own_gpu_and_a_lost_node_is_survived(
         local_grid, tmp_path):
@@ -200,10 +242,13 @@ def test_settings_the_cluster_cannot_meet_and_an_unshared_results_folder_are_one
         ray_flags = ["--executor", "ray", "--ray_address", cluster.address]
         with pytest.raises(TaskHetError) as raised:
             run_pipeline.main([str(experiment), "--results", str(results), *ray_flags, "--gpus_per_run", "1"])
-        assert str(raised.value) == (f"--gpus_per_run 1: no node of the Ray cluster at {cluster.address} has 1 GPUs "
-                                     "(the most on one node: 0; 0 on 1 node(s)), so a run would never start")
+        assert str(raised.value) == (f"--gpus_per_run 1: no node of the Ray cluster at {cluster.address} has 1 GPU "
+                                     "(the largest node has 1 CPU and 0 GPUs; 1 CPU and 0 GPUs on 1 node(s) together, "
+                                     "but Ray places a run on one node), so a run would never start")
         with pytest.raises(TaskHetError, match=r"^--cpus_per_run 2: no node of the Ray cluster at .* has 2 CPUs \(the "
-                                               r"most on one node: 1; 1 on 1 node\(s\)\), so a run would never start$"):
+                                               r"largest node has 1 CPU and 0 GPUs; 1 CPU and 0 GPUs on 1 node\(s\) "
+                                               r"together, but Ray places a run on one node\), so a run would never "
+                                               r"start$"):
             run_pipeline.main([str(experiment), "--results", str(results), *ray_flags, "--cpus_per_run", "2"])
         # A second node that sees its own (empty) folder at the results' path, as a machine without the shared disk.
         node = subprocess.Popen(
