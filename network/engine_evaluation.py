@@ -90,7 +90,8 @@ class RoundEvaluation:
         """split -> unseen client id -> metrics (network.client.evaluate_unseen_client), in id order.
 
         Each unseen client adapts from the current server state's broadcast, with the round's local learning rate
-        and the run's local budget, under its own seeds; nothing it trains is kept (the server state and the client
+        (the rate round ``round_index`` trained at; round 0, before any training, takes round 1's) and the run's
+        local budget, under its own seeds; nothing it trains is kept (the server state and the client
         store are never written), so the next round trains exactly as it would without unseen clients.
         """
         broadcast = self.algorithm.broadcast(self.server)

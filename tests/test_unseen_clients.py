@@ -22,7 +22,7 @@ from network.algorithms import build_algorithm, list_algorithms
 from network.client import (UNSEEN_FINETUNED_SPLIT, UNSEEN_PERSONAL_SPLIT, UNSEEN_TEST_SPLIT, ClientData,
                             adapts_new_clients)
 from network.engine_sequential import EngineConfig, SequentialEngine
-from network.lr_schedule import make_lr_schedule
+from network.lr_schedule import LR_SCHEDULE_HELP, make_lr_schedule
 from network.run_outputs import SKIPPED_CLIENT
 from partitioning.assignments import (UNSEEN_FRACTION_KEY, UNSEEN_KEY, draw_unseen_clients, load_assignments,
                                       unseen_count, write_assignments)
@@ -300,6 +300,47 @@ def test_a_personalised_method_adapts_each_unseen_client_with_its_own_step(tmp_p
     rows = pd.read_csv(tmp_path / "local" / "metrics.csv", dtype={"client": str})
     skipped = rows[(rows.split == UNSEEN_PERSONAL_SPLIT) & (rows.client == SKIPPED_CLIENT)]
     assert skipped.value.tolist() == [0.0, 0.0]
+
+
+# The local rate an unseen client adapts with at each evaluated round 0..4 of a 4-round run at init_lr 0.1, by hand from
+# network/lr_schedule.py: round r (r >= 1) adapts at round r's own rate, the rate that round trained at; round 0,
+# before any training, at round 1's. cosine: 0.05·(1 + cos(π(r − 1)/4)); exponential: 0.1·0.5^(r − 1); step: 0.1
+# halved every 2 rounds.
+ADAPTATION_RATES = {
+    "constant": [0.1, 0.1, 0.1, 0.1, 0.1],
+    "cosine": [0.1, 0.1, 0.08535533905932738, 0.05, 0.014644660940672624],
+    "exponential:0.5": [0.1, 0.1, 0.05, 0.025, 0.0125],
+    "step:2:0.5": [0.1, 0.1, 0.1, 0.05, 0.05],
+}
+
+
+def test_every_lr_schedule_has_its_hand_computed_adaptation_rates():
+    """ADAPTATION_RATES covers every schedule form step 4's --lr_schedule lists."""
+    forms = LR_SCHEDULE_HELP.split(" (")[0].split(" | ")  # "constant | cosine | exponential:RATE | step:EVERY:GAMMA"
+    assert {form.split(":")[0] for form in forms} == {spec.split(":")[0] for spec in ADAPTATION_RATES}
+
+
+@pytest.mark.parametrize("spec", sorted(ADAPTATION_RATES))
+def test_unseen_clients_adapt_with_the_evaluated_rounds_own_rate(tmp_path, spec):
+    """local over 4 rounds, evaluated every round: the server model never moves (w = 0), so each evaluation adapts
+    unseen client 1 (x = 1, y = 3) from w = 0 with one step at rate η: w = 3η, and its personal test loss at x = 2,
+    y = 6 is ½(6η − 6)² = 18(1 − η)². Under a decaying schedule a newcomer must adapt at the evaluated round's rate,
+    neither the base rate nor the last round's. Tolerance: the run's float64 ops differ from 18(1 − η)²'s, so 1e-12
+    relative; the nearest other round's rate moves the loss by at least 3%."""
+    model = nn.Linear(1, 1, bias=False, dtype=torch.float64)
+    nn.init.zeros_(model.weight)
+    seen = [line_client("0", ([1.0, 2.0], [2.0, 4.0]), ([1.0], [2.0]))]
+    unseen = [line_client("1", ([1.0], [3.0]), ([2.0], [6.0]))]
+    algorithm, worker = build_algorithm("local", model, {"0": 2}, {})
+    config = EngineConfig(out_dir=tmp_path, n_rounds=4, lr_schedule=make_lr_schedule(spec, 0.1, 4), local_steps=1,
+                          eval_every=1, progress=False, plots=False)
+    SequentialEngine(worker, algorithm, seen, line_loss, line_evaluate, seen[0].test_loader, config, CPU,
+                     unseen_clients=unseen).run()
+    rows = pd.read_csv(tmp_path / "metrics.csv", dtype={"client": str})
+    personal = rows[(rows.split == UNSEEN_PERSONAL_SPLIT) & (rows.client == "1") & (rows.metric == "loss")]
+    assert personal["round"].tolist() == [0, 1, 2, 3, 4]
+    expected = [18 * (1 - rate) ** 2 for rate in ADAPTATION_RATES[spec]]
+    assert personal.value.tolist() == pytest.approx(expected, rel=1e-12)
 
 
 # ----- step 4 from files: the run equals one on the seen clients alone, and the Flower engine refuses -----
