@@ -66,8 +66,8 @@ JOBS ?= 2
 demo: setup
 	$(PY) run_pipeline.py experiments/demo.yaml --jobs $(JOBS) --threads 1
 
-# The demo's question on every dense task, five algorithms and the class_scene control
-# (estimated at about an hour on 2 cores; not yet run end to end).
+# The demo's question on edges, keypoints and surface normals with four algorithms, each task trained longer:
+# 55 min 38 s on an idle 2-core EPYC (2026-11-28; docs/BENCHMARKS.md, "The full CPU set").
 paper-cpu: setup
 	$(PY) run_pipeline.py experiments/paper_cpu.yaml --jobs $(JOBS) --threads 1
 

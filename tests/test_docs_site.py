@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -304,3 +305,35 @@ def test_the_tutorial_block_runs_as_written_beside_a_make_demo_render(tmp_path):
     data_steps = {name: data_path for name, data_path in read_from.items() if data_path is not None}
     assert len(data_steps) >= 4 and set(map(os.path.normpath, data_steps.values())) == {"data/tutorial"}, read_from
     assert sorted(path.relative_to(demo) for path in demo.rglob("*")) == before  # the demo's render untouched
+
+
+def test_the_home_page_lists_every_howto_page_and_shows_the_readmes_answer(tmp_path, monkeypatch):
+    from docsgen import hooks
+
+    (tmp_path / "howto").mkdir()
+    (tmp_path / "howto" / "b-second.md").write_text("# Second\n\n```bash\nmake x\n```\n\nDoes [two](../DATA.md) "
+                                                    "things. Then more.\n")
+    (tmp_path / "howto" / "a-first.md").write_text("# First | one\nIntro line one\ncontinued | here.\n\nNext.\n")
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- demo report: start -->\n\nanswer ![plot](docs/demo/x.png)\n\n"
+                      "<!-- demo report: end -->\n")
+    page = SimpleNamespace(file=SimpleNamespace(src_uri="index.md"))
+    monkeypatch.setattr(hooks, "README", readme)
+    text = hooks.on_page_markdown("A\n<!-- the answer -->\nB\n<!-- how-to index -->\n", page,
+                                  {"docs_dir": str(tmp_path)}, None)
+    assert text == ("A\nanswer ![plot](demo/x.png)\nB\n| how to | what it does |\n|---|---|\n"
+                    "| [First \\| one](howto/a-first.md) | Intro line one continued \\| here. |\n"
+                    "| [Second](howto/b-second.md) | Does two things. |\n")
+    other = SimpleNamespace(file=SimpleNamespace(src_uri="howto/a-first.md"))
+    assert hooks.on_page_markdown("<!-- the answer -->", other, {"docs_dir": str(tmp_path)}, None) == "<!-- the answer -->"
+
+
+def test_the_home_page_shows_the_answer_and_links_every_howto_page():
+    from docsgen import hooks
+
+    index = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    assert hooks.ANSWER in index and hooks.HOWTO_INDEX in index
+    table = hooks.howto_index(ROOT / "docs")
+    for path in (ROOT / "docs" / "howto").glob("*.md"):
+        assert f"](howto/{path.name})" in table
+    assert "#### The answer per task" in hooks.readme_answer(ROOT / "README.md")
