@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import math
 import re
 from pathlib import Path
 
@@ -16,16 +17,42 @@ from network.engine_sequential import EngineConfig, SequentialEngine
 from network.lr_schedule import make_lr_schedule
 from tests.test_engine import CPU, global_test, make_clients
 from tests.tiny_models import evaluate, loss_fn, tiny_model_for
-from utils.progress import StepLines, eta_text, seconds_left
+from utils.progress import Pace, StepLines, clock_text, eta_text, seconds_left
 from utils.run_dir import setup_logging
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("seconds, text", [(0, "ETA 00:00"), (10, "ETA 00:01"), (60, "ETA 00:01"), (61, "ETA 00:02"),
-                                           (3600, "ETA 01:00"), (25 * 3600 + 61, "ETA 25:02"), (-5, "ETA 00:00")])
-def test_eta_is_the_time_left_in_hours_and_minutes_rounded_up(seconds, text):
-    assert eta_text(seconds) == text
+@pytest.mark.parametrize("seconds, text", [
+    (0, "0:00:00"), (0.49, "0:00:00"), (0.5, "0:00:01"),  # the nearest whole second, half up
+    (10, "0:00:10"), (59.5, "0:01:00"), (201, "0:03:21"), (3599.5, "1:00:00"), (3723.4, "1:02:03"),
+    (25 * 3600 + 1, "25:00:01"),  # hours pass 24: no days
+    (-5, "0:00:00"), (math.inf, "0:00:00"), (math.nan, "0:00:00")])
+def test_every_duration_is_h_mm_ss_to_the_nearest_second(seconds, text):
+    assert clock_text(seconds) == text
+    assert eta_text(seconds) == f"ETA {text}"
+
+
+class FakeClock:
+    """Seconds that advance ``step`` at every reading: each call is one piece of work later."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def test_a_resumed_loop_paces_only_the_pieces_done_in_this_process():
+    """3 of 10 pieces were done before a resume; this process does piece 4 in 10 s and piece 5 in 10 s more. The
+    pace is 10 s a piece over the 7 left to it: 6 left after piece 4 (60 s), 5 after piece 5 (50 s); counting the 3
+    resumed pieces as done in no time would say 20/5·5 = 20 s after piece 5."""
+    pace = Pace(3, 10, clock=FakeClock(10.0))  # began at 10 s
+    assert pace.eta(4) == "ETA 0:01:00"  # read at 20 s: 1 piece in 10 s
+    assert pace.eta(5) == "ETA 0:00:50"  # read at 30 s: 2 pieces in 20 s
+    fresh = Pace(0, 10, clock=FakeClock(10.0))
+    assert fresh.eta(1) == "ETA 0:01:30" and fresh.eta(10) == "ETA 0:00:00"
 
 
 def test_time_left_is_the_pieces_left_at_the_mean_pace_so_far():
@@ -50,13 +77,85 @@ def test_a_run_prints_one_stdout_line_per_evaluated_round_and_run_log_has_every_
     printed = capsys.readouterr().out.splitlines()
     rounds = [line for line in printed if line.startswith("round ")]
     assert [line.split(":")[0] for line in rounds] == ["round 0 of 5", "round 2 of 5", "round 4 of 5", "round 5 of 5"]
-    assert re.fullmatch(r"round 2 of 5: train loss [0-9.e+-]+, test loss [0-9.e+-]+ \([0-9.]+ s\); ETA \d\d:\d\d",
+    assert re.fullmatch(r"round 2 of 5: train loss [0-9.e+-]+, test loss [0-9.e+-]+ \([0-9.]+ s\); ETA \d+:\d\d:\d\d",
                         rounds[1]), rounds[1]
-    assert rounds[0].startswith("round 0 of 5: test loss ") and rounds[-1].endswith("ETA 00:00")
+    assert rounds[0].startswith("round 0 of 5: test loss ") and rounds[-1].endswith("ETA 0:00:00")
     logged = [line.split(" INFO ")[1] for line in (tmp_path / "run.log").read_text().splitlines()
               if " INFO round " in line]
     assert [line.split(":")[0] for line in logged] == [f"round {r} of 5" for r in range(6)]
     assert "test loss" not in logged[1] and "test loss" in logged[2]  # round 1 trained only; run.log has it anyway
+
+
+class Killed(Exception):
+    """Stands in for the process being killed (not KeyboardInterrupt: no interruption message is wanted)."""
+
+
+def resumed_etas(log: Path, what: str) -> dict[int, str]:
+    """``{piece: its ETA}`` of the ``<what> k of|/N`` lines run.log has after its last resume line."""
+    lines = log.read_text().splitlines()
+    last_resume = max(index for index, line in enumerate(lines) if " INFO resum" in line)
+    found = {}
+    for line in lines[last_resume:]:
+        match = re.search(rf" INFO {what} (\d+)(?: of |/)\d+: .*(ETA \d+:\d\d:\d\d)$", line)
+        if match:
+            found[int(match.group(1))] = match.group(2)
+    return found
+
+
+def paced_by(module, monkeypatch, step: float) -> None:
+    """``module``'s Pace reads a FakeClock that advances ``step`` seconds at each reading."""
+    monkeypatch.setattr(module, "Pace", lambda start, total: Pace(start, total, clock=FakeClock(step)))
+
+
+def test_a_resumed_federated_run_paces_only_the_rounds_it_ran(tmp_path, monkeypatch):
+    """Killed before round 3 of 5 (checkpoint at round 2), the rerun trains rounds 3, 4, 5 at 10 s a round on the
+    fake clock: ETAs 20 s, 10 s, 0 s (counting rounds 1 and 2 as done in no time would say 10/3·2 ≈ 7 s after
+    round 3)."""
+    import network.engine_sequential
+
+    first = _engine(tmp_path, rounds=5, eval_every=1)
+    run_round = first._run_round
+
+    def killed_at_round_3(round_index, bar, pace):
+        if round_index == 3:
+            raise Killed
+        run_round(round_index, bar, pace)
+
+    first._run_round = killed_at_round_3
+    with pytest.raises(Killed):
+        first.run()
+    paced_by(network.engine_sequential, monkeypatch, 10.0)
+    _engine(tmp_path, rounds=5, eval_every=1).run()
+    assert resumed_etas(tmp_path / "run.log", "round") == {3: "ETA 0:00:20", 4: "ETA 0:00:10", 5: "ETA 0:00:00"}
+
+
+def test_a_resumed_step2_run_paces_only_the_epochs_it_ran(tmp_path, monkeypatch):
+    """Step 2 killed after epoch 2 of 5 resumes and trains epochs 3, 4, 5 at 10 s an epoch on the fake clock: ETAs
+    20 s, 10 s, 0 s (counting epochs 1 and 2 as done in no time would say 10/3·2 ≈ 7 s after epoch 3)."""
+    import training.fit
+    from datasets.digits import select_digits
+    from steps import train_centralized as step2
+
+    manifest = tmp_path / "manifest.csv"
+    select_digits(0.25, seed=0, n_samples=60).to_csv(manifest, index=False)
+    out = tmp_path / "run"
+    argv = ["--task", "digit_class", "--encoder", "small_cnn", "--weights", "none", "--data_path", str(tmp_path),
+            "--manifest", str(manifest), "--image_size", "8", "--batch_size", "8", "--scheduler", "none",
+            "--n_epochs", "5", "--no-use_accelerator", "--no-plots", "--no-progress", "--out", str(out)]
+    real_save = training.fit.atomic_torch_save
+
+    def save_then_die(obj, path):
+        real_save(obj, path)
+        if path.name == "last.pt" and obj["state"]["epoch"] == 2:
+            raise Killed
+
+    monkeypatch.setattr(training.fit, "atomic_torch_save", save_then_die)
+    with pytest.raises(Killed):
+        step2.main(argv)
+    monkeypatch.setattr(training.fit, "atomic_torch_save", real_save)
+    paced_by(training.fit, monkeypatch, 10.0)
+    step2.main(argv)
+    assert resumed_etas(out / "run.log", "epoch") == {3: "ETA 0:00:20", 4: "ETA 0:00:10", 5: "ETA 0:00:00"}
 
 
 def test_without_a_bar_the_pipeline_prints_a_line_per_step_it_ran(tmp_path, capsys):

@@ -3,8 +3,9 @@
 A tqdm bar is drawn only on a terminal (``utils.cli.apply_runtime_flags``); under ``make demo > log 2>&1``
 or a batch job nothing else would say how far a run is. These helpers give the lines that do: step 4's
 line per evaluated round, step 2's per epoch, and the pipeline's per step (:class:`StepLines`), all on
-stdout. ``ETA hh:mm`` is always the time *left* (hours:minutes, rounded up; hours may pass 24), the
-remaining pieces times the mean of those done so far.
+stdout. Every time they print, elapsed or left, is :func:`clock_text`'s ``H:MM:SS`` (``0:03:21``; hours may pass
+24), and ``ETA H:MM:SS`` (:func:`eta_text`) is always the time *left*: the remaining pieces times the mean of those
+done so far in this process (:class:`Pace`).
 """
 
 from __future__ import annotations
@@ -12,13 +13,20 @@ from __future__ import annotations
 import math
 import sys
 import time
-from typing import TextIO
+from typing import Callable, TextIO
+
+
+def clock_text(seconds: float) -> str:
+    """``H:MM:SS``, the one format of every printed duration: ``seconds`` to the nearest whole second (half up),
+    hours growing past 24 (``25:00:01``, never days); a negative or non-finite time prints as ``0:00:00``."""
+    whole = math.floor(seconds + 0.5) if math.isfinite(seconds) and seconds > 0 else 0
+    hours, rest = divmod(whole, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}"
 
 
 def eta_text(seconds_left: float) -> str:
-    """``ETA hh:mm``: ``seconds_left`` in hours and minutes, rounded up (a run with 10 s to go says 00:01)."""
-    minutes = math.ceil(max(seconds_left, 0.0) / 60) if math.isfinite(seconds_left) else 0
-    return f"ETA {minutes // 60:02d}:{minutes % 60:02d}"
+    """``ETA H:MM:SS``: the time left, in :func:`clock_text`'s format (``ETA 0:03:21``)."""
+    return f"ETA {clock_text(seconds_left)}"
 
 
 def seconds_left(elapsed: float, done: int, total: int) -> float:
@@ -61,12 +69,14 @@ class StepLines:
 class Pace:
     """The ETA of a loop over ``total`` pieces of which ``start`` were done before this process began (a resume).
 
-    Only the pieces done here count towards the pace: a resumed run's earlier rounds took unknown time.
+    Only the pieces done here count towards the pace: a resumed run's earlier epochs or rounds took unknown time,
+    and counting them as done in no time would shrink the ETA. ``clock``: seconds, monotonic (a test's fake one).
     """
 
-    def __init__(self, start: int, total: int) -> None:
-        self.start, self.total, self.began = start, total, time.perf_counter()
+    def __init__(self, start: int, total: int, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.start, self.total, self.clock = start, total, clock
+        self.began = clock()
 
     def eta(self, done: int) -> str:
-        """``ETA hh:mm`` after ``done`` pieces in all (``start`` included)."""
-        return eta_text(seconds_left(time.perf_counter() - self.began, done - self.start, self.total - self.start))
+        """``ETA H:MM:SS`` after ``done`` pieces in all (``start`` included)."""
+        return eta_text(seconds_left(self.clock() - self.began, done - self.start, self.total - self.start))
