@@ -195,13 +195,15 @@ def test_an_embedding_column_of_several_arrow_chunks_is_clustered_and_partitione
         assert blobs(partitioner) == [{"r0", "r3", "r5"}, {"r1", "r2", "r4"}]
     assert partitions[1] == partitions[0]
     # A contiguous select slices the chunks (no row mapping): the first chunk now starts at its row 1, and each
-    # vector must still be its own row's, not the one before it (row 0 lies in the other blob).
-    sliced = two.select(range(1, 6))
-    assert sliced._indices is None and sliced.data.column("e").chunk(0).offset == 1
-    partitioner = flower.adapter.TaskHetEmbeddingPartitioner(2, "e", n_clusters=2, alpha=ALPHA, seed=SEED)
-    partitioner.dataset = sliced
-    rows_of(partitioner)
-    assert blobs(partitioner) == [{"r1", "r2", "r4"}, {"r3", "r5"}]
+    # vector must still be its own row's, not the one before it (row 0 lies in the other blob). Of one chunk and of
+    # two (which are combined into one array first).
+    for whole in (one, two):
+        sliced = whole.select(range(1, 6))
+        assert sliced._indices is None and sliced.data.column("e").chunk(0).offset == 1
+        partitioner = flower.adapter.TaskHetEmbeddingPartitioner(2, "e", n_clusters=2, alpha=ALPHA, seed=SEED)
+        partitioner.dataset = sliced
+        assert sorted(sum(rows_of(partitioner), [])) == IDS[1:]
+        assert blobs(partitioner) == [{"r1", "r2", "r4"}, {"r3", "r5"}]
 
 
 CONSTRUCTION = {
