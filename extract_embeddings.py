@@ -6,6 +6,7 @@ sample_ids.csv, clusters.csv (sample_id, cluster), centers.npy, agreement.json
 (NMI/ARI of clusters vs scene labels), cluster_diagnostics.json, scatter and
 contingency plots, metrics.csv, config.json, run.log. The clusters are the
 embedding-based groups of step 3b (make_client_assignments.py --groups clusters.csv).
+A best.pt of epoch 0 (the untrained model) is refused unless --allow_untrained asks for it.
 """
 
 from steps import embed

@@ -6,6 +6,8 @@ sample_ids.csv, clusters.csv (sample_id, cluster), centers.npy, agreement.json
 (NMI/ARI of clusters vs the data family's class labels), cluster_diagnostics.json, scatter and
 contingency plots, metrics.csv, config.json, run.log. The clusters are the
 embedding-based groups of step 3b (make_client_assignments.py --groups clusters.csv).
+A best.pt of epoch 0 (the untrained model: no trained epoch lowered step 2's validation loss) is
+refused unless --allow_untrained asks for it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from training.loop import make_loader
 from utils import cli
 from utils.device import pick_device, prepare_model
 from utils.errors import TaskHetError
-from utils.loaders import load_json, load_npy, require_file, require_finished
+from utils.loaders import load_checkpoint, load_json, load_npy, require_file, require_finished
 from utils.locks import folder_lock
 from utils.run_dir import atomic_write_text, claim_folder, run_log, unfinished, write_config
 
@@ -49,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--minibatch_threshold", type=cli.ints(1, cli.MAX_SAMPLES), default=MINIBATCH_THRESHOLD,
                         help="MiniBatchKMeans above this many samples")
     parser.add_argument("--seed", type=cli.SEEDS, default=0, help="seed of the PCA, KMeans and the plots' samples")
+    parser.add_argument("--allow_untrained", action=argparse.BooleanOptionalAction, default=False,
+                        help="embed a best.pt of epoch 0, the untrained model (no trained epoch lowered step 2's "
+                             "validation loss); refused otherwise")
     cli.add_runtime_flags(parser)
     return parser
 
@@ -71,6 +76,18 @@ def trained_model_checkpoint(checkpoint: Path) -> None:
     """Refuse a missing step-2 checkpoint, or one from a step 2 that did not finish."""
     require_file(checkpoint, "--checkpoint", "a step-2 best.pt: run step 2, train_centralized_task_model.py")
     require_finished(checkpoint, "--checkpoint")
+
+
+def refuse_untrained(checkpoint: Path, allow_untrained: bool) -> None:
+    """Refuse a step-2 best.pt of epoch 0 (the untrained network: its embedding clusters say nothing about the task)
+    unless ``allow_untrained``; a checkpoint without an epoch (not written by step 2's loop) passes."""
+    if allow_untrained:
+        return
+    loaded = load_checkpoint(checkpoint, "--checkpoint (a step-2 best.pt)")
+    if isinstance(loaded, dict) and loaded.get("epoch") == 0:  # anything else is the model loader's to judge
+        raise TaskHetError(f"--checkpoint {checkpoint} is epoch 0, the untrained model (no trained epoch of step 2 "
+                           "lowered its validation loss): its embeddings would cluster noise; train longer, or pass "
+                           "--allow_untrained to embed it anyway")
 
 
 def training_image_size(checkpoint: Path) -> int:
@@ -124,6 +141,7 @@ def embed_and_cluster(args: argparse.Namespace) -> Path:
     """Embed, cluster and write, holding the lock of ``args.out`` (see :func:`main`)."""
     claim_folder(args.out, STEP)
     trained_model_checkpoint(args.checkpoint)
+    refuse_untrained(args.checkpoint, args.allow_untrained)  # before config.json: a refused run writes nothing
     args.image_size = args.image_size or training_image_size(args.checkpoint)
     family, manifest = load_manifest(args.manifest)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -54,9 +54,11 @@ def step2_argv(chain: Chain, out: Path, *extra: str) -> list[str]:
 
 
 def step3_argv(chain: Chain, out: Path, *extra: str, checkpoint: Path | None = None) -> list[str]:
+    # --allow_untrained: the chain's one epoch of step 2 may keep the untrained epoch 0, and these cases test inputs,
+    # not embeddings (tests/test_step3.py tests the refusal)
     return ["--checkpoint", str(checkpoint or chain.step2 / "best.pt"), "--manifest", str(chain.manifest),
             "--data_path", str(chain.data), "--n_clusters", "2", "--n_init", "1", "--no-use_accelerator",
-            "--out", str(out), *extra]
+            "--allow_untrained", "--out", str(out), *extra]
 
 
 def step3b_argv(chain: Chain, out: Path, *extra: str, manifest: Path | None = None) -> list[str]:

@@ -274,3 +274,24 @@ def test_no_report_value_is_selected_on_the_test_split(sequential_run, tmp_path)
                   for epoch, values in enumerate([(1.0, 1.0), (0.5, 0.9), (0.7, 0.4)])
                   for split, value in zip(("val", "test"), values)]).to_csv(crafted, index=False)
     assert centralized_reference(crafted) == (0.9, "val")  # epoch 1 by validation, not epoch 2's lower test loss
+
+
+def test_embeddings_allow_untrained_reaches_step_3_as_a_flag_not_a_stage_key(tmp_path):
+    """embeddings.allow_untrained: true adds step 3's --allow_untrained (a best.pt of epoch 0 is refused otherwise),
+    and changes neither the stage folder nor its parameters: it decides whether step 3 runs, not what it writes."""
+    from pipeline.runner import Pipeline
+    from pipeline.studies.main_job.runner import MainJob
+
+    (tmp_path / "s2").mkdir()
+    for name in ("manifest.csv", "s2/best.pt"):  # the stage key hashes step 3's input files
+        (tmp_path / name).write_text(name)
+    called = {}
+    for allowed in (False, True):
+        config = tiny_experiment(tmp_path)
+        config["embeddings"]["allow_untrained"] = allowed
+        job = MainJob(Pipeline(load_experiment(write_experiment(tmp_path, config)), tmp_path / "results", "c"))
+        job.pipeline.step = lambda name, stage_dir, params, script, argv: (stage_dir, params, argv)
+        called[allowed] = job.clusters("depth_euclidean", tmp_path / "data", tmp_path / "manifest.csv", tmp_path / "s2")
+    (off_dir, off_params, off_argv), (on_dir, on_params, on_argv) = called[False], called[True]
+    assert (on_dir, on_params) == (off_dir, off_params) and "allow_untrained" not in on_params
+    assert "--allow_untrained" not in off_argv and on_argv == [*off_argv, "--allow_untrained"]

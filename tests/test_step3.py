@@ -109,3 +109,32 @@ def test_step3_errors_name_the_problem(tiny, capsys):
     assign.main(["--manifest", str(tiny["manifest"]), "--scheme", "iid", "--alpha", "1", "--n_clients", "2",
                                   "--out", str(out)])
     assert "--alpha is not used by scheme 'iid'" in (out / "run.log").read_text()
+
+
+def test_an_untrained_best_pt_is_refused_in_one_line_unless_allowed(tiny, tmp_path, capsys):
+    """A step-2 best.pt of epoch 0 is the untrained network: step 3 refuses it before writing anything, naming the
+    checkpoint and --allow_untrained; with the flag it embeds it; epoch 1 passes without it."""
+    from utils.cli import run_main
+
+    saved = torch.load(tiny["checkpoint"], weights_only=True)
+    for epoch in (0, 1):
+        folder = tmp_path / f"epoch{epoch}"
+        folder.mkdir()
+        torch.save({**saved, "epoch": epoch}, folder / "best.pt")
+        (folder / "config.json").write_text(json.dumps({"args": {"image_size": IMAGE_SIZE}}))
+
+    def argv(epoch, out, *extra):
+        return ["--checkpoint", str(tmp_path / f"epoch{epoch}" / "best.pt"), "--manifest", str(tiny["manifest"]),
+                "--data_path", str(tiny["root"]), "--out", str(out), "--n_clusters", "2", "--n_init", "1",
+                "--no-use_accelerator", *extra]
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(embed.main, argv(0, tmp_path / "refused"))
+    error = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "\n" not in error
+    assert error.startswith(f"error: --checkpoint {tmp_path / 'epoch0' / 'best.pt'} is epoch 0, the untrained model")
+    assert "--allow_untrained" in error
+    assert not (tmp_path / "refused").exists() or not any((tmp_path / "refused").iterdir())
+    allowed = embed.main(argv(0, tmp_path / "allowed", "--allow_untrained"))
+    trained = embed.main(argv(1, tmp_path / "trained"))
+    assert allowed.is_file() and trained.is_file()

@@ -35,7 +35,9 @@ SCHEMA: dict[str, Any] = {
     "name": "experiment",
     **shared_sections(),
     "tasks": ["depth_euclidean", "normal", "segment_semantic", "class_scene"],
-    "embeddings": {"n_clusters": 10, "pca_dim": None},
+    # allow_untrained: embed a centralized model whose best epoch is 0, the untrained one (step 3's --allow_untrained;
+    # refused otherwise): only for a pipeline that tests plumbing, not embeddings. No stage key holds it
+    "embeddings": {"n_clusters": 10, "pca_dim": None, "allow_untrained": False},
     "partition": {
         "groupings": list(GROUPINGS),
         "scheme": "dirichlet_mixture",
@@ -84,6 +86,7 @@ TYPES: dict[str, Check] = {
     "tasks": ListOf(Str()),
     "embeddings.n_clusters": Int(1, MAX_CLUSTERS),
     "embeddings.pca_dim": Optional(Int(1, MAX_PCA_DIM)),
+    "embeddings.allow_untrained": Bool(),
     "partition.groupings": ListOf(Str()),
     "partition.scheme": Str(),
     "partition.alphas": ListOf(Float(0, MAX_ALPHA, low_open=True)),

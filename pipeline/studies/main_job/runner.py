@@ -86,13 +86,16 @@ class MainJob:
     # ----- steps -----
     def clusters(self, task: str, root: Path, manifest: Path, model_dir: Path) -> Path:
         """Step 3: the embeddings of ``task``'s centralized model and their KMeans clusters."""
+        embeddings = dict(self.config["embeddings"])
+        # whether an untrained best.pt is refused changes no output: a flag outside the stage key
+        allowed = ["--allow_untrained"] if embeddings.pop("allow_untrained") else []
         params = {
             "checkpoint": str(model_dir / "best.pt"), "manifest": str(manifest), "data_path": str(root),
-            "seed": self.config["seeds"][0], **self.config["embeddings"],
+            "seed": self.config["seeds"][0], **embeddings,
         }
         stage_dir = self.out_dir / "embeddings" / f"{task}-{stage_key(params, [manifest, model_dir / 'best.pt'], self.out_dir)}"
         return self.pipeline.step(f"step 3: embed + cluster {task}", stage_dir, params, step3,
-                                  ["--out", str(stage_dir), *flags(params)])
+                                  ["--out", str(stage_dir), *flags(params), *allowed])
 
     def partition_for(self, combination: Combination, manifest: Path, cluster_dirs: dict[str, Path]) -> Path:
         """Step 3b's folder of ``combination``'s partition (run once per partition key, shared by its runs)."""
