@@ -1,8 +1,9 @@
 """The reference page of every experiment-file key of every study kind, read from the study registry.
 
-Each kind (``pipeline.studies.STUDIES``) carries its schema (every key with its default) and its keys' types (the
-checks of ``pipeline/schema.py`` that ``load`` applies before step 0), so this page lists what a file may set,
-its default and what it must be. A check this module cannot put in words stops the build.
+Each kind (``pipeline.studies.STUDIES``) carries its schema (every key with its default), its keys' types (the
+checks of ``pipeline/schema.py`` that ``load`` applies before step 0) and its keys' help (one line each, written
+beside the keys' defaults), so this page lists what a file may set, its default, what it must be and what it does.
+A check this module cannot put in words, or a key without its line of help, stops the build.
 """
 
 from __future__ import annotations
@@ -71,9 +72,18 @@ def _shown(value: Any) -> str:
     return str(value)
 
 
-def kind_keys(kind: Any) -> dict[str, tuple[str, str]]:
-    """Dotted key -> (default as YAML would show it, its type in words), for one study kind."""
-    return {dotted: (_shown(default_of(kind.schema, dotted)), describe_check(check))
+def help_of(kind: Any, dotted: str) -> str:
+    """What the key does, as the kind says (a key without a line stops the build: say it where the key is defined)."""
+    text = " ".join(str(kind.help.get(dotted, "")).split())
+    if not text:
+        raise RuntimeError(f"study kind {kind.name!r} has no help for its key {dotted!r}: add its line where the kind's "
+                           "keys are defined (pipeline/sections.py, pipeline/studies/)")
+    return text
+
+
+def kind_keys(kind: Any) -> dict[str, tuple[str, str, str]]:
+    """Dotted key -> (default as YAML would show it, its type in words, what it does), for one study kind."""
+    return {dotted: (_shown(default_of(kind.schema, dotted)), describe_check(check), help_of(kind, dotted))
             for dotted, check in kind.types.items()}
 
 
@@ -94,7 +104,8 @@ def page() -> str:
               if all(kind_entries.get(dotted) == entry for kind_entries in keys.values())}
     parts = ["# Every experiment-file key",
              "Generated at build time from the study registry (`pipeline/studies/`: each kind's schema, with every "
-             "key's default, and its keys' checks from `pipeline/schema.py`; `docsgen/experiment_keys.py`). "
+             "key's default, its keys' checks from `pipeline/schema.py` and their help, written beside the keys in "
+             "`pipeline/sections.py` and `pipeline/studies/`; `docsgen/experiment_keys.py`). "
              "`run_pipeline.py FILE` reads the file's `study:` key (none: the main job) and checks every key below "
              "before step 0: an unknown key, a wrong type or a value out of range is one `error:` line naming the "
              "key. Names (tasks, encoders, algorithms and their settings, partition schemes) are then checked against the "
@@ -104,7 +115,7 @@ def page() -> str:
                    ([f"[{name}](#{name})", "none (no `study:` key)" if name == MAIN_JOB else code(name),
                      escape(kind.summary)] for name, kind in kinds.items())),
              f"## Keys of {SHARED} {{#shared}}",
-             "These keys mean the same, with the same default and type, in every kind of file.",
+             "These keys mean the same, with the same default, type and use, in every kind of file.",
              _key_table(shared)]
     for name, kind in kinds.items():
         own = {dotted: entry for dotted, entry in keys[name].items() if dotted not in shared}
@@ -114,6 +125,7 @@ def page() -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def _key_table(entries: dict[str, tuple[str, str]]) -> str:
-    return table(["key", "default", "must be"],
-                 ([code(dotted), code(default), escape(kind)] for dotted, (default, kind) in entries.items()))
+def _key_table(entries: dict[str, tuple[str, str, str]]) -> str:
+    return table(["key", "default", "must be", "what it does"],
+                 ([code(dotted), code(default), escape(kind), escape(text)]
+                  for dotted, (default, kind, text) in entries.items()))

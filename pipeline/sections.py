@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from utils.errors import TaskHetError
@@ -56,6 +57,68 @@ CENTRALIZED_SECTION: dict[str, Any] = {
     "lr_decay_rate": 0.95,  # scheduler exponential: factor per epoch
 }
 SHARED_SECTIONS = ("name", "data", "model", "centralized", "seeds", "use_accelerator")
+
+# What each shared key does, one line per dotted key: the experiment-file reference page prints it beside the key's
+# default and type (docsgen/experiment_keys.py), and a test requires one for every key of every kind.
+SHARED_HELP = MappingProxyType({
+    "name": "the experiment's folder under --results (results/<name>/), with every step's outputs and the report",
+    "data.source": "where the images come from: synthetic (rendered buildings), taskonomy, digits, cifar10, cifar100, "
+                   "or your own folder: imagefolder, paired_folders",
+    "data.root": "the data folder: synthetic renders into it; taskonomy and your own folders are read from it; cifar: "
+                 "the parent of torchvision's folders; digits ignores it",
+    "data.synthetic.n_buildings": "synthetic only: buildings (rooms) rendered",
+    "data.synthetic.n_views": "synthetic only: views rendered per building",
+    "data.synthetic.image_size": "synthetic only: side of the rendered square images, in pixels",
+    "data.synthetic.seed": "synthetic only: the renderer's root seed (the same seed renders the same files)",
+    "data.buildings": "taskonomy only: the buildings to include (null: every building on disk)",
+    "data.top_k_classes": "taskonomy and synthetic only: keep the K most frequent scene classes",
+    "data.test_fraction": "share of the buildings (taskonomy, synthetic) or samples in the test split (cifar's test "
+                          "set is fixed)",
+    "data.split_by": "taskonomy and synthetic only: building (whole buildings per split), csv (the split CSV's own "
+                     "columns) or sample (views one by one)",
+    "data.n_samples": "digits only: samples kept, stratified by digit (null: all 1,797)",
+    "data.split_csv": "the split CSV, relative to data.root unless absolute: taskonomy needs it (id,train,val,test); "
+                      "imagefolder and paired_folders may give one (else a seeded split)",
+    "data.imbalance_factor": "cifar and digits only: n_min / n_max of a long-tailed training set (null: balanced)",
+    "data.val_fraction": "share of the training buildings or samples kept for validation, on which step 2 picks its "
+                         "best epoch (null: 0.1)",
+    "data.verify_checksums": "cifar only: torchvision's md5 check of the dataset files (null: on)",
+    "model.encoder": "the encoder every model is built on (a registered encoder)",
+    "model.weights": "the encoder's starting weights: none, imagenet, clip, dino (those the encoder offers) or a file",
+    "model.image_size": "side length the images are resized to before the encoder",
+    "model.embedding_grid": "step 2's embedding of a sample: the global average of the encoder's map plus the cell "
+                            "averages of this grid (0: the global average only)",
+    "model.freeze_encoder": "keep the encoder fixed: only the decoder and head train, centralized and federated",
+    "model.cache_features": "with model.freeze_encoder: compute the encoder's maps once per sample and train on them "
+                            "(steps 2, 3c and 4)",
+    "model.decoder_width": "channels of a dense task's decoder (null: the encoder's default)",
+    "centralized.n_epochs": "step 2 (the centralized model): training epochs",
+    "centralized.batch_size": "step 2: batch size",
+    "centralized.init_lr": "step 2: initial learning rate",
+    "centralized.optimizer": "step 2: the optimizer",
+    "centralized.scheduler": "step 2: the per-epoch learning-rate schedule after the warmup: cosine, exponential "
+                             "(centralized.lr_decay_rate), step (centralized.step_size, centralized.gamma) or none",
+    "centralized.warmup_epochs": "step 2: epochs of linear learning-rate warmup",
+    "centralized.step_size": "step 2, scheduler step: epochs between decays",
+    "centralized.gamma": "step 2, scheduler step: factor per decay",
+    "centralized.momentum": "step 2, optimizer sgd: momentum",
+    "centralized.lr_decay_rate": "step 2, scheduler exponential: factor per epoch",
+    "centralized.weight_decay": "step 2: weight decay",
+    "centralized.early_stopping_patience": "step 2: stop after this many epochs without a lower validation loss (0: "
+                                           "never)",
+    "seeds": "every partition and federated run is repeated once per seed; the data split uses the first",
+    "use_accelerator": "use CUDA or MPS where present (false: the CPU only)",
+})
+# Federated keys the main job and the grid studies read alike (each kind's help adds them).
+LOCAL_TRAINING_HELP = MappingProxyType({
+    "federated.batch_size": "step 4: local batch size",
+    "federated.init_lr": "step 4: local learning rate of round 1",
+    "federated.lr_schedule": "step 4: the local learning rate per round: constant, cosine, exponential:RATE or "
+                             "step:EVERY:GAMMA",
+    "federated.momentum": "step 4: local SGD momentum (a fresh buffer each round)",
+    "federated.weight_decay": "step 4: local SGD weight decay",
+    "federated.client_fraction": "step 4: share of the clients sampled each round",
+})
 
 # The most federated runs one experiment or study file may ask for. The grid is counted from its list lengths
 # before anything expands it, so a typo such as five 60-value lists (7.8e8 runs) is one error line, not a

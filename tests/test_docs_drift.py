@@ -110,3 +110,50 @@ def test_every_image_a_document_shows_is_in_the_repository(document):
     links = re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", path.read_text())
     missing = [link for link in links if link.startswith("/") or not (path.parent / link).is_file()]
     assert not missing, f"{document} shows images that are not in the repository: {missing}"
+
+
+THREAD_PAGES = ["docs/reference/outputs.md", "docs/tutorials/main-job.md"]
+
+
+@pytest.mark.parametrize("page", THREAD_PAGES)
+def test_the_thread_default_the_docs_name_is_the_codes(page):
+    # Two pages once said the default was one thread per core (torch's own choice), while every --help says 1.
+    from utils.cli import DEFAULT_THREADS
+
+    text = _flat((ROOT / page).read_text())
+    assert DEFAULT_THREADS == 1, "the pages below say one thread: update them with utils/cli.py DEFAULT_THREADS"
+    assert not re.search(r"default[^.;]{0,30}one thread per core", text), page
+    said = {"docs/reference/outputs.md": "The default is 1, as every `--help` says",
+            "docs/tutorials/main-job.md": "One torch thread per step, the default every step's `--help` names"}[page]
+    assert said in text
+    steps_help = _flat(importlib.import_module("steps.federated").build_parser().format_help())
+    assert f"torch CPU threads of this step (default: {DEFAULT_THREADS})" in steps_help
+
+
+def test_every_experiment_key_says_what_it_does():
+    from pipeline.studies import get_study, list_studies
+
+    for name in list_studies():
+        kind = get_study(name)
+        assert set(kind.help) == set(kind.types), (name, set(kind.help) ^ set(kind.types))
+        empty = [key for key, text in kind.help.items() if not isinstance(text, str) or len(text.split()) < 3]
+        assert not empty, (name, empty)
+
+
+def test_the_experiment_key_page_prints_each_keys_help_and_a_key_without_one_stops_it(monkeypatch):
+    import dataclasses
+
+    from docsgen import experiment_keys
+    from pipeline.studies import get_study
+
+    page = experiment_keys.page()  # Markdown escapes "[", "]" and "_" outside code spans
+    assert ("| `federated.n_rounds` | `10` | integer in \\[1, 10,000\\] | step 4: federated rounds of every run |"
+            in page)
+    assert "| `use_accelerator` | `true` | true or false | use CUDA or MPS where present (false: the CPU only) |" in page
+    assert ("| `federated.init_from` | `scratch` | one of scratch, centralized | the federated runs' starting model: "
+            "scratch (untrained) or centralized (step 2's model) |") in page
+    kind = get_study("fed_lt")
+    bare = dataclasses.replace(kind, help={key: text for key, text in kind.help.items() if key != "task"})
+    monkeypatch.setattr(experiment_keys, "study_kinds", lambda: {"fed_lt": bare})
+    with pytest.raises(RuntimeError, match="study kind 'fed_lt' has no help for its key 'task'"):
+        experiment_keys.page()

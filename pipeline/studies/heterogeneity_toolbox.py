@@ -363,4 +363,7 @@ register_grid_kind(
     extra_schema={"practitioners_table": {}},  # table row -> the situation that tests it (TABLE)
     extra_types={"practitioners_table": Mapping("map rows of the practitioners' table to situation names",
                                                 "{mild: mild_label_skew, severe: severe_label_skew}", allow_empty=True)},
+    extra_help={"practitioners_table": "which situation of the grid tests each row of the practitioners' table "
+                                       "(mild, moderate, groups, personal, transfer, severe); a row left out is "
+                                       "reported as not measured"},
     extra_checks=(validate_practitioners_table,), free_form=frozenset({"practitioners_table"}), reads_meters=True)

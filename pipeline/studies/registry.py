@@ -37,6 +37,7 @@ class StudyKind:
         report_unit: what one row of report.csv is, for the console line after a run.
         types: every dotted key of ``schema`` -> its check (pipeline/schema.py), which ``load`` applies; the
             documentation's experiment-file reference reads it too.
+        help: every dotted key of ``types`` -> one line on what it does, for that reference page.
     """
 
     name: str
@@ -47,6 +48,7 @@ class StudyKind:
     report_unit: str = "rows"
     free_form: frozenset[str] = frozenset()
     types: Mapping[str, Any] = field(default_factory=dict)
+    help: Mapping[str, str] = field(default_factory=dict)
 
 
 STUDIES: Registry[StudyKind] = Registry("study kind")

@@ -19,6 +19,7 @@ import copy
 import itertools
 import math
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Callable
 
 from pipeline import checks
@@ -26,8 +27,8 @@ from pipeline.checks import Entry
 from partitioning.assignments import MAX_CLIENTS
 from partitioning.temporal import MAX_ROUNDS
 from pipeline.schema import LEARNING_RATE, MOMENTUM, SHARED_TYPES, Bool, Check, Float, Int, ListOf, Str, check_types
-from pipeline.sections import (check_run_count, merge_keys, most_label_groups, shared_sections, validate_data,
-                               validate_encoder, validate_lr_schedule)
+from pipeline.sections import (LOCAL_TRAINING_HELP, SHARED_HELP, check_run_count, merge_keys, most_label_groups,
+                               shared_sections, validate_data, validate_encoder, validate_lr_schedule)
 from pipeline.studies.grid.params import assignment_params, federated_params
 from pipeline.studies.grid.runs import Partition, StudyRun, Variant
 from steps.federated import MAX_LOCAL_STEPS
@@ -76,6 +77,27 @@ GRID_TYPES: dict[str, Check] = {
     "federated.local_test": Str(("assigned", "proportional")), "federated.finetune_steps": Int(0, MAX_LOCAL_STEPS),
     "heterogeneity_meter": Bool(),
 }
+# What each key of a grid study does (the reference page prints it; a test requires one for every key of GRID_TYPES).
+GRID_HELP = MappingProxyType({
+    **SHARED_HELP, **LOCAL_TRAINING_HELP,
+    "study": "the kind of study this file is (a file without the key is the main job)",
+    "task": "the one classification task of the data family that every run trains",
+    "federated.n_clients": "clients K of every partition",
+    "federated.rounds_x_local_steps": "rounds × local steps J, the same for every J of the grid (a run's rounds: this "
+                                      "/ J)",
+    "federated.evaluations": "evaluations of the global model per run, spread evenly over its rounds",
+    "federated.client_test_fraction": "share of each client's rows held out as its test set (0: the study reads the "
+                                      "global test and validation splits only)",
+    "federated.init_from": "the federated runs' starting model: scratch (untrained), centralized (step 2's model) or "
+                           "head (step 2's head, trained on the frozen encoder's features; the encoder then trains too)",
+    "federated.calibration_fraction": "share of the train rows held out from every client as the server's "
+                                      "calibration split (sparse_ft's server masks; 0: none)",
+    "federated.local_test": "client test sets: assigned (each client's own test rows) or proportional (Fed-LT: drawn "
+                            "from the test split in the client's class proportions)",
+    "federated.finetune_steps": "also evaluate each client's model after this many local SGD steps on its own rows "
+                                "(0: off)",
+    "heterogeneity_meter": "step 3c per partition and seed: G² and B² at step 2's model",
+})
 BLOCK_KEYS = ("partitions", "local_steps", "algorithms")
 # Step-3b options a study sets itself (from federated.* and the seeds, or a class_groups file), never a partition entry.
 STUDY_SET_OPTIONS = ("manifest", "out", "n_clients", "seed", "client_test_fraction", "groups", "help")

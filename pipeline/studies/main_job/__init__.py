@@ -13,4 +13,5 @@ register(StudyKind(
     run=runner.run,
     report_unit="task × algorithm × α rows",
     types=config.TYPES,
+    help=config.HELP,
 ))

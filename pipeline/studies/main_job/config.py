@@ -14,6 +14,7 @@ import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from partitioning.client_tests import CLIENT_TESTS, DEFAULT_TEST_FRACTION, HELD_OUT, TEST_SPLIT
@@ -23,7 +24,8 @@ from pipeline.checks import Entry
 from partitioning.assignments import MAX_ALPHA, MAX_CLIENTS
 from partitioning.temporal import MAX_ROUNDS
 from pipeline.schema import LEARNING_RATE, MOMENTUM, SHARED_TYPES, Bool, Check, Float, Int, ListOf, Mapping, Optional, Str, check_types
-from pipeline.sections import check_run_count, merge_keys, shared_sections, validate_data, validate_encoder, validate_lr_schedule
+from pipeline.sections import (LOCAL_TRAINING_HELP, SHARED_HELP, check_run_count, merge_keys, shared_sections,
+                               validate_data, validate_encoder, validate_lr_schedule)
 from steps.embed import MAX_PCA_DIM
 from steps.federated import MAX_LOCAL_STEPS
 from utils.cli import MAX_BATCH_SIZE, MAX_CLUSTERS
@@ -117,6 +119,43 @@ TYPES: dict[str, Check] = {
     "run_plots": Bool(),
 }
 
+# What each key of the main job does (the reference page prints it; a test requires one for every key of TYPES).
+HELP = MappingProxyType({
+    **SHARED_HELP, **LOCAL_TRAINING_HELP,
+    "tasks": "the tasks studied, each with its own models through every step (tasks the data source can feed)",
+    "embeddings.n_clusters": "step 3: KMeans clusters of the centralized model's embeddings, the groups of an "
+                             "embedding-based partition",
+    "embeddings.pca_dim": "step 3: PCA components before KMeans (null: no PCA)",
+    "embeddings.allow_untrained": "step 3: embed a centralized model whose best epoch is 0, the untrained one (refused "
+                                  "otherwise): only for a pipeline that tests the plumbing, not the embeddings",
+    "partition.groupings": "what the clients are drawn from: label_based (the scene labels), embedding_based (step 3's "
+                           "clusters), or both, compared at equal α",
+    "partition.scheme": "step 3b's partition scheme (a registered scheme), for every grouping and α",
+    "partition.alphas": "the Dirichlet concentrations α: one partition per grouping and α (smaller: more heterogeneous)",
+    "partition.n_clients": "clients of every partition",
+    "partition.client_test_fraction": "partition.client_tests held_out: share of each client's rows held out as its "
+                                      "test set",
+    "partition.client_tests": "where each client's test rows come from: held_out (a share of its own rows) or "
+                              "test_split (the manifest's test rows, dealt to the clients)",
+    "partition.size_skew": "quantity skew of the clients' sizes: lognormal:SIGMA or powerlaw:A (null: equal sizes)",
+    "partition.temporal": "temporal skew: rotate:PHASES:ROUNDS_PER_PHASE or abrupt:ROUND, scheduled up to "
+                          "federated.n_rounds (null: every row held every round)",
+    "partition.skews": "step 3b's per-client skews by flag name, e.g. {feature_noise: 0.2, label_swap: 1}",
+    "partition.iid_reference": "also run every task, algorithm and seed on an iid partition: the report's reference",
+    "federated.algorithms": "the algorithms run on every partition, each with its settings (the algorithms page)",
+    "federated.n_rounds": "step 4: federated rounds of every run",
+    "federated.local_steps": "step 4: local SGD steps J of each sampled client per round",
+    "federated.task_init_lr": "a task's own local learning rate (a task not listed uses federated.init_lr)",
+    "federated.per_task": "a task's own federated keys for its runs (e.g. a cheap head trains longer)",
+    "federated.eval_every": "step 4: evaluate the global model every this many rounds",
+    "federated.checkpoint_every": "step 4: write checkpoint.pt every this many rounds (a killed run redoes the rounds "
+                                  "after the last one)",
+    "federated.init_from": "the federated runs' starting model: scratch (untrained) or centralized (step 2's model)",
+    "heterogeneity_meter": "step 3c: G² and B² of every label- and embedding-based partition at the centralized model",
+    "tensorboard": "TensorBoard logs of every step-2 and step-4 run (run_pipeline.py --tensorboard says the same)",
+    "run_plots": "each step-2, step-3b and step-4 stage's own pictures (curves.png, the partition's heatmap); the "
+                 "report's pictures are always drawn",
+})
 
 @dataclass(frozen=True)
 class Combination:
