@@ -16,7 +16,8 @@ two workers that decode the same row write the same bytes.
 
 The maps' disk space is reserved when they are made (``posix_fallocate``): a write through a
 memory map into a file the disk cannot hold kills the process with SIGBUS, so a full disk must
-fail up front, as one error naming the cache folder.
+fail up front, as one error naming the cache folder. An existing cache's maps are checked when the cache is opened
+(each header's shape and dtype, and exactly that many bytes after it): a damaged map is one error naming it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from typing import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from utils.errors import DiskFullError, disk_full_names, is_disk_full
+from utils.errors import DiskFullError, TaskHetError, disk_full_names, is_disk_full
+from utils.loaders import load_npy
 
 # Bump when decoders change what a cached row holds, so old caches are not reused.
 # 2: segment_semantic as class = raw - 1, unlabelled = 255; 3: rows sorted by sample id;
@@ -77,6 +79,8 @@ class DecodedSampleCache:
         self._maps: dict[str, np.memmap] | None = None
         if not self.directory.is_dir():
             self._create(key)
+        for name in [*self.layout, FILLED]:  # here, in the process that made the dataset: one error line, not a worker's
+            self._map(name, "r")
 
     def _create(self, key: str) -> None:
         """Allocate the (sparse) maps in a temp folder, then rename: readers never see half a cache."""
@@ -133,9 +137,21 @@ class DecodedSampleCache:
     def _open(self) -> dict[str, np.memmap]:
         # Opened lazily so each DataLoader worker maps the files itself.
         if self._maps is None:
-            names = [*self.layout, FILLED]
-            self._maps = {name: np.load(self.directory / f"{name}.npy", mmap_mode="r+") for name in names}
+            self._maps = {name: self._map(name, "r+") for name in [*self.layout, FILLED]}
         return self._maps
+
+    def _map(self, name: str, mode: str) -> np.memmap:
+        """The memory map of ``name``, its header checked first (utils/loaders.py: exactly shape x item size bytes, so a
+        damaged map is never grown to the shape its header claims) and its shape and dtype the layout's."""
+        shape, dtype = self.layout[name] if name in self.layout else ((), np.dtype(np.uint8))
+        path = self.directory / f"{name}.npy"
+        try:
+            array = load_npy(path, "cache map", shape=(self.num_samples, *shape), finite=False, mmap_mode=mode)
+            if array.dtype != dtype:
+                raise TaskHetError(f"cache map {path} holds {array.dtype} values, expected {dtype}")
+        except TaskHetError as error:
+            raise TaskHetError(f"{error}; delete the cache folder {self.directory} to rebuild it") from None
+        return array
 
     def __getstate__(self) -> dict:
         # Memory maps pickle as full in-memory copies; workers re-open them instead.

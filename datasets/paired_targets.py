@@ -20,12 +20,11 @@ masks are usually stored) or a ``.npy`` array (``numpy.load(allow_pickle=False)`
 layout of a PNG's pixels; numbers only, every value finite). Its height and width are the image's. A ``.npy``
 header is checked before its data is read: its shape times its dtype's item size must be exactly the bytes after
 the header (a header claiming a huge shape would otherwise make numpy allocate it), and an object (pickled) dtype
-is refused (:func:`check_npy_header`).
+is refused (:func:`utils.loaders.check_npy_header`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -158,8 +157,7 @@ def read_target(path: Path, spec: TargetSpec) -> np.ndarray:
     """
     what = f"{spec.name} target"
     if path.suffix.lower() == ".npy":
-        check_npy_header(path, what)
-        raw = load_npy(path, what)
+        raw = load_npy(path, what)  # its header checked first: no pickles, exactly shape x item size bytes
         if raw.dtype.kind not in "biuf":
             raise TaskHetError(f"{what} {path} holds {raw.dtype} values, expected numbers")
     else:
@@ -172,41 +170,6 @@ def read_target(path: Path, spec: TargetSpec) -> np.ndarray:
         raise TaskHetError(f"{what} {path} has {raw.shape[0]} channel(s), expected {wanted} ({spec.kind}"
                            + (f", channels {spec.channels} in {TARGETS_FILE})" if spec.kind == "regression" else ")"))
     return raw
-
-
-def npy_header(path: Path, what: str) -> tuple[tuple[int, ...], np.dtype, int]:
-    """``(shape, dtype, bytes of data after the header)`` of a ``.npy`` file, from its header alone.
-
-    Raises:
-        TaskHetError: no .npy header (or a format version other than 1.0 and 2.0, which numpy writes for numbers).
-    """
-    try:
-        with open(path, "rb") as file:
-            version = np.lib.format.read_magic(file)
-            if version not in ((1, 0), (2, 0)):
-                raise ValueError(f"format version {version[0]}.{version[1]}, expected 1.0 or 2.0 (numpy.save of numbers)")
-            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-            shape, _, dtype = read_header(file)
-            return tuple(shape), dtype, path.stat().st_size - file.tell()
-    except (OSError, ValueError, EOFError) as error:
-        raise TaskHetError(f"{what} {path} is not a readable .npy array ({str(error).splitlines()[0]})") from None
-
-
-def check_npy_header(path: Path, what: str) -> None:
-    """Refuse a ``.npy`` file before numpy reads it: an object (pickled) dtype, or data after the header that is not
-    exactly shape x item size bytes (a header may claim any shape: numpy would allocate it all before reading).
-
-    Raises:
-        TaskHetError: naming the file, the claimed shape and dtype, and the bytes the file holds.
-    """
-    shape, dtype, held = npy_header(path, what)
-    if dtype.hasobject:
-        raise TaskHetError(f"{what} {path} holds Python objects (dtype {dtype}), which are never unpickled; save an array "
-                           "of numbers")
-    claimed = math.prod(shape) * dtype.itemsize  # Python integers: a huge shape cannot overflow
-    if any(size < 0 for size in shape) or claimed != held:
-        raise TaskHetError(f"{what} {path}: its header claims shape {shape} of {dtype} ({claimed} bytes of data) but "
-                           f"the file holds {held} bytes after its header; the file is damaged or not what it says")
 
 
 def decode_target(raw: np.ndarray, spec: TargetSpec, path: Path) -> tuple[np.ndarray, np.ndarray]:

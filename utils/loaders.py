@@ -12,6 +12,9 @@ row (header = line 1) and the column.
 
 Pickles are never read with plain :mod:`pickle`: :func:`load_data_pickle` admits only plain data and
 numpy arrays (dataset files such as CIFAR's), and checkpoints go through ``torch.load(weights_only=True)``.
+Every ``.npy`` file goes through :func:`load_npy`, which reads its header first (:func:`check_npy_header`): a
+pickled array, an ``.npz`` archive, or a header claiming other than the bytes the file holds is refused before numpy
+allocates or maps anything.
 
 Folders of steps that did not finish hold an ``INCOMPLETE`` marker (utils/run_dir.py):
 ``finished=True`` makes a loader refuse a file from such a folder.
@@ -20,6 +23,8 @@ Folders of steps that did not finish hold an ``INCOMPLETE`` marker (utils/run_di
 from __future__ import annotations
 
 import json
+import math
+import os
 import pickle
 import re
 import zipfile
@@ -172,27 +177,77 @@ def read_csv(path: Path, what: str, columns: Sequence[str] = (), finished: bool 
     return table
 
 
+# The first bytes of a zip file: an .npz archive, which numpy.load would open as a lazy mapping of members.
+ZIP_MAGIC = b"PK\x03\x04"
+
+
+def npy_header(path: Path, what: str) -> tuple[tuple[int, ...], np.dtype, int]:
+    """``(shape, dtype, bytes of data after the header)`` of a ``.npy`` file, from its header alone.
+
+    Raises:
+        TaskHetError: an .npz archive, or no .npy header (or a format version other than 1.0 and 2.0, the ones
+            numpy writes for numbers).
+    """
+    try:
+        with open(path, "rb") as file:
+            if file.read(len(ZIP_MAGIC)) == ZIP_MAGIC:
+                raise TaskHetError(f"{what} {path} is an .npz archive, expected one .npy array")
+            file.seek(0)
+            version = np.lib.format.read_magic(file)
+            if version not in ((1, 0), (2, 0)):
+                raise ValueError(f"format version {version[0]}.{version[1]}, expected 1.0 or 2.0 (numpy.save of numbers)")
+            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read_header(file)
+            return tuple(shape), dtype, os.fstat(file.fileno()).st_size - file.tell()
+    except (OSError, ValueError, EOFError) as error:
+        raise TaskHetError(f"{what} {path} is not a readable .npy array ({_first_line(error)})") from None
+
+
+def check_npy_header(path: Path, what: str) -> tuple[tuple[int, ...], np.dtype]:
+    """The ``(shape, dtype)`` of a ``.npy`` file's header, refused before numpy reads the file: an object (pickled)
+    dtype, a negative size, or data after the header that is not exactly shape x item size bytes (a header may
+    claim any shape: numpy would allocate it all before reading, or grow a memory-mapped file to it).
+
+    Raises:
+        TaskHetError: naming the file, the claimed shape and dtype, and the bytes the file holds.
+    """
+    shape, dtype, held = npy_header(path, what)
+    if dtype.hasobject:
+        raise TaskHetError(f"{what} {path} holds Python objects (dtype {dtype}), which are never unpickled; save an array "
+                           "of numbers")
+    if any(size < 0 for size in shape):
+        raise TaskHetError(f"{what} {path}: its header claims shape {shape}, with a negative size; the file is damaged "
+                           "or not what it says")
+    claimed = math.prod(shape) * dtype.itemsize  # Python integers: a huge shape cannot overflow
+    if claimed != held:
+        raise TaskHetError(f"{what} {path}: its header claims shape {shape} of {dtype} ({claimed} bytes of data) but "
+                           f"the file holds {held} bytes after its header; the file is damaged or not what it says")
+    return shape, dtype
+
+
 def load_npy(path: Path, what: str, shape: tuple[int, ...] | None = None, finite: bool = True,
-             finished: bool = False) -> np.ndarray:
-    """``numpy.load`` (no pickles) with the shape and finiteness checked.
+             finished: bool = False, mmap_mode: str | None = None) -> np.ndarray:
+    """``numpy.load`` (no pickles) of a ``.npy`` file whose header passed :func:`check_npy_header`, with the shape
+    (from the header, before any data is read) and the finiteness checked. An ``.npz`` archive is refused unread.
 
     Args:
         shape: the expected shape; ``-1`` in a dimension accepts any size.
-        finite: refuse NaN and infinite values (floating arrays).
+        finite: refuse NaN and infinite values (floating arrays); this reads every value, so a memory-mapped read
+            usually passes False.
+        finished: refuse a file from a folder marked ``INCOMPLETE``.
+        mmap_mode: ``numpy.load``'s (``"r"``, ``"r+"``, ...), or None to read the array into memory.
     """
     path = require_file(path, what)
     if finished:
         require_finished(path, what)
+    found, _ = check_npy_header(path, what)
+    if shape is not None and (len(found) != len(shape) or any(want not in (-1, got) for want, got in zip(shape, found))):
+        wanted = "x".join("N" if size == -1 else str(size) for size in shape)
+        raise TaskHetError(f"{what} {path} has shape {found}, expected {wanted}")
     try:
-        array = np.load(path, allow_pickle=False)
+        array = np.load(path, allow_pickle=False, mmap_mode=mmap_mode)
     except (OSError, ValueError, EOFError) as error:
         raise TaskHetError(f"{what} {path} is not a readable .npy array ({_first_line(error)})") from None
-    if not isinstance(array, np.ndarray):
-        raise TaskHetError(f"{what} {path} is an .npz archive, expected one .npy array")
-    if shape is not None and (array.ndim != len(shape)
-                              or any(want not in (-1, got) for want, got in zip(shape, array.shape))):
-        wanted = "x".join("N" if size == -1 else str(size) for size in shape)
-        raise TaskHetError(f"{what} {path} has shape {tuple(array.shape)}, expected {wanted}")
     if finite and np.issubdtype(array.dtype, np.number) and not np.isfinite(array).all():
         index = tuple(int(i) for i in np.argwhere(~np.isfinite(array))[0])
         raise TaskHetError(f"{what} {path} holds a non-finite value ({array[index]}) at index {index}")
