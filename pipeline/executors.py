@@ -18,7 +18,6 @@ keys, and enter no stage key.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import sys
 import time
@@ -32,6 +31,7 @@ from pipeline.pool import PoolStage, run_in_workers, worker_devices
 from utils import cli
 from utils.device import VISIBLE_DEVICES, visible_gpu_ids
 from utils.errors import TaskHetError
+from utils.progress import clock_text, eta_text, seconds_left
 from utils.registry import Registry
 
 GPU_FRACTIONS = cli.floats(0.0, 1.0, low_open=True)  # --gpus_per_run: a share of one GPU (a run uses one device)
@@ -131,6 +131,8 @@ class LocalExecutor:
         return self.jobs == 1
 
     def describe(self) -> str:
+        if self.in_process:
+            return "one at a time in this process"
         gpus = f"; each sees one GPU of {', '.join(dict.fromkeys(self.devices))}" if self.devices else ""
         return f"{self.jobs} at a time in worker processes{gpus}"
 
@@ -186,8 +188,11 @@ def open_executor(settings: ExecutorSettings, out_dir: Path, use_accelerator: bo
 class GridProgress:
     """``run k of N done`` console lines with the elapsed time and an ETA, one per finished stage, printed whether or
     not stdout is a terminal (a long grid's log file shows them too); advances the top-level bar ``bar`` as well.
+    Every executor's stages report through it, ``--jobs 1`` in the pipeline's own process included, so the lines
+    are the same however the stages run.
 
-    The ETA assumes the stages left take as long on average as the ones done so far, at the same parallelism.
+    Times are utils/progress.py's ``H:MM:SS``, as in step 4's and step 2's lines; the ETA assumes the stages left
+    take as long on average as the ones done so far, at the same parallelism.
     """
 
     def __init__(self, total: int, bar: tqdm | None = None, clock: Callable[[], float] = time.monotonic,
@@ -199,11 +204,10 @@ class GridProgress:
     def done(self, stage: PoolStage, record: dict[str, Any]) -> None:
         self.finished += 1
         elapsed = self.clock() - self.started
-        left = elapsed / self.finished * (self.total - self.finished)
         took = (f", {record['finished'] - record['started']:.0f} s" if record.get("ran", True)
                 and {"started", "finished"} <= record.keys() else "")
         line = (f"run {self.finished} of {self.total} done: {stage.name} ({where(record)}{took}); "
-                f"{clock_text(elapsed)} elapsed, ETA {clock_text(left)}")
+                f"{clock_text(elapsed)} elapsed, {eta_text(seconds_left(elapsed, self.finished, self.total))}")
         if self.bar is not None:
             self.bar.update(1)
         tqdm.write(line, file=sys.stdout)  # above a drawn bar; a plain line otherwise
@@ -220,7 +224,3 @@ def where(record: dict[str, Any]) -> str:
     devices = record.get("devices")
     return f"{node}, GPU {devices}" if devices else node
 
-
-def clock_text(seconds: float) -> str:
-    """``1:02:03`` for 3723 s (whole seconds; days as ``1 day, 0:00:00``)."""
-    return str(datetime.timedelta(seconds=round(max(seconds, 0.0))))

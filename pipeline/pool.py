@@ -4,7 +4,8 @@ Each stage is a module's ``main(argv)`` run through ``utils.stages.run_stage`` (
 otherwise), so a worker runs exactly what the user's numbered script runs, wherever it runs: in a local
 worker process (:func:`run_in_workers`, ``--jobs N``) or as a Ray task (pipeline/ray_executor.py), both
 through :func:`run_pool_stage`. Local workers die with the pipeline (utils/parent_death.py), each sees one
-GPU when there are any, and the first failure cancels the stages not yet started.
+GPU when there are any, a stage is handed to a worker only when one is free, and the first failure cancels
+the stages not yet started.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import multiprocessing
 import os
 import socket
 import sys
+import threading
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -25,7 +27,7 @@ from steps import federated as step4
 from steps import meter as step3c
 from utils.device import VISIBLE_DEVICES
 from utils.errors import TaskHetError
-from utils.interrupts import quiet_worker, stages_message, stop_workers
+from utils.interrupts import WorkerStopped, stages_message, stop_workers, stoppable_worker
 from utils.parent_death import die_with_parent
 from utils.run_dir import atomic_write_text
 from utils.stages import run_stage
@@ -83,10 +85,15 @@ def worker_pool(jobs: int, threads: int | None, devices: list[str] | None = None
 def init_worker(threads: int | None, devices: Any = None, parent_devices: str | None = None) -> None:
     """A pool worker process: dies with the pipeline; sees the one GPU it takes from the queue ``devices`` (None:
     ``parent_devices``, the GPUs the pipeline sees: the fork server kept the environment of the time it started);
-    ``threads`` torch threads (None: torch's choice). Ctrl-C is left to the pipeline, and SIGTERM from it ends the
-    worker without a word (utils/interrupts.py)."""
-    quiet_worker()
+    ``threads`` torch threads (None: torch's choice). Ctrl-C is left to the pipeline, and SIGTERM from it unwinds
+    the running stage and ends the worker without a word (utils/interrupts.py, :func:`run_pool_stage`)."""
+    stoppable_worker()
     die_with_parent()
+    # tqdm's default lock is a named semaphore, which the resource tracker reports as leaked when a stopped worker
+    # ends (os._exit runs no finalizer); a worker's bars share no lock with another process, so a thread lock does.
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     torch = sys.modules.get("torch")
     # CUDA reads the variable once, when it starts: a worker that had started it would keep every GPU.
     if torch is not None and torch.cuda.is_initialized():
@@ -112,7 +119,8 @@ def run_pool_stage(script: str, stage_dir: Path, params: dict[str, Any], argv: l
     """One stage in a worker (module level, so a pool worker or a Ray worker can import it).
 
     Returns where and when it ran (its placement record, also written to the stage's ``placement.json`` before
-    its ``stage.json``), with ``ran`` False when the stage was already done (nothing was run).
+    its ``stage.json``), with ``ran`` False when the stage was already done (nothing was run). A local worker
+    stopped by the pipeline (:class:`utils.interrupts.WorkerStopped`) ends here, once the stage has unwound.
     """
     record = {**placement(where), "started": time.time()}
 
@@ -121,7 +129,20 @@ def run_pool_stage(script: str, stage_dir: Path, params: dict[str, Any], argv: l
         record["finished"] = time.time()
         atomic_write_text(Path(stage_dir) / PLACEMENT_FILE, json.dumps(record, indent=2, sort_keys=True))
 
-    return {**record, "ran": run_stage(stage_dir, params, work)}
+    try:
+        ran = run_stage(stage_dir, params, work)  # before the record is copied: work() adds its finish time
+    except WorkerStopped as stopped:
+        end_stopped_worker(stopped)
+        raise  # not reached
+    return {**record, "ran": ran}
+
+
+def end_stopped_worker(stopped: WorkerStopped) -> None:
+    """End this worker at once with the stop's code: raised on, the stop would reach the pool's worker loop, which
+    sends it back as the stage's result and takes the next stage."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(stopped.code)
 
 
 def named_failure(stage: PoolStage, error: TaskHetError) -> TaskHetError:
@@ -140,26 +161,35 @@ def run_in_workers(stages: list[PoolStage], jobs: int, threads: int | None,
     ``threads`` torch threads each.
 
     ``devices`` (one per worker, from :func:`worker_devices`; None or empty: unchanged) sets each worker's
-    ``CUDA_VISIBLE_DEVICES``. ``on_done(stage, placement)`` is called per finished stage. The first failure stops
-    the rest and is raised here, a :class:`TaskHetError` with the stage's name. Ctrl-C or SIGTERM stops every
-    worker (each stage resumes from its checkpoint on a rerun) and is raised as one
-    :class:`utils.interrupts.Interrupted` naming the stages that were running.
+    ``CUDA_VISIBLE_DEVICES``. ``on_done(stage, placement)`` is called per finished stage, in the order of
+    ``stages`` among those finishing together. The first failure stops the rest and is raised here, a
+    :class:`TaskHetError` with the stage's name. Ctrl-C or SIGTERM stops every worker (each running stage unwinds,
+    releasing its folder's lock, and resumes from its checkpoint on a rerun) and is raised as one
+    :class:`utils.interrupts.Interrupted` naming the stages that were running and those not started.
     """
+    waiting = list(stages)  # no worker has been handed these
+    running: dict[Future, PoolStage] = {}
     with worker_pool(jobs, threads, devices) as pool:
-        futures = {pool.submit(run_pool_stage, stage.script, stage.stage_dir, stage.params, stage.argv): stage
-                   for stage in stages}
         try:
-            for future in as_completed(futures):
-                try:
-                    done = future.result()
-                except TaskHetError as error:
-                    raise named_failure(futures[future], error) from error
-                on_done(futures[future], done)
-        except KeyboardInterrupt as error:  # Ctrl-C, or SIGTERM: the workers die quietly, this process says where
-            running = [stage.name for future, stage in futures.items() if future.running()]
+            while waiting or running:
+                # Only as many stages as workers: the pool would queue more, marked running though no worker has them.
+                while waiting and len(running) < jobs:
+                    stage = waiting[0]
+                    future = pool.submit(run_pool_stage, stage.script, stage.stage_dir, stage.params, stage.argv)
+                    running[future] = waiting.pop(0)
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in [future for future in running if future in finished]:
+                    stage = running.pop(future)
+                    try:
+                        done = future.result()
+                    except TaskHetError as error:
+                        raise named_failure(stage, error) from error
+                    on_done(stage, done)
+        except KeyboardInterrupt as error:  # Ctrl-C, or SIGTERM: the workers end quietly, this process says where
             stop_workers()
             pool.shutdown(cancel_futures=True)
-            raise stages_message(error, running) from None
+            raise stages_message(error, [stage.name for stage in running.values()],
+                                 [stage.name for stage in waiting]) from None
         except BaseException:
             pool.shutdown(cancel_futures=True)
             raise

@@ -30,7 +30,7 @@ from datasets.family import DEFAULT_VAL_FRACTION
 from pipeline.argv import flags
 from pipeline.checks import check_input_files
 from pipeline.executors import Executor, ExecutorSettings, GridProgress, open_local
-from pipeline.pool import PoolStage, stage_counts
+from pipeline.pool import PoolStage, placement, stage_counts
 from pipeline.sections import DATA_SOURCES, FOLDER_SOURCES, split_csv_path
 from steps import assign as step3b
 from steps import embed as step3
@@ -68,13 +68,8 @@ class Pipeline:
             utils.interrupts.Interrupted: Ctrl-C or SIGTERM inside the step: its own line (step 4 names the round
                 and its last checkpoint) after the step's name.
         """
-        if self.progress is not None:
-            self.progress.set_description(name)
         began = time.perf_counter()
-        try:
-            ran = run_stage(stage_dir, params, lambda: script.main(argv + self.shared_flags(script)))
-        except KeyboardInterrupt as error:  # Ctrl-C, or SIGTERM (utils/interrupts.py)
-            raise interrupted(error, f"{name}: {message_of(error)}") from None
+        ran = self.run_named(name, stage_dir, params, lambda: script.main(argv + self.shared_flags(script)))
         seconds = time.perf_counter() - began
         if self.progress is not None:
             self.progress.update(1)
@@ -83,6 +78,24 @@ class Pipeline:
         if ran:
             self.log(f"{name}: {seconds:.0f} s")
         return stage_dir
+
+    def run_named(self, name: str, stage_dir: Path, params: dict[str, Any], work: Callable[[], None]) -> bool:
+        """``work`` as the stage ``name`` (skipped if done; True if it ran), shown on the bar; an interrupt inside
+        it gets the stage's name in front of its own line."""
+        if self.progress is not None:
+            self.progress.set_description(name)
+        try:
+            return run_stage(stage_dir, params, work)
+        except KeyboardInterrupt as error:  # Ctrl-C, or SIGTERM (utils/interrupts.py)
+            raise interrupted(error, f"{name}: {message_of(error)}") from None
+
+    def run_here(self, stage: PoolStage) -> dict[str, Any]:
+        """One pooled stage in this process (``--jobs 1``; ``argv`` complete): its placement record, as a worker
+        returns it (pipeline/pool.py), for the same ``run k of N`` line; no placement.json is written."""
+        script = importlib.import_module(stage.script)
+        record = {**placement(), "started": time.time()}
+        ran = self.run_named(stage.name, stage.stage_dir, stage.params, lambda: script.main(stage.argv))
+        return {**record, "finished": time.time(), "ran": ran}
 
     def log(self, line: str) -> None:
         """Append ``line``, timestamped, to the experiment's run.log (every step that ran and every finished run of
@@ -182,7 +195,8 @@ class Pipeline:
 
     def run_pooled(self, stages: list[PoolStage]) -> None:
         """Every step-3c reading and step-4 run: here one after another, or through the executor (``jobs`` local
-        worker processes, or Ray tasks; pipeline/executors.py), with a ``run k of N`` line per finished stage.
+        worker processes, or Ray tasks; pipeline/executors.py), with a ``run k of N`` line and its ETA per finished
+        stage either way (:class:`pipeline.executors.GridProgress`).
 
         Stages are independent (each has its own seed-derived draws), so the order and the place change nothing
         but the floating-point rounding of a different thread count. The first failure stops the rest.
@@ -191,10 +205,6 @@ class Pipeline:
         if executor is None:
             executor = open_local(ExecutorSettings(jobs=self.jobs, threads=self.threads), None,
                                   self.config["use_accelerator"])
-        if executor.in_process:
-            for stage in stages:
-                self.step(stage.name, stage.stage_dir, stage.params, importlib.import_module(stage.script), stage.argv)
-            return
         pending = [stage for stage in stages if not is_done(stage.stage_dir)]
         summary = f"{stage_counts(pending)}, {executor.describe()}"
         # Said once on the console too: with no bars (--no-progress, or stdout not a terminal) nothing else shows it.
@@ -205,7 +215,12 @@ class Pipeline:
             self.progress.set_description(summary)
         complete = [replace(stage, argv=[*stage.argv, *self.shared_flags(importlib.import_module(stage.script))])
                     for stage in pending]
-        executor.run(complete, GridProgress(len(pending), self.progress, log=self.log).done)
+        progress = GridProgress(len(pending), self.progress, log=self.log)
+        if executor.in_process:
+            for stage in complete:
+                progress.done(stage, self.run_here(stage))
+        else:
+            executor.run(complete, progress.done)
 
     def check_inputs(self) -> None:
         """Inputs the experiment names but no step makes: checked before any step runs, errors name the key

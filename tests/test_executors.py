@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 import yaml
 
 import run_pipeline
-from pipeline.executors import ExecutorSettings, GridProgress, clock_text, open_local
+from pipeline.executors import ExecutorSettings, GridProgress, open_local
 from pipeline.pool import PLACEMENT_FILE, PoolStage, named_failure, worker_devices
 from tests.test_digits import tiny_digits_experiment
 from utils.device import visible_gpu_ids
@@ -148,17 +149,49 @@ def test_the_storage_check_task_answers_what_a_node_cannot_do(tmp_path):
 
 
 def test_progress_lines_count_the_runs_and_say_the_time_left(capsys):
-    times = iter([100.0, 110.0, 140.0])
+    times = iter([0.0, 10.0, 1500.0, 1501.0, 1530.0])  # the start, then each run's end
     logged = []
     progress = GridProgress(4, clock=lambda: next(times), log=logged.append)
     stage = PoolStage("step 4: iid seed 0", Path("x"), {}, [])
     progress.done(stage, {"host": "vm", "devices": "1", "ran": True, "started": 1000.0, "finished": 1009.6})
     progress.done(stage, {"node_ip": "10.0.0.5", "host": "b", "devices": "", "ran": True})
+    progress.done(stage, {"host": "vm", "ran": False, "started": 1.0, "finished": 2.0})
+    progress.done(stage, {"host": "vm", "devices": None})
     assert capsys.readouterr().out.splitlines() == [
-        "run 1 of 4 done: step 4: iid seed 0 (host vm, GPU 1, 10 s); 0:00:10 elapsed, ETA 0:00:30",  # 3 left at 10 s
-        "run 2 of 4 done: step 4: iid seed 0 (Ray node 10.0.0.5); 0:00:40 elapsed, ETA 0:00:40"]
-    assert logged[1] == "run 2 of 4 done: step 4: iid seed 0 (Ray node 10.0.0.5); 0:00:40 elapsed, ETA 0:00:40"
-    assert clock_text(3723.4) == "1:02:03"
+        "run 1 of 4 done: step 4: iid seed 0 (host vm, GPU 1, 10 s); 0:00:10 elapsed, ETA 0:00:30",  # 3 left, 10 s each
+        "run 2 of 4 done: step 4: iid seed 0 (Ray node 10.0.0.5); 0:25:00 elapsed, ETA 0:25:00",  # 2 left, 750 s each
+        "run 3 of 4 done: step 4: iid seed 0 (already done); 0:25:01 elapsed, ETA 0:08:20",  # 1 left, 500.33 s
+        "run 4 of 4 done: step 4: iid seed 0 (host vm); 0:25:30 elapsed, ETA 0:00:00"]  # none left
+    assert logged[1] == "run 2 of 4 done: step 4: iid seed 0 (Ray node 10.0.0.5); 0:25:00 elapsed, ETA 0:25:00"
+
+
+@pytest.mark.slow
+def test_jobs_1_and_jobs_2_print_the_same_run_lines_with_an_eta(tmp_path, capsys):
+    """--jobs 1 runs the stages in the pipeline's own process, --jobs 2 in workers: the same ``run k of N`` lines
+    (console and run.log), and no ``step k of N`` line beside them where no bar is drawn."""
+    from pipeline.runner import Pipeline
+
+    lines = {}
+    for jobs in (1, 2):
+        out = tmp_path / f"jobs{jobs}"
+        stages = [PoolStage(f"step 4: run {name}", out / name, {}, [str(out / f"{name}.pid"), str(out / name), "0"],
+                            script="tests.sleeping_stage") for name in "ab"]
+        pipeline = Pipeline({"data": {}, "use_accelerator": False}, out, "run_pipeline.py x.yaml", jobs=jobs,
+                            threads=1, show_progress=False)
+        with pipeline.progress_bar(2, "pipeline") as pipeline.progress:
+            pipeline.run_pooled(stages)
+        assert pipeline.progress.n == 2
+        logged = [line.split(" ", 2)[2] for line in (out / "run.log").read_text().splitlines()]
+        printed = capsys.readouterr().out.splitlines()
+        assert printed == logged  # run.log keeps what the console said
+        assert printed[-1].endswith(" elapsed, ETA 0:00:00")  # the last run: nothing left
+        # Which of two runs in two workers ends first is the machine's choice, and so are the times.
+        lines[jobs] = [re.sub(r"run [ab] \(host \S+, 0 s\); \d+:\d\d:\d\d elapsed, ETA \d+:\d\d:\d\d$",
+                              "run S (host H, 0 s); H:MM:SS elapsed, ETA H:MM:SS", line) for line in printed]
+    assert lines[1] == ["step 4: 2 runs, one at a time in this process",
+                        "run 1 of 2 done: step 4: run S (host H, 0 s); H:MM:SS elapsed, ETA H:MM:SS",
+                        "run 2 of 2 done: step 4: run S (host H, 0 s); H:MM:SS elapsed, ETA H:MM:SS"]
+    assert lines[2] == ["step 4: 2 runs, 2 at a time in worker processes", *lines[1][1:]]
 
 
 def test_a_stage_failure_keeps_its_class_and_gains_the_stage_name():

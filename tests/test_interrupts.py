@@ -19,6 +19,7 @@ from tests.fixtures import tiny_data_root, tiny_manifest  # noqa: F401  (session
 from tests.test_engine import make_clients, make_engine
 from tests.test_step4 import argv as fed_argv, assignments  # noqa: F401  (a fixture)
 from utils.interrupts import Interrupted
+from utils.locks import LOCK_FILE
 from utils.run_dir import load_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,32 +122,114 @@ def test_ctrl_c_stops_step4_with_one_line_naming_the_round_and_exit_130(tiny_dat
     assert "round 1 of 500" in stdout  # the per-round lines go to stdout, the interruption to stderr
 
 
-@pytest.mark.slow
-def test_sigterm_to_a_pipeline_with_workers_names_the_running_stages_and_the_workers_die_quietly(tmp_path):
-    """The pool of run_pipeline.py --jobs 2 (pipeline/pool.py), two stages running in two workers."""
-    pids = [tmp_path / "a.pid", tmp_path / "b.pid"]
-    driver = f"""
+POOL_DRIVER = """
+import sys
 from pathlib import Path
 from pipeline.pool import PoolStage, run_in_workers
 from utils.cli import run_main
-stages = [PoolStage(f"step 4: run {{name}}", Path({str(tmp_path)!r}) / name, {{}}, [str(Path({str(tmp_path)!r}) / f"{{name}}.pid")],
-                    script="tests.sleeping_stage") for name in ("a", "b")]
+folder = Path(sys.argv[1])
+stages = [PoolStage(f"step 4: run {name}", folder / name, {}, [str(folder / f"{name}.pid"), str(folder / name)],
+                    script="tests.sleeping_stage") for name in sys.argv[2:]]
 run_main(lambda argv: run_in_workers(stages, 2, 1, lambda stage, placement: None))
 """
-    process = subprocess.Popen([sys.executable, "-c", driver], cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+
+
+def _stop_a_pool(tmp_path: Path, names: str, stop) -> tuple[subprocess.Popen, str, list[int]]:
+    """run_in_workers with --jobs 2 in a process of its own session (a terminal's process group) over sleeping
+    stages named ``names``; ``stop(process)`` once the first two run. Returns the process, its stderr and the
+    workers' pids."""
+    pids = [tmp_path / f"{name}.pid" for name in names[:2]]
+    process = subprocess.Popen([sys.executable, "-c", POOL_DRIVER, str(tmp_path), *names], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _wait_for(lambda: all(path.is_file() and path.read_text() for path in pids) or process.poll() is not None,
-                  "both stages to start")
-        process.send_signal(signal.SIGTERM)
+                  "two stages to start")
+        stop(process)
         _, stderr = process.communicate(timeout=600)
     finally:
         process.kill()
+    return process, stderr, [int(path.read_text()) for path in pids]
+
+
+def _assert_stopped_cleanly(tmp_path: Path, stderr: str, workers: list[int]) -> None:
+    """No folder lock left behind, no resource-tracker warning, every worker gone."""
+    assert not list(tmp_path.rglob(LOCK_FILE))  # each running stage unwound and released its lock
+    assert "leaked semaphore" not in stderr and "Traceback" not in stderr
+    for pid in workers:
+        _wait_for(lambda: not _alive(pid), f"worker {pid} to end")
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_pipeline_with_workers_names_the_running_stages_and_the_workers_end_quietly(tmp_path):
+    """The pool of run_pipeline.py --jobs 2 (pipeline/pool.py), two stages running in two workers."""
+    process, stderr, workers = _stop_a_pool(tmp_path, "ab", lambda process: process.send_signal(signal.SIGTERM))
     assert process.returncode == 143, stderr
     assert stderr == (f"interrupted while running step 4: run a, step 4: run b; each resumes from its last checkpoint: "
                       f"{HINT}\n")  # one line: no traceback from the pipeline or from a worker
-    for pid in (int(path.read_text()) for path in pids):
-        _wait_for(lambda: not _alive(pid), f"worker {pid} to end")
+    _assert_stopped_cleanly(tmp_path, stderr, workers)
+
+
+@pytest.mark.slow
+def test_ctrl_c_with_a_stage_queued_names_it_not_started_and_leaves_no_lock(tmp_path):
+    """Three stages, two workers: Ctrl-C reaches the whole process group (as a terminal sends it) while a and b run;
+    c was never handed to a worker."""
+    process, stderr, workers = _stop_a_pool(tmp_path, "abc", lambda process: os.killpg(process.pid, signal.SIGINT))
+    assert process.returncode == 130, stderr
+    assert stderr == (f"interrupted while running step 4: run a, step 4: run b; not started: step 4: run c; "
+                      f"each resumes from its last checkpoint: {HINT}\n")
+    assert not (tmp_path / "c").exists() and not (tmp_path / "c.pid").exists()  # never started
+    assert {path.name for path in (tmp_path / "a").iterdir()} == set()  # unfinished: no stage.json, no LOCK
+    _assert_stopped_cleanly(tmp_path, stderr, workers)
+
+
+@pytest.mark.parametrize("running, not_started, line", [
+    ([], [], "interrupted"),
+    (["a"], [], "interrupted while running a"),
+    (["a", "b"], ["c", "d", "e"], "interrupted while running a, b; not started: c, d, e"),  # 3: all named
+    (["a", "b"], ["c", "d", "e", "f"], "interrupted while running a, b; not started: c, d, e and 1 more"),
+    ([], ["c"], "interrupted; not started: c"),
+])
+def test_the_stopped_pools_line_names_at_most_three_stages_not_started(running, not_started, line):
+    from utils.interrupts import stages_message
+
+    stopped = stages_message(Interrupted(signal.SIGTERM), running, not_started)
+    assert str(stopped) == f"{line}; each resumes from its last checkpoint: {HINT}"
+    assert stopped.signum == signal.SIGTERM
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_run_pipeline_with_jobs_2_names_the_running_runs_and_leaves_no_lock(tmp_path):
+    """The real pipeline: 4 step-4 runs of 3000 rounds, 2 workers; Ctrl-C to the process group once both run."""
+    import yaml
+
+    from tests.test_digits import tiny_digits_experiment
+
+    config = tiny_digits_experiment(tmp_path)
+    config["federated"]["n_rounds"] = 3000
+    config["seeds"] = [0, 1]
+    (tmp_path / "digits.yaml").write_text(yaml.safe_dump(config))
+    results = tmp_path / "results"
+    process = subprocess.Popen([sys.executable, "run_pipeline.py", str(tmp_path / "digits.yaml"), "--results",
+                                str(results), "--jobs", "2", "--threads", "1"], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def both_run() -> bool:
+        logs = list(results.glob("tinydigits/federated/**/run.log"))
+        return len(logs) == 2 and all("round 1 of 3000" in log.read_text() for log in logs)
+
+    try:
+        _wait_for(lambda: both_run() or process.poll() is not None, "two runs at round 1")
+        os.killpg(process.pid, signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=600)
+    finally:
+        process.kill()
+    assert process.returncode == 130, stderr
+    name = "step 4: digit_class · {} · α=1 · fedavg · seed {}"
+    assert stderr == (f"interrupted while running {name.format('label_based', 0)}, {name.format('label_based', 1)}; "
+                      f"not started: {name.format('embedding_based', 0)}, {name.format('embedding_based', 1)}; "
+                      f"each resumes from its last checkpoint: {HINT}\n")
+    assert "step 4: 4 runs, 2 at a time in worker processes" in stdout
+    assert not list(results.rglob(LOCK_FILE))  # the runs' folders and the experiment's own
 
 
 def _alive(pid: int) -> bool:

@@ -8,9 +8,12 @@ the stage) re-raises any interrupt with that line (:func:`interrupted`), and ``u
 prints it and exits with the shell's code for the signal, 128 + its number: 130 for SIGINT, 143 for
 SIGTERM. No traceback: nothing went wrong, and every step resumes from its checkpoint.
 
-A pool worker (run_pipeline.py ``--jobs N``) calls :func:`quiet_worker`: a terminal's Ctrl-C reaches
-every process of its group, and the pipeline alone answers it (:func:`stop_workers`), naming the
-stages that were running; the workers die of SIGTERM without a word.
+A pool worker of the pipeline (run_pipeline.py ``--jobs N``) calls :func:`stoppable_worker`: a terminal's
+Ctrl-C reaches every process of its group, and the pipeline alone answers it (:func:`stop_workers`),
+naming the stages that were running and those not started. SIGTERM from the pipeline raises
+:class:`WorkerStopped` in the worker, so the stage it runs unwinds (its ``finally`` blocks release the
+folder's lock) and the worker ends without a word. Other pools (the renderer's) call :func:`quiet_worker`:
+their workers hold no lock, and die of SIGTERM at once.
 """
 
 from __future__ import annotations
@@ -18,9 +21,12 @@ from __future__ import annotations
 import multiprocessing
 import signal
 import threading
+import time
 from typing import Iterable
 
 RESUME_HINT = "rerun the same command to resume"
+STOP_GRACE_S = 60.0  # how long a stopped worker may take to unwind its stage before it is killed
+SHOWN_NOT_STARTED = 3  # stages named as not started; the rest are counted (a grid may hold hundreds)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -77,18 +83,60 @@ def quiet_worker() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def stop_workers() -> None:
-    """SIGTERM to every live worker process this process started (multiprocessing's children), and wait for them."""
+class WorkerStopped(SystemExit):
+    """SIGTERM in a pipeline pool worker (:func:`stoppable_worker`).
+
+    A ``SystemExit``, not a ``KeyboardInterrupt``: no code that reports Ctrl-C (step 4's round line) answers it,
+    while every ``finally`` on the way out runs (the folder's lock is released). Its code is SIGTERM's, 143.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(128 + int(signal.SIGTERM))
+
+
+def _stop_worker(signum: int, frame: object) -> None:
+    # Once: a second SIGTERM (the pool's own, once it sees a worker gone) must not cut the unwinding short.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise WorkerStopped()
+
+
+def stoppable_worker() -> None:
+    """A pipeline pool worker's signals: Ctrl-C is left to the pipeline (it reaches the whole process group), and
+    SIGTERM, which the pipeline sends, raises :class:`WorkerStopped` (the stage unwinds, then the worker ends)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _stop_worker)
+
+
+def stop_workers(grace: float = STOP_GRACE_S) -> None:
+    """SIGTERM to every live worker process this process started (multiprocessing's children), and wait for them to
+    end; one still alive after ``grace`` seconds (a stage that did not unwind) is killed."""
     children = multiprocessing.active_children()
     for child in children:
         child.terminate()
+    deadline = time.monotonic() + grace
     for child in children:
-        child.join()
+        child.join(max(deadline - time.monotonic(), 0.0))
+        if child.is_alive():
+            child.kill()
+            child.join()
 
 
-def stages_message(error: BaseException, names: Iterable[str]) -> Interrupted:
-    """The pipeline's line when workers were running stages: ``interrupted while running A, B; each resumes from its
-    last checkpoint: rerun the same command to resume``."""
-    names = list(names)
-    running = f" while running {', '.join(names)}" if names else ""
-    return Interrupted(signal_of(error), f"interrupted{running}; each resumes from its last checkpoint: {RESUME_HINT}")
+def names_text(names: list[str], shown: int) -> str:
+    """``A, B, C`` for at most ``shown`` names, else the first ``shown`` and ``and N more``."""
+    rest = len(names) - shown
+    return ", ".join(names) if rest <= 0 else f"{', '.join(names[:shown])} and {rest} more"
+
+
+def stages_message(error: BaseException, running: Iterable[str], not_started: Iterable[str] = ()) -> Interrupted:
+    """The pipeline's line when it stopped its workers: ``interrupted while running A, B; not started: C; each resumes
+    from its last checkpoint: rerun the same command to resume``.
+
+    ``running`` are the stages the workers had begun, ``not_started`` those no worker had been handed (named up to
+    :data:`SHOWN_NOT_STARTED`, then counted).
+    """
+    running, not_started = list(running), list(not_started)
+    parts = ["interrupted" + (f" while running {', '.join(running)}" if running else "")]
+    if not_started:
+        parts.append(f"not started: {names_text(not_started, SHOWN_NOT_STARTED)}")
+    parts.append(f"each resumes from its last checkpoint: {RESUME_HINT}")
+    return Interrupted(signal_of(error), "; ".join(parts))

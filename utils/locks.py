@@ -194,8 +194,8 @@ def _is_stale(holder: dict) -> bool:
 
 
 def _warn_if_stale(path: Path, holder: dict) -> None:
-    """Say so, in one short line, when the lock was left behind by a run that died or was stopped (a finished run
-    deletes its file; a pipeline stopped by Ctrl-C leaves one in every run its workers were running)."""
+    """Say so, in one short line, when the lock was left behind by a run that died (a finished run deletes its file,
+    and so does one stopped by Ctrl-C or SIGTERM, a pipeline's workers included; a killed one leaves it)."""
     if holder:
         gone = "ended" if _is_stale(holder) else "no longer held"
         host = "" if holder.get("host") == socket.gethostname() else f" on {holder.get('host')}"
