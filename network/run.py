@@ -9,13 +9,14 @@ model and the engine config; :func:`run` adds the client data and runs an engine
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pandas as pd
 import torch
@@ -32,12 +33,13 @@ from network.engine_sequential import check_vectorizable
 from network.lr_schedule import make_lr_schedule
 from network.run_inputs import (default_assignments, skews_signature, split_unseen, train_class_groups,
                                 unseen_signature)
+from network.run_outputs import LOG_ONLY
 from partitioning.assignments import UNSEEN_KEY, load_assignments
 from partitioning.temporal import check_horizon
 from partitioning.groupings import EMBEDDING_BASED, LABEL_BASED
 from training.loop import evaluate
 from utils.device import pick_device, prepare_model
-from utils.errors import TaskHetError
+from utils.errors import NonFiniteLossError, TaskHetError
 from utils.seeding import set_deterministic
 
 STEP = "step 4"
@@ -317,7 +319,7 @@ def run(setup: FedSetup) -> dict:
             log_unseen(logger, unseen, setup.algorithm, config.finetune_steps)
         inputs = (setup.model, setup.algorithm, clients, setup.loss_fn, setup.evaluate_fn, test_loader,
                   setup.engine_config, setup.device)
-        with unfinished(config.out, STEP):  # the report and later steps refuse a run that did not finish
+        with unfinished(config.out, STEP), stop_reason_in(logger):  # later steps refuse an unfinished run
             if config.engine == "flower":
                 from network.flower.simulation import FlowerOptions, run_flower  # only here: the sequential path never imports flwr
 
@@ -330,6 +332,18 @@ def run(setup: FedSetup) -> dict:
                                           calibration_loader=calibration, unseen_clients=unseen)
                 engine.run()
         return {"out": config.out, "best_test_loss": engine.best_loss}
+
+
+@contextlib.contextmanager
+def stop_reason_in(logger: logging.Logger) -> Iterator[None]:
+    """A run stopped as non-finite (a NaN loss, MOCHA's divergence guards) writes its reason to run.log before the
+    error goes on to the console's ``error:`` line: run.log is what a later look at the folder finds."""
+    try:
+        yield
+    except NonFiniteLossError as error:
+        # LOG_ONLY: the engine keeps such records off the console, which prints the error itself.
+        logger.error("%s", error, extra={LOG_ONLY: True})
+        raise
 
 
 def log_unseen(logger: logging.Logger, unseen: list, algorithm: Algorithm, finetune_steps: int) -> None:

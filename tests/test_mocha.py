@@ -14,7 +14,9 @@ from network.algorithms.base import load_weights
 from network.algorithms import mocha as mocha_module
 from network.algorithms.mocha import (COUPLING, HEAD_PREFIX, OMEGA, OMEGA_KK, MochaDivergence, MochaSettings,
                                       check_head, check_local_step, regulariser, task_covariance)
+from tests.fixtures import tiny_data_root, tiny_manifest  # noqa: F401  (session fixtures)
 from tests.oracles import DIM, TwoLayer, client_config, least_squares_clients, linear_model, run_oracle
+from tests.test_step4 import assignments  # noqa: F401  (a fixture)
 from tests.tiny_models import TinyNet
 from utils.errors import NonFiniteLossError, TaskHetError
 
@@ -243,3 +245,22 @@ def test_each_suggested_value_runs_the_same_federation_with_bounded_heads(tmp_pa
                            momentum=0.9, fraction=0.5, **settings)
     norms = engine.algorithm.head_matrix(engine.server.tensors).norm(dim=0)
     assert torch.isfinite(norms).all() and norms.max() < 2, norms
+
+
+def test_a_step4_run_stopped_by_the_guard_writes_its_reason_to_run_log_once(tiny_data_root, tiny_manifest,  # noqa: F811
+                                                                            assignments, tmp_path, capsys):
+    """Step 4 (steps/federated.py), λ 1000 at lr 0.1: lr·λ·Ω_kk ≥ 100 (Ω's eigenvalues are at least 1) is far above
+    2·(1 + 0), so round 1's first client is refused. The console's ``error:`` line (run_main) came alone before:
+    run.log, what a later look at the folder finds, said nothing of why the run stopped."""
+    from steps import federated
+    from tests.test_step4 import argv as step4_argv
+
+    out = tmp_path / "run"
+    with pytest.raises(NonFiniteLossError) as stopped:  # the engine's: the round and client in front
+        federated.main(step4_argv(tiny_data_root, tiny_manifest, assignments, out, "--method", "mocha", "--lam", "1000",
+                                  "--init_lr", "0.1"))
+    reason = str(stopped.value)
+    assert reason.startswith("round 1, client ") and "mocha: the local step on the heads' regulariser is unstable" in reason
+    logged = [line for line in (out / "run.log").read_text().splitlines() if " ERROR " in line]
+    assert len(logged) == 1 and logged[0].split(" ERROR ", 1)[1] == reason
+    assert reason not in capsys.readouterr().out  # the console's copy is the error: line alone
