@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.docs_installed
 DATA ?= data/synthetic
 
-.PHONY: paper-cpu setup demo test docs bench mutation download download-cifar clean setup-gpu gpu-check gpu-bench
+.PHONY: paper-cpu setup demo test test-kernels docs bench mutation download download-cifar clean setup-gpu gpu-check gpu-bench
 
 HOOK_STAMP := $(VENV)/.torchvision_hook
 
@@ -78,6 +78,19 @@ paper-cpu: setup
 # suite starts about a hundred Python processes, and without the cache each compiles the project's modules again.
 test: setup $(DOCS_STAMP)
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n auto --durations=20 tests
+	$(MAKE) --no-print-directory test-kernels
+
+# The tests marked `kernels` claim floats equal across two computations. They run again here under other CPU
+# kernels: ATen's AVX2 and scalar ("default") code paths, oneDNN capped at AVX2, MKL at AVX2. A claim that holds
+# under one CPU's kernels only (an AVX-512 host differs from an AVX2 one in the last bits) then fails on every
+# machine, not just on some. About 30 s a pass on 2 cores.
+KERNELS ?= avx2 default
+test-kernels: setup
+	for isa in $(KERNELS); do \
+		echo "kernels: ATEN_CPU_CAPABILITY=$$isa ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2"; \
+		PYTHONDONTWRITEBYTECODE= ATEN_CPU_CAPABILITY=$$isa ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+			$(PY) -m pytest -q -n auto -m kernels tests || exit 1; \
+	done
 
 # The documentation site (mkdocs.yml), strictly: a broken link, a missing page or image fails it. Its
 # reference pages are generated from the code at build time (docsgen/), so it builds in the project's venv.

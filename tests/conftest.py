@@ -26,6 +26,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: took 9 s or more on the 2-core machine (`-m 'not slow'` leaves them out "
                                        "of a quick local pass; CI runs them)")
+    config.addinivalue_line("markers", "kernels: claims floats equal across two computations (resume, engines, "
+                                       "batched vs one by one); `make test` runs these again under ATen's AVX2 and "
+                                       "scalar kernels with oneDNN capped at AVX2, so a claim that holds under one "
+                                       "CPU's kernels only fails on every machine")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -176,6 +176,7 @@ def test_a_sampled_gradient_reads_a_fixed_seeded_sample_of_each_large_client(tmp
     assert abs(reading_of(metrics, 2)[0]["g2"] - full) > 1e-3 * full  # the sample is not the full pass
 
 
+@pytest.mark.kernels
 def test_diagnostics_change_no_training_draw_no_global_random_number_and_resume_bit_identically(tmp_path):
     from tests.tiny_models import TinyNet, client_samples, evaluate, loss_fn
 

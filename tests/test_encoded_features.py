@@ -63,6 +63,7 @@ def test_maps_equal_the_encoder_output_and_are_shared_by_any_order_of_the_same_s
     assert batch_sizes == [1] and len(list((tmp_path / "cache").glob("encoded_*"))) == 1
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("on_disk", [True, False])
 def test_a_batched_read_equals_reading_one_by_one(tiny_data_root, tiny_manifest, tmp_path, monkeypatch, on_disk):  # noqa: F811
     # torch's DataLoader reads a batch through __getitems__ (one store read per map, the base's own batched read).

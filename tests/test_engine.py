@@ -104,6 +104,7 @@ def kill_before_checkpoint_of_round(monkeypatch, round_index: int) -> None:
 
 @pytest.mark.parametrize("name, kill", [*((name, "mid_round") for name in list_algorithms()),
                                         ("scaffold", "before_checkpoint")])
+@pytest.mark.kernels
 def test_killed_and_resumed_run_is_bit_identical(tmp_path, monkeypatch, name, kill):
     reference = make_engine(tmp_path / "full", name).run()
     with pytest.raises(KeyboardInterrupt), monkeypatch.context() as patch:
@@ -299,6 +300,7 @@ class RecordingFedAvg(FedAvg):
         return result
 
 
+@pytest.mark.kernels
 def test_a_client_trains_identically_whoever_else_is_sampled(tmp_path):
     runs = {}
     for fraction in (0.4, 1.0):
@@ -343,6 +345,7 @@ def test_lr_schedules_are_functions_of_the_round():
             make_lr_schedule(bad, 0.1, 10)
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("name", ["scaffold", "ditto"])  # server tensors; client state kept between rounds
 def test_checkpoint_every_resumes_from_the_last_one_and_redoes_the_rest_bit_for_bit(tmp_path, name):
     reference = make_engine(tmp_path / "full", name, rounds=7, checkpoint_every=3).run()

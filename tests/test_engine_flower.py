@@ -191,6 +191,7 @@ def metrics_of(out_dir: Path) -> pd.DataFrame:
 
 
 # ----- every algorithm over the real ClientApp and protocol -----
+@pytest.mark.kernels
 @pytest.mark.parametrize("name", list_algorithms())
 def test_every_algorithm_over_flower_messages_equals_the_sequential_engine(tmp_path, name):
     reference = run_sequential(tmp_path / "sequential", name, rounds=3)

@@ -20,6 +20,7 @@ def fedbabu(**settings):
     return build_algorithm("fedbabu", LinearNet(), {"0": 6, "1": 4}, settings, seed=3)
 
 
+@pytest.mark.kernels
 def test_the_head_is_bit_identical_after_training_with_momentum_and_weight_decay():
     algorithm, worker = fedbabu()
     server = algorithm.init_server(initial(worker))

@@ -21,6 +21,7 @@ from tests.tiny_models import TinyNet
 from utils.errors import TaskHetError
 
 
+@pytest.mark.kernels
 def test_one_component_is_fedavg_bit_for_bit(tmp_path):
     """BatchNorm, dropout, momentum, partial participation, unequal clients: the same weights and metrics."""
     fedavg = make_engine(tmp_path / "fedavg", "fedavg").run()

@@ -120,6 +120,7 @@ def batches(count: int = 3) -> list[dict]:
             for _ in range(count)]
 
 
+@pytest.mark.kernels
 def test_sse_c_stays_bit_identical_through_training_with_momentum_and_weight_decay():
     algorithm, worker = fedloge()
     server = algorithm.init_server(initial(worker))

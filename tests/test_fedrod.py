@@ -112,6 +112,7 @@ def test_fedrod_needs_the_clients_class_counts_and_a_classifier():
         build_algorithm("fedrod", build_task_model("normal", "small_cnn", "none", seed=0), {"0": 1})
 
 
+@pytest.mark.kernels
 def test_a_float64_run_builds_the_prior_in_float64_so_its_step_is_the_equations_to_the_last_bits():
     """γ·log n in the logits' dtype: a float32 prior cast to float64 logits is ~6e-8 off γ·log n, and so is the step."""
     counts, gamma = (5, 1, 3), 0.7

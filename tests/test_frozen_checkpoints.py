@@ -204,6 +204,7 @@ def test_a_spilled_client_state_leaves_the_encoder_out_and_reads_back_whole(tmp_
 
 
 # ----- resume -----
+@pytest.mark.kernels
 def test_a_killed_and_resumed_frozen_step2_run_is_bit_identical(frozen_runs, tmp_path, monkeypatch):
     data_root, manifest = frozen_runs["data"]
     interrupted = tmp_path / "interrupted"

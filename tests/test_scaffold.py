@@ -196,6 +196,7 @@ def old_option_two(model, x, c, c_i, batches, cfg):
     return torch._foreach_div(gradient_sum, result.steps)[0]
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 def test_without_momentum_option_two_is_bit_for_bit_the_plain_mean_gradient(weight_decay):
     a, b = least_squares_clients(sizes=(30,))[0]

@@ -640,6 +640,7 @@ def test_the_flower_engine_applies_the_same_skews(manifest_path, tmp_path):
     assert all(set(load_checkpoint(path)) == {"head.weight", "head.bias"} for path in heads)
 
 
+@pytest.mark.kernels
 def test_a_batch_transformed_in_one_call_equals_each_image_alone_bit_for_bit():
     """ClientSkew transforms a batch's unseen images in one call; the pixels must not depend on the batch an image
     first came in (resume and the cached-feature path see one image at a time). Every shift, the noise and a

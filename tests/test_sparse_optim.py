@@ -65,6 +65,7 @@ def test_masked_entries_keep_their_bits_for_100_steps(options, implementation, d
             trainable_buffer(optimizer, param, mask)
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("options", OPTIONS)
 @pytest.mark.parametrize("implementation", [dict(), dict(foreach=True)])
 def test_an_all_ones_mask_is_torch_sgd_bit_for_bit(options, implementation):

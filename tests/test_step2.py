@@ -118,6 +118,7 @@ class Killed(Exception):
     """Stands in for the process being killed."""
 
 
+@pytest.mark.kernels
 def test_killed_and_resumed_run_is_bit_identical(tiny_data_root, tiny_manifest, tmp_path, monkeypatch):
     extra = ("--n_epochs", "3", "--deterministic", "--seed", "7")
     uninterrupted = tmp_path / "uninterrupted"

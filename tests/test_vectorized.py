@@ -128,6 +128,7 @@ def assert_same_runs(sequential: SequentialEngine, vectorized: SequentialEngine,
 CASES = [(name, {}) for name in SUPPORTED] + VARIANTS
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("name, settings", CASES, ids=[f"{name}{settings or ''}" for name, settings in CASES])
 @pytest.mark.parametrize("budget", ["steps", "epochs"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -236,6 +237,7 @@ def test_stacked_entries_are_contiguous_whatever_the_clients_layout():
     assert stacked.is_contiguous() and torch.equal(stacked[1], weight + 1)
 
 
+@pytest.mark.kernels
 def test_a_resumed_vectorised_run_is_bit_identical(tmp_path):
     whole = make_engine(tmp_path / "whole", "scaffold", {}, chunk=2, rounds=4)
     whole.run()
@@ -351,6 +353,7 @@ OPTION_GRID = [dict(momentum=momentum, dampening=dampening, weight_decay=weight_
                if not (nesterov and (momentum == 0 or dampening != 0))]  # torch refuses those nesterov settings
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("options", OPTION_GRID, ids=lambda options: ",".join(f"{k}={v}" for k, v in options.items()))
 def test_functional_sgd_equals_torch_sgd(options):
     generator = torch.Generator().manual_seed(1)
