@@ -147,11 +147,15 @@ def test_write_report_produces_every_file(tmp_path):
     out = tmp_path / "report"
     write_report(out, finals, curves, {"depth_euclidean": 0.5}, {"depth_euclidean": {"nmi": 0.2, "ari": 0.1}},
                  heatmaps, "python run_pipeline.py x.yaml")
-    for name in ("report.md", "report.csv", "loss_vs_alpha.png", "round_curves.png", "partition_heatmaps.png",
+    for name in ("report.md", "report.csv", "loss_vs_alpha.png", "partition_heatmaps.png",
                  "cluster_label_agreement.png"):
         assert (out / name).stat().st_size > 0, name
     assert list(pd.read_csv(out / "report.csv").columns) == REPORT_COLUMNS
-    assert "+20.0" in (out / "report.md").read_text()
+    text = (out / "report.md").read_text()
+    assert "+20.0" in text
+    # One evaluated round (3): no curve to draw, and the report says so instead of linking a missing figure.
+    assert not (out / "round_curves.png").exists() and "round_curves.png" not in text
+    assert "No round curves for depth_euclidean (evaluated at round 3 only): " in text
 
 
 def test_personal_models_get_their_own_gap_table(tmp_path):
@@ -190,7 +194,7 @@ def test_fedrep_enters_the_table_the_counts_and_the_plots_through_its_personal_m
     monkeypatch.setattr(report_plots, "save_figure", lambda figure, path, dpi: drawn.setdefault(path.name, figure))
     finals = _fedavg_and_fedrep()
     curves = pd.concat([finals.assign(round=r, loss=np.where(finals.result_is_personal, finals.personal_loss, finals.loss),
-                                      model=np.where(finals.result_is_personal, "personal", "global")) for r in (1, 2)])
+                                      model=np.where(finals.result_is_personal, "personal", "global")) for r in (1, 2, 3)])
     plt.imsave(tmp_path / "heatmap.png", np.eye(4))
     out = tmp_path / "report"
     table = write_report(out, finals, curves, {"normal": 1.0}, {"normal": {"nmi": 0.2, "ari": 0.1}},
@@ -226,3 +230,47 @@ def test_the_selection_note_names_a_last_epoch_reference_and_never_a_test_select
     note = selection_note({"normal": "val", "edge_texture": "last"})
     assert "except for edge_texture: its **last epoch**" in note and "--last_epoch" in note
     assert "test split" not in note
+
+
+def _curves(task: str, rounds: list[int]) -> pd.DataFrame:
+    """Two seeds of fedavg under both groupings at α 0.1, evaluated at ``rounds``: loss 1 / (round + 1) + seed / 10."""
+    return pd.DataFrame([dict(task=task, grouping=grouping, alpha=0.1, algorithm="fedavg", seed=seed, round=r,
+                              loss=1 / (r + 1) + seed / 10, model="global")
+                         for grouping in ("label_based", "embedding_based") for seed in (0, 1) for r in rounds])
+
+
+def test_round_curves_need_three_evaluated_rounds_and_say_how_many_they_have(tmp_path, monkeypatch):
+    """The demo evaluates edges at rounds 0 and 22 only: two points a line, not a curve. A task with 3 evaluated
+    rounds is drawn, a marker per round; one with 2 is left out, by name, with its rounds."""
+    from pipeline.studies.main_job import plots as report_plots
+    from pipeline.studies.main_job.report import round_curves
+
+    drawn = {}
+    monkeypatch.setattr(report_plots, "save_figure", lambda figure, path, dpi: drawn.setdefault(path.name, figure))
+    curves = pd.concat([_curves("normal", [0, 11, 22]), _curves("keypoints2d", [0, 5])])
+    lines = round_curves(curves, tmp_path / "round_curves.png")
+    assert lines == [
+        "![round curves](round_curves.png)", "",
+        "*Round curves*: the mean over seeds at each evaluated round, a marker each: normal 3 rounds (0 to 22).", "",
+        "No round curves for keypoints2d (evaluated at rounds 0 and 5 only): a line through fewer than 3 evaluated "
+        "rounds is not a curve; a lower `federated.eval_every` draws them (each evaluation is a pass over the test "
+        "split)."]
+    (axis,) = drawn["round_curves.png"].axes  # one task (normal) × one α: keypoints2d has no row
+    assert axis.get_title() == "normal, α=0.1"
+    for line in axis.get_lines():  # label-based and embedding-based fedavg, each the mean of seeds 0 and 1
+        assert line.get_marker() == "o" and list(line.get_xdata()) == [0, 11, 22]
+        assert np.allclose(line.get_ydata(), [1 + 0.05, 1 / 12 + 0.05, 1 / 23 + 0.05])
+    assert len(axis.get_lines()) == 2
+
+
+def test_round_curves_of_two_rounds_draw_nothing_and_remove_an_earlier_figure(tmp_path):
+    from pipeline.studies.main_job.report import round_curves
+
+    path = tmp_path / "round_curves.png"
+    path.write_bytes(b"an earlier report's figure")
+    lines = round_curves(pd.concat([_curves("edge_texture", [0, 22]), _curves("keypoints2d", [5])]), path)
+    assert not path.exists()
+    assert lines == ["No round curves for edge_texture (evaluated at rounds 0 and 22 only), keypoints2d (evaluated at "
+                     "round 5 only): a line through fewer than 3 evaluated rounds is not a curve; a lower "
+                     "`federated.eval_every` draws them (each evaluation is a pass over the test split)."]
+    assert round_curves(pd.DataFrame(), path) == [] and not path.exists()  # no runs: nothing to say

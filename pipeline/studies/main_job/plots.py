@@ -24,6 +24,7 @@ GROUPING_STYLE = {LABEL_BASED: ("-", "o", "C0"), EMBEDDING_BASED: ("--", "s", "C
 GROUPING_NAME = {LABEL_BASED: "label-based (solid)", EMBEDDING_BASED: "embedding-based (dashed)",
                  IID_REFERENCE: "iid reference (dotted)"}
 BAND_NOTE = "; band: 95% interval of the mean (log scale)"
+MIN_CURVE_ROUNDS = 3  # fewer evaluated rounds draw a straight line between two points, not a curve
 LOSS_UNIT = f"({metric_unit('loss')})"
 
 
@@ -61,9 +62,17 @@ def plot_loss_vs_alpha(finals: pd.DataFrame, path: Path) -> None:
     save_figure(figure, path, dpi=110)
 
 
+def evaluated_rounds(curves: pd.DataFrame) -> dict[str, list[int]]:
+    """Each task's evaluated rounds (those of any of its runs), ascending; the round curves' points."""
+    if curves.empty:
+        return {}
+    return {task: sorted(int(value) for value in rows["round"].unique()) for task, rows in curves.groupby("task")}
+
+
 def plot_round_curves(curves: pd.DataFrame, path: Path) -> None:
     """Mean test loss per round; rows = task, columns = α, colour = algorithm, line style = grouping (the legend, below
-    the panels, names both). Rows of ``model`` "personal" are the clients' own models' loss (the legend says so)."""
+    the panels, names both), a marker at each evaluated round (so few of them show as few). Rows of ``model``
+    "personal" are the clients' own models' loss (the legend says so)."""
     tasks, alphas = sorted(curves.task.unique()), sorted(curves.alpha.unique())
     figure, axes = plt.subplots(len(tasks), len(alphas), figsize=(4.2 * len(alphas), 3.2 * len(tasks) + 0.8),
                                 squeeze=False, layout="constrained")
@@ -74,7 +83,7 @@ def plot_round_curves(curves: pd.DataFrame, path: Path) -> None:
             axis = axes[row][column]
             for (algorithm, grouping), group in mean[(mean.task == task) & (mean.alpha == alpha)].groupby(["algorithm", "grouping"]):
                 axis.plot(group["round"], group.loss, color=f"C{algorithms.index(algorithm)}",
-                          linestyle=GROUPING_STYLE.get(grouping, ("-.",))[0])
+                          linestyle=GROUPING_STYLE.get(grouping, ("-.",))[0], marker="o", markersize=3)
             axis.set_title(f"{task}, {'iid reference' if np.isinf(alpha) else f'α={alpha:g}'}", fontsize=9)
             axis.set_xlabel("round")
             axis.set_ylabel(f"global test loss\n{LOSS_UNIT}")

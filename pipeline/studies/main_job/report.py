@@ -43,7 +43,8 @@ import pandas as pd
 from partitioning.groupings import EMBEDDING_BASED, LABEL_BASED
 from pipeline.studies.main_job.iid import iid_clause, iid_section, iid_table
 from pipeline.studies.main_job.paper import headline_sentence, paper_markdown, paper_table
-from pipeline.studies.main_job.plots import plot_agreement, plot_heatmaps, plot_loss_vs_alpha, plot_round_curves
+from pipeline.studies.main_job.plots import (MIN_CURVE_ROUNDS, evaluated_rounds, plot_agreement, plot_heatmaps,
+                                            plot_loss_vs_alpha, plot_round_curves)
 from utils.statistics import (CONTAINS_ZERO, TOO_FEW, ZERO_VARIANCE, Counts, adjusted_decided, direction,
                               paired_difference)
 from utils.run_dir import atomic_write_text
@@ -228,6 +229,35 @@ def selection_note(selected_on: dict[str, str]) -> str:
     return ("Every federated number is the **last round**'s (no round is chosen on any split); " + reference + ".")
 
 
+def round_curves(curves: pd.DataFrame, path: Path) -> list[str]:
+    """Draw the round curves of the tasks evaluated at :data:`MIN_CURVE_ROUNDS` rounds or more into ``path`` (none:
+    no figure, and a stale one of an earlier report removed); returns the report's lines about them, which say how
+    many rounds each drawn task has and which tasks are not drawn and why."""
+    rounds = evaluated_rounds(curves)
+    drawn = {task: values for task, values in rounds.items() if len(values) >= MIN_CURVE_ROUNDS}
+    lines = []
+    if drawn:
+        plot_round_curves(curves[curves.task.isin(drawn)], path)
+        counts = ", ".join(f"{task} {len(values)} rounds ({values[0]} to {values[-1]})" for task, values in drawn.items())
+        lines += ["![round curves](round_curves.png)", "",
+                  f"*Round curves*: the mean over seeds at each evaluated round, a marker each: {counts}."]
+    else:
+        Path(path).unlink(missing_ok=True)  # a figure of an earlier report must not stand in for this one
+    left_out = [f"{task} (evaluated at {rounds_text(values)})" for task, values in rounds.items() if task not in drawn]
+    if left_out:
+        lines += ([""] if lines else []) + [
+            f"No round curves for {', '.join(left_out)}: a line through fewer than {MIN_CURVE_ROUNDS} evaluated rounds "
+            "is not a curve; a lower `federated.eval_every` draws them (each evaluation is a pass over the test split)."]
+    return lines
+
+
+def rounds_text(values: list[int]) -> str:
+    """``round 3 only`` or ``rounds 0 and 22 only``: the few evaluated rounds of a task left out of the curves."""
+    if len(values) == 1:
+        return f"round {values[0]} only"
+    return f"rounds {', '.join(str(value) for value in values[:-1])} and {values[-1]} only"
+
+
 def write_report(
     out_dir: Path,
     finals: pd.DataFrame,
@@ -258,7 +288,7 @@ def write_report(
     meter = meter_table(meters if meters is not None else pd.DataFrame())
     spread = distance_table(distances if distances is not None else pd.DataFrame())
     plot_loss_vs_alpha(finals, out_dir / "loss_vs_alpha.png")
-    plot_round_curves(curves, out_dir / "round_curves.png")
+    curve_lines = round_curves(curves, out_dir / "round_curves.png")
     plot_heatmaps(heatmaps, out_dir / "partition_heatmaps.png")
     plot_agreement(agreement, out_dir / "cluster_label_agreement.png")
     sentences = summary_sentences(table, agreement, iid)
@@ -334,7 +364,9 @@ def write_report(
         "## Plots",
         "",
         "![loss vs alpha](loss_vs_alpha.png)",
-        "![round curves](round_curves.png)",
+        "",
+        *curve_lines,
+        "",
         "![partition heatmaps](partition_heatmaps.png)",
         "![cluster-label agreement](cluster_label_agreement.png)",
         "",
