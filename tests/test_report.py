@@ -1,5 +1,6 @@
 import numpy as np
 import pandas as pd
+import pytest
 
 from pipeline.studies.main_job.report import REPORT_COLUMNS, gap_table, personal_gap_table, summary_sentences, write_report
 
@@ -274,3 +275,49 @@ def test_round_curves_of_two_rounds_draw_nothing_and_remove_an_earlier_figure(tm
                      "round 5 only): a line through fewer than 3 evaluated rounds is not a curve; a lower "
                      "`federated.eval_every` draws them (each evaluation is a pass over the test split)."]
     assert round_curves(pd.DataFrame(), path) == [] and not path.exists()  # no runs: nothing to say
+
+
+# ----- the verdict rules at their edges -----
+def test_one_seed_is_undecided_and_its_row_says_there_is_no_interval():
+    from pipeline.studies.main_job.report import markdown_table
+
+    table = gap_table(_three_seeds([1.0], [1.5]), {})
+    row = table.iloc[0]
+    assert (row.verdict, row.reason, row.n_seeds) == ("undecided: 1 paired seed, 3 needed", "too few seeds", 1)
+    assert row.diff_mean == 0.5 and np.isnan(row.diff_ci_low) and np.isnan(row.p_value)
+    assert "| +0.5000 [no interval] | undecided: 1 paired seed, 3 needed |" in markdown_table(table)
+
+
+def test_equal_differences_on_every_seed_are_zero_variance_and_no_pair_is_no_verdict():
+    tied = gap_table(_three_seeds([1.0, 2.0, 3.0], [1.5, 2.5, 3.5]), {}).iloc[0]  # +0.5 on every seed
+    assert (tied.verdict, tied.reason) == ("undecided: zero variance (every seed gives +0.5)", "zero variance")
+    assert np.isnan(tied.diff_ci_low) and not tied.decided_after_bh
+    apart = _three_seeds([1.0, 2.0, 3.0], [1.5, 2.5, 3.5])
+    apart = apart[(apart.grouping == "label_based") & (apart.seed < 2) | (apart.grouping == "embedding_based")
+                  & (apart.seed == 2)]  # label-based seeds 0 and 1, embedding-based seed 2: no pair
+    row = gap_table(apart, {}).iloc[0]
+    assert (row.verdict, row.n_seeds) == ("undecided: no seed ran under both partitions", 0)
+
+
+def _cells(verdicts: str) -> pd.DataFrame:
+    """One task's gap table with a cell per letter: w embedding worse, b label worse (both decided), u undecided."""
+    rows = {"w": ("embedding worse", "", 10.0), "b": ("label worse", "", -10.0),
+            "u": ("undecided: the 95% interval contains 0", "interval contains 0", 1.0)}
+    return pd.DataFrame([dict(task="normal", algorithm="fedavg", alpha=float(index + 1), verdict=rows[letter][0],
+                              reason=rows[letter][1], gap_percent=rows[letter][2], decided_after_bh=False)
+                         for index, letter in enumerate(verdicts)])
+
+
+@pytest.mark.parametrize("verdicts, headline, overall", [
+    ("wwuu", "embedding-based heterogeneity hurts more", "holds"),  # exactly half decided, all of them agree
+    ("wuuu", "no clear direction", "is neither supported"),  # 1 of 4 decided: under half
+    ("wwbu", "embedding-based heterogeneity hurts more", "holds"),  # 2 of 3 decided agree: exactly two thirds
+    ("bbwu", "label-based heterogeneity hurts more", "is contradicted"),
+    ("wwbb", "no clear direction", "is neither supported"),  # a tie: 2 against 2
+    ("wb", "no clear direction", "is neither supported"),  # two cells, both decided, half each
+])
+def test_a_direction_needs_half_the_cells_decided_and_two_thirds_of_those_agreeing(verdicts, headline, overall):
+    sentences = summary_sentences(_cells(verdicts), {})
+    assert sentences[0].startswith(f"**normal**: {headline}: ")
+    assert sentences[-1].startswith(f"Overall the paper's claim (embedding-based partitions give a larger federated "
+                                    f"loss) {overall}")
