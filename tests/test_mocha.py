@@ -100,6 +100,7 @@ def test_tasks_of_two_groups_learn_a_sigma_that_correlates_within_groups_and_the
     assert min(within) > max(between) + 0.5, (within, between)
 
 
+@pytest.mark.kernels
 def test_each_client_gets_its_own_row_of_omega_and_uploads_its_heads_change(tmp_path):
     data = two_groups()
     _, engine = run_oracle(tmp_path, "mocha", rounds=2, steps=3, lr=0.02, data=data, model=TwoLayer(), lam=0.1)
