@@ -217,14 +217,24 @@ def main(argv: list[str] | None = None) -> dict:
         The summary of :func:`training.fit.fit` for the run.
     """
     try:
-        return train(resolve(cli.apply_runtime_flags(build_parser().parse_args(argv))))
-    finally:
-        end_process_group()
+        summary = train(resolve(cli.apply_runtime_flags(build_parser().parse_args(argv))))
+    except BaseException:
+        end_process_group(wait_for_the_others=False)  # a barrier would wait forever for a rank that failed
+        raise
+    end_process_group(wait_for_the_others=True)
+    return summary
 
 
-def end_process_group() -> None:
-    """Close the process group ``accelerate launch`` made (gloo's threads otherwise abort the process as it exits)."""
+def end_process_group(wait_for_the_others: bool) -> None:
+    """Close the process group ``accelerate launch`` made (gloo's threads otherwise abort the process as it exits).
+
+    After a run that ended well every rank first waits for the others: the main process still writes last.pt and
+    best.pt after the last collective, and a rank that tore its gloo threads down meanwhile was seen to abort
+    ("terminate called without an active exception", once in a CI run under load).
+    """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if wait_for_the_others and torch.distributed.get_world_size() > 1:
+            torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 

@@ -35,13 +35,14 @@ def test_the_variable_the_step_sets_selects_atens_kernels(capability, shown):
 
 
 def test_the_marked_tests_cover_the_claims_of_bit_identity():
+    # One process against two compares within a stated tolerance (a sum over one process or gathered from two): not a
+    # claim of bit-identity, so not rerun under other kernels.
     collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "kernels", "-p",
                                 "no:cacheprovider", "tests/test_mocha.py", "tests/test_step2_accelerate.py",
                                 "tests/test_engine.py"], cwd=ROOT, capture_output=True, text=True).stdout
     ids = {line.split("[")[0] for line in collected.splitlines() if "::" in line}
     assert ids == {
         "tests/test_mocha.py::test_each_client_gets_its_own_row_of_omega_and_uploads_its_heads_change",
-        "tests/test_step2_accelerate.py::test_run_stopped_in_one_process_resumes_in_two",
         "tests/test_engine.py::test_killed_and_resumed_run_is_bit_identical",
         "tests/test_engine.py::test_a_client_trains_identically_whoever_else_is_sampled",
         "tests/test_engine.py::test_checkpoint_every_resumes_from_the_last_one_and_redoes_the_rest_bit_for_bit",

@@ -118,7 +118,6 @@ class Killed(Exception):
     """Stands in for the process being killed."""
 
 
-@pytest.mark.kernels
 @pytest.mark.slow
 def test_run_stopped_in_one_process_resumes_in_two(digits88, one_process, tmp_path, monkeypatch):
     out = tmp_path / "resumed"
