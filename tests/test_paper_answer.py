@@ -1,6 +1,6 @@
 """The main job's answer to the paper (pipeline/studies/main_job/paper.py) on a hand-made grid: the paper column,
-the change and its interval over seeds, the α-trend test and the verdict rules, each against numbers worked out by
-hand below."""
+the change and its interval over seeds, the α-trend test, the verdict rules against the paper's size (and their
+Benjamini–Hochberg twins), each against numbers worked out by hand below."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pandas as pd
 import pytest
 
 from pipeline.studies.main_job.iid import MEAN_ONLY, NO, YES, converged_verdict, iid_table
-from pipeline.studies.main_job.paper import (GROWS, NOT_REPRODUCED, REPRODUCED, SHRINKS, UNDECIDED, headline_counts,
-                                             headline_sentence, paper_markdown, paper_table)
+from pipeline.studies.main_job.paper import (CONSISTENT, GROWS, NO_EFFECT, OPPOSITE, SHRINKS, SMALLER, UNDECIDED,
+                                             headline_counts, headline_sentence, paper_markdown, paper_table)
 
 ALPHAS = (0.1, 1.0, 10.0)  # log10: -1, 0, +1
 T_975_DF2 = 4.302652729749464  # Student's t, 97.5% quantile, 2 degrees of freedom (3 seeds)
@@ -67,30 +67,47 @@ def test_the_trend_is_each_seeds_slope_against_log10_alpha_tested_over_seeds(ans
 
 def test_the_verdict_rules_and_the_paper_column(answer):
     edges, keypoints, normals = (answer.loc[(task, "fedavg")] for task in ("edge_texture", "keypoints2d", "normal"))
-    assert edges.paper_change == "up to ≈ +60% (FedAvg)" and edges.verdict == REPRODUCED
-    assert "below the paper's up to ≈ +60%" in edges.reason  # the whole interval [15.0%, 25.0%] is under 60%
-    assert keypoints.paper_change == "≈ +5% (FedAvg)" and keypoints.verdict == UNDECIDED
-    assert keypoints.reason.endswith("the 95% interval contains 0")
-    assert normals.paper_change.startswith("larger (no number") and normals.verdict == NOT_REPRODUCED
-    assert normals.reason.endswith("label-based partitions give the larger loss")
+    # +20% [15.0%, 25.0%], decided, against the paper's 60%: the direction holds, the size does not.
+    assert edges.paper_change == "up to ≈ +60% (FedAvg)" and edges.verdict == SMALLER
+    assert edges.reason == "decided above 0; the interval ends below the paper's +60%"
+    # means 1, -1, 0.5: +0.17% [-2.42%, +2.75%] holds 0 and ends below the paper's 5%.
+    assert keypoints.paper_change == "≈ +5% (FedAvg)" and keypoints.verdict == NO_EFFECT
+    assert keypoints.reason == "the 95% interval contains 0 and ends below the paper's +5%"
+    assert normals.paper_change.startswith("larger (no number") and normals.verdict == OPPOSITE
+    assert normals.reason == "decided below 0: label-based partitions give the larger loss"
+    # Decided above 0 where the paper gives no size: its direction is all there is to be consistent with.
+    fedrep = answer.loc[("normal", "fedrep")]
+    assert (fedrep.verdict, fedrep.reason) == (CONSISTENT, "decided above 0; the paper gives no size for this task")
 
 
 def test_personal_models_and_controls_are_counted_apart(answer):
     table = answer.reset_index()
     assert answer.loc[("normal", "fedrep")].model == "personal"
     assert answer.loc[("class_scene", "fedavg")].role.startswith("control")
-    assert headline_counts(table, "global") == {"rows": 3, REPRODUCED: 1, NOT_REPRODUCED: 1, UNDECIDED: 1}
-    assert headline_counts(table, "personal") == {"rows": 1, REPRODUCED: 1, NOT_REPRODUCED: 0, UNDECIDED: 0}
-    sentence = headline_sentence(table)
-    assert "global models: 1 of 3 task × algorithm rows reproduced, 1 not reproduced, 1 undecided" in sentence
-    assert "clients' own models (FedRep): 1 of 1" in sentence and "class_scene is a control and not counted" in sentence
+    # p-values 0.0033 (edges, normal·fedrep), 0.013 (normal, class_scene), 0.96 (keypoints): all decided rows stay
+    # decided after Benjamini–Hochberg over the 5 rows (the largest adjusted of them: 0.013 · 5/4 = 0.016).
+    assert list(table.decided_after_bh) == [True, True, False, True, True]  # class_scene, edges, keypoints, normal×2
+    assert list(table.verdict_after_bh) == list(table.verdict)
+    assert headline_counts(table, "global") == {
+        "rows": 3, "bh_over": 5,
+        "verdict": {CONSISTENT: 0, SMALLER: 1, NO_EFFECT: 1, UNDECIDED: 0, OPPOSITE: 1},
+        "verdict_after_bh": {CONSISTENT: 0, SMALLER: 1, NO_EFFECT: 1, UNDECIDED: 0, OPPOSITE: 1}}
+    assert headline_counts(table, "personal")["verdict"] == {CONSISTENT: 1, SMALLER: 0, NO_EFFECT: 0, UNDECIDED: 0,
+                                                             OPPOSITE: 0}
+    assert headline_sentence(table) == (
+        "Does an embedding-based partition give a larger federated loss than a label-based one at equal α "
+        "(arXiv 2503.14553)? Global models, 3 rows: 0 consistent with the paper, 1 smaller than the paper's, "
+        "1 no effect of the paper's size, 0 undecided, 1 opposite; after Benjamini–Hochberg over the table's 5 rows: "
+        "0, 1, 1, 0, 1. Clients' own models (FedRep), 1 row: 1 consistent with the paper, 0 smaller than the paper's, "
+        "0 no effect of the paper's size, 0 undecided, 0 opposite; after Benjamini–Hochberg over the table's 5 rows: "
+        "1, 0, 0, 0, 0. class_scene is a control and not counted.")
     assert "| normal | fedrep (own models) |" in paper_markdown(table)
 
 
 def test_two_seeds_are_undecided_and_say_why():
     results = grid({("edge_texture", "fedavg"): EDGES[:2]})
     row = paper_table(results, pd.DataFrame()).iloc[0]
-    assert row.verdict == UNDECIDED and row.reason.endswith("undecided: 2 paired seeds, 3 needed")
+    assert row.verdict == UNDECIDED and row.reason == "2 paired seeds, 3 needed"
 
 
 def test_the_iid_check_comes_from_the_iid_reference_table():
@@ -153,19 +170,48 @@ def one_row(changes: list[list[float]], task: str = "edge_texture", **options) -
 def test_one_seed_is_undecided_without_an_interval_and_its_trend_too():
     row = one_row([[30, 20, 10]])
     assert row.n_seeds == 1 and row.change_percent == pytest.approx(20.0) and math.isnan(row.change_low)
-    assert (row.verdict, row.reason) == (UNDECIDED, "+20.0%: undecided: 1 paired seed, 3 needed")
+    assert (row.verdict, row.reason, row.verdict_after_bh) == (UNDECIDED, "1 paired seed, 3 needed", UNDECIDED)
+    assert not row.decided_after_bh
     assert row.trend_pp_per_decade == pytest.approx(-10.0) and math.isnan(row.trend_low)
     assert row.trend == "undecided (1 paired seed, 3 needed)"
     assert paper_markdown(pd.DataFrame([row])).splitlines()[-1] == (
-        "| edge_texture | fedavg | up to ≈ +60% (FedAvg) | +20.0% | undecided (1 paired seed, 3 needed) | undecided "
-        "| no iid runs |")
+        "| edge_texture | fedavg | up to ≈ +60% (FedAvg) | +20.0% | undecided (1 paired seed, 3 needed) "
+        "| undecided (1 paired seed, 3 needed) | no iid runs |")
 
 
-def test_two_seeds_show_their_interval_and_stay_undecided_even_when_it_excludes_0():
-    row = one_row(EDGES[:2])  # means 20, 22: 21 ± 12.706 · √2 / √2 = [8.29, 33.71], above 0, yet 2 seeds decide nothing
+def test_two_seeds_stay_undecided_even_when_their_interval_excludes_0_and_ends_below_the_papers_size():
+    row = one_row(EDGES[:2])  # means 20, 22: 21 ± 12.706 · √2 / √2 = [8.29, 33.71], above 0 and below 60
     assert (row.change_low, row.change_high) == (pytest.approx(21 - T_975_DF1), pytest.approx(21 + T_975_DF1))
-    assert (row.verdict, row.reason) == (UNDECIDED, "+21.0% [+8.3%, +33.7%]: undecided: 2 paired seeds, 3 needed")
+    # 2 seeds measure nothing: neither "smaller than the paper's" nor "no effect of the paper's size".
+    assert (row.verdict, row.reason) == (UNDECIDED, "2 paired seeds, 3 needed")
+    assert row.verdict_after_bh == UNDECIDED and not row.decided_after_bh
     assert row.trend == "undecided (2 paired seeds, 3 needed)"  # slopes -10, -12
+
+
+def test_a_decided_small_change_is_smaller_than_a_large_claim_never_consistent_with_it():
+    """Seed means 2, 3, 4: +3% ± 4.303 · 1 / √3 = [+0.52%, +5.48%], decided above 0 (p 0.035)."""
+    small = [[2, 2, 2], [3, 3, 3], [4, 4, 4]]
+    edges = one_row(small)
+    assert edges.change_high == pytest.approx(3 + T_975_DF2 / math.sqrt(3)) and edges.change_low > 0
+    assert (edges.verdict, edges.verdict_after_bh) == (SMALLER, SMALLER)  # alone in its table, BH keeps it decided
+    keypoints = one_row(small, task="keypoints2d")  # the same numbers reach the paper's +5%
+    assert (keypoints.verdict, keypoints.reason) == (CONSISTENT, "decided above 0; the interval reaches the paper's +5%")
+    assert one_row(small, task="normal").verdict == CONSISTENT  # no size given: the direction is the claim
+    assert paper_markdown(pd.DataFrame([edges])).splitlines()[-1] == (
+        "| edge_texture | fedavg | up to ≈ +60% (FedAvg) | +3.0% [+0.5%, +5.5%] "
+        "| undecided (zero variance (every seed gives +0)) | smaller than the paper's | no iid runs |")
+
+
+def test_a_change_near_0_with_an_interval_ending_below_the_papers_size_is_no_effect_of_that_size():
+    """The demo's FedAvg edges row had this shape (+0.7% [-2.5%, +3.8%] against +60%); here seed means -0.3, 0.7,
+    1.7: +0.7% ± 4.303 · 1 / √3 = [-1.78%, +3.18%]."""
+    near_zero = [[-0.3] * 3, [0.7] * 3, [1.7] * 3]
+    edges = one_row(near_zero)
+    assert edges.change_low == pytest.approx(0.7 - T_975_DF2 / math.sqrt(3))
+    assert (edges.verdict, edges.reason) == (NO_EFFECT, "the 95% interval contains 0 and ends below the paper's +60%")
+    assert edges.verdict_after_bh == NO_EFFECT and not edges.decided_after_bh
+    normal = one_row(near_zero, task="normal")  # no size to exclude: only undecided
+    assert (normal.verdict, normal.reason) == (UNDECIDED, "the 95% interval contains 0")
 
 
 def test_exactly_two_alphas_give_each_seed_the_slope_through_its_two_points():
@@ -183,17 +229,18 @@ def test_exactly_two_alphas_give_each_seed_the_slope_through_its_two_points():
 
 def test_ties_every_seed_alike_are_zero_variance_never_a_decision():
     same = one_row([[20, 20, 20]] * 3)  # every seed +20 at every α: the interval would have zero width
-    assert (same.verdict, same.reason) == (UNDECIDED, "+20.0%: undecided: zero variance (every seed gives +20)")
+    assert (same.verdict, same.reason) == (UNDECIDED, "zero variance (every seed gives +20)")  # not "smaller"
+    assert same.verdict_after_bh == UNDECIDED
     assert same.trend == "undecided (zero variance (every seed gives +0))"  # three flat seeds: slope 0 each
-    equal = one_row([[0, 0, 0]] * 3)  # label and embedding tie everywhere
-    assert (equal.verdict, equal.reason) == (UNDECIDED, "+0.0%: undecided: zero variance (every seed gives +0)")
+    equal = one_row([[0, 0, 0]] * 3)  # label and embedding tie everywhere: not "no effect" either
+    assert (equal.verdict, equal.reason) == (UNDECIDED, "zero variance (every seed gives +0)")
 
 
 @pytest.fixture
 def t_quantile(monkeypatch):
     """Set Student's t quantile by hand, so that an interval's bound lands exactly where a test wants it. With 4 seeds
     whose changes are (1, 1, 1, 5) + c (mean 2 + c, standard deviation 2: deviations -1, -1, -1, 3) the half-width
-    is quantile · 2 / √4 = the quantile itself."""
+    is quantile · 2 / √4 = the quantile itself. (The p-values, and so Benjamini–Hochberg, keep scipy's t.)"""
     import scipy.stats
 
     def use(value: float) -> None:
@@ -211,27 +258,76 @@ def test_an_interval_whose_bound_is_0_contains_0(t_quantile):
     t_quantile(2.0)
     row = four_seeds(0.0)  # 2 ± 2 = [0, 4]: the closed interval holds 0
     assert (row.change_low, row.change_high) == (0.0, 4.0)
-    assert (row.verdict, row.reason) == (UNDECIDED, "+2.0% [+0.0%, +4.0%]: undecided: the 95% interval contains 0")
+    assert (row.verdict, row.reason) == (UNDECIDED, "the 95% interval contains 0")
     below = one_row([[-1], [-1], [-1], [-5]], task="normal", alphas=(1.0,), label=100.0)  # -2 ± 2 = [-4, 0]
     assert (below.change_low, below.change_high) == (-4.0, 0.0) and below.verdict == UNDECIDED
+    assert four_seeds(0.0, task="keypoints2d").verdict == NO_EFFECT  # [0, 4] measured, and ends below the paper's 5
     t_quantile(1.5)  # 2 ± 1.5 = [0.5, 3.5] and -2 ± 1.5 = [-3.5, -0.5]: just clear of 0
-    assert four_seeds(0.0).verdict == REPRODUCED
-    assert one_row([[-1], [-1], [-1], [-5]], task="normal", alphas=(1.0,), label=100.0).verdict == NOT_REPRODUCED
+    assert four_seeds(0.0).verdict == CONSISTENT
+    assert one_row([[-1], [-1], [-1], [-5]], task="normal", alphas=(1.0,), label=100.0).verdict == OPPOSITE
 
 
-@pytest.mark.parametrize("quantile, shift, relation", [
-    (2.0, 1.0, "consistent with"),  # [1, 5]: the upper bound is the paper's 5
-    (2.0, 5.0, "consistent with"),  # [5, 9]: the lower bound is the paper's 5
-    (2.0, 3.0, "consistent with"),  # [3, 7]: straddles 5
-    (1.5, 1.0, "below"),  # [1.5, 4.5]
-    (1.5, 5.0, "above"),  # [5.5, 8.5]
+@pytest.mark.parametrize("task, quantile, shift, verdict, reason", [
+    ("edge_texture", 2.0, 56.0, CONSISTENT, "decided above 0; the interval reaches the paper's +60%"),  # [56, 60]
+    ("edge_texture", 2.0, 55.5, SMALLER, "decided above 0; the interval ends below the paper's +60%"),  # [55.5, 59.5]
+    ("edge_texture", 2.0, 60.0, CONSISTENT, "decided above 0; the interval reaches the paper's +60%"),  # [60, 64]
+    ("keypoints2d", 3.0, 0.0, UNDECIDED, "the 95% interval contains 0 and reaches the paper's +5%"),  # [-1, 5]
+    ("keypoints2d", 2.5, 0.0, NO_EFFECT, "the 95% interval contains 0 and ends below the paper's +5%"),  # [-0.5, 4.5]
+    ("keypoints2d", 1.5, -4.0, OPPOSITE, "decided below 0: label-based partitions give the larger loss"),  # [-3.5, -0.5]
 ])
-def test_a_reproduced_change_is_set_beside_the_papers_size_bounds_included(t_quantile, quantile, shift, relation):
+def test_an_upper_end_exactly_at_the_papers_size_reaches_it(t_quantile, task, quantile, shift, verdict, reason):
     t_quantile(quantile)
-    row = four_seeds(shift, task="keypoints2d")  # the paper: ≈ +5% (FedAvg)
-    assert row.verdict == REPRODUCED
-    assert row.reason.endswith(f"embedding-based partitions give the larger loss; its size is {relation} the paper's "
-                               "≈ +5% (FedAvg)")
+    row = four_seeds(shift, task=task)
+    assert (row.change_low + quantile, row.change_high - quantile) == (row.change_percent, row.change_percent)
+    assert (row.verdict, row.reason) == (verdict, reason)
+
+
+@pytest.mark.parametrize("changes, task, verdict, after_bh", [
+    ([[2] * 3, [3] * 3, [4] * 3], "edge_texture", SMALLER, NO_EFFECT),  # [+0.52, +5.48]: excludes 60 either way
+    ([[2] * 3, [3] * 3, [4] * 3], "keypoints2d", CONSISTENT, UNDECIDED),  # reaches 5: undecided once not decided
+    ([[-2] * 3, [-3] * 3, [-4] * 3], "edge_texture", OPPOSITE, NO_EFFECT),  # [-5.48, -0.52] ends below 60
+    ([[-2] * 3, [-3] * 3, [-4] * 3], "normal", OPPOSITE, UNDECIDED),  # no size: not decided is undecided
+])
+def test_a_row_decided_before_benjamini_hochberg_and_not_after_gets_its_twin_verdict(changes, task, verdict, after_bh):
+    """Seed means ±(2, 3, 4): t = 3√3 on 2 degrees of freedom, p = 1 − 3√3/√29 = 0.0351 (decided). Beside the control
+    class_scene's near-zero row (p 0.96), Benjamini–Hochberg over the table's 2 rows adjusts it to 2 · 0.0351 = 0.070
+    > 0.05: no longer decided, though the control is never counted in the headline."""
+    results = grid({(task, "fedavg"): changes, ("class_scene", "fedavg"): KEYPOINTS})
+    table = paper_table(results, pd.DataFrame())
+    row = table.set_index("task").loc[task]
+    assert row.change_p == pytest.approx(1 - 3 * math.sqrt(3) / math.sqrt(29))
+    assert (row.verdict, row.decided_after_bh, row.verdict_after_bh) == (verdict, False, after_bh)
+    assert f"| {verdict}; after BH: {after_bh} |" in paper_markdown(table)
+    counts = headline_counts(table, "global")
+    assert (counts["rows"], counts["bh_over"]) == (1, 2)
+    assert counts["verdict"][verdict] == 1 and counts["verdict_after_bh"][after_bh] == 1
+    assert "after Benjamini–Hochberg over the table's 2 rows: " in headline_sentence(table)
+    alone = paper_table(grid({(task, "fedavg"): changes}), pd.DataFrame()).iloc[0]  # over 1 row: p stays 0.0351
+    assert (alone.decided_after_bh, alone.verdict_after_bh) == (True, verdict)
+
+
+def test_tasks_that_did_not_learn_keep_their_rows_but_stay_out_of_the_counts_like_controls():
+    results = grid({("edge_texture", "fedavg"): EDGES, ("keypoints2d", "fedavg"): EDGES,
+                    ("keypoints2d", "fedrep"): EDGES, ("class_scene", "fedavg"): NORMALS}, personal=frozenset({"fedrep"}))
+    table = paper_table(results, pd.DataFrame(), did_not_learn={"keypoints2d": "ends 60% below the centralized loss"})
+    roles = table.set_index(["task", "algorithm"]).role
+    assert roles[("keypoints2d", "fedavg")] == roles[("keypoints2d", "fedrep")] == (
+        "did not learn: ends 60% below the centralized loss")
+    assert roles[("edge_texture", "fedavg")] == "headline" and roles[("class_scene", "fedavg")].startswith("control")
+    assert table.set_index(["task", "algorithm"]).verdict[("keypoints2d", "fedavg")] == CONSISTENT  # still judged
+    assert headline_counts(table, "global")["rows"] == 1 and headline_counts(table, "personal")["rows"] == 0
+    assert headline_sentence(table) == (
+        "Does an embedding-based partition give a larger federated loss than a label-based one at equal α "
+        "(arXiv 2503.14553)? Global models, 1 row: 0 consistent with the paper, 1 smaller than the paper's, "
+        "0 no effect of the paper's size, 0 undecided, 0 opposite; after Benjamini–Hochberg over the table's 4 rows: "
+        "0, 1, 0, 0, 0. class_scene is a control and not counted; keypoints2d did not learn and is not counted.")
+    assert "| keypoints2d (did not learn: ends 60% below the centralized loss) | fedavg |" in paper_markdown(table)
+    nothing = paper_table(results, pd.DataFrame(), did_not_learn={"keypoints2d": "x", "edge_texture": "y"})
+    assert headline_sentence(nothing).endswith(
+        "? No task × algorithm row is counted. class_scene is a control and not counted; edge_texture and keypoints2d "
+        "did not learn and are not counted.")
+    control = paper_table(results, pd.DataFrame(), did_not_learn={"class_scene": "z"})  # the stronger statement wins
+    assert control.set_index("task").role["class_scene"] == "did not learn: z"
 
 
 @pytest.mark.parametrize("above, above_high, verdict", [

@@ -11,16 +11,29 @@ clusters gives a larger federated loss than splitting it by scene labels at equa
   3 seeds, nonzero variance, an interval excluding 0, or the row is undecided and says why).
 * **trend in α**: each seed's least-squares slope of its change against log10 α (percentage points per
   tenfold α); a decided negative slope means the change grows as α falls, as the paper says.
-* **verdict**: *reproduced* when the change is decided above 0, *not reproduced* when it is decided below 0
-  (label-based partitions give the larger loss), *undecided* otherwise, with the reason; the paper's size,
-  where it gives one, is set beside TaskHet's.
+* **verdict**: weighs the paper's size (:data:`PAPER_CLAIMS`, in %) against the change's 95% interval
+  [low, high] (:func:`verdict`):
+
+  - *consistent with the paper*: decided above 0 and high ≥ the paper's size (an upper end exactly at the
+    size reaches it); for a task the paper gives no size for, decided above 0 is enough;
+  - *smaller than the paper's*: decided above 0 and high < the paper's size;
+  - *no effect of the paper's size*: not decided, but measurable (at least 3 seeds and nonzero variance, so
+    the interval exists; here it contains 0) and high < the paper's size;
+  - *undecided*: not decided and either not measurable (too few seeds, zero variance) or the interval reaches
+    the paper's size (high ≥ size) or the paper gives no size; ``reason`` says which;
+  - *opposite*: decided below 0 (label-based partitions give the larger loss).
+
+  ``decided_after_bh``: the row is decided and stays decided after Benjamini–Hochberg at 5% over all rows of
+  the table (controls and did-not-learn rows included; an unmeasurable row enters with p = 1,
+  ``utils.statistics.adjusted_decided``); ``verdict_after_bh`` applies the same rules with "decided" read as
+  ``decided_after_bh``.
 * **iid check**: the same algorithm on an iid partition ends within 10% of the centralized model's loss
   (pipeline/studies/main_job/iid.py), i.e. the runs trained enough to compare partitions.
 
 Algorithms whose result is their clients' own models (``result_is_personal``: FedRep) are read from those
 models and counted apart from the global models. A control task (``class_scene``: the label-based groups
-are the task's own labels, so a label-based split is harder by construction) has its rows but never enters
-the headline counts.
+are the task's own labels, so a label-based split is harder by construction) and a task that did not learn
+(``paper_table``'s ``did_not_learn``) have their rows but never enter the headline counts.
 """
 
 from __future__ import annotations
@@ -31,7 +44,7 @@ import numpy as np
 import pandas as pd
 
 from partitioning.groupings import EMBEDDING_BASED, LABEL_BASED
-from utils.statistics import PairedDifference, paired_difference
+from utils.statistics import PairedDifference, adjusted_decided, paired_difference
 
 PAPER = "arXiv 2503.14553"
 
@@ -52,13 +65,26 @@ PAPER_CLAIMS = {
     "keypoints2d": PaperClaim("≈ +5% (FedAvg)", 5.0),
 }
 NOT_GIVEN = "larger (no number for this task)"
+HEADLINE = "headline"
 # Tasks whose label-based groups are the task's own labels: a control, never counted in the headline.
 CONTROLS = {"class_scene": "control: the labels are the task"}
-REPRODUCED, NOT_REPRODUCED, UNDECIDED = "reproduced", "not reproduced", "undecided"
+DID_NOT_LEARN = "did not learn"  # a row's role is "did not learn: <reason>" for a task in paper_table's did_not_learn
+CONSISTENT, SMALLER, NO_EFFECT = "consistent with the paper", "smaller than the paper's", "no effect of the paper's size"
+UNDECIDED, OPPOSITE = "undecided", "opposite"
+VERDICTS = (CONSISTENT, SMALLER, NO_EFFECT, UNDECIDED, OPPOSITE)  # the order of the headline's counts
 GROWS, SHRINKS = "grows as α falls", "shrinks as α falls"
 PAPER_COLUMNS = ["task", "algorithm", "model", "role", "paper_change", "n_seeds", "n_alphas", "change_percent",
                  "change_low", "change_high", "change_p", "trend_pp_per_decade", "trend_low", "trend_high", "trend_p",
-                 "trend", "verdict", "reason", "iid_check"]
+                 "trend", "verdict", "reason", "decided_after_bh", "verdict_after_bh", "iid_check"]
+# The rules in one paragraph, for the report beside the table.
+VERDICT_NOTE = (
+    "*verdict*, against the paper's size where it gives one and the 95% interval's upper end: consistent with the "
+    "paper when the change is decided above 0 and the interval reaches the paper's size (its upper end at or above "
+    "it; decided above 0 is enough where the paper gives no size), smaller than the paper's when decided above 0 and "
+    "the interval ends below the size, no effect of the paper's size when the interval contains 0 and ends below "
+    "the size (at least 3 seeds and nonzero variance), opposite when decided below 0, undecided otherwise (with the "
+    "reason); *after BH*, where it differs: the same rules with only the rows still decided after "
+    "Benjamini–Hochberg at 5% over the table's rows counted as decided.")
 
 
 def relative_changes(results: pd.DataFrame) -> pd.DataFrame:
@@ -89,41 +115,66 @@ def one_sample(values: list[float]) -> PairedDifference | None:
     return paired_difference([0.0] * len(values), values) if values else None
 
 
-def paper_table(results: pd.DataFrame, iid: pd.DataFrame) -> pd.DataFrame:
+def paper_table(results: pd.DataFrame, iid: pd.DataFrame, did_not_learn: dict[str, str] | None = None) -> pd.DataFrame:
     """One row per task × algorithm (:data:`PAPER_COLUMNS`), from the report's finals with each run's result
-    (``results``) and the iid reference table (``iid``)."""
+    (``results``) and the iid reference table (``iid``). ``did_not_learn``: task -> why its runs did not learn;
+    its rows get role "did not learn: <why>" (a control's too) and, like controls, stay out of the headline counts."""
+    did_not_learn = did_not_learn or {}
     changes = relative_changes(results)
     personal = set(results.loc[results.get("model", pd.Series("global", index=results.index)) == "personal", "algorithm"])
-    rows = []
+    rows, differences = [], []
     for (task, algorithm), group in changes.groupby(["task", "algorithm"], sort=True):
         per_seed = seed_changes(group)
         change, trend = one_sample(per_seed["mean"].tolist()), one_sample(per_seed["slope"].dropna().tolist())
         slope = (np.nan,) * 4 if trend is None else (trend.mean, trend.low, trend.high, trend.p_value)
         claim = PAPER_CLAIMS.get(task)
-        verdict, reason = decide(change, claim)
+        size = None if claim is None else claim.size_percent
+        before = verdict(change.sign, change.testable, change.high, size)
+        role = f"{DID_NOT_LEARN}: {did_not_learn[task]}" if task in did_not_learn else CONTROLS.get(task, HEADLINE)
         rows.append({"task": task, "algorithm": algorithm, "model": "personal" if algorithm in personal else "global",
-                     "role": CONTROLS.get(task, "headline"), "paper_change": claim.text if claim else NOT_GIVEN,
+                     "role": role, "paper_change": claim.text if claim else NOT_GIVEN,
                      "n_seeds": change.n, "n_alphas": int(group.alpha.nunique()), "change_percent": change.mean,
                      "change_low": change.low, "change_high": change.high, "change_p": change.p_value,
                      **dict(zip(("trend_pp_per_decade", "trend_low", "trend_high", "trend_p"), slope)),
                      "trend": trend_text(trend, int(group.alpha.nunique())),
-                     "verdict": verdict, "reason": reason, "iid_check": iid_check(iid, task, algorithm)})
+                     "verdict": before, "reason": verdict_reason(before, change, size),
+                     "iid_check": iid_check(iid, task, algorithm)})
+        differences.append((change, size))
+    kept = adjusted_decided([change for change, _ in differences])
+    for row, (change, size), keep in zip(rows, differences, kept):
+        row["decided_after_bh"] = keep
+        row["verdict_after_bh"] = verdict(change.sign if keep else 0, change.testable, change.high, size)
     return pd.DataFrame(rows, columns=PAPER_COLUMNS)
 
 
-def decide(change: PairedDifference, claim: PaperClaim | None) -> tuple[str, str]:
-    """The verdict on the paper's direction and why, with the paper's size beside TaskHet's where it gives one."""
-    measured = f"{change.mean:+.1f}%" + ("" if np.isnan(change.low) else f" [{change.low:+.1f}%, {change.high:+.1f}%]")
-    if change.sign == 0:
-        return UNDECIDED, f"{measured}: {change.explain()}"
-    if change.sign < 0:
-        return NOT_REPRODUCED, f"{measured}: label-based partitions give the larger loss"
-    size = ""
-    if claim is not None and claim.size_percent is not None:
-        relation = ("below" if change.high < claim.size_percent else
-                    "above" if change.low > claim.size_percent else "consistent with")
-        size = f"; its size is {relation} the paper's {claim.text}"
-    return REPRODUCED, f"{measured}: embedding-based partitions give the larger loss{size}"
+def verdict(sign: int, measurable: bool, high: float, size: float | None) -> str:
+    """One of :data:`VERDICTS`: ``sign`` +1 / −1 for a change decided above / below 0, 0 when not decided;
+    ``measurable``: at least 3 seeds and nonzero variance; ``high``: the 95% interval's upper end; ``size``: the
+    paper's size in % (None: the paper gives none). An upper end exactly at the size reaches it."""
+    if sign < 0:
+        return OPPOSITE
+    if sign > 0:
+        return CONSISTENT if size is None or high >= size else SMALLER
+    if measurable and size is not None and high < size:
+        return NO_EFFECT
+    return UNDECIDED
+
+
+def verdict_reason(decision: str, change: PairedDifference, size: float | None) -> str:
+    """Why ``change`` (not adjusted) got ``decision``: the rule that gave it, or why it is undecided."""
+    paper = "" if size is None else f"the paper's {size:+g}%"
+    if decision == OPPOSITE:
+        return "decided below 0: label-based partitions give the larger loss"
+    if decision == CONSISTENT:
+        return "decided above 0; " + ("the paper gives no size for this task" if size is None else
+                                      f"the interval reaches {paper}")
+    if decision == SMALLER:
+        return f"decided above 0; the interval ends below {paper}"
+    if decision == NO_EFFECT:
+        return f"the 95% interval contains 0 and ends below {paper}"
+    if not change.testable:
+        return change.explain().removeprefix("undecided: ")
+    return "the 95% interval contains 0" + ("" if size is None else f" and reaches {paper}")
 
 
 def trend_text(trend: PairedDifference | None, n_alphas: int) -> str:
@@ -147,36 +198,58 @@ def iid_check(iid: pd.DataFrame, task: str, algorithm: str) -> str:
     return f"{row.converged}{above}"
 
 
-def headline_counts(table: pd.DataFrame, model: str) -> dict[str, int]:
-    """Verdict counts over the headline rows (controls left out) of one kind of model ("global" | "personal")."""
-    rows = table[(table.role == "headline") & (table.model == model)]
-    counts = {verdict: int((rows.verdict == verdict).sum()) for verdict in (REPRODUCED, NOT_REPRODUCED, UNDECIDED)}
-    return {"rows": len(rows), **counts}
+def headline_counts(table: pd.DataFrame, model: str) -> dict:
+    """The verdicts of one kind of model's ("global" | "personal") headline rows (controls and did-not-learn rows
+    left out): ``rows``, ``verdict`` and ``verdict_after_bh`` (each verdict of :data:`VERDICTS` -> its count) and
+    ``bh_over``, how many rows the Benjamini–Hochberg adjustment ran over (all of ``table``'s, as
+    :func:`paper_table` returned it)."""
+    rows = table[(table.role == HEADLINE) & (table.model == model)]
+    return {"rows": len(rows), "bh_over": len(table),
+            "verdict": {name: int((rows.verdict == name).sum()) for name in VERDICTS},
+            "verdict_after_bh": {name: int((rows.verdict_after_bh == name).sum()) for name in VERDICTS}}
 
 
 def headline_sentence(table: pd.DataFrame) -> str:
-    """The report's first sentence: how many task × algorithm rows reproduce the paper, global and personal apart."""
+    """The report's first lines: the question, then per kind of model the verdict counts of its headline rows and
+    their Benjamini–Hochberg twins, and which tasks are not counted."""
     parts = []
-    for model, what in (("global", "global models"), ("personal", "clients' own models (FedRep)")):
+    for model, what in (("global", "Global models"), ("personal", "Clients' own models (FedRep)")):
         counts = headline_counts(table, model)
         if counts["rows"]:
-            parts.append(f"{what}: {counts[REPRODUCED]} of {counts['rows']} task × algorithm rows reproduced, "
-                         f"{counts[NOT_REPRODUCED]} not reproduced, {counts[UNDECIDED]} undecided")
-    controls = sorted(set(table[table.role != "headline"].task))
-    control = f" ({', '.join(controls)} is a control and not counted)" if controls else ""
-    return ("Does an embedding-based partition give a larger federated loss than a label-based one at equal α "
-            f"({PAPER})? " + "; ".join(parts) + control + ".")
+            before = ", ".join(f"{counts['verdict'][name]} {name}" for name in VERDICTS)
+            after = ", ".join(str(counts["verdict_after_bh"][name]) for name in VERDICTS)
+            parts.append(f"{what}, {rows_text(counts['rows'])}: {before}; after Benjamini–Hochberg over the table's "
+                         f"{rows_text(counts['bh_over'])}: {after}.")
+    if not parts:
+        parts.append("No task × algorithm row is counted.")
+    learned = table.role.str.startswith(DID_NOT_LEARN)
+    controls = sorted(set(table[(table.role != HEADLINE) & ~learned].task))
+    failed = sorted(set(table[learned].task))
+    apart = []
+    if controls:
+        apart.append(f"{' and '.join(controls)} {'is a control' if len(controls) == 1 else 'are controls'} and not counted")
+    if failed:
+        apart.append(f"{' and '.join(failed)} did not learn and {'is' if len(failed) == 1 else 'are'} not counted")
+    return " ".join([f"Does an embedding-based partition give a larger federated loss than a label-based one at equal "
+                     f"α ({PAPER})?", *parts] + ([f"{'; '.join(apart)}."] if apart else []))
+
+
+def rows_text(n: int) -> str:
+    return f"{n} row" + ("" if n == 1 else "s")
 
 
 def paper_markdown(table: pd.DataFrame) -> str:
-    """The table as GitHub Markdown (one row per task × algorithm; controls marked)."""
+    """The table as GitHub Markdown (one row per task × algorithm; controls and did-not-learn tasks marked). The
+    verdict cell gives an undecided row's reason and, where it differs, the verdict after Benjamini–Hochberg."""
     lines = ["| task | algorithm | paper | TaskHet: embedding vs label [95% CI] | trend in α | verdict | iid check |",
              "|" + "---|" * 7]
     for row in table.itertuples():
         interval = "" if np.isnan(row.change_low) else f" [{row.change_low:+.1f}%, {row.change_high:+.1f}%]"
         algorithm = row.algorithm + (" (own models)" if row.model == "personal" else "")
-        task = row.task + ("" if row.role == "headline" else f" ({row.role})")
+        task = row.task + ("" if row.role == HEADLINE else f" ({row.role})")
+        decision = row.verdict + (f" ({row.reason})" if row.verdict == UNDECIDED else "")
+        if row.verdict_after_bh != row.verdict:
+            decision += f"; after BH: {row.verdict_after_bh}"
         lines.append(f"| {task} | {algorithm} | {row.paper_change} | {row.change_percent:+.1f}%{interval} "
-                     f"| {row.trend} | {row.verdict} | {row.iid_check} |")
+                     f"| {row.trend} | {decision} | {row.iid_check} |")
     return "\n".join(lines)
-
