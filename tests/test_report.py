@@ -2,6 +2,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from pipeline.studies.main_job.paper import PAPER_COLUMNS
 from pipeline.studies.main_job.report import REPORT_COLUMNS, gap_table, personal_gap_table, summary_sentences, write_report
 
 
@@ -152,6 +153,7 @@ def test_write_report_produces_every_file(tmp_path):
                  "cluster_label_agreement.png"):
         assert (out / name).stat().st_size > 0, name
     assert list(pd.read_csv(out / "report.csv").columns) == REPORT_COLUMNS
+    assert list(pd.read_csv(out / "report_paper.csv").columns) == PAPER_COLUMNS
     text = (out / "report.md").read_text()
     assert "+20.0" in text
     # One evaluated round (3): no curve to draw, and the report says so instead of linking a missing figure.
@@ -210,6 +212,14 @@ def test_fedrep_enters_the_table_the_counts_and_the_plots_through_its_personal_m
     text = (out / "report.md").read_text()
     # Both cells decided, both embedding worse: the summary counts FedRep's personal cell.
     assert "decided in 2 of 2 cells (embedding worse 2, label worse 0" in text
+    # The paper table: normal has no size from the paper, so both rows decided above 0 are consistent with it
+    # (FedAvg's seed changes +20%, +20%, +10%: [+2.3%, +31.0%]; FedRep's +20%, +33.3%, +28.6%), and stay decided
+    # after Benjamini–Hochberg over the 2 rows.
+    answer = pd.read_csv(out / "report_paper.csv").set_index("algorithm")
+    assert list(answer.verdict) == list(answer.verdict_after_bh) == ["consistent with the paper"] * 2
+    assert ("Global models, 1 row: 1 consistent with the paper, 0 smaller than the paper's, 0 no effect of the "
+            "paper's size, 0 undecided, 0 opposite; after Benjamini–Hochberg over the table's 2 rows: 1, 0, 0, 0, 0. "
+            "Clients' own models (FedRep), 1 row: 1 consistent with the paper,") in text
     assert "except fedrep: the global head is never trained" in text and "| normal | fedrep‡ | 0.1 |" in text
     # The loss-vs-α panel of FedRep is drawn from its personal losses, and its axis says so.
     panels = {axis.get_title(): axis for axis in drawn["loss_vs_alpha.png"].axes}
