@@ -53,6 +53,12 @@ def copy_tracked(destination: Path) -> None:
             shutil.copy2(source, target)
 
 
+def export_commit(reference: str, destination: Path) -> None:
+    """The tree of commit ``reference`` (``git archive``): a score recorded for a commit, whatever the working tree."""
+    archive = subprocess.run(["git", "archive", "--format=tar", reference], cwd=ROOT, capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(destination)], input=archive.stdout, check=True)
+
+
 def run_mutant(copy: Path, mutant: dict, timeout: int) -> tuple[str, float]:
     """('killed' | 'survived' | 'stale' | 'timeout', seconds) for one mutant applied to ``copy``."""
     path = copy / mutant["file"]
@@ -77,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", default=None, help="run only these mutant ids")
     parser.add_argument("--files", nargs="*", default=None, help="run only the mutants of these files (stems)")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "hand_mutants.csv", help="a CSV of outcomes")
+    parser.add_argument("--ref", default=None, help="mutate this commit's tree (e.g. HEAD) instead of the working tree")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per mutant")
     args = parser.parse_args(argv)
     paths = sorted(MUTANTS.glob("*.toml"))
@@ -94,7 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="hand_mutants_") as folder:
         copy = Path(folder)
-        copy_tracked(copy)
+        if args.ref:
+            export_commit(args.ref, copy)
+        else:
+            copy_tracked(copy)
         for mutant in mutants:
             outcome, seconds = run_mutant(copy, mutant, args.timeout)
             print(f"{outcome:8s} {mutant['id']} ({seconds:.0f} s)", flush=True)
