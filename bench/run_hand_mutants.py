@@ -4,7 +4,8 @@ The mutants live in ``bench/hand_mutants/*.toml``, one file per area (one ``[[mu
 occurs exactly once in that file —, ``replace``, ``tests`` — pytest node ids or files — and ``why``). This script copies
 the tracked files of the repository into a temporary folder once, then for each mutant patches the copy, runs the named
 tests there with this Python, and restores the file. A mutant is *killed* when the tests fail, *survived* when they
-pass; a ``find`` that no longer occurs exactly once is reported as *stale* (the code moved: rewrite the mutant).
+pass; a ``find`` that no longer occurs exactly once is reported as *stale* (the code moved: rewrite the mutant), and a
+mutant whose tests fail on the unmutated tree as *baseline fails* (it proves nothing).
 
 Usage: ``.venv/bin/python bench/run_hand_mutants.py [--only ID ...] [--files mocha ...] [--out results/hand_mutants.csv]``
 It never touches the working tree. Scores are recorded in docs/BENCHMARKS.md.
@@ -59,22 +60,37 @@ def export_commit(reference: str, destination: Path) -> None:
     subprocess.run(["tar", "-x", "-C", str(destination)], input=archive.stdout, check=True)
 
 
-def run_mutant(copy: Path, mutant: dict, timeout: int) -> tuple[str, float]:
-    """('killed' | 'survived' | 'stale' | 'timeout', seconds) for one mutant applied to ``copy``."""
+def tests_pass(copy: Path, tests: list[str], timeout: int) -> bool | None:
+    """Whether ``tests`` pass in ``copy`` (None: they ran past ``timeout``)."""
+    try:
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-n", "0",
+                                 *tests], cwd=copy, capture_output=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    return result.returncode == 0
+
+
+def run_mutant(copy: Path, mutant: dict, timeout: int, baselines: dict[tuple, bool | None]) -> tuple[str, float]:
+    """('killed' | 'survived' | 'stale' | 'timeout' | 'baseline fails', seconds) for one mutant applied to ``copy``.
+
+    The mutant's tests first run on the unmutated copy (once per set of tests): a failure there would count every
+    mutant as killed."""
     path = copy / mutant["file"]
     original = path.read_text(encoding="utf-8")
     if original.count(mutant["find"]) != 1:
         return "stale", 0.0
+    tests = tuple(mutant["tests"])
+    if tests not in baselines:
+        baselines[tests] = tests_pass(copy, list(tests), timeout)
+    if not baselines[tests]:
+        return "baseline fails", 0.0
     path.write_text(original.replace(mutant["find"], mutant["replace"]), encoding="utf-8")
     start = time.monotonic()
     try:
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-n", "0",
-                                 *mutant["tests"]], cwd=copy, capture_output=True, timeout=timeout)
-        outcome = "survived" if result.returncode == 0 else "killed"
-    except subprocess.TimeoutExpired:
-        outcome = "timeout"
+        passed = tests_pass(copy, list(tests), timeout)
     finally:
         path.write_text(original, encoding="utf-8")
+    outcome = "timeout" if passed is None else "survived" if passed else "killed"
     return outcome, time.monotonic() - start
 
 
@@ -105,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
             export_commit(args.ref, copy)
         else:
             copy_tracked(copy)
+        baselines: dict[tuple, bool | None] = {}
         for mutant in mutants:
-            outcome, seconds = run_mutant(copy, mutant, args.timeout)
+            outcome, seconds = run_mutant(copy, mutant, args.timeout, baselines)
             print(f"{outcome:8s} {mutant['id']} ({seconds:.0f} s)", flush=True)
             rows.append({"id": mutant["id"], "file": mutant["file"], "outcome": outcome, "seconds": round(seconds, 1)})
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -115,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         writer.writeheader()
         writer.writerows(rows)
     killed = sum(row["outcome"] in ("killed", "timeout") for row in rows)
-    live = sum(row["outcome"] != "stale" for row in rows)
-    print(f"killed {killed} of {live} mutants ({len(rows) - live} stale); {args.out}")
+    live = sum(row["outcome"] not in ("stale", "baseline fails") for row in rows)
+    print(f"killed {killed} of {live} mutants ({len(rows) - live} stale or with failing tests unmutated); {args.out}")
     return 0 if killed == live and live == len(rows) else 1
 
 
