@@ -1,5 +1,5 @@
-"""Reading finished run folders for the report: a step-4 run's global and personal test curves, and the
-centralized model's selected test loss."""
+"""Reading finished run folders for the report: a step-4 run's global and personal test curves, the
+centralized model's selected test loss, and the trivial predictors' losses step 2 wrote beside it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pandas as pd
 
 from network.client import GLOBAL_TEST_SPLIT, PERSONAL_TEST_SPLIT
 from network.run_outputs import GLOBAL_CLIENT
-from training.selection import selected_test_metrics
+from training.loop import TEST_SPLIT, TRIVIAL_METRIC_SUFFIX, TRIVIAL_SPLIT_PREFIX
+from training.selection import read_metrics, selected_test_metrics
 
 
 def global_test_history(metrics: pd.DataFrame) -> pd.DataFrame:
@@ -34,3 +35,13 @@ def centralized_reference(metrics_csv: Path) -> tuple[float, str]:
     step-2 run made with ``--last_epoch`` on data without validation rows, which a report must say)."""
     selected = selected_test_metrics(metrics_csv)
     return float(selected["loss"]), str(selected["selected_on"])
+
+
+def trivial_losses(metrics_csv: Path, split: str = TEST_SPLIT) -> dict[str, float]:
+    """The losses on ``split`` of the trivial predictors step 2 wrote to ``metrics_csv`` (its rows of split
+    ``trivial_<split>``), by predictor: ``{"zero": ..., "median": ...}`` for an L1 task, ``{"zero": ..., "prior": ...}``
+    for a cross-entropy one (:func:`training.loop.trivial_predictors` says what each is). Empty for a run folder
+    made before step 2 wrote them."""
+    metrics = read_metrics(metrics_csv)
+    rows = metrics[metrics.split == TRIVIAL_SPLIT_PREFIX + split]
+    return {metric.removesuffix(TRIVIAL_METRIC_SUFFIX): float(value) for metric, value in zip(rows.metric, rows.value)}

@@ -35,7 +35,8 @@ and the data under --data_path (families whose data ships with a package ignore 
 Every family's step 1 sets a validation part aside (val = 1 on some train rows; Taskonomy by building): step 2
 trains on the other train rows, keeps best.pt and stops early by the validation loss, and evaluates the test
 split every epoch only for the curves and final numbers. A manifest without validation rows is refused.
-Outputs in --out: config.json, run.log, metrics.csv (epoch, split, metric, value; splits train, val, test),
+Outputs in --out: config.json, run.log, metrics.csv (epoch, split, metric, value; splits train, val, test, and
+trivial_val, trivial_test: the loss of predicting all zeros, and of the best constant of the training targets),
 best.pt (lowest validation loss; step 3 reads it), last.pt (every epoch; --resume continues
 from it), curves.png, loss.png and <metric>.png (e.g. top1.png: the task's metric on every split).
 Several GPUs (data parallel; --batch_size is the global batch, split evenly over the processes):
@@ -298,8 +299,11 @@ def train_locked(args: argparse.Namespace, accelerator: Accelerator) -> dict:
         optimizer, scheduler = optimizer_and_scheduler(args, model)
         loader_seed = derive_seed(args.seed, "centralized", args.task)
         # item reads: accelerator.prepare cuts each batch into per-process slices (split_batches), which needs a batch_size
-        train_loader = make_loader(datasets.pop("train"), args.batch_size, True, loader_seed, args.num_workers, batch_reads=False)
+        train_data = datasets.pop("train")
+        train_loader = make_loader(train_data, args.batch_size, True, loader_seed, args.num_workers, batch_reads=False)
         eval_loaders = {split: make_loader(data, args.batch_size, False, loader_seed, args.num_workers) for split, data in datasets.items()}
+        # the training targets once more, in order, for the trivial predictors' constants (training's loader stays untouched)
+        trivial_train_loader = make_loader(train_data, args.batch_size, False, loader_seed, args.num_workers)
         # the scheduler stays unprepared: it steps once per epoch, and it already holds the optimizer's parameter groups
         model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
         accelerator.wait_for_everyone()  # the main process has checked and claimed the folder
@@ -309,7 +313,7 @@ def train_locked(args: argparse.Namespace, accelerator: Accelerator) -> dict:
                        n_epochs=args.n_epochs, out_dir=args.out, run_signature=signature, select_split=select,
                        early_stopping_patience=args.early_stopping_patience or None, resume=args.resume, logger=logger,
                        progress=args.progress and main_process, tensorboard=args.tensorboard,
-                       plots=args.plots)
+                       plots=args.plots, trivial_train_loader=trivial_train_loader)
 
 
 def _silent_logger() -> logging.Logger:

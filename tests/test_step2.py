@@ -1,5 +1,6 @@
 """Step 2 (steps/train_centralized.py, train_centralized_task_model.py) end to end on tiny synthetic data, on the CPU."""
 
+import math
 import shutil
 
 import pandas as pd
@@ -10,7 +11,9 @@ import training.fit
 from datasets.cifar import select_cifar
 from datasets.digits import select_digits
 from datasets.family import get_family, list_families
+from losses import classification_loss, segmentation_loss
 from models import get_task, load_task_model
+from pipeline.run_results import trivial_losses
 from steps import train_centralized as step2
 from tests.fixtures import write_tiny_cifar
 from training.schedules import ScheduleConfig, learning_rates, list_schedulers
@@ -107,6 +110,10 @@ def test_short_run_lowers_validation_loss(family, task, views96, digits96, cifar
     pictures = {"curves.png", "loss.png", f"{metric}.png"}
     assert {path.name for path in out.glob("*.png")} == (pictures if plots else set())
     assert summary["best_val_loss"] == pytest.approx(losses.min())
+    # the trivial predictors' test losses: all zeros, and the training median (L1 losses) or class prior (cross-entropy)
+    trivial = trivial_losses(out / "metrics.csv")
+    constant = "prior" if get_task(task).loss_fn in (segmentation_loss, classification_loss) else "median"
+    assert set(trivial) == {"zero", constant} and all(math.isfinite(value) and value > 0 for value in trivial.values())
     assert load_checkpoint(out / "best.pt")["epoch"] == losses.idxmin() == summary["best_epoch"]
     model = load_task_model(out / "best.pt")
     assert model.config["task"] == task
@@ -294,7 +301,7 @@ def test_without_a_validation_part_nothing_is_selected_and_the_last_epoch_only_w
     summary = step2.main(argv(digits96[0], manifest, out, "digit_class", "--n_epochs", "4", "--last_epoch", "--no-plots"))
     assert summary["selected_on"] == "last" and summary["best_epoch"] == 4 and summary["epochs_done"] == 4
     assert load_checkpoint(out / "best.pt")["epoch"] == 4
-    assert set(pd.read_csv(out / "metrics.csv").split) == {"train", "test"}
+    assert set(pd.read_csv(out / "metrics.csv").split) == {"train", "test", "trivial_test"}  # no val, no trivial_val
     # what a report reads: the last epoch's test metrics, and that no split chose them
     assert selected_test_metrics(out / "metrics.csv") == {"epoch": 4, "selected_on": "last", "loss": 1.9, "top1": 0.5}
 

@@ -2,8 +2,10 @@
 (mixed precision, and data-parallel processes under ``accelerate launch``; see :func:`fit`).
 
 It writes ``metrics.csv`` (long format ``epoch, split, metric, value``; epoch 0 is the untrained model; one
-set of rows per evaluated split, ``val`` and ``test`` or ``test`` alone), ``best.pt`` (the first epoch of the
-lowest loss on the selection split, the untrained epoch 0 included: a later equal loss does not replace it), ``last.pt`` (every epoch, atomically), ``curves.png`` (every
+set of rows per evaluated split, ``val`` and ``test`` or ``test`` alone; and once, at epoch 0, each trivial
+predictor's loss on each evaluated split: split ``trivial_<split>``, metric ``<predictor>_loss``, see :func:`fit`),
+``best.pt`` (the first epoch of the lowest loss on the selection split, the untrained epoch 0 included: a later
+equal loss does not replace it), ``last.pt`` (every epoch, atomically), ``curves.png`` (every
 metric) and ``loss.png`` / ``<primary metric>.png`` (one metric, every split). ``last.pt`` holds the
 model, optimizer, scheduler, epoch, early-stopping counters and the training
 loader's RNG state, so a resumed run ends bit-identical to an uninterrupted one
@@ -14,6 +16,7 @@ out and name it by source and hash (:mod:`models.frozen_encoder`); reading them 
 
 from __future__ import annotations
 
+import csv
 import logging
 import math
 from pathlib import Path
@@ -26,8 +29,8 @@ from tqdm import tqdm
 
 from models.frozen_encoder import FrozenEncoder, frozen_encoder_of, load_full_checkpoint, strip_frozen_encoder
 from models.tasks import TaskSpec
-from training.loop import (LAST_EPOCH, METRICS_COLUMNS, TEST_SPLIT, TRAIN_SPLIT, VAL_SPLIT, evaluate, task_spec,
-                           train_one_batch)
+from training.loop import (LAST_EPOCH, METRICS_COLUMNS, TEST_SPLIT, TRAIN_SPLIT, TRIVIAL_METRIC_SUFFIX,
+                           TRIVIAL_SPLIT_PREFIX, VAL_SPLIT, evaluate, task_spec, train_one_batch, trivial_losses)
 from utils.errors import NonFiniteLossError, TaskHetError
 from utils.interrupts import RESUME_HINT, interrupted
 from utils.progress import Pace
@@ -71,7 +74,7 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
         accelerator: Accelerator, *, input_key: str, n_epochs: int, out_dir: Path, run_signature: dict,
         select_split: str = VAL_SPLIT, early_stopping_patience: int | None = None, resume: bool = True,
         logger: logging.Logger | None = None, progress: bool = True, tensorboard: bool = False,
-        plots: bool = True) -> dict:
+        plots: bool = True, trivial_train_loader: DataLoader | None = None) -> dict:
     """Train ``n_epochs`` epochs (or until early stopping), evaluating every split and checkpointing after each.
 
     Under ``accelerate launch`` every process runs this function: each trains on its slice of every
@@ -108,6 +111,12 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
         progress: draw the epoch and evaluation bars.
         tensorboard: also write metrics.csv's rows as TensorBoard scalars under ``out_dir/tensorboard``.
         plots: draw curves.png, loss.png and <metric>.png at the end (off: metrics.csv alone).
+        trivial_train_loader: the training split's batches, unshuffled and not prepared, whose targets give the
+            constants of the trivial predictors (:func:`training.loop.trivial_predictors`: all zeros, and the best
+            constant under the task's loss); before the first epoch the main process writes their loss on every
+            split of ``eval_loaders`` to metrics.csv (epoch 0, split ``trivial_test``, metric ``zero_loss``, ...), once:
+            a resumed run whose metrics.csv has them computes nothing, one made before they existed gets them. None:
+            no such rows.
 
     Returns:
         ``{"best_epoch", "best_val_loss" (the ``select_split`` loss of best.pt), "selected_on" (``select_split``),
@@ -151,6 +160,10 @@ def fit(model: nn.Module, task: TaskSpec | str, train_loader: DataLoader, eval_l
         metrics_csv.write(_rows(0, initial))
         _track_best(run, 0, initial.get(select_split), state, best_path)
         logger.info("epoch 0 (untrained): %s", _format_splits(initial))
+    if run.main and trivial_train_loader is not None and not _has_trivial_rows(csv_path):
+        trivial = trivial_losses(spec, trivial_train_loader, eval_loaders, _output_channels(run.module), accelerator.device)
+        metrics_csv.write(_trivial_rows(trivial))
+        logger.info("trivial predictors (no model): %s", _format_splits(trivial))
 
     pace = Pace(state["epoch"], n_epochs)
     saved = state["epoch"] if last_path.is_file() else None  # the epoch of last.pt, once there is one
@@ -273,6 +286,26 @@ def _evaluate_all(model: nn.Module, loaders: dict[str, DataLoader], spec: TaskSp
 def _rows(epoch: int, evaluated: dict[str, dict[str, float]]) -> list[dict]:
     return [{"epoch": epoch, "split": split, "metric": key, "value": value}
             for split, values in evaluated.items() for key, value in values.items()]
+
+
+def _trivial_rows(trivial: dict[str, dict[str, float]]) -> list[dict]:
+    """metrics.csv's rows of :func:`training.loop.trivial_losses`'s ``{split: {predictor: loss}}``."""
+    return [{"epoch": 0, "split": TRIVIAL_SPLIT_PREFIX + split, "metric": name + TRIVIAL_METRIC_SUFFIX, "value": value}
+            for split, values in trivial.items() for name, value in values.items()]
+
+
+def _has_trivial_rows(csv_path: Path) -> bool:
+    """Whether metrics.csv already holds trivial predictors' rows (a resumed run's, written when it started)."""
+    if not csv_path.is_file():
+        return False
+    with csv_path.open(newline="") as handle:
+        return any(row["split"].startswith(TRIVIAL_SPLIT_PREFIX) for row in csv.DictReader(handle))
+
+
+def _output_channels(model: nn.Module) -> int:
+    """The channels of a :class:`models.TaskModel`'s output: its head's (a 1×1 convolution, or a linear layer)."""
+    head = model.head
+    return head.out_channels if isinstance(head, nn.Conv2d) else head.out_features
 
 
 def _plot(csv_path: Path, out_dir: Path, spec: TaskSpec) -> None:

@@ -4,7 +4,8 @@
 with ``network.local_train.local_train``, which takes FedProx's extra loss and
 SCAFFOLD's gradient hook); ``evaluate`` is every step's evaluation of a split (step 2's
 epochs, step 4's rounds); ``make_loader`` gives every step a loader whose order has its own
-generator. Step 2's epoch loop with its run folder and checkpoints is :mod:`training.fit`.
+generator; ``trivial_predictors`` and ``constant_loss`` are the loss of a model that learned nothing (step 2
+writes them beside its curves). Step 2's epoch loop with its run folder and checkpoints is :mod:`training.fit`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
 from tqdm import tqdm
 
+import losses
 from datasets.batch_reads import batch_reader
+from datasets.taskonomy_domains import SEGMENT_IGNORE_INDEX
 from models.tasks import TaskSpec, get_task
 from utils.device import autocast, to_device
 from utils.errors import TaskHetError
@@ -33,6 +36,18 @@ TRAIN_SPLIT, VAL_SPLIT, TEST_SPLIT = "train", "val", "test"
 # What "selected" best.pt when no split did: data without validation rows keeps the last epoch (step 2's
 # --last_epoch); the test split never selects.
 LAST_EPOCH = "last"
+# The trivial predictors' constants (trivial_predictors): "zero" is every output 0; "median" the training targets'
+# median per channel (the L1 losses); "prior" the log of the training classes' frequencies (the cross-entropies).
+ZERO, MEDIAN, PRIOR = "zero", "median", "prior"
+# Step 2's metrics.csv holds their losses as rows (epoch 0, split "trivial_<split>", metric "<predictor>_loss"): a
+# split of their own, so that no reader of a split's metrics at an epoch (training.selection) takes them for the model's.
+TRIVIAL_SPLIT_PREFIX, TRIVIAL_METRIC_SUFFIX = "trivial_", "_loss"
+# The losses whose targets are class ids (the prediction has one more dimension: the classes' logits).
+CLASS_ID_LOSSES = (losses.segmentation_loss, losses.classification_loss)
+# The training values the median of a channel is taken over: every valid one up to this count (1024 maps of 64×64
+# pixels, 83 of 224×224; 16 MiB), beyond it every 2nd, then every 4th, ... value in loader order (a regular thinning:
+# the median is then approximate, the loss of the constant still exact).
+MEDIAN_VALUES = 2 ** 22
 
 
 def task_spec(task: TaskSpec | str) -> TaskSpec:
@@ -141,3 +156,99 @@ def evaluate(model: nn.Module, loader: DataLoader, task: TaskSpec | str, device:
     if count == 0:
         raise TaskHetError("evaluation split is empty: the manifest has no samples in it")
     return {"loss": loss_sum / count, **metrics.compute()}
+
+
+def trivial_predictors(task: TaskSpec | str, train_loader: DataLoader, channels: int,
+                       device: torch.device) -> dict[str, torch.Tensor]:
+    """The constants of the trivial predictors of ``task``, from one pass over the training targets, no model.
+
+    Each is one value per output channel (``[channels]``), predicted at every pixel (or for every sample) whatever
+    the input: :func:`constant_loss` gives its loss. ``zero``: every output 0 (for class logits: the uniform
+    distribution, loss ln K). The second is the best constant under the task's own loss, over the same valid
+    targets that loss reads (``batch["mask"]``; segmentation also drops ``SEGMENT_IGNORE_INDEX``):
+
+    * L1 (``losses.dense_l1_loss``: depth, edges, keypoints, ...): ``median``, the median per channel of the
+      valid training targets, which minimises their mean absolute error (the mean would minimise a squared error,
+      which no task trains on). On keypoints2d, whose maps are mostly 0, it is 0 as well. The median of an even
+      count is the lower middle value (any value between the two middles is as good).
+    * L1 plus angle (``losses.normal_loss``): ``median`` too; it minimises the L1 part only, so the best constant
+      may score a little lower (the report then sees a trivial loss no better than the true best's).
+    * cross-entropy (``losses.segmentation_loss``, ``losses.classification_loss``): ``prior``, the logits
+      ``log((n_c + 1) / (n + channels))`` of the training classes' counts ``n_c``: the class prior, add-one
+      smoothed so that a class absent from training has a finite loss.
+    * any other loss: ``zero`` alone.
+
+    Args:
+        task: the task (spec or name).
+        train_loader: the training split's batches (any order; never a loader accelerate prepared, whose order
+            and slices belong to training).
+        channels: the model's output channels (``C`` of a dense map, ``K`` classes of a classifier).
+        device: where the batches go (the model's device: the targets are compared where evaluation compares them).
+    """
+    spec = task_spec(task)
+    predictors = {ZERO: torch.zeros(channels)}
+    if spec.loss_fn in (losses.dense_l1_loss, losses.normal_loss):
+        predictors[MEDIAN] = _median_per_channel(spec, train_loader, channels, device)
+    elif spec.loss_fn in CLASS_ID_LOSSES:
+        counts = torch.zeros(channels, dtype=torch.float64)
+        for batch in train_loader:
+            batch = to_device(batch, device)
+            target = batch[spec.domain]
+            if spec.loss_fn is losses.segmentation_loss:  # the pixels segmentation_loss reads
+                target = target[losses.valid_pixels(batch, target.unsqueeze(1))[:, 0] & (target != SEGMENT_IGNORE_INDEX)]
+            counts += torch.bincount(target.reshape(-1).cpu(), minlength=channels)[:channels].double()
+        predictors[PRIOR] = torch.log((counts + 1.0) / (counts.sum() + channels)).float()
+    return predictors
+
+
+def _median_per_channel(spec: TaskSpec, loader: DataLoader, channels: int, device: torch.device) -> torch.Tensor:
+    """The lower median per channel of the valid float targets ``[B, C, H, W]`` (see :data:`MEDIAN_VALUES`)."""
+    kept: list[list[torch.Tensor]] = [[] for _ in range(channels)]
+    step = 1  # every step-th valid value of each batch is kept
+    for batch in loader:
+        batch = to_device(batch, device)
+        target = batch[spec.domain].float()
+        valid = losses.valid_pixels(batch, target)
+        for channel in range(channels):
+            kept[channel].append(target[:, channel][valid[:, channel]][::step].cpu())
+        while sum(len(values) for values in kept[0]) > MEDIAN_VALUES:
+            kept = [[torch.cat(values)[::2]] for values in kept]
+            step *= 2
+    return torch.stack([torch.cat(values).median() if sum(map(len, values)) else torch.tensor(0.0)
+                        for values in kept])
+
+
+@torch.inference_mode()
+def constant_loss(task: TaskSpec | str, constant: torch.Tensor, loader: DataLoader, device: torch.device) -> float:
+    """The loss over a whole split of predicting ``constant`` (one value per output channel) everywhere.
+
+    The same loss and average as :func:`evaluate`'s: the task's loss per batch (its mask and ignored values
+    included), weighted by the batch size. A dense target ``[B, C, H, W]`` gets ``constant`` along its channels;
+    class ids (``[B, H, W]`` or ``[B]``, the cross-entropies' targets) get logits ``[B, C, H, W]`` or ``[B, C]``.
+    """
+    spec = task_spec(task)
+    loss_sum, count = 0.0, 0
+    for batch in loader:
+        batch = to_device(batch, device)
+        target = batch[spec.domain]
+        if spec.loss_fn in CLASS_ID_LOSSES:
+            shape = (target.shape[0], len(constant), *target.shape[1:])
+        else:
+            shape = target.shape
+        view = [1] * len(shape)
+        view[1] = len(constant)
+        prediction = constant.to(device).view(view).expand(shape)
+        size = shape[0]
+        loss_sum += float(spec.loss(prediction, batch)) * size
+        count += size
+    if count == 0:
+        raise TaskHetError("evaluation split is empty: the manifest has no samples in it")
+    return loss_sum / count
+
+
+def trivial_losses(task: TaskSpec | str, train_loader: DataLoader, loaders: dict[str, DataLoader], channels: int,
+                   device: torch.device) -> dict[str, dict[str, float]]:
+    """Split -> predictor (:func:`trivial_predictors`) -> its loss on that split (:func:`constant_loss`)."""
+    predictors = trivial_predictors(task, train_loader, channels, device)
+    return {split: {name: constant_loss(task, constant, loader, device) for name, constant in predictors.items()}
+            for split, loader in loaders.items()}
