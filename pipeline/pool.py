@@ -30,6 +30,8 @@ from utils.errors import TaskHetError
 from utils.interrupts import WorkerStopped, stages_message, stop_workers, stoppable_worker
 from utils.parent_death import die_with_parent
 from utils.run_dir import atomic_write_text
+
+STEP2 = "steps.train_centralized"  # by name: importing step 2 here would load accelerate into every pool's fork server
 from utils.stages import run_stage
 
 PLACEMENT_FILE = "placement.json"  # where and when a pooled stage ran: host, pid, visible GPUs, Ray node
@@ -48,9 +50,19 @@ class PoolStage:
 
 
 def stage_counts(stages: list[PoolStage]) -> str:
-    """What ``stages`` hold, e.g. ``step 3c: 48 readings; step 4: 216 runs``."""
+    """What ``stages`` hold, e.g. ``step 3c: 48 readings; step 4: 216 runs`` (``step 2: 4 models`` first, where
+    the pool trains centralized models)."""
+    models = sum(stage.script == STEP2 for stage in stages)
     readings = sum(stage.script == step3c.__name__ for stage in stages)
-    return "; ".join(([f"step 3c: {readings} readings"] if readings else []) + [f"step 4: {len(stages) - readings} runs"])
+    runs = len(stages) - models - readings
+    parts = [f"step 2: {_counted(models, 'model')}"] if models else []
+    parts += [f"step 3c: {_counted(readings, 'reading')}"] if readings else []
+    parts += [f"step 4: {_counted(runs, 'run')}"] if runs or not parts else []
+    return "; ".join(parts)
+
+
+def _counted(number: int, noun: str) -> str:
+    return f"{number} {noun}" + ("" if number == 1 else "s")
 
 
 def worker_devices(jobs: int, visible: list[str]) -> list[str]:

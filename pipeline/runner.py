@@ -171,15 +171,22 @@ class Pipeline:
         return stage_dir / "manifest.csv"
 
     def centralized(self, task: str, root: Path, manifest: Path, seed: int | None = None) -> Path:
-        """Step 2 for ``task`` with ``seed`` (default: the experiment's first seed)."""
+        """Step 2 for ``task`` with ``seed`` (default: the experiment's first seed), in this process."""
+        stage = self.centralized_stage(task, root, manifest, seed)
+        self.step(stage.name, stage.stage_dir, stage.params, step2, stage.argv)
+        return stage.stage_dir
+
+    def centralized_stage(self, task: str, root: Path, manifest: Path, seed: int | None = None) -> PoolStage:
+        """Step 2's stage for ``task`` with ``seed`` (default: the experiment's first seed), to run here
+        (:meth:`centralized`) or in the pool beside other seeds' (:meth:`run_pooled`)."""
         params = {
             "task": task, "data_path": str(root), "manifest": str(manifest),
             "seed": self.config["seeds"][0] if seed is None else seed,
             "use_accelerator": self.config["use_accelerator"], **self.config["model"], **self.config["centralized"],
         }
         stage_dir = self.out_dir / "centralized" / f"{task}-{stage_key(params, [manifest], self.out_dir)}"
-        self.step(f"step 2: train {task}", stage_dir, params, step2, ["--out", str(stage_dir), *flags(params)])
-        return stage_dir
+        name = f"step 2: train {task}" + ("" if seed is None else f" seed {params['seed']}")
+        return PoolStage(name, stage_dir, params, ["--out", str(stage_dir), *flags(params)], script=step2.__name__)
 
     def meter_stage(self, label: str, stage_prefix: Path, root: Path, manifest: Path, assignments: Path,
                     model_dir: Path) -> PoolStage:
@@ -194,7 +201,7 @@ class Pipeline:
                          script=step3c.__name__)
 
     def run_pooled(self, stages: list[PoolStage]) -> None:
-        """Every step-3c reading and step-4 run: here one after another, or through the executor (``jobs`` local
+        """Pooled stages (step-2 models of a study's later seeds, step-3c readings, step-4 runs): here one after another, or through the executor (``jobs`` local
         worker processes, or Ray tasks; pipeline/executors.py), with a ``run k of N`` line and its ETA per finished
         stage either way (:class:`pipeline.executors.GridProgress`).
 

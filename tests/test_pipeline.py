@@ -208,7 +208,25 @@ def test_verdicts_do_not_depend_on_the_thread_count(tmp_path):
         torch.set_num_threads(previous)
     assert list(reports[1].verdict) == list(reports[2].verdict)
     assert list(answers[1].verdict) == list(answers[2].verdict) and len(answers[1]) > 0  # the paper's table too
+    assert_every_seed_draws_its_own_reference_and_clusters(tmp_path / "threads1" / "tiny", seeds=[0, 1, 2])
     assert (reports[1].gap_percent - reports[2].gap_percent).abs().max() < 1.0  # percentage points
+
+
+def assert_every_seed_draws_its_own_reference_and_clusters(out: Path, seeds: list[int]) -> None:
+    """One step-2 model and one clustering per seed, and each seed's embedding-based partitions built from the
+    clusters of that seed's model (so the intervals over seeds cover the centralized model and KMeans too)."""
+    def args(folder: Path) -> dict:
+        return json.loads((folder / "config.json").read_text())["args"]
+
+    models = {args(folder)["seed"]: folder for folder in (out / "centralized").iterdir()}
+    clusters = {args(folder)["seed"]: folder for folder in (out / "embeddings").iterdir()}
+    assert sorted(models) == sorted(clusters) == seeds
+    for seed, folder in clusters.items():
+        assert Path(args(folder)["checkpoint"]) == models[seed] / "best.pt"
+    partitions = [folder for folder in (out / "assignments").rglob("embedding_based-*") if folder.is_dir()]
+    assert partitions
+    for folder in partitions:
+        assert Path(args(folder)["groups"]).parent == clusters[args(folder)["seed"]]
 
 
 @pytest.mark.slow
@@ -291,7 +309,8 @@ def test_embeddings_allow_untrained_reaches_step_3_as_a_flag_not_a_stage_key(tmp
         config["embeddings"]["allow_untrained"] = allowed
         job = MainJob(Pipeline(load_experiment(write_experiment(tmp_path, config)), tmp_path / "results", "c"))
         job.pipeline.step = lambda name, stage_dir, params, script, argv: (stage_dir, params, argv)
-        called[allowed] = job.clusters("depth_euclidean", tmp_path / "data", tmp_path / "manifest.csv", tmp_path / "s2")
+        called[allowed] = job.clusters("depth_euclidean", 0, tmp_path / "data", tmp_path / "manifest.csv",
+                                       tmp_path / "s2")
     (off_dir, off_params, off_argv), (on_dir, on_params, on_argv) = called[False], called[True]
     assert (on_dir, on_params) == (off_dir, off_params) and "allow_untrained" not in on_params
     assert "--allow_untrained" not in off_argv and on_argv == [*off_argv, "--allow_untrained"]

@@ -331,3 +331,52 @@ def test_a_direction_needs_half_the_cells_decided_and_two_thirds_of_those_agreei
     assert sentences[0].startswith(f"**normal**: {headline}: ")
     assert sentences[-1].startswith(f"Overall the paper's claim (embedding-based partitions give a larger federated "
                                     f"loss) {overall}")
+
+
+def _heatmaps(tmp_path, tasks: list[str]) -> dict:
+    import matplotlib.pyplot as plt
+
+    plt.imsave(tmp_path / "heatmap.png", np.eye(4))
+    return {(task, grouping, 0.1): tmp_path / "heatmap.png" for task in tasks for grouping in ("label_based", "embedding_based")}
+
+
+def _learning_runs(task: str, label: list[float], embedding: list[float], iid: list[float]) -> pd.DataFrame:
+    rows = [dict(task=task, grouping=grouping, alpha=alpha, algorithm="fedavg", seed=seed, loss=loss, metric="l1",
+                 metric_value=loss)
+            for grouping, alpha, losses in (("label_based", 0.1, label), ("embedding_based", 0.1, embedding),
+                                            ("iid", np.inf, iid))  # the pipeline gives iid runs α = inf
+            for seed, loss in enumerate(losses)]
+    return pd.DataFrame(rows)
+
+
+def test_trivial_predictors_are_in_report_csv_and_a_task_that_does_not_beat_them_leaves_the_headline(tmp_path):
+    # edges: centralized 0.02 against all zeros 0.1 / median 0.08 (75% below the better): learned.
+    # keypoints: centralized 0.0054 against zeros 0.005629 / median 0.005629: 4.07% below, short of the 5% margin.
+    finals = pd.concat([_learning_runs("edge_texture", [1.0, 2.0, 3.0], [1.2, 2.4, 3.3], [0.021, 0.022, 0.020]),
+                        _learning_runs("keypoints2d", [1.0, 2.0, 3.0], [1.2, 2.4, 3.3], [0.0050, 0.0051, 0.0052])])
+    trivial = {"edge_texture": {"zero": 0.1, "median": 0.08}, "keypoints2d": {"zero": 0.005629, "median": 0.005629}}
+    out = tmp_path / "report"
+    write_report(out, finals, finals.assign(round=3), {"edge_texture": 0.02, "keypoints2d": 0.0054},
+                 {"edge_texture": {"nmi": 0.2, "ari": 0.1}, "keypoints2d": {"nmi": 0.2, "ari": 0.1}},
+                 _heatmaps(tmp_path, ["edge_texture", "keypoints2d"]), "python run_pipeline.py x.yaml", trivial=trivial)
+    report = pd.read_csv(out / "report.csv").set_index("task")
+    assert report.loc["edge_texture", "trivial_zero_loss"] == 0.1
+    assert report.loc["edge_texture", "trivial_constant_loss"] == 0.08
+    assert report.loc["keypoints2d", "trivial_zero_loss"] == report.loc["keypoints2d", "trivial_constant_loss"] == 0.005629
+    answer = pd.read_csv(out / "report_paper.csv").set_index("task")
+    assert answer.loc["edge_texture", "role"] == "headline"
+    assert answer.loc["keypoints2d", "role"].startswith("did not learn: centralized 0.0054 (-4.1%) is not 5% below")
+    text = (out / "report.md").read_text()
+    assert "Global models, 1 row:" in text and "keypoints2d did not learn and is not counted" in text
+    assert "| keypoints2d | 0.0054 | 0.005629 | training median 0.005629 | **no**: centralized 0.0054" in text
+    assert "| edge_texture | 0.02 | 0.1 | training median 0.08 | yes |" in text
+
+
+def test_a_run_without_trivial_rows_claims_nothing_about_learning(tmp_path):
+    finals = _learning_runs("edge_texture", [1.0, 2.0, 3.0], [1.2, 2.4, 3.3], [0.5, 0.5, 0.5])
+    out = tmp_path / "report"
+    write_report(out, finals, finals.assign(round=3), {"edge_texture": 0.02}, {"edge_texture": {"nmi": 0.2, "ari": 0.1}},
+                 _heatmaps(tmp_path, ["edge_texture"]), "c")
+    assert pd.read_csv(out / "report.csv").trivial_zero_loss.isna().all()
+    assert pd.read_csv(out / "report_paper.csv").role.item() == "headline"
+    assert "| edge_texture | 0.02 | – | – | not measured |" in (out / "report.md").read_text()

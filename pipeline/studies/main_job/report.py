@@ -40,9 +40,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from partitioning.groupings import EMBEDDING_BASED, LABEL_BASED
+from partitioning.groupings import EMBEDDING_BASED, IID_REFERENCE, LABEL_BASED
 from pipeline.studies.main_job.iid import iid_clause, iid_section, iid_table
-from pipeline.studies.main_job.paper import headline_sentence, paper_markdown, paper_table
+from pipeline.studies.main_job.learned import LEARN_MARGIN, TRIVIAL_NAMES, did_not_learn
+from pipeline.studies.main_job.paper import VERDICT_NOTE, headline_sentence, paper_markdown, paper_table
 from pipeline.studies.main_job.plots import (MIN_CURVE_ROUNDS, evaluated_rounds, plot_agreement, plot_heatmaps,
                                             plot_loss_vs_alpha, plot_round_curves)
 from utils.statistics import (CONTAINS_ZERO, TOO_FEW, ZERO_VARIANCE, Counts, adjusted_decided, direction,
@@ -54,7 +55,7 @@ REPORT_COLUMNS = [
     "task", "algorithm", "alpha", "metric",
     "label_loss_mean", "label_loss_std", "embedding_loss_mean", "embedding_loss_std",
     "label_metric_mean", "label_metric_std", "embedding_metric_mean", "embedding_metric_std",
-    "centralized_loss", "gap_percent", "diff_mean", "diff_ci_low", "diff_ci_high", "p_value", "verdict", "reason",
+    "centralized_loss", "trivial_zero_loss", "trivial_constant_loss", "gap_percent", "diff_mean", "diff_ci_low", "diff_ci_high", "p_value", "verdict", "reason",
     "decided_after_bh", "n_seeds",
 ]
 EMBEDDING_WORSE, LABEL_WORSE = "embedding worse", "label worse"
@@ -72,8 +73,11 @@ def results_finals(finals: pd.DataFrame) -> pd.DataFrame:
     return results
 
 
-def gap_table(finals: pd.DataFrame, centralized: dict[str, float]) -> pd.DataFrame:
-    """Per task × algorithm × α: mean ± std over seeds of each side, and the paired embedding − label difference."""
+def gap_table(finals: pd.DataFrame, centralized: dict[str, float],
+              trivial: dict[str, dict[str, float]] | None = None) -> pd.DataFrame:
+    """Per task × algorithm × α: mean ± std over seeds of each side, the paired embedding − label difference, and the
+    task's trivial predictors on the test split (``trivial``: task -> {"zero": loss, "median" or "prior": loss};
+    NaN where step 2 wrote none)."""
     finals = finals[finals.grouping.isin([LABEL_BASED, EMBEDDING_BASED])]
     stats = (
         finals.groupby(KEYS + ["metric", "grouping"])
@@ -92,6 +96,9 @@ def gap_table(finals: pd.DataFrame, centralized: dict[str, float]) -> pd.DataFra
                 renamed[f"{quantity}_{stat}_{side}"] = f"{side}_{quantity}_{stat}"
     table = table.rename(columns=renamed)
     table["centralized_loss"] = table.task.map(centralized).astype(float)
+    trivial = trivial or {}
+    table["trivial_zero_loss"] = table.task.map(lambda task: trivial.get(task, {}).get("zero", np.nan)).astype(float)
+    table["trivial_constant_loss"] = table.task.map(lambda task: best_constant(trivial.get(task, {}))).astype(float)
     cells = [(group, _paired(group)) for _, group in finals.groupby(KEYS)]
     kept = adjusted_decided([difference for _, difference in cells])  # over every cell of the report
     paired = pd.DataFrame([_paired_row(group, difference, keep) for (group, difference), keep in zip(cells, kept)])
@@ -219,6 +226,16 @@ def _interval_text(mean: float, low: float, high: float) -> str:
     return f"{mean:+.4f} [{low:+.4f}, {high:+.4f}]"
 
 
+IID_NOTE = ("*iid check*: under an iid partition the same algorithm ends within 10% of the centralized loss either way "
+            "(yes: its whole interval; mean only: its mean), i.e. it trained enough to compare partitions; no: more "
+            "than 10% above; reference under-trained: more than 10% below, so the centralized model is no mark.")
+RANDOMNESS_NOTE = (
+    "*What the intervals cover*: each seed draws its own centralized model (initialisation and data order), its own "
+    "KMeans start on that model's embeddings, its own partitions and its own federated runs (initial model, client "
+    "sampling, batches), so the intervals over seeds cover every random choice the comparison depends on except the "
+    "data itself: the rendered scenes and their train/validation/test split are fixed by the experiment file.")
+
+
 def selection_note(selected_on: dict[str, str]) -> str:
     """What chose every number of the report: the federated runs' last round, and the centralized reference's epoch."""
     on_last = sorted(task for task, split in selected_on.items() if split != "val")
@@ -251,6 +268,40 @@ def round_curves(curves: pd.DataFrame, path: Path) -> list[str]:
     return lines
 
 
+def best_constant(trivial: dict[str, float]) -> float:
+    """The loss of the best constant predictor step 2 measured (training median or class prior; NaN if none)."""
+    constants = [loss for name, loss in trivial.items() if name != "zero"]
+    return min(constants) if constants else np.nan
+
+
+def learning_failures(finals: pd.DataFrame, centralized: dict[str, float],
+                      trivial: dict[str, dict[str, float]]) -> dict[str, str]:
+    """Task -> why it did not learn (:func:`pipeline.studies.main_job.learned.did_not_learn`), for the tasks whose
+    centralized model or whose iid federated global models do not beat the better trivial predictor by the margin."""
+    iid = finals[(finals.grouping == IID_REFERENCE) & (finals.model == "global")]
+    failures = {}
+    for task, reference in centralized.items():
+        losses = list(iid[iid.task == task].loss)
+        reason = did_not_learn(reference, losses or None, trivial.get(task, {}))
+        if reason:
+            failures[task] = reason
+    return failures
+
+
+def trivial_markdown(centralized: dict[str, float], trivial: dict[str, dict[str, float]],
+                     failures: dict[str, str]) -> str:
+    """Per task: the centralized reference beside the trivial predictors' test losses, and whether the task learned."""
+    lines = ["| task | centralized (mean over seeds) | all zeros | best constant | learned? |", "|---|---|---|---|---|"]
+    for task in sorted(centralized):
+        losses = trivial.get(task, {})
+        constant = " / ".join(f"{TRIVIAL_NAMES.get(name, name)} {loss:.4g}" for name, loss in losses.items()
+                              if name != "zero") or "–"
+        zero = f"{losses['zero']:.4g}" if "zero" in losses else "–"
+        verdict = f"**no**: {failures[task]}" if task in failures else ("yes" if losses else "not measured")
+        lines.append(f"| {task} | {centralized[task]:.4g} | {zero} | {constant} | {verdict} |")
+    return "\n".join(lines)
+
+
 def rounds_text(values: list[int]) -> str:
     """``round 3 only`` or ``rounds 0 and 22 only``: the few evaluated rounds of a task left out of the curves."""
     if len(values) == 1:
@@ -269,6 +320,7 @@ def write_report(
     meters: pd.DataFrame | None = None,
     selected_on: dict[str, str] | None = None,
     distances: pd.DataFrame | None = None,
+    trivial: dict[str, dict[str, float]] | None = None,
 ) -> pd.DataFrame:
     """Write report.csv, report_paper.csv, report.md and the PNG plots into ``out_dir``; returns the gap table.
 
@@ -282,9 +334,11 @@ def write_report(
     out_dir.mkdir(parents=True, exist_ok=True)
     personal = personal_gap_table(finals)
     finals = results_finals(finals)
-    table = gap_table(finals, centralized)
+    trivial = trivial or {}
+    table = gap_table(finals, centralized, trivial)
     iid = iid_table(finals, centralized)
-    answer = paper_table(finals, iid)
+    failures = learning_failures(finals, centralized, trivial)
+    answer = paper_table(finals, iid, did_not_learn=failures)
     meter = meter_table(meters if meters is not None else pd.DataFrame())
     spread = distance_table(distances if distances is not None else pd.DataFrame())
     plot_loss_vs_alpha(finals, out_dir / "loss_vs_alpha.png")
@@ -297,7 +351,12 @@ def write_report(
         sentences.insert(-1, meter_sentence(meter, table))
     if not spread.empty:
         sentences.insert(-1, understatement_sentence(spread))
-    sections = iid_section(iid)
+    sections = ["## Trivial predictors", "",
+                "Each task's test loss under two predictors that look at no image: the all-zero map and the best "
+                "constant of the training targets (step 2 measures both with the task's own loss and masks). A task "
+                f"whose centralized model or whose iid federated global models do not end at least {LEARN_MARGIN:g}% "
+                "below the better of the two did not learn, and its rows are kept out of the headline.", "",
+                trivial_markdown(centralized, trivial, failures), ""] + iid_section(iid)
     if not meter.empty:
         sections += ["## Heterogeneity meter", "",
                      "Gradient dissimilarity G² = Σ_k p_k ‖∇F_k − ∇F‖² and FedProx's B² = Σ_k p_k ‖∇F_k‖² / ‖∇F‖² "
@@ -333,11 +392,10 @@ def write_report(
         "",
         "*TaskHet*: the relative change of the final loss, embedding- vs label-based, paired by seed and α, mean over "
         "seeds of each seed's mean over α, with the 95% t interval over seeds. *trend in α*: each seed's slope of that "
-        "change against log10 α, tested over seeds (the paper: the change grows as α falls). *verdict*: reproduced "
-        "when the change is decided above 0, not reproduced when decided below 0, undecided otherwise (at least 3 seeds, "
-        "nonzero variance, an interval excluding 0). *iid check*: under an iid partition the same algorithm ends within "
-        "10% of the centralized loss (yes / mean only / no), i.e. it trained enough to compare partitions. "
-        + selection_note(selected_on or {}),
+        "change against log10 α, tested over seeds (the paper: the change grows as α falls). " + VERDICT_NOTE
+        + " " + IID_NOTE + " " + selection_note(selected_on or {}),
+        "",
+        RANDOMNESS_NOTE,
         "",
         f"Produced by `{command}`. Losses are the final global model's loss on the global test split{_personal_note(finals)}, "
         "mean ± std over seeds; gap % = (embedding − label) / label, from the seeds run under both partitions; "

@@ -21,7 +21,8 @@ from network.run_outputs import METRICS_COLUMNS
 from partitioning.groupings import EMBEDDING_BASED, GROUPINGS, IID_REFERENCE
 from pipeline.argv import flags
 from pipeline.pool import PoolStage
-from pipeline.run_results import centralized_reference, final_personal_loss, global_test_history, personal_test_history
+from pipeline.run_results import (centralized_reference, final_personal_loss, global_test_history, personal_test_history,
+                                  trivial_losses)
 from pipeline.runner import Pipeline
 from pipeline.studies.main_job.config import (Combination, assignment_params, combinations, federated_params,
                                               partition_key)
@@ -57,15 +58,21 @@ class MainJob:
         with pipeline.progress_bar(self.count_steps(runs), "pipeline") as pipeline.progress:
             root = pipeline.data_root()
             manifest = pipeline.manifest(root)
-            model_dirs = {task: pipeline.centralized(task, root, manifest) for task in self.config["tasks"]}
-            cluster_dirs = {task: self.clusters(task, root, manifest, model_dirs[task]) for task in self.config["tasks"]}
+            # Every seed draws its own centralized model (initialisation, data order) and its own KMeans start, so the
+            # intervals over seeds cover the whole chain that an embedding-based partition depends on, not only the
+            # Dirichlet draw and the federated run (a model shared by all seeds moved the answer with the CPU).
+            references = [(task, seed) for task in self.config["tasks"] for seed in self.config["seeds"]]
+            model_dirs = self.centralized_models(references, root, manifest)
+            cluster_dirs = {(task, seed): self.clusters(task, seed, root, manifest, model_dirs[task, seed])
+                            for task, seed in references}
             stages, meters = [], {}
             for combination in runs:
                 assignments = self.partition_for(combination, manifest, cluster_dirs)
                 measured = (combination.task, combination.grouping, combination.alpha, combination.seed)
+                model_dir = model_dirs[combination.task, combination.seed]
                 if measured in self.metered([combination]) and measured not in meters:
-                    meters[measured] = self.meter(*measured, root, manifest, assignments, model_dirs[combination.task])
-                stage = self.federated(combination, root, manifest, assignments, model_dirs[combination.task])
+                    meters[measured] = self.meter(*measured, root, manifest, assignments, model_dir)
+                stage = self.federated(combination, root, manifest, assignments, model_dir)
                 stages.append((combination, stage, assignments))
             pipeline.run_pooled([*meters.values(), *(stage for _, stage, _ in stages)])
         return self.report([(combination, stage.stage_dir, assignments) for combination, stage, assignments in stages],
@@ -75,7 +82,8 @@ class MainJob:
         """Steps the top-level bar counts: one per script call, each shared partition once."""
         n_partitions = len({partition_key(combination) for combination in runs})
         synthetic = self.config["data"]["source"] == "synthetic"
-        return synthetic + 1 + 2 * len(self.config["tasks"]) + n_partitions + len(self.metered(runs)) + len(runs)
+        references = len(self.config["tasks"]) * len(self.config["seeds"])  # step 2 and step 3 for each
+        return synthetic + 1 + 2 * references + n_partitions + len(self.metered(runs)) + len(runs)
 
     def metered(self, runs: list[Combination]) -> list[tuple]:
         """(task, grouping, α, seed) of every label/embedding partition step 3c measures (none when it is off)."""
@@ -84,17 +92,31 @@ class MainJob:
         return list(dict.fromkeys((c.task, c.grouping, c.alpha, c.seed) for c in runs if c.grouping in GROUPINGS))
 
     # ----- steps -----
-    def clusters(self, task: str, root: Path, manifest: Path, model_dir: Path) -> Path:
-        """Step 3: the embeddings of ``task``'s centralized model and their KMeans clusters."""
+    def centralized_models(self, references: list[tuple[str, int]], root: Path, manifest: Path) -> dict:
+        """Step 2 for every (task, seed): the first here, the rest in the pool, two or more at a time.
+
+        The first model fills the experiment's decoded-sample and feature caches alone; the others then only read
+        them (they train at once, where one after another they left the second core idle: 6 models of 40-60
+        epochs in the demo)."""
+        first, *rest = references
+        model_dirs = {first: self.pipeline.centralized(first[0], root, manifest, first[1])}
+        stages = {(task, seed): self.pipeline.centralized_stage(task, root, manifest, seed) for task, seed in rest}
+        if stages:
+            self.pipeline.run_pooled(list(stages.values()))
+        return {**model_dirs, **{key: stage.stage_dir for key, stage in stages.items()}}
+
+    def clusters(self, task: str, seed: int, root: Path, manifest: Path, model_dir: Path) -> Path:
+        """Step 3: the embeddings of ``task``'s centralized model of ``seed`` and their KMeans clusters (KMeans
+        started from ``seed``)."""
         embeddings = dict(self.config["embeddings"])
         # whether an untrained best.pt is refused changes no output: a flag outside the stage key
         allowed = ["--allow_untrained"] if embeddings.pop("allow_untrained") else []
         params = {
             "checkpoint": str(model_dir / "best.pt"), "manifest": str(manifest), "data_path": str(root),
-            "seed": self.config["seeds"][0], **embeddings,
+            "seed": seed, **embeddings,
         }
         stage_dir = self.out_dir / "embeddings" / f"{task}-{stage_key(params, [manifest, model_dir / 'best.pt'], self.out_dir)}"
-        return self.pipeline.step(f"step 3: embed + cluster {task}", stage_dir, params, step3,
+        return self.pipeline.step(f"step 3: embed + cluster {task} seed {seed}", stage_dir, params, step3,
                                   ["--out", str(stage_dir), *flags(params), *allowed])
 
     def partition_for(self, combination: Combination, manifest: Path, cluster_dirs: dict[str, Path]) -> Path:
@@ -103,7 +125,8 @@ class MainJob:
         if key not in self.partitions:
             owner, grouping, alpha, seed = key
             # Label-based and iid: no --groups, so step 3b uses the manifest's family's label column.
-            groups = str(cluster_dirs[combination.task] / "clusters.csv") if grouping == EMBEDDING_BASED else None
+            groups = (str(cluster_dirs[combination.task, seed] / "clusters.csv") if grouping == EMBEDDING_BASED
+                      else None)
             self.partitions[key] = self.assignments(owner, grouping, groups, alpha, seed, manifest)
         return self.partitions[key]
 
@@ -136,8 +159,8 @@ class MainJob:
         return PoolStage(f"step 4: {c.label()}", stage_dir, params, argv)
 
     # ----- the report -----
-    def report(self, runs: list[tuple[Combination, Path, Path]], model_dirs: dict[str, Path],
-               cluster_dirs: dict[str, Path], meters: dict[tuple, Path]) -> pd.DataFrame:
+    def report(self, runs: list[tuple[Combination, Path, Path]], model_dirs: dict[tuple[str, int], Path],
+               cluster_dirs: dict[tuple[str, int], Path], meters: dict[tuple, Path]) -> pd.DataFrame:
         """Read every finished run folder and write the gap report."""
         finals, curves, heatmaps, distances = [], [], {}, {}
         for combination, run_dir, assignments in runs:
@@ -159,19 +182,38 @@ class MainJob:
                 heatmaps[(combination.task, combination.grouping, combination.alpha)] = assignments / "client_group_heatmap.png"
             partition = (combination.task, combination.grouping, combination.alpha, combination.seed)
             if combination.grouping in GROUPINGS and partition not in distances:
-                distances[partition] = partition_distances_row(assignments, cluster_dirs[combination.task] / "clusters.csv")
-        references = {task: centralized_reference(model_dir / "metrics.csv") for task, model_dir in model_dirs.items()}
-        centralized = {task: loss for task, (loss, _) in references.items()}
-        agreement = {task: load_json(cluster_dir / "agreement.json", "step-3 agreement", finished=True)
-                     for task, cluster_dir in cluster_dirs.items()}
+                distances[partition] = partition_distances_row(
+                    assignments, cluster_dirs[combination.task, combination.seed] / "clusters.csv")
+        references = {key: centralized_reference(model_dir / "metrics.csv") for key, model_dir in model_dirs.items()}
+        per_seed_agreement = {key: load_json(cluster_dir / "agreement.json", "step-3 agreement", finished=True)
+                              for key, cluster_dir in cluster_dirs.items()}
+        centralized, selected_on, agreement = seed_means(references, per_seed_agreement)
+        # The trivial predictors see only the data, not the model: every seed's step 2 measures the same numbers.
+        first_seed = self.config["seeds"][0]
+        trivial = {task: trivial_losses(model_dirs[task, first_seed] / "metrics.csv") for task in centralized}
         meter_rows = [{"task": task, "grouping": grouping, "alpha": alpha, "seed": seed,
                        **load_json(stage_dir / METER_FILE, "step-3c meter", finished=True)}
                       for (task, grouping, alpha, seed), stage_dir in meters.items()]
         return write_report(self.out_dir, pd.DataFrame(finals), pd.DataFrame(curves), centralized, agreement,
-                            heatmaps, self.pipeline.command, pd.DataFrame(meter_rows),
-                            {task: split for task, (_, split) in references.items()},
+                            heatmaps, self.pipeline.command, pd.DataFrame(meter_rows), selected_on,
                             pd.DataFrame([{"task": task, "grouping": grouping, "alpha": alpha, "seed": seed, **row}
-                                          for (task, grouping, alpha, seed), row in distances.items()]))
+                                          for (task, grouping, alpha, seed), row in distances.items()]),
+                            trivial)
+
+
+def seed_means(references: dict[tuple[str, int], tuple[float, str]],
+               agreement: dict[tuple[str, int], dict[str, float]]) -> tuple[dict, dict, dict]:
+    """Per task, over its seeds' centralized models and clusterings: the mean reference test loss, what chose the
+    references' epochs (``last`` if any seed's was not chosen on validation rows, else ``val``), and the mean of each
+    agreement score."""
+    centralized, selected_on, scores = {}, {}, {}
+    for task in sorted({task for task, _ in references}):
+        chosen = [value for (name, _), value in references.items() if name == task]
+        centralized[task] = sum(loss for loss, _ in chosen) / len(chosen)
+        selected_on[task] = "val" if all(split == "val" for _, split in chosen) else "last"
+        readings = [value for (name, _), value in agreement.items() if name == task]
+        scores[task] = {key: sum(reading[key] for reading in readings) / len(readings) for key in readings[0]}
+    return centralized, selected_on, scores
 
 
 def run(pipeline: Pipeline) -> pd.DataFrame:
