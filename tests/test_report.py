@@ -370,6 +370,7 @@ def test_trivial_predictors_are_in_report_csv_and_a_task_that_does_not_beat_them
     assert "Global models, 1 row:" in text and "keypoints2d did not learn and is not counted" in text
     assert "| keypoints2d | 0.0054 | 0.005629 | training median 0.005629 | **no**: centralized 0.0054" in text
     assert "| edge_texture | 0.02 | 0.1 | training median 0.08 | yes |" in text
+    assert "| keypoints2d (did not learn) | fedavg |" in text  # the reason once, in the trivial predictors' table
 
 
 def test_a_run_without_trivial_rows_claims_nothing_about_learning(tmp_path):

@@ -246,7 +246,10 @@ def paper_markdown(table: pd.DataFrame) -> str:
     for row in table.itertuples():
         interval = "" if np.isnan(row.change_low) else f" [{row.change_low:+.1f}%, {row.change_high:+.1f}%]"
         algorithm = row.algorithm + (" (own models)" if row.model == "personal" else "")
-        task = row.task + ("" if row.role == HEADLINE else f" ({row.role})")
+        # A did-not-learn task's reason is long and the same on each of its rows: the report's trivial-predictor
+        # section gives it once, the table only marks the rows.
+        role = row.role.split(":")[0] if row.role.startswith(DID_NOT_LEARN) else row.role
+        task = row.task + ("" if row.role == HEADLINE else f" ({role})")
         decision = row.verdict + (f" ({row.reason})" if row.verdict == UNDECIDED else "")
         if row.verdict_after_bh != row.verdict:
             decision += f"; after BH: {row.verdict_after_bh}"
