@@ -16,6 +16,7 @@ import yaml
 import run_pipeline
 from models import build_task_model, load_task_model
 from pipeline.experiment import load_experiment
+from pipeline.fingerprint import fingerprint_line
 from pipeline.studies.main_job.report import REPORT_COLUMNS
 from utils.errors import TaskHetError
 
@@ -209,6 +210,9 @@ def test_verdicts_do_not_depend_on_the_thread_count(tmp_path):
     assert list(reports[1].verdict) == list(reports[2].verdict)
     assert list(answers[1].verdict) == list(answers[2].verdict) and len(answers[1]) > 0  # the paper's table too
     assert_every_seed_draws_its_own_reference_and_clusters(tmp_path / "threads1" / "tiny", seeds=[0, 1, 2])
+    # The report names the code and the experiment that made it, as the check of pasted results recomputes them.
+    report = (tmp_path / "threads1" / "tiny" / "report.md").read_text().splitlines()
+    assert report[2] == fingerprint_line(load_experiment(experiment))
     assert (reports[1].gap_percent - reports[2].gap_percent).abs().max() < 1.0  # percentage points
 
 

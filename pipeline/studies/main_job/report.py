@@ -321,11 +321,14 @@ def write_report(
     selected_on: dict[str, str] | None = None,
     distances: pd.DataFrame | None = None,
     trivial: dict[str, dict[str, float]] | None = None,
+    fingerprint: str | None = None,
 ) -> pd.DataFrame:
     """Write report.csv, report_paper.csv, report.md and the PNG plots into ``out_dir``; returns the gap table.
 
     ``distances`` (optional): one row per partition (task, grouping, alpha, seed) with its mean label- and
-    cluster-space distances (``meter.partition_distances_row``), shown beside G² and B².
+    cluster-space distances (``meter.partition_distances_row``), shown beside G² and B². ``fingerprint`` (optional):
+    the line naming the code and experiment that made the numbers (pipeline/fingerprint.py), under the title, so a
+    paste of the report's answer carries it.
     """
     from pipeline.studies.main_job.meter import (distance_markdown, distance_table, meter_markdown, meter_sentence,
                                                  meter_table, plot_meter, understatement_sentence)
@@ -384,6 +387,7 @@ def write_report(
     text = "\n".join([
         "# Label-based vs embedding-based heterogeneity",
         "",
+        *([fingerprint, ""] if fingerprint else []),
         "## The answer per task",
         "",
         headline_sentence(answer),

@@ -20,6 +20,7 @@ from network.algorithms.base import ALGORITHMS
 from network.run_outputs import METRICS_COLUMNS
 from partitioning.groupings import EMBEDDING_BASED, GROUPINGS, IID_REFERENCE
 from pipeline.argv import flags
+from pipeline.fingerprint import fingerprint_line
 from pipeline.pool import PoolStage
 from pipeline.run_results import (centralized_reference, final_personal_loss, global_test_history, personal_test_history,
                                   trivial_losses)
@@ -198,7 +199,7 @@ class MainJob:
                             heatmaps, self.pipeline.command, pd.DataFrame(meter_rows), selected_on,
                             pd.DataFrame([{"task": task, "grouping": grouping, "alpha": alpha, "seed": seed, **row}
                                           for (task, grouping, alpha, seed), row in distances.items()]),
-                            trivial)
+                            trivial, fingerprint_line(self.config))
 
 
 def seed_means(references: dict[tuple[str, int], tuple[float, str]],
