@@ -130,3 +130,20 @@ def write_tiny_cifar(root: Path, dataset: str, train_per_class: Sequence[int], t
                                  b"fine_labels": labels, b"coarse_labels": [label // 5 for label in labels], b"data": data})
         dump_py2_pickle(folder / "meta", {b"fine_label_names": names, b"coarse_label_names": [f"super_{i}".encode() for i in range(20)]})
     return Path(root)
+
+
+class Killed(Exception):
+    """Stands in for the process being killed."""
+
+
+def die_after_saving(monkeypatch, module, epoch: int = 1, name: str = "last.pt") -> None:
+    """Make ``module.atomic_torch_save`` write ``name`` of ``epoch`` (its ``state["epoch"]``) and then raise
+    :class:`Killed`, as a process killed right after its checkpoint would stop."""
+    real_save = module.atomic_torch_save
+
+    def save_then_die(obj, path):
+        real_save(obj, path)
+        if path.name == name and obj["state"]["epoch"] == epoch:
+            raise Killed
+
+    monkeypatch.setattr(module, "atomic_torch_save", save_then_die)

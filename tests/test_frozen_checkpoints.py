@@ -30,7 +30,7 @@ from steps import embed, meter
 from steps import train_centralized as step2
 from steps.merge import load_model_weights
 from steps.merge import main as merge_main
-from tests.fixtures import tiny_data_root, tiny_manifest  # noqa: F401  (session fixtures)
+from tests.fixtures import Killed, die_after_saving, tiny_data_root, tiny_manifest  # noqa: F401  (session fixtures)
 from utils.cli import run_main
 from utils.errors import TaskHetError
 from utils.hashing import tensors_sha256
@@ -39,9 +39,6 @@ from utils.run_dir import atomic_torch_save, load_checkpoint
 TASK = "depth_euclidean"
 N_CLIENTS = 3
 
-
-class Killed(Exception):
-    """Stands in for the process being killed."""
 
 
 def save_encoder_weights(path, seed):
@@ -209,13 +206,7 @@ def test_a_killed_and_resumed_frozen_step2_run_is_bit_identical(frozen_runs, tmp
     data_root, manifest = frozen_runs["data"]
     interrupted = tmp_path / "interrupted"
     real_save = training.fit.atomic_torch_save
-
-    def save_then_die(obj, path):
-        real_save(obj, path)
-        if path.name == "last.pt" and obj["state"]["epoch"] == 1:
-            raise Killed
-
-    monkeypatch.setattr(training.fit, "atomic_torch_save", save_then_die)
+    die_after_saving(monkeypatch, training.fit)
     with pytest.raises(Killed):
         step2.main(step2_argv(data_root, manifest, interrupted, frozen_runs["weights"]))
     monkeypatch.setattr(training.fit, "atomic_torch_save", real_save)

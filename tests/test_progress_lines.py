@@ -19,6 +19,7 @@ from tests.test_engine import CPU, global_test, make_clients
 from tests.tiny_models import evaluate, loss_fn, tiny_model_for
 from utils.progress import Pace, StepLines, clock_text, eta_text, seconds_left
 from utils.run_dir import setup_logging
+from tests.fixtures import Killed, die_after_saving
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,9 +87,6 @@ def test_a_run_prints_one_stdout_line_per_evaluated_round_and_run_log_has_every_
     assert "test loss" not in logged[1] and "test loss" in logged[2]  # round 1 trained only; run.log has it anyway
 
 
-class Killed(Exception):
-    """Stands in for the process being killed (not KeyboardInterrupt: no interruption message is wanted)."""
-
 
 def resumed_etas(log: Path, what: str) -> dict[int, str]:
     """``{piece: its ETA}`` of the ``<what> k of|/N`` lines run.log has after its last resume line."""
@@ -143,13 +141,7 @@ def test_a_resumed_step2_run_paces_only_the_epochs_it_ran(tmp_path, monkeypatch)
             "--manifest", str(manifest), "--image_size", "8", "--batch_size", "8", "--scheduler", "none",
             "--n_epochs", "5", "--no-use_accelerator", "--no-plots", "--no-progress", "--out", str(out)]
     real_save = training.fit.atomic_torch_save
-
-    def save_then_die(obj, path):
-        real_save(obj, path)
-        if path.name == "last.pt" and obj["state"]["epoch"] == 2:
-            raise Killed
-
-    monkeypatch.setattr(training.fit, "atomic_torch_save", save_then_die)
+    die_after_saving(monkeypatch, training.fit, epoch=2)
     with pytest.raises(Killed):
         step2.main(argv)
     monkeypatch.setattr(training.fit, "atomic_torch_save", real_save)

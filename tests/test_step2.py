@@ -15,7 +15,7 @@ from losses import classification_loss, segmentation_loss
 from models import get_task, load_task_model
 from pipeline.run_results import trivial_losses
 from steps import train_centralized as step2
-from tests.fixtures import write_tiny_cifar
+from tests.fixtures import Killed, die_after_saving, write_tiny_cifar
 from training.schedules import ScheduleConfig, learning_rates, list_schedulers
 from training.selection import selected_test_metrics
 from tests.fixtures import make_tiny_manifest, render_tiny_dataset, tiny_data_root, tiny_manifest  # noqa: F401
@@ -121,9 +121,6 @@ def test_short_run_lowers_validation_loss(family, task, views96, digits96, cifar
     assert prediction.shape[0] == 2 and embedding.shape[0] == 2
 
 
-class Killed(Exception):
-    """Stands in for the process being killed."""
-
 
 @pytest.mark.kernels
 def test_killed_and_resumed_run_is_bit_identical(tiny_data_root, tiny_manifest, tmp_path, monkeypatch):
@@ -133,13 +130,7 @@ def test_killed_and_resumed_run_is_bit_identical(tiny_data_root, tiny_manifest, 
 
     interrupted = tmp_path / "interrupted"
     real_save = training.fit.atomic_torch_save
-
-    def save_then_die(obj, path):
-        real_save(obj, path)
-        if path.name == "last.pt" and obj["state"]["epoch"] == 1:
-            raise Killed
-
-    monkeypatch.setattr(training.fit, "atomic_torch_save", save_then_die)
+    die_after_saving(monkeypatch, training.fit)
     with pytest.raises(Killed):
         step2.main(argv(tiny_data_root, tiny_manifest, interrupted, "segment_semantic", *extra))
     monkeypatch.setattr(training.fit, "atomic_torch_save", real_save)

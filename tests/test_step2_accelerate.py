@@ -29,6 +29,7 @@ from datasets.digits import select_digits
 from steps import train_centralized as step2
 from utils.errors import TaskHetError
 from utils.run_dir import load_checkpoint
+from tests.fixtures import Killed, die_after_saving
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,7 +58,9 @@ def launch_two_processes(args: list[str]) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "--main_process_port", str(free_port()), str(ROOT / "train_centralized_task_model.py"), *args, "--threads", "1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # faulthandler prints each rank's Python stack on SIGABRT: a rank aborted rarely under load ("terminate called
+    # without an active exception"), and its stack is what the next occurrence must show (docs/BENCHMARKS.md).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -114,21 +117,11 @@ def test_two_processes_train_what_one_process_trains(digits88, one_process, tmp_
     assert load_checkpoint(out / "best.pt")["epoch"] == load_checkpoint(one_process / "best.pt")["epoch"]
 
 
-class Killed(Exception):
-    """Stands in for the process being killed."""
-
 
 @pytest.mark.slow
 def test_run_stopped_in_one_process_resumes_in_two(digits88, one_process, tmp_path, monkeypatch):
     out = tmp_path / "resumed"
-    real_save = training.fit.atomic_torch_save
-
-    def save_then_die(obj, path):
-        real_save(obj, path)
-        if path.name == "last.pt" and obj["state"]["epoch"] == 1:
-            raise Killed
-
-    monkeypatch.setattr(training.fit, "atomic_torch_save", save_then_die)
+    die_after_saving(monkeypatch, training.fit)
     with pytest.raises(Killed):
         step2.main(argv(digits88, out))
     assert load_checkpoint(out / "last.pt")["state"]["epoch"] == 1

@@ -16,7 +16,7 @@ import training.loop
 from datasets.digits import select_digits
 from pipeline.run_results import trivial_losses as read_trivial_losses
 from steps import train_centralized as step2
-from tests.fixtures import tiny_data_root, tiny_manifest  # noqa: F401
+from tests.fixtures import Killed, die_after_saving, tiny_data_root, tiny_manifest  # noqa: F401
 from training.loop import constant_loss, evaluate, trivial_losses, trivial_predictors
 
 CPU = torch.device("cpu")
@@ -138,20 +138,11 @@ def test_step2_writes_the_prior_of_its_training_rows_once_per_split(digits60, tm
     assert set(read_trivial_losses(out / "metrics.csv", "val")) == {"zero", "prior"}
 
 
-class Killed(Exception):
-    """Stands in for the process being killed."""
-
 
 def test_a_resumed_run_keeps_its_rows_and_an_old_folder_gets_them_once(digits60, tmp_path, monkeypatch):
     out = tmp_path / "run"
     real_save = training.fit.atomic_torch_save
-
-    def save_then_die(obj, path):
-        real_save(obj, path)
-        if path.name == "last.pt" and obj["state"]["epoch"] == 1:
-            raise Killed
-
-    monkeypatch.setattr(training.fit, "atomic_torch_save", save_then_die)
+    die_after_saving(monkeypatch, training.fit)
     with pytest.raises(Killed):
         step2.main(digits_argv(digits60, out))
     monkeypatch.setattr(training.fit, "atomic_torch_save", real_save)
