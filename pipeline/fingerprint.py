@@ -10,12 +10,11 @@ training, federated engines and algorithms, the steps, and the main job's report
 ask for an hour of reruns. The experiment fingerprint is taken over the validated configuration (every key resolved,
 comments and key order ignored), not the file's bytes.
 
-``python -m pipeline.fingerprint experiments/demo.yaml`` prints the line the report would carry now.
+``python -m pipeline.fingerprint_cli experiments/demo.yaml`` prints the line the report would carry now.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 from pathlib import Path
@@ -47,7 +46,7 @@ def config_fingerprint(config: dict[str, Any]) -> str:
 def fingerprint_line(config: dict[str, Any], root: Path = ROOT) -> str:
     """The report's line: both fingerprints and how to check them."""
     return (f"{LINE_START}{code_fingerprint(root)}`, experiment `{config_fingerprint(config)}` "
-            "(`python -m pipeline.fingerprint <experiment file>` prints today's; a paste whose fingerprints differ "
+            "(`python -m pipeline.fingerprint_cli <experiment file>` prints today's; a paste whose fingerprints differ "
             "from today's is out of date).")
 
 
@@ -59,18 +58,3 @@ def pasted_fingerprints(text: str) -> tuple[str, str] | None:
     code = text[start + len(LINE_START):].split("`", 1)[0]
     rest = text[start:].split("experiment `", 1)
     return (code, rest[1].split("`", 1)[0]) if len(rest) == 2 else None
-
-
-def main(argv: list[str] | None = None) -> None:
-    from pipeline.experiment import load_experiment
-
-    parser = argparse.ArgumentParser(description="Print the fingerprint line a report of EXPERIMENT would carry now.")
-    parser.add_argument("experiment", type=Path, help="an experiment file (experiments/*.yaml)")
-    args = parser.parse_args(argv)
-    print(fingerprint_line(load_experiment(args.experiment)))
-
-
-if __name__ == "__main__":
-    from utils.cli import run_main
-
-    run_main(main)

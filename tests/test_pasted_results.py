@@ -69,3 +69,12 @@ def test_the_line_is_read_back_from_a_page_and_a_page_without_it_has_none():
     page = f"intro\n<!-- demo report: start -->\n{line}\n\n#### The answer\n"
     assert pasted_fingerprints(page) == (code_fingerprint(), config_fingerprint({"name": "x"}))
     assert pasted_fingerprints("no line here") is None
+
+
+def test_the_command_prints_todays_line_and_refuses_a_missing_file(capsys, tmp_path):
+    from pipeline import fingerprint_cli
+
+    fingerprint_cli.main([str(ROOT / "experiments" / "demo.yaml")])
+    assert capsys.readouterr().out == fingerprint_line(load_experiment(ROOT / "experiments" / "demo.yaml")) + "\n"
+    with pytest.raises(Exception, match="does not exist"):
+        fingerprint_cli.main([str(tmp_path / "missing.yaml")])
