@@ -23,6 +23,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+import pandas as pd
+
+from partitioning.groupings import IID_REFERENCE
+
 LEARN_MARGIN = 5.0  # % below the better trivial predictor's loss that a task's losses must reach to count as learned
 PERCENT_DIGITS = 9  # relative differences in % are compared rounded to 1e-9 percentage points
 # How the report names each trivial predictor (pipeline.run_results.trivial_losses's keys).
@@ -68,3 +73,48 @@ def _below_by(loss: float, trivial: float, margin: float) -> bool:
 
 def _change(loss: float, trivial: float) -> str:
     return f"{100.0 * (loss / trivial - 1.0):+.1f}%" if trivial > 0 else "the trivial loss is 0"
+
+
+def best_constant(trivial: dict[str, float]) -> float:
+    """The loss of the best constant predictor step 2 measured (training median or class prior; NaN if none)."""
+    constants = [loss for name, loss in trivial.items() if name != "zero"]
+    return min(constants) if constants else np.nan
+
+
+def learning_failures(finals: pd.DataFrame, centralized: dict[str, float],
+                      trivial: dict[str, dict[str, float]]) -> dict[str, str]:
+    """Task -> why it did not learn (:func:`pipeline.studies.main_job.learned.did_not_learn`), for the tasks whose
+    centralized model or whose iid federated global models do not beat the better trivial predictor by the margin."""
+    iid = finals[(finals.grouping == IID_REFERENCE) & (finals.model == "global")]
+    failures = {}
+    for task, reference in centralized.items():
+        losses = list(iid[iid.task == task].loss)
+        reason = did_not_learn(reference, losses or None, trivial.get(task, {}))
+        if reason:
+            failures[task] = reason
+    return failures
+
+
+def trivial_markdown(centralized: dict[str, float], trivial: dict[str, dict[str, float]],
+                     failures: dict[str, str]) -> str:
+    """Per task: the centralized reference beside the trivial predictors' test losses, and whether the task learned."""
+    lines = ["| task | centralized (mean over seeds) | all zeros | best constant | learned? |", "|---|---|---|---|---|"]
+    for task in sorted(centralized):
+        losses = trivial.get(task, {})
+        constant = " / ".join(f"{TRIVIAL_NAMES.get(name, name)} {loss:.4g}" for name, loss in losses.items()
+                              if name != "zero") or "–"
+        zero = f"{losses['zero']:.4g}" if "zero" in losses else "–"
+        verdict = f"**no**: {failures[task]}" if task in failures else ("yes" if losses else "not measured")
+        lines.append(f"| {task} | {centralized[task]:.4g} | {zero} | {constant} | {verdict} |")
+    return "\n".join(lines)
+
+
+def trivial_section(centralized: dict[str, float], trivial: dict[str, dict[str, float]],
+                    failures: dict[str, str]) -> list[str]:
+    """The report's "Trivial predictors" section: what they are, the rule, and :func:`trivial_markdown`'s table."""
+    return ["## Trivial predictors", "",
+            "Each task's test loss under two predictors that look at no image: the all-zero map and the best "
+            "constant of the training targets (step 2 measures both with the task's own loss and masks). A task "
+            f"whose centralized model or whose iid federated global models do not end at least {LEARN_MARGIN:g}% "
+            "below the better of the two did not learn, and its rows are kept out of the headline.", "",
+            trivial_markdown(centralized, trivial, failures), ""]

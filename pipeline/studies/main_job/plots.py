@@ -147,3 +147,32 @@ def plot_agreement(agreement: dict[str, dict[str, float]], path: Path) -> None:
     axis.set_title("embedding clusters vs class labels", fontsize=9)
     legend_outside(figure, *axis.get_legend_handles_labels())
     save_figure(figure, path, dpi=110)
+
+
+def round_curves(curves: pd.DataFrame, path: Path) -> list[str]:
+    """Draw the round curves of the tasks evaluated at :data:`MIN_CURVE_ROUNDS` rounds or more into ``path`` (none:
+    no figure, and a stale one of an earlier report removed); returns the report's lines about them, which say how
+    many rounds each drawn task has and which tasks are not drawn and why."""
+    rounds = evaluated_rounds(curves)
+    drawn = {task: values for task, values in rounds.items() if len(values) >= MIN_CURVE_ROUNDS}
+    lines = []
+    if drawn:
+        plot_round_curves(curves[curves.task.isin(drawn)], path)
+        counts = ", ".join(f"{task} {len(values)} rounds ({values[0]} to {values[-1]})" for task, values in drawn.items())
+        lines += ["![round curves](round_curves.png)", "",
+                  f"*Round curves*: the mean over seeds at each evaluated round, a marker each: {counts}."]
+    else:
+        Path(path).unlink(missing_ok=True)  # a figure of an earlier report must not stand in for this one
+    left_out = [f"{task} (evaluated at {rounds_text(values)})" for task, values in rounds.items() if task not in drawn]
+    if left_out:
+        lines += ([""] if lines else []) + [
+            f"No round curves for {', '.join(left_out)}: a line through fewer than {MIN_CURVE_ROUNDS} evaluated rounds "
+            "is not a curve; a lower `federated.eval_every` draws them (each evaluation is a pass over the test split)."]
+    return lines
+
+
+def rounds_text(values: list[int]) -> str:
+    """``round 3 only`` or ``rounds 0 and 22 only``: the few evaluated rounds of a task left out of the curves."""
+    if len(values) == 1:
+        return f"round {values[0]} only"
+    return f"rounds {', '.join(str(value) for value in values[:-1])} and {values[-1]} only"

@@ -40,12 +40,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from partitioning.groupings import EMBEDDING_BASED, IID_REFERENCE, LABEL_BASED
+from partitioning.groupings import EMBEDDING_BASED, LABEL_BASED
 from pipeline.studies.main_job.iid import iid_clause, iid_section, iid_table
-from pipeline.studies.main_job.learned import LEARN_MARGIN, TRIVIAL_NAMES, did_not_learn
+from pipeline.studies.main_job.learned import best_constant, learning_failures, trivial_section
 from pipeline.studies.main_job.paper import VERDICT_NOTE, headline_sentence, paper_markdown, paper_table
-from pipeline.studies.main_job.plots import (MIN_CURVE_ROUNDS, evaluated_rounds, plot_agreement, plot_heatmaps,
-                                            plot_loss_vs_alpha, plot_round_curves)
+from pipeline.studies.main_job.plots import plot_agreement, plot_heatmaps, plot_loss_vs_alpha, round_curves
 from utils.statistics import (CONTAINS_ZERO, TOO_FEW, ZERO_VARIANCE, Counts, adjusted_decided, direction,
                               paired_difference)
 from utils.run_dir import atomic_write_text
@@ -246,69 +245,6 @@ def selection_note(selected_on: dict[str, str]) -> str:
     return ("Every federated number is the **last round**'s (no round is chosen on any split); " + reference + ".")
 
 
-def round_curves(curves: pd.DataFrame, path: Path) -> list[str]:
-    """Draw the round curves of the tasks evaluated at :data:`MIN_CURVE_ROUNDS` rounds or more into ``path`` (none:
-    no figure, and a stale one of an earlier report removed); returns the report's lines about them, which say how
-    many rounds each drawn task has and which tasks are not drawn and why."""
-    rounds = evaluated_rounds(curves)
-    drawn = {task: values for task, values in rounds.items() if len(values) >= MIN_CURVE_ROUNDS}
-    lines = []
-    if drawn:
-        plot_round_curves(curves[curves.task.isin(drawn)], path)
-        counts = ", ".join(f"{task} {len(values)} rounds ({values[0]} to {values[-1]})" for task, values in drawn.items())
-        lines += ["![round curves](round_curves.png)", "",
-                  f"*Round curves*: the mean over seeds at each evaluated round, a marker each: {counts}."]
-    else:
-        Path(path).unlink(missing_ok=True)  # a figure of an earlier report must not stand in for this one
-    left_out = [f"{task} (evaluated at {rounds_text(values)})" for task, values in rounds.items() if task not in drawn]
-    if left_out:
-        lines += ([""] if lines else []) + [
-            f"No round curves for {', '.join(left_out)}: a line through fewer than {MIN_CURVE_ROUNDS} evaluated rounds "
-            "is not a curve; a lower `federated.eval_every` draws them (each evaluation is a pass over the test split)."]
-    return lines
-
-
-def best_constant(trivial: dict[str, float]) -> float:
-    """The loss of the best constant predictor step 2 measured (training median or class prior; NaN if none)."""
-    constants = [loss for name, loss in trivial.items() if name != "zero"]
-    return min(constants) if constants else np.nan
-
-
-def learning_failures(finals: pd.DataFrame, centralized: dict[str, float],
-                      trivial: dict[str, dict[str, float]]) -> dict[str, str]:
-    """Task -> why it did not learn (:func:`pipeline.studies.main_job.learned.did_not_learn`), for the tasks whose
-    centralized model or whose iid federated global models do not beat the better trivial predictor by the margin."""
-    iid = finals[(finals.grouping == IID_REFERENCE) & (finals.model == "global")]
-    failures = {}
-    for task, reference in centralized.items():
-        losses = list(iid[iid.task == task].loss)
-        reason = did_not_learn(reference, losses or None, trivial.get(task, {}))
-        if reason:
-            failures[task] = reason
-    return failures
-
-
-def trivial_markdown(centralized: dict[str, float], trivial: dict[str, dict[str, float]],
-                     failures: dict[str, str]) -> str:
-    """Per task: the centralized reference beside the trivial predictors' test losses, and whether the task learned."""
-    lines = ["| task | centralized (mean over seeds) | all zeros | best constant | learned? |", "|---|---|---|---|---|"]
-    for task in sorted(centralized):
-        losses = trivial.get(task, {})
-        constant = " / ".join(f"{TRIVIAL_NAMES.get(name, name)} {loss:.4g}" for name, loss in losses.items()
-                              if name != "zero") or "–"
-        zero = f"{losses['zero']:.4g}" if "zero" in losses else "–"
-        verdict = f"**no**: {failures[task]}" if task in failures else ("yes" if losses else "not measured")
-        lines.append(f"| {task} | {centralized[task]:.4g} | {zero} | {constant} | {verdict} |")
-    return "\n".join(lines)
-
-
-def rounds_text(values: list[int]) -> str:
-    """``round 3 only`` or ``rounds 0 and 22 only``: the few evaluated rounds of a task left out of the curves."""
-    if len(values) == 1:
-        return f"round {values[0]} only"
-    return f"rounds {', '.join(str(value) for value in values[:-1])} and {values[-1]} only"
-
-
 def write_report(
     out_dir: Path,
     finals: pd.DataFrame,
@@ -354,12 +290,7 @@ def write_report(
         sentences.insert(-1, meter_sentence(meter, table))
     if not spread.empty:
         sentences.insert(-1, understatement_sentence(spread))
-    sections = ["## Trivial predictors", "",
-                "Each task's test loss under two predictors that look at no image: the all-zero map and the best "
-                "constant of the training targets (step 2 measures both with the task's own loss and masks). A task "
-                f"whose centralized model or whose iid federated global models do not end at least {LEARN_MARGIN:g}% "
-                "below the better of the two did not learn, and its rows are kept out of the headline.", "",
-                trivial_markdown(centralized, trivial, failures), ""] + iid_section(iid)
+    sections = trivial_section(centralized, trivial, failures) + iid_section(iid)
     if not meter.empty:
         sections += ["## Heterogeneity meter", "",
                      "Gradient dissimilarity G² = Σ_k p_k ‖∇F_k − ∇F‖² and FedProx's B² = Σ_k p_k ‖∇F_k‖² / ‖∇F‖² "
