@@ -147,3 +147,18 @@ def die_after_saving(monkeypatch, module, epoch: int = 1, name: str = "last.pt")
             raise Killed
 
     monkeypatch.setattr(module, "atomic_torch_save", save_then_die)
+
+
+def script_evaluation(monkeypatch, scripted: dict[str, list[float]]) -> None:
+    """Replace step 2's evaluation (``training.fit._evaluate_all``) by ``scripted``: split -> its loss at epoch 0, 1, …
+    (top-1 a flat 0.5); training itself still runs."""
+    import training.fit
+
+    calls = {"epoch": 0}
+
+    def evaluate_all(model, loaders, spec, device, input_key, progress=True):
+        epoch = calls["epoch"]
+        calls["epoch"] += 1
+        return {split: {"loss": scripted[split][epoch], "top1": 0.5} for split in loaders}
+
+    monkeypatch.setattr(training.fit, "_evaluate_all", evaluate_all)

@@ -15,10 +15,10 @@ import math
 import pandas as pd
 import pytest
 
-import training.fit
 from datasets.digits import select_digits
 from steps import train_centralized as step2
 from training.selection import read_metrics, selected_epoch, selected_test_metrics
+from tests.fixtures import script_evaluation
 from utils.run_dir import load_checkpoint
 
 UNTRAINED_WORDS = "best.pt is the untrained model (epoch 0)"
@@ -35,15 +35,7 @@ def digits60(tmp_path_factory):
 
 def script_losses(monkeypatch, val: list[float] | None, test: list[float] | None = None) -> None:
     """fit's evaluation returns ``val[e]`` and ``test[e]`` (default: a flat 2.0) as the losses of epoch e."""
-    scripted = {"val": val, "test": test or [2.0] * len(val or [])}
-    calls = {"epoch": 0}
-
-    def evaluate_all(model, loaders, spec, device, input_key, progress=True):
-        epoch = calls["epoch"]
-        calls["epoch"] += 1
-        return {split: {"loss": scripted[split][epoch], "top1": 0.5} for split in loaders}
-
-    monkeypatch.setattr(training.fit, "_evaluate_all", evaluate_all)
+    script_evaluation(monkeypatch, {"val": val, "test": test or [2.0] * len(val or [])})
 
 
 def run(data, out, n_epochs: int, patience: int = 0, *extra: str) -> dict:

@@ -15,7 +15,7 @@ from losses import classification_loss, segmentation_loss
 from models import get_task, load_task_model
 from pipeline.run_results import trivial_losses
 from steps import train_centralized as step2
-from tests.fixtures import Killed, die_after_saving, write_tiny_cifar
+from tests.fixtures import Killed, die_after_saving, script_evaluation, write_tiny_cifar
 from training.schedules import ScheduleConfig, learning_rates, list_schedulers
 from training.selection import selected_test_metrics
 from tests.fixtures import make_tiny_manifest, render_tiny_dataset, tiny_data_root, tiny_manifest  # noqa: F401
@@ -248,14 +248,7 @@ SCRIPTED = {"val": [2.0, 1.0, 1.5, 1.8, 1.9], "test": [2.0, 1.9, 1.5, 1.2, 1.1]}
 
 def scripted_evaluation(monkeypatch, scripted: dict[str, list[float]] = SCRIPTED):
     """Replace fit's evaluation by ``scripted`` (training itself still runs), so val and test disagree on the best epoch."""
-    calls = {"epoch": 0}
-
-    def evaluate_all(model, loaders, spec, device, input_key, progress=True):
-        epoch = calls["epoch"]
-        calls["epoch"] += 1
-        return {split: {"loss": scripted[split][epoch], "top1": 0.5} for split in loaders}
-
-    monkeypatch.setattr(training.fit, "_evaluate_all", evaluate_all)
+    script_evaluation(monkeypatch, scripted)
 
 
 def test_validation_not_test_picks_best_pt_and_stops_early(digits96, tmp_path, monkeypatch):
