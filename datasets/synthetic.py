@@ -47,7 +47,8 @@ from utils.seeding import numpy_rng
 
 META_FILE = "synthetic_meta.json"
 # 2: segment_semantic written as raw = class + 1 (0 unlabelled), normals with y down and z away from the camera.
-FORMAT_VERSION = 2
+# 3: keypoints2d as the determinant of the Hessian (SURF), not Harris' corner response.
+FORMAT_VERSION = 3
 SPLIT_FILE = "train_val_test_synthetic.csv"
 PLACES_FILE = "places_class_names.txt"
 BUILDINGS_FILE = "synthetic_buildings.csv"

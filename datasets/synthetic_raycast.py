@@ -14,7 +14,14 @@ import numpy as np
 
 KEYPOINT_SIGMA_M = 0.12
 EDGE_TEXTURE_SCALE = 0.3
-HARRIS_SCALE = 5e-5
+# 2D keypoints as Taskonomy's (SURF's detector response, before non-maximum suppression): the magnitude of the
+# scale-normalised determinant of the Hessian, sigma^4 |Lxx Lyy - Lxy^2|, of the grey image at sigma = 1/32 of its
+# width (2 px at 64 px: a blob is still a pixel wide for a 32-px model), / 0.004, which saturates 1.3% of the demo's
+# pixels (0 on 0.8%). Both signs (blobs and saddles): the positive part alone is 0 on half the pixels, and local SGD (the
+# federated optimiser) then never beat the all-zero map, as Harris' response / 5e-5 before (0 on 68% of the pixels)
+# never did for any optimiser. The choice, measured: docs/BENCHMARKS.md, "The 2D keypoint target".
+KEYPOINT2D_SIGMA_FRACTION = 1 / 32
+KEYPOINT2D_SCALE = 0.004
 OCCLUSION_JUMP = 0.04
 
 
@@ -319,12 +326,26 @@ def occlusion_edges(depth: np.ndarray, surface: np.ndarray) -> np.ndarray:
 
 
 def image_features(rgb_uint8: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Texture edges (Sobel magnitude) and 2D keypoints (Harris response) of the written image, in [0, 1]."""
+    """Texture edges (Sobel magnitude) and 2D keypoints (SURF's determinant of the Hessian) of the written image, in [0, 1]."""
     from scipy import ndimage  # here: only rendering needs scipy, not reading the rendered data
 
-    grey = ndimage.gaussian_filter(rgb_uint8.astype(np.float64) @ np.array([0.299, 0.587, 0.114]) / 255.0, 0.7)
-    gx, gy = ndimage.sobel(grey, axis=1) / 8.0, ndimage.sobel(grey, axis=0) / 8.0
+    grey = rgb_uint8.astype(np.float64) @ np.array([0.299, 0.587, 0.114]) / 255.0
+    blurred = ndimage.gaussian_filter(grey, 0.7)
+    gx, gy = ndimage.sobel(blurred, axis=1) / 8.0, ndimage.sobel(blurred, axis=0) / 8.0
     edges = np.clip(np.hypot(gx, gy) / EDGE_TEXTURE_SCALE, 0, 1)
-    sxx, syy, sxy = (ndimage.gaussian_filter(product, 1.0) for product in (gx * gx, gy * gy, gx * gy))
-    response = sxx * syy - sxy * sxy - 0.05 * (sxx + syy) ** 2
-    return edges, np.clip(response / HARRIS_SCALE, 0, 1)
+    return edges, keypoints2d_response(grey)
+
+
+def keypoints2d_response(grey: np.ndarray) -> np.ndarray:
+    """sigma^4 |Lxx Lyy - Lxy^2| of the Gaussian-smoothed ``grey`` [H, W] / KEYPOINT2D_SCALE, clipped to [0, 1]."""
+    from scipy import ndimage
+
+    sigma = KEYPOINT2D_SIGMA_FRACTION * grey.shape[1]
+    smoothed = ndimage.gaussian_filter(grey, sigma)
+    # Second differences of the smoothed image, not scipy's Gaussian-derivative kernels: those do not sum to exactly 0,
+    # so a flat grey of 0.5 read as a curvature of -4e-5; these are exact on a parabola and 0 on a flat image.
+    lxx = ndimage.correlate1d(smoothed, [1.0, -2.0, 1.0], axis=1)
+    lyy = ndimage.correlate1d(smoothed, [1.0, -2.0, 1.0], axis=0)
+    lxy = ndimage.correlate1d(ndimage.correlate1d(smoothed, [-0.5, 0.0, 0.5], axis=1), [-0.5, 0.0, 0.5], axis=0)
+    determinant = (lxx * lyy - lxy * lxy) * sigma**4
+    return np.clip(np.abs(determinant) / KEYPOINT2D_SCALE, 0, 1)

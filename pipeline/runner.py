@@ -27,6 +27,7 @@ from typing import Any, Callable
 from tqdm.auto import tqdm
 
 from datasets.family import DEFAULT_VAL_FRACTION
+from datasets.synthetic import FORMAT_VERSION as RENDER_FORMAT_VERSION
 from pipeline.argv import flags
 from pipeline.checks import check_input_files
 from pipeline.executors import Executor, ExecutorSettings, GridProgress, open_local
@@ -129,7 +130,9 @@ class Pipeline:
         if data["source"] != "synthetic":
             return Path(data["root"])
         params = dict(data["synthetic"])
-        stage_dir = Path(data["root"]) / stage_key(params, [])
+        # The format version is in the folder's name, so a render of another format is a new folder, and every later
+        # stage (their keys name the data folder) and the decoded-sample cache are made again rather than reused.
+        stage_dir = Path(data["root"]) / stage_key({**params, "format_version": RENDER_FORMAT_VERSION}, [])
         argv = ["--out", str(stage_dir), *flags(params)]
         return self.step("render synthetic buildings", stage_dir, params, render, argv)
 

@@ -13,7 +13,7 @@ from PIL import Image
 
 from datasets.selection import read_scene_names, read_split_csv
 from datasets.synthetic import BUILDINGS_FILE, PLACES_FILE, SPLIT_FILE, encode_view, render_dataset
-from datasets.synthetic_raycast import Camera, render_view
+from datasets.synthetic_raycast import KEYPOINT2D_SCALE, Camera, keypoints2d_response, render_view
 from datasets.synthetic_scenes import OBJECT_CLASSES, SCENE_TYPES, assign_scene_types, make_building, make_cameras, scene_places_indices
 from datasets.taskonomy import TaskonomyDataset, domain_dir, read_manifest
 from datasets.taskonomy_domains import (DEPTH_UNITS_PER_METRE, DOMAIN_SPECS, DOMAINS, NUM_SEMANTIC_CLASSES,
@@ -146,6 +146,32 @@ def test_ground_truth_ranges(tiny_data_root, tiny_manifest):
             maxima[name] = max(maxima[name], float(values.max()))
         assert not sample["edge_occlusion"][~sample["mask"]].any()
     assert all(value > 0.2 for value in maxima.values()), maxima
+
+
+def quadratic_image(width: int, a: float, b: float, stretch: float = 1.0) -> np.ndarray:
+    """0.5 + a x^2 + b y^2 in pixels from the centre, x and y divided by ``stretch``."""
+    y, x = (np.mgrid[0:width, 0:width] - width // 2) / stretch
+    return 0.5 + a * x**2 + b * y**2
+
+
+def test_keypoints2d_is_the_scale_normalised_hessian_determinant_both_signs():
+    # By hand, at sigma = 64 / 32 = 2 px: Lxx = 2a, Lyy = 2b, Lxy = 0, so sigma^4 |Lxx Lyy - Lxy^2| / 0.004
+    # = 16 * 4 * 0.001 * 0.0005 / 0.004 = 0.008: exact up to rounding, since smoothing a parabola with a normalised
+    # symmetric kernel only adds a constant and a second difference of a parabola is exact. A response without
+    # sigma^4, or with sigma fixed in pixels, is off 16-fold.
+    expected = 16 * 4 * 0.001 * 0.0005 / KEYPOINT2D_SCALE
+    bowl = keypoints2d_response(quadratic_image(64, 0.001, 0.0005))[32, 32]
+    saddle = keypoints2d_response(quadratic_image(64, 0.001, -0.0005))[32, 32]
+    assert bowl == pytest.approx(expected, rel=1e-9) and saddle == pytest.approx(expected, rel=1e-9)  # blobs and saddles
+    # A ridge (b = 0) has a zero determinant; a flat image has none.
+    assert keypoints2d_response(quadratic_image(64, 0.001, 0.0))[32, 32] < 0.05 * expected
+    assert keypoints2d_response(np.full((64, 64), 0.3)).max() == 0.0
+    # Scale-normalised, with sigma a fixed share of the width: the same picture at twice the pixels answers the same.
+    double = keypoints2d_response(quadratic_image(128, 0.001, 0.0005, stretch=2.0))[64, 64]
+    assert double == pytest.approx(expected, rel=1e-9)
+    # Clipped to [0, 1].
+    steep = keypoints2d_response(quadratic_image(64, 0.1, 0.1))
+    assert steep.max() == 1.0 and steep.min() >= 0.0
 
 
 def test_rerender_with_same_config_is_skipped_and_foreign_folder_refused(tmp_path):
