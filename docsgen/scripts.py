@@ -63,6 +63,8 @@ def scripts() -> dict[str, list[Script]]:
         "search_centralized_hparams.py": [Script("search_centralized_hparams.py", "step 2's hyperparameter search",
                                                  _step("search_centralized"))],
         "extract_embeddings.py": [Script("extract_embeddings.py", "step 3", _step("embed"))],
+        "group_by_target_property.py": [Script("group_by_target_property.py", "step 3p, the positive control's groups",
+                                               _step("target_groups"))],
         "make_client_assignments.py": [Script("make_client_assignments.py", "step 3b", _step("assign"))],
         "measure_heterogeneity.py": [Script("measure_heterogeneity.py", "step 3c", _step("meter"))],
         "explain_heterogeneity.py": [Script("explain_heterogeneity.py", "the quadratic explainer", _step("explain"))],

@@ -1,7 +1,9 @@
-"""The two kinds of client partition the experiments compare, by name.
+"""The kinds of client partition the experiments compare, by name.
 
 A partition skews clients over class labels (``label_based``: the data family's label
-column) or over a task's embedding clusters (``embedding_based``). The original code called label-based partitions
+column) or over a task's embedding clusters (``embedding_based``); the main job compares the two. A third,
+``property_based``, skews them over quantile bins of a property of each sample's target (partitioning/property_bins.py):
+the positive control, a heterogeneity the task's loss must feel. The original code called label-based partitions
 ``class_based``; that name is still accepted on input and replaced by
 :func:`canonical_grouping` as soon as it is read, so no file, folder or report says it.
 """
@@ -14,6 +16,9 @@ from typing import Any
 LABEL_BASED = "label_based"
 EMBEDDING_BASED = "embedding_based"
 GROUPINGS = (LABEL_BASED, EMBEDDING_BASED)
+# The positive control's grouping: quantile bins of the mean target (an experiment may add it to GROUPINGS).
+PROPERTY_BASED = "property_based"
+ALL_GROUPINGS = (*GROUPINGS, PROPERTY_BASED)
 # The reference partition of an experiment (partition.iid_reference): clients drawn uniformly at random.
 IID_REFERENCE = "iid"
 # Old names -> current names; read-only so no caller can change what every caller sees.

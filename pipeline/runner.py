@@ -39,6 +39,7 @@ from steps import federated as step4
 from steps import meter as step3c
 from steps import render
 from steps import select as step1
+from steps import target_groups as step3p
 from steps import train_centralized as step2
 from utils.interrupts import interrupted, message_of
 from utils.progress import StepLines
@@ -113,7 +114,7 @@ class Pipeline:
         not one per round.
         """
         shared = ["--no-progress"] + ([] if self.threads is None else ["--threads", str(self.threads)])
-        if script in (step2, step3, step3c, step4):
+        if script in (step2, step3, step3p, step3c, step4):
             # One decoded-sample cache for the experiment: PNGs are decoded once, not once per run.
             shared += ["--cache_dir", str(self.out_dir / "cache")]
         if script is step4:

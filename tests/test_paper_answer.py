@@ -174,8 +174,9 @@ def test_one_seed_is_undecided_without_an_interval_and_its_trend_too():
     assert not row.decided_after_bh
     assert row.trend_pp_per_decade == pytest.approx(-10.0) and math.isnan(row.trend_low)
     assert row.trend == "undecided (1 paired seed, 3 needed)"
+    assert math.isnan(row.detectable_percent)  # no spread from one seed: no detectable size either
     assert paper_markdown(pd.DataFrame([row])).splitlines()[-1] == (
-        "| edge_texture | fedavg | up to ≈ +60% (FedAvg) | +20.0% | undecided (1 paired seed, 3 needed) "
+        "| edge_texture | fedavg | up to ≈ +60% (FedAvg) | +20.0% | – | undecided (1 paired seed, 3 needed) "
         "| undecided (1 paired seed, 3 needed) | no iid runs |")
 
 
@@ -198,8 +199,10 @@ def test_a_decided_small_change_is_smaller_than_a_large_claim_never_consistent_w
     assert (keypoints.verdict, keypoints.reason) == (CONSISTENT, "decided above 0; the interval reaches the paper's +5%")
     assert one_row(small, task="normal").verdict == CONSISTENT  # no size given: the direction is the claim
     assert paper_markdown(pd.DataFrame([edges])).splitlines()[-1] == (
-        "| edge_texture | fedavg | up to ≈ +60% (FedAvg) | +3.0% [+0.5%, +5.5%] "
+        "| edge_texture | fedavg | up to ≈ +60% (FedAvg) | +3.0% [+0.5%, +5.5%] | ≥ 3.3% "
         "| undecided (zero variance (every seed gives +0)) | smaller than the paper's | no iid runs |")
+    # Seed means 2, 3, 4 spread with s = 1: at 3 seeds a change is detected 4 times in 5 from 3.264 s up (noncentral t).
+    assert edges.detectable_percent == pytest.approx(3.2640, abs=1e-4)
 
 
 def test_a_change_near_0_with_an_interval_ending_below_the_papers_size_is_no_effect_of_that_size():

@@ -18,6 +18,7 @@ THIN_SCRIPTS = {
     "train_centralized_task_model.py": "Step 2 of TaskHet",
     "extract_embeddings.py": "Step 3:",
     "make_client_assignments.py": "Step 3b:",
+    "group_by_target_property.py": "Step 3p:",
     "test_fed.py": "Step 4 of TaskHet",
     "download_taskonomy.py": "Step 0 (data): download real Taskonomy",
     "measure_heterogeneity.py": "Step 3c:",

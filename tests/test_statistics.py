@@ -7,6 +7,7 @@ import math
 import pytest
 
 from utils.statistics import (CONTAINS_ZERO, NONNEGATIVE, TOO_FEW, UNIT, ZERO_VARIANCE, Counts, PairedDifference,
+                              minimum_detectable_change,
                               adjusted_decided, count, direction, mean_interval, paired_difference)
 
 
@@ -118,3 +119,28 @@ def test_a_difference_of_two_accuracies_keeps_its_interval_inside_minus_one_one(
     assert bounded.high == 1.0 and bounded.sign == plain.sign and bounded.reason == plain.reason
     below = paired_difference(b, a, scale=UNIT)
     assert below.low == -1.0 and below.high == pytest.approx(-plain.low)
+
+
+# ----- the smallest change a row detects -----
+def test_minimum_detectable_change_tends_to_the_normal_formula_with_many_seeds():
+    # By hand: (z_0.975 + z_0.8) sigma / sqrt(n) = (1.959964 + 0.841621) * 2 / 100 = 0.0560317 for sigma 2, n 10000.
+    assert minimum_detectable_change(2.0, 10_000) == pytest.approx(0.0560317, rel=2e-3)
+
+
+def test_minimum_detectable_change_at_three_seeds_is_detected_four_times_in_five():
+    """Simulated: 3 seeds with true mean = the detectable change and spread 1, tested as the reports test them."""
+    import numpy as np
+    from scipy import stats
+
+    change = minimum_detectable_change(1.0, 3)
+    assert 3.2 < change < 3.3  # far above the normal formula's 2.80 / sqrt(3) = 1.62: 2 degrees of freedom
+    draws = np.random.default_rng(0).normal(change, 1.0, size=(200_000, 3))
+    t = draws.mean(1) / (draws.std(1, ddof=1) / math.sqrt(3))
+    power = float((np.abs(t) > stats.t.ppf(0.975, 2)).mean())
+    assert power == pytest.approx(0.8, abs=0.005)  # binomial sd of 200,000 draws: 0.0009
+    assert minimum_detectable_change(2.5, 3) == pytest.approx(2.5 * change)  # in units of the spread
+
+
+@pytest.mark.parametrize("std, n", [(1.0, 2), (1.0, 1), (0.0, 3), (math.nan, 3), (math.inf, 5), (-1.0, 4)])
+def test_minimum_detectable_change_is_nan_without_an_interval(std, n):
+    assert math.isnan(minimum_detectable_change(std, n))

@@ -169,7 +169,7 @@ def trivial_predictors(task: TaskSpec | str, train_loader: DataLoader, channels:
 
     * L1 (``losses.dense_l1_loss``: depth, edges, keypoints, ...): ``median``, the median per channel of the
       valid training targets, which minimises their mean absolute error (the mean would minimise a squared error,
-      which no task trains on). On keypoints2d, whose maps are mostly 0, it is 0 as well. The median of an even
+      which no task trains on); on a map that is 0 on over half its pixels it is 0 as well. The median of an even
       count is the lower middle value (any value between the two middles is as good).
     * L1 plus angle (``losses.normal_loss``): ``median`` too; it minimises the L1 part only, so the best constant
       may score a little lower (the report then sees a trivial loss no better than the true best's).

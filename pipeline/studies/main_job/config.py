@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from partitioning.client_tests import TEST_SPLIT
-from partitioning.groupings import EMBEDDING_BASED, GROUPINGS, IID_REFERENCE, canonical_grouping
+from partitioning.groupings import ALL_GROUPINGS, EMBEDDING_BASED, GROUPINGS, IID_REFERENCE, PROPERTY_BASED, canonical_grouping
 from pipeline import checks
 from pipeline.checks import Entry
 from pipeline.schema import LEARNING_RATE, Check, check_types
@@ -68,7 +68,8 @@ def count_combinations(config: dict[str, Any]) -> int:
     """How many runs :func:`combinations` will list, from the list lengths alone (nothing is expanded)."""
     partition = config["partition"]
     per_partition = len(config["federated"]["algorithms"]) * len(config["seeds"])
-    grid = len(config["tasks"]) * len(partition["groupings"]) * len(partition["alphas"]) * per_partition
+    grid = len(config["tasks"]) * sum(len(grouping_alphas(config, grouping)) for grouping in partition["groupings"]) \
+        * per_partition
     return grid + (len(config["tasks"]) * per_partition if partition["iid_reference"] else 0)
 
 
@@ -93,11 +94,12 @@ def validate_names(config: dict[str, Any], source: Path) -> None:
     check("partition.scheme", [config["partition"]["scheme"]], list_schemes())
     validate_lr_schedule(config["federated"]["lr_schedule"], "federated.lr_schedule", source)
     check_partition_flags(config, source)
-    check("partition.groupings", list(config["partition"]["groupings"]), list(GROUPINGS))
+    check("partition.groupings", list(config["partition"]["groupings"]), list(ALL_GROUPINGS))
     check("partition.skews", list(config["partition"]["skews"]), list(SKEW_FLAGS))
-    if sorted(set(config["partition"]["groupings"])) != sorted(GROUPINGS):
+    if not set(GROUPINGS) <= set(config["partition"]["groupings"]):
         raise TaskHetError(f"{source}: partition.groupings must list both {' and '.join(GROUPINGS)}: the report "
                            f"compares them; got {config['partition']['groupings']}")
+    validate_property_groups(config, source)
     validate_per_task(config, source)
     for task, lr in config["federated"]["task_init_lr"].items():
         if task not in config["tasks"]:
@@ -121,6 +123,26 @@ def check_partition_flags(config: dict[str, Any], source: Path) -> None:
             parse()
         except TaskHetError as error:
             raise TaskHetError(f"{source}: {str(error).replace(flag, key)}") from None
+
+
+def validate_property_groups(config: dict[str, Any], source: Path) -> None:
+    """The positive control (partition.groupings holds property_based) bins a dense target: every task must be dense."""
+    from models.tasks import get_task
+
+    chosen = config["partition"].get("property_alphas")
+    if chosen is not None:
+        strays = [alpha for alpha in chosen if alpha not in config["partition"]["alphas"]]
+        if strays or not chosen:
+            raise TaskHetError(f"{source}: partition.property_alphas must list some of partition.alphas "
+                               f"{config['partition']['alphas']} (the control is compared at the question's α); got "
+                               f"{chosen}")
+    if PROPERTY_BASED not in config["partition"]["groupings"]:
+        return
+    for task in config["tasks"]:
+        if get_task(task).kind != "dense":
+            raise TaskHetError(f"{source}: partition.groupings lists {PROPERTY_BASED}, which bins each sample's dense "
+                               f"target, but task {task!r} is a {get_task(task).kind} task (its target is its label): "
+                               "drop the task or the grouping")
 
 
 def validate_per_task(config: dict[str, Any], source: Path) -> None:
@@ -168,9 +190,8 @@ def combinations(config: dict[str, Any]) -> list[Combination]:
     algorithms = list(config["federated"]["algorithms"])
     grid = [
         Combination(task, grouping, float(alpha), algorithm, int(seed))
-        for task, grouping, alpha, algorithm, seed in itertools.product(
-            config["tasks"], config["partition"]["groupings"], config["partition"]["alphas"], algorithms,
-            config["seeds"])
+        for task in config["tasks"] for grouping in config["partition"]["groupings"]
+        for alpha in grouping_alphas(config, grouping) for algorithm in algorithms for seed in config["seeds"]
     ]
     if config["partition"]["iid_reference"]:
         grid += [Combination(task, IID_REFERENCE, math.inf, algorithm, int(seed))
@@ -178,16 +199,26 @@ def combinations(config: dict[str, Any]) -> list[Combination]:
     return grid
 
 
+def grouping_alphas(config: dict[str, Any], grouping: str) -> list[float]:
+    """The α values ``grouping``'s partitions are drawn at: partition.property_alphas for the positive control where
+    given, partition.alphas otherwise."""
+    partition = config["partition"]
+    if grouping == PROPERTY_BASED and partition.get("property_alphas") is not None:
+        return list(partition["property_alphas"])
+    return list(partition["alphas"])
+
+
 def partition_key(combination: Combination) -> tuple:
     """Combinations with the same key share one assignments file (label and iid partitions are task-free)."""
-    owner = combination.task if combination.grouping == EMBEDDING_BASED else "labels"
+    owner = combination.task if combination.grouping in (EMBEDDING_BASED, PROPERTY_BASED) else "labels"
     return owner, combination.grouping, combination.alpha, combination.seed
 
 
 # ----- stage parameters: what the runner passes to steps 3b and 4, and what the validation checks -----
 def assignment_params(config: dict[str, Any], grouping: str, alpha: float, seed: int, manifest: Path | str,
                       groups: str | None) -> dict[str, Any]:
-    """Step 3b's parameters for one partition (``groups``: the clusters file of an embedding-based one)."""
+    """Step 3b's parameters for one partition (``groups``: the clusters file of an embedding-based one, the property
+    bins of a property-based one)."""
     partition = config["partition"]
     iid = grouping == IID_REFERENCE
     params = {

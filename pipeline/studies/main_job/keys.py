@@ -30,6 +30,7 @@ SCHEMA: dict[str, Any] = {
         "groupings": list(GROUPINGS),
         "scheme": "dirichlet_mixture",
         "alphas": [0.1, 1.0],
+        "property_alphas": None,  # the positive control's α (property_based in groupings); None: every alphas value
         "n_clients": 10,
         "client_test_fraction": DEFAULT_TEST_FRACTION,  # client_tests held_out: share of each client's rows held out as its test set
         "client_tests": HELD_OUT,  # or test_split: the manifest's test rows, dealt to clients (step 3b --client_tests)
@@ -78,6 +79,7 @@ TYPES: dict[str, Check] = {
     "partition.groupings": ListOf(Str()),
     "partition.scheme": Str(),
     "partition.alphas": ListOf(Float(0, MAX_ALPHA, low_open=True)),
+    "partition.property_alphas": Optional(ListOf(Float(0, MAX_ALPHA, low_open=True))),
     "partition.n_clients": Int(1, MAX_CLIENTS),
     "partition.client_test_fraction": Float(0, 1, high_open=True),
     "partition.client_tests": Str(CLIENT_TESTS),
@@ -114,10 +116,13 @@ HELP = MappingProxyType({
     "embeddings.pca_dim": "step 3: PCA components before KMeans (null: no PCA)",
     "embeddings.allow_untrained": "step 3: embed a centralized model whose best epoch is 0, the untrained one (refused "
                                   "otherwise): only for a pipeline that tests the plumbing, not the embeddings",
-    "partition.groupings": "what the clients are drawn from: label_based (the scene labels), embedding_based (step 3's "
-                           "clusters), or both, compared at equal α",
+    "partition.groupings": "what the clients are drawn from: label_based (the scene labels) and embedding_based (step 3's "
+                           "clusters), compared at equal α; add property_based for the positive control (quantile bins "
+                           "of each sample's mean target, as many as embeddings.n_clusters; dense tasks only)",
     "partition.scheme": "step 3b's partition scheme (a registered scheme), for every grouping and α",
     "partition.alphas": "the Dirichlet concentrations α: one partition per grouping and α (smaller: more heterogeneous)",
+    "partition.property_alphas": "the α values of the positive control's property_based partitions, each one of "
+                                 "partition.alphas (null: all of them): the control can cost less than the question",
     "partition.n_clients": "clients of every partition",
     "partition.client_test_fraction": "partition.client_tests held_out: share of each client's rows held out as its "
                                       "test set",

@@ -29,6 +29,9 @@ clusters gives a larger federated loss than splitting it by scene labels at equa
   ``decided_after_bh``.
 * **iid check**: the same algorithm on an iid partition ends within 10% of the centralized model's loss
   (pipeline/studies/main_job/iid.py), i.e. the runs trained enough to compare partitions.
+* **detectable**: the smallest true change the row's test would detect with 80% power at its seeds, given the
+  seed-to-seed spread of the changes measured (``utils.statistics.minimum_detectable_change``): the paper's +60%
+  above it would have been seen; a change below it can hide in an undecided row.
 
 Algorithms whose result is their clients' own models (``result_is_personal``: FedRep) are read from those
 models and counted apart from the global models. A control task (``class_scene``: the label-based groups
@@ -44,7 +47,7 @@ import numpy as np
 import pandas as pd
 
 from partitioning.groupings import EMBEDDING_BASED, LABEL_BASED
-from utils.statistics import PairedDifference, adjusted_decided, paired_difference
+from utils.statistics import PairedDifference, adjusted_decided, minimum_detectable_change, paired_difference
 
 PAPER = "arXiv 2503.14553"
 
@@ -74,7 +77,8 @@ UNDECIDED, OPPOSITE = "undecided", "opposite"
 VERDICTS = (CONSISTENT, SMALLER, NO_EFFECT, UNDECIDED, OPPOSITE)  # the order of the headline's counts
 GROWS, SHRINKS = "grows as α falls", "shrinks as α falls"
 PAPER_COLUMNS = ["task", "algorithm", "model", "role", "paper_change", "n_seeds", "n_alphas", "change_percent",
-                 "change_low", "change_high", "change_p", "trend_pp_per_decade", "trend_low", "trend_high", "trend_p",
+                 "change_low", "change_high", "change_p", "detectable_percent", "trend_pp_per_decade", "trend_low",
+                 "trend_high", "trend_p",
                  "trend", "verdict", "reason", "decided_after_bh", "verdict_after_bh", "iid_check"]
 # The rules in one paragraph, for the report beside the table.
 VERDICT_NOTE = (
@@ -84,18 +88,22 @@ VERDICT_NOTE = (
     "the interval ends below the size, no effect of the paper's size when the interval contains 0 and ends below "
     "the size (at least 3 seeds and nonzero variance), opposite when decided below 0, undecided otherwise (with the "
     "reason); *after BH*, where it differs: the same rules with only the rows still decided after "
-    "Benjamini–Hochberg at 5% over the table's rows counted as decided.")
+    "Benjamini–Hochberg at 5% over the table's rows counted as decided. *detectable*: the smallest true change "
+    "the row's test detects 4 times in 5 at its seeds, from the spread of its seeds' changes (noncentral t; – "
+    "where no spread exists): a paper's size above it would have been seen, a change below it can hide in an "
+    "undecided row.")
 
 
-def relative_changes(results: pd.DataFrame) -> pd.DataFrame:
-    """Per task × algorithm × seed × α run under both groupings: ``change`` = 100·(embedding − label)/label of the
-    final loss (``results``: the report's finals with each run's result, pipeline/studies/main_job/report.py)."""
-    paired = results[results.grouping.isin([LABEL_BASED, EMBEDDING_BASED])]
+def relative_changes(results: pd.DataFrame, treatment: str = EMBEDDING_BASED) -> pd.DataFrame:
+    """Per task × algorithm × seed × α run under both groupings: ``change`` = 100·(treatment − label)/label of the
+    final loss (``results``: the report's finals with each run's result, pipeline/studies/main_job/report.py;
+    ``treatment``: embedding_based, or property_based for the positive control)."""
+    paired = results[results.grouping.isin([LABEL_BASED, treatment])]
     sides = paired.pivot_table(index=["task", "algorithm", "seed", "alpha"], columns="grouping", values="loss")
-    sides = sides.dropna(subset=[column for column in (LABEL_BASED, EMBEDDING_BASED) if column in sides])
-    if sides.empty or LABEL_BASED not in sides or EMBEDDING_BASED not in sides:
+    sides = sides.dropna(subset=[column for column in (LABEL_BASED, treatment) if column in sides])
+    if sides.empty or LABEL_BASED not in sides or treatment not in sides:
         return pd.DataFrame(columns=["task", "algorithm", "seed", "alpha", "change"])
-    change = 100.0 * (sides[EMBEDDING_BASED] - sides[LABEL_BASED]) / sides[LABEL_BASED]
+    change = 100.0 * (sides[treatment] - sides[LABEL_BASED]) / sides[LABEL_BASED]
     return change.rename("change").reset_index()
 
 
@@ -107,6 +115,12 @@ def seed_changes(changes: pd.DataFrame) -> pd.DataFrame:
         slope = float(np.polyfit(logs, group.change.to_numpy(dtype=float), 1)[0]) if np.unique(logs).size > 1 else np.nan
         rows.append({"seed": seed, "mean": float(group.change.mean()), "slope": slope, "n_alphas": group.alpha.nunique()})
     return pd.DataFrame(rows, columns=["seed", "mean", "slope", "n_alphas"])
+
+
+def detectable(values: list[float]) -> float:
+    """The smallest mean change detectable with 80% power over ``values`` (one per seed), from their spread."""
+    spread = float(np.std(values, ddof=1)) if len(values) > 1 else float("nan")
+    return minimum_detectable_change(spread, len(values))
 
 
 def one_sample(values: list[float]) -> PairedDifference | None:
@@ -135,6 +149,7 @@ def paper_table(results: pd.DataFrame, iid: pd.DataFrame, did_not_learn: dict[st
                      "role": role, "paper_change": claim.text if claim else NOT_GIVEN,
                      "n_seeds": change.n, "n_alphas": int(group.alpha.nunique()), "change_percent": change.mean,
                      "change_low": change.low, "change_high": change.high, "change_p": change.p_value,
+                     "detectable_percent": detectable(per_seed["mean"].tolist()),
                      **dict(zip(("trend_pp_per_decade", "trend_low", "trend_high", "trend_p"), slope)),
                      "trend": trend_text(trend, int(group.alpha.nunique())),
                      "verdict": before, "reason": verdict_reason(before, change, size),
@@ -234,6 +249,11 @@ def headline_sentence(table: pd.DataFrame) -> str:
                      f"α ({PAPER})?", *parts] + ([f"{'; '.join(apart)}."] if apart else []))
 
 
+def detectable_text(percent: float) -> str:
+    """``≥ 4.2%`` (a change of at least this size is detected 4 times in 5), or ``–`` where no spread exists."""
+    return "–" if not np.isfinite(percent) else f"≥ {percent:.1f}%"
+
+
 def rows_text(n: int) -> str:
     return f"{n} row" + ("" if n == 1 else "s")
 
@@ -241,8 +261,8 @@ def rows_text(n: int) -> str:
 def paper_markdown(table: pd.DataFrame) -> str:
     """The table as GitHub Markdown (one row per task × algorithm; controls and did-not-learn tasks marked). The
     verdict cell gives an undecided row's reason and, where it differs, the verdict after Benjamini–Hochberg."""
-    lines = ["| task | algorithm | paper | TaskHet: embedding vs label [95% CI] | trend in α | verdict | iid check |",
-             "|" + "---|" * 7]
+    lines = ["| task | algorithm | paper | TaskHet: embedding vs label [95% CI] | detectable (80% power) | trend in α "
+             "| verdict | iid check |", "|" + "---|" * 8]
     for row in table.itertuples():
         interval = "" if np.isnan(row.change_low) else f" [{row.change_low:+.1f}%, {row.change_high:+.1f}%]"
         algorithm = row.algorithm + (" (own models)" if row.model == "personal" else "")
@@ -254,5 +274,5 @@ def paper_markdown(table: pd.DataFrame) -> str:
         if row.verdict_after_bh != row.verdict:
             decision += f"; after BH: {row.verdict_after_bh}"
         lines.append(f"| {task} | {algorithm} | {row.paper_change} | {row.change_percent:+.1f}%{interval} "
-                     f"| {row.trend} | {decision} | {row.iid_check} |")
+                     f"| {detectable_text(row.detectable_percent)} | {row.trend} | {decision} | {row.iid_check} |")
     return "\n".join(lines)

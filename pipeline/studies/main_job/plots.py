@@ -14,15 +14,16 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from partitioning.groupings import EMBEDDING_BASED, IID_REFERENCE, LABEL_BASED
+from partitioning.groupings import EMBEDDING_BASED, IID_REFERENCE, LABEL_BASED, PROPERTY_BASED
 from utils.errors import TaskHetError
 from utils.loaders import read_csv
 from utils.plots import legend_outside, metric_unit, plt, save_figure
 from utils.statistics import NONNEGATIVE, mean_interval
 
-GROUPING_STYLE = {LABEL_BASED: ("-", "o", "C0"), EMBEDDING_BASED: ("--", "s", "C1"), IID_REFERENCE: (":", None, "grey")}
+GROUPING_STYLE = {LABEL_BASED: ("-", "o", "C0"), EMBEDDING_BASED: ("--", "s", "C1"),
+                  PROPERTY_BASED: ("-.", "^", "C2"), IID_REFERENCE: (":", None, "grey")}
 GROUPING_NAME = {LABEL_BASED: "label-based (solid)", EMBEDDING_BASED: "embedding-based (dashed)",
-                 IID_REFERENCE: "iid reference (dotted)"}
+                 PROPERTY_BASED: "property-based control (dash-dot)", IID_REFERENCE: "iid reference (dotted)"}
 BAND_NOTE = "; band: 95% interval of the mean (log scale)"
 MIN_CURVE_ROUNDS = 3  # fewer evaluated rounds draw a straight line between two points, not a curve
 LOSS_UNIT = f"({metric_unit('loss')})"

@@ -43,6 +43,7 @@ import pandas as pd
 from partitioning.groupings import EMBEDDING_BASED, LABEL_BASED
 from pipeline.studies.main_job.iid import iid_clause, iid_section, iid_table
 from pipeline.studies.main_job.learned import best_constant, learning_failures, trivial_section
+from pipeline.studies.main_job.control import control_markdown, control_sentence, control_table
 from pipeline.studies.main_job.paper import VERDICT_NOTE, headline_sentence, paper_markdown, paper_table
 from pipeline.studies.main_job.plots import plot_agreement, plot_heatmaps, plot_loss_vs_alpha, round_curves
 from utils.statistics import (CONTAINS_ZERO, TOO_FEW, ZERO_VARIANCE, Counts, adjusted_decided, direction,
@@ -278,6 +279,7 @@ def write_report(
     iid = iid_table(finals, centralized)
     failures = learning_failures(finals, centralized, trivial)
     answer = paper_table(finals, iid, did_not_learn=failures)
+    control = control_table(finals)
     meter = meter_table(meters if meters is not None else pd.DataFrame())
     spread = distance_table(distances if distances is not None else pd.DataFrame())
     plot_loss_vs_alpha(finals, out_dir / "loss_vs_alpha.png")
@@ -323,6 +325,7 @@ def write_report(
         "",
         headline_sentence(answer),
         "",
+        *([control_sentence(control), ""] if not control.empty else []),
         paper_markdown(answer),
         "",
         "*TaskHet*: the relative change of the final loss, embedding- vs label-based, paired by seed and α, mean over "
@@ -332,6 +335,7 @@ def write_report(
         "",
         RANDOMNESS_NOTE,
         "",
+        *control_markdown(control),
         f"Produced by `{command}`. Losses are the final global model's loss on the global test split{_personal_note(finals)}, "
         "mean ± std over seeds; gap % = (embedding − label) / label, from the seeds run under both partitions; "
         "the interval is the 95% paired t interval of embedding − label over seeds. A cell is *decided* (and its gap "
@@ -364,7 +368,8 @@ def write_report(
         "![cluster-label agreement](cluster_label_agreement.png)",
         "",
     ])
-    for frame, name in ((table, "report.csv"), (answer, "report_paper.csv"), (personal, "report_personal.csv"),
+    for frame, name in ((table, "report.csv"), (answer, "report_paper.csv"), (control, "report_control.csv"),
+                        (personal, "report_personal.csv"),
                         (iid, "report_iid.csv"), (meter, "report_heterogeneity.csv"),
                         (spread, "report_distances.csv")):
         frame.to_csv(out_dir / f"{name}.tmp", index=False)

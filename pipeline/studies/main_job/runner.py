@@ -3,6 +3,8 @@
 Layout under ``results/<experiment name>/`` (beside the shared folders of pipeline/runner.py)::
 
     embeddings/<task>-<key>/            step 3 (clusters.csv, diagnostics)
+    property/<task>-<key>/              step 3p (groups.csv: the positive control's bins; partition.groupings
+                                        lists property_based)
     assignments/<task|labels>/<grouping>-a<α>-s<seed>-<key>/   step 3b
     heterogeneity/<task>/<grouping>-a<α>-s<seed>-<key>/        step 3c
     federated/<task>/<grouping>/a<α>/<algorithm>/s<seed>-<key>/ step 4 run folder
@@ -18,7 +20,7 @@ import pandas as pd
 from models.tasks import get_task
 from network.algorithms.base import ALGORITHMS
 from network.run_outputs import METRICS_COLUMNS
-from partitioning.groupings import EMBEDDING_BASED, GROUPINGS, IID_REFERENCE
+from partitioning.groupings import EMBEDDING_BASED, GROUPINGS, IID_REFERENCE, PROPERTY_BASED
 from pipeline.argv import flags
 from pipeline.fingerprint import fingerprint_line
 from pipeline.pool import PoolStage
@@ -31,6 +33,7 @@ from pipeline.studies.main_job.meter import partition_distances_row
 from pipeline.studies.main_job.report import write_report
 from steps import assign as step3b
 from steps import embed as step3
+from steps import target_groups as step3p
 from steps.meter import METER_FILE
 from utils.loaders import load_json, read_csv
 from utils.stages import stage_key
@@ -66,9 +69,12 @@ class MainJob:
             model_dirs = self.centralized_models(references, root, manifest)
             cluster_dirs = {(task, seed): self.clusters(task, seed, root, manifest, model_dirs[task, seed])
                             for task, seed in references}
+            # The positive control's groups: the data's own property, with no random choice, so one per task.
+            property_dirs = ({task: self.property_groups(task, root, manifest) for task in self.config["tasks"]}
+                             if PROPERTY_BASED in self.config["partition"]["groupings"] else {})
             stages, meters = [], {}
             for combination in runs:
-                assignments = self.partition_for(combination, manifest, cluster_dirs)
+                assignments = self.partition_for(combination, manifest, cluster_dirs, property_dirs)
                 measured = (combination.task, combination.grouping, combination.alpha, combination.seed)
                 model_dir = model_dirs[combination.task, combination.seed]
                 if measured in self.metered([combination]) and measured not in meters:
@@ -84,7 +90,8 @@ class MainJob:
         n_partitions = len({partition_key(combination) for combination in runs})
         synthetic = self.config["data"]["source"] == "synthetic"
         references = len(self.config["tasks"]) * len(self.config["seeds"])  # step 2 and step 3 for each
-        return synthetic + 1 + 2 * references + n_partitions + len(self.metered(runs)) + len(runs)
+        properties = len(self.config["tasks"]) if PROPERTY_BASED in self.config["partition"]["groupings"] else 0
+        return synthetic + 1 + 2 * references + properties + n_partitions + len(self.metered(runs)) + len(runs)
 
     def metered(self, runs: list[Combination]) -> list[tuple]:
         """(task, grouping, α, seed) of every label/embedding partition step 3c measures (none when it is off)."""
@@ -120,21 +127,31 @@ class MainJob:
         return self.pipeline.step(f"step 3: embed + cluster {task} seed {seed}", stage_dir, params, step3,
                                   ["--out", str(stage_dir), *flags(params), *allowed])
 
-    def partition_for(self, combination: Combination, manifest: Path, cluster_dirs: dict[str, Path]) -> Path:
+    def property_groups(self, task: str, root: Path, manifest: Path) -> Path:
+        """Step 3p: ``task``'s samples in quantile bins of their mean target, as many bins as KMeans has clusters."""
+        params = {"task": task, "manifest": str(manifest), "data_path": str(root),
+                  "n_bins": self.config["embeddings"]["n_clusters"], "image_size": self.config["model"]["image_size"]}
+        stage_dir = self.out_dir / "property" / f"{task}-{stage_key(params, [manifest], self.out_dir)}"
+        return self.pipeline.step(f"step 3p: property bins of {task}", stage_dir, params, step3p,
+                                  ["--out", str(stage_dir), *flags(params)])
+
+    def partition_for(self, combination: Combination, manifest: Path, cluster_dirs: dict[tuple[str, int], Path],
+                      property_dirs: dict[str, Path]) -> Path:
         """Step 3b's folder of ``combination``'s partition (run once per partition key, shared by its runs)."""
         key = partition_key(combination)
         if key not in self.partitions:
             owner, grouping, alpha, seed = key
             # Label-based and iid: no --groups, so step 3b uses the manifest's family's label column.
-            groups = (str(cluster_dirs[combination.task, seed] / "clusters.csv") if grouping == EMBEDDING_BASED
-                      else None)
-            self.partitions[key] = self.assignments(owner, grouping, groups, alpha, seed, manifest)
+            groups = {EMBEDDING_BASED: lambda: cluster_dirs[combination.task, seed] / "clusters.csv",
+                      PROPERTY_BASED: lambda: property_dirs[combination.task] / "groups.csv"}.get(grouping)
+            self.partitions[key] = self.assignments(owner, grouping, None if groups is None else str(groups()), alpha,
+                                                    seed, manifest)
         return self.partitions[key]
 
     def assignments(self, owner: str, grouping: str, groups: str | None, alpha: float, seed: int, manifest: Path) -> Path:
         """Step 3b: one partition's assignments.csv."""
         params = assignment_params(self.config, grouping, alpha, seed, manifest, groups)
-        inputs = [manifest] + ([Path(groups)] if grouping == EMBEDDING_BASED else [])
+        inputs = [manifest] + ([Path(groups)] if grouping in (EMBEDDING_BASED, PROPERTY_BASED) else [])
         name = f"{grouping}-s{seed}" if grouping == IID_REFERENCE else f"{grouping}-a{alpha:g}-s{seed}"
         stage_dir = self.out_dir / "assignments" / owner / f"{name}-{stage_key(params, inputs, self.out_dir)}"
         return self.pipeline.step(f"step 3b: {name}", stage_dir, params, step3b, ["--out", str(stage_dir), *flags(params)])
