@@ -36,8 +36,10 @@ def test_the_tutorial_describes_the_demo_file_it_runs():
                                                    readme)
     assert int(buildings) == synthetic["n_buildings"] and int(views) == synthetic["n_views"]
     assert int(classes) == demo["data"]["top_k_classes"] and int(classes) * int(per_class) == synthetic["n_buildings"]
-    runs_per_cell = len(partition["groupings"]) * len(partition["alphas"]) + int(partition["iid_reference"])
-    n_runs = len(demo["tasks"]) * runs_per_cell * len(federated["algorithms"]) * len(demo["seeds"])
+    from pipeline.experiment import load_experiment
+    from pipeline.studies.main_job.config import count_combinations
+
+    n_runs = count_combinations(load_experiment(ROOT / "experiments" / "demo.yaml"))  # the control's α included
     algorithms, seeds, runs = _number(r"× (\d+) algorithms × (\d+) seeds \((\d+) federated runs\)", readme)
     assert (int(algorithms), int(seeds), int(runs)) == (len(federated["algorithms"]), len(demo["seeds"]), n_runs)
     tasks = _number(r"runs (\d+) tasks \(([a-z0-9_, ]+)\)", readme)
@@ -59,8 +61,7 @@ def test_the_tutorial_describes_the_demo_file_it_runs():
     rounds = _number(r"edge_texture (\d+) rounds, keypoints2d (\d+) rounds,\s+normal (\d+) through", paper_bullet)
     assert [int(value) for value in rounds] == [per_task[task]["n_rounds"] for task in ("edge_texture", "keypoints2d", "normal")]
     assert sorted(paper["tasks"]) == sorted(task for task in per_task if task in paper_bullet)
-    cells = len(paper["partition"]["groupings"]) * len(paper["partition"]["alphas"]) + int(paper["partition"]["iid_reference"])
-    paper_runs = len(paper["tasks"]) * cells * len(paper["federated"]["algorithms"]) * len(paper["seeds"])
+    paper_runs = count_combinations(load_experiment(ROOT / "experiments" / "paper_cpu.yaml"))
     assert int(_number(r"(\d+) federated runs", paper_bullet)[0]) == paper_runs
     assert ("client_tests: test_split" in bullet) == (partition.get("client_tests") == "test_split")
     width, size = _number(r"decoder width (\d+)\) at (\d+) px", bullet)

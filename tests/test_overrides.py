@@ -131,8 +131,8 @@ def test_a_list_the_file_leaves_out_has_no_items_to_change(tmp_path):
 
 
 def test_the_last_item_of_a_list_is_changed_in_place():
-    config = load_experiment(DEMO, ["seeds[2]=7", "partition.alphas[0]=.25"])
-    assert config["seeds"] == [0, 1, 7] and config["partition"]["alphas"] == [0.25, 0.5, 2.0]
+    config = load_experiment(DEMO, ["seeds[2]=7", "partition.alphas[2]=3"])
+    assert config["seeds"] == [0, 1, 7] and config["partition"]["alphas"] == [0.1, 0.5, 3.0]
 
 
 def test_an_item_made_a_repeat_names_the_override_that_set_it():

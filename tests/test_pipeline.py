@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import yaml
@@ -216,6 +217,44 @@ def test_verdicts_do_not_depend_on_the_thread_count(tmp_path):
     assert (reports[1].gap_percent - reports[2].gap_percent).abs().max() < 1.0  # percentage points
 
 
+def nudge_by_one_ulp(checkpoint: Path) -> None:
+    """Every float weight of a step-2 checkpoint moved to the next float up (a different CPU's last bits)."""
+    import torch
+
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    state["model"] = {name: torch.nextafter(value, torch.full_like(value, float("inf"))) if value.is_floating_point()
+                      else value for name, value in state["model"].items()}
+    torch.save(state, checkpoint)
+
+
+@pytest.mark.slow
+def test_verdicts_survive_a_one_ulp_change_of_every_centralized_model(tmp_path):
+    """Another CPU trains a centralized model that differs in the last bits; the verdicts must not follow them."""
+    config = tiny_experiment(tmp_path)
+    config["tasks"] = ["edge_texture"]
+    config["seeds"] = [0, 1, 2]
+    config["data"]["synthetic"]["image_size"] = config["model"]["image_size"] = 16
+    config["heterogeneity_meter"] = False
+    experiment = write_experiment(tmp_path, config)
+    run_pipeline.main([str(experiment), "--results", str(tmp_path / "results")])
+    out = tmp_path / "results" / "tiny"
+    before = {name: pd.read_csv(out / name) for name in ("report.csv", "report_paper.csv")}
+    embeddings_before = {path.parent.name: np.load(path) for path in out.glob("embeddings/*/embeddings.npy")}
+    for checkpoint in out.glob("centralized/*/best.pt"):
+        nudge_by_one_ulp(checkpoint)
+    run_pipeline.main([str(experiment), "--results", str(tmp_path / "results")])
+    after = {name: pd.read_csv(out / name) for name in ("report.csv", "report_paper.csv")}
+    # Step 3 ran again on the nudged weights (its key hashes best.pt) and its embeddings moved.
+    embeddings_after = {path.parent.name: np.load(path) for path in out.glob("embeddings/*/embeddings.npy")}
+    fresh = [name for name in embeddings_after if name not in embeddings_before]
+    assert len(fresh) == 3
+    assert all(not np.array_equal(embeddings_after[name], old) for name in fresh for old in embeddings_before.values()
+               if old.shape == embeddings_after[name].shape)
+    assert len(after["report_paper.csv"]) > 0
+    for name in before:
+        assert list(before[name].verdict) == list(after[name].verdict), name
+
+
 def assert_every_seed_draws_its_own_reference_and_clusters(out: Path, seeds: list[int]) -> None:
     """One step-2 model and one clustering per seed, and each seed's embedding-based partitions built from the
     clusters of that seed's model (so the intervals over seeds cover the centralized model and KMeans too)."""
@@ -318,3 +357,39 @@ def test_embeddings_allow_untrained_reaches_step_3_as_a_flag_not_a_stage_key(tmp
     (off_dir, off_params, off_argv), (on_dir, on_params, on_argv) = called[False], called[True]
     assert (on_dir, on_params) == (off_dir, off_params) and "allow_untrained" not in on_params
     assert "--allow_untrained" not in off_argv and on_argv == [*off_argv, "--allow_untrained"]
+
+
+@pytest.mark.slow
+def test_the_positive_control_partitions_by_the_target_property_and_reports_apart(tmp_path):
+    config = tiny_experiment(tmp_path)
+    config["tasks"] = ["edge_texture"]
+    config["seeds"] = [0, 1, 2]
+    config["data"]["synthetic"]["image_size"] = config["model"]["image_size"] = 16
+    config["heterogeneity_meter"] = False
+    config["partition"]["groupings"] = ["label_based", "embedding_based", "property_based"]
+    experiment = write_experiment(tmp_path, config)
+    run_pipeline.main([str(experiment), "--results", str(tmp_path / "results")])
+    out = tmp_path / "results" / "tiny"
+    property_dirs = list(out.glob("property/edge_texture-*"))
+    assert len(property_dirs) == 1  # the data's own property: one binning per task, no seed
+    groups = property_dirs[0] / "groups.csv"
+    partitions = sorted(out.glob("assignments/edge_texture/property_based-*"))
+    assert len(partitions) == 3  # one α, three seeds
+    for folder in partitions:
+        assert Path(json.loads((folder / "config.json").read_text())["args"]["groups"]) == groups
+    control = pd.read_csv(out / "report_control.csv")
+    assert list(control.task) == ["edge_texture"] and list(control.algorithm) == ["fedavg"]
+    assert control.n_seeds.tolist() == [3] and control.verdict.isin(["detected", "not detected"]).all()
+    report = (out / "report.md").read_text()
+    assert "## Positive control" in report and "Positive control (clients drawn from quantile bins" in report
+    # The answer's own table still compares embedding- with label-based partitions only.
+    assert set(pd.read_csv(out / "report_paper.csv").task) == {"edge_texture"}
+    assert len(pd.read_csv(out / "report.csv")) == 1
+
+
+def test_the_positive_control_needs_dense_tasks(tmp_path):
+    config = tiny_experiment(tmp_path)
+    config["tasks"] = ["class_scene"]
+    config["partition"]["groupings"] = ["label_based", "embedding_based", "property_based"]
+    with pytest.raises(TaskHetError, match="property_based.*class_scene.*classification task"):
+        load_experiment(write_experiment(tmp_path, config))
