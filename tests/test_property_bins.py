@@ -25,9 +25,10 @@ def test_a_value_on_an_edge_goes_to_the_lower_bin_and_ties_share_one():
 
 
 def test_other_rows_are_binned_by_the_reference_edges_and_renumbered_with_them():
-    # The edges come from the training values only (1..4: edge 2.5); a test value of 100 joins the top bin.
-    bins = quantile_bins([1, 2, 3, 4, 100, -5], [1, 2, 3, 4], 2)
-    assert bins.tolist() == [0, 0, 1, 1, 1, 0]
+    # The edges come from the training values only (1..4: edge 2.5, where all six values would put it at 3.5); test
+    # values of 100 and 90 join the top bin.
+    bins = quantile_bins([1, 2, 3, 4, 100, 90], [1, 2, 3, 4], 2)
+    assert bins.tolist() == [0, 0, 1, 1, 1, 1]
     # Unequal parts: 10 training values, 4 bins; edges 2.25, 4.5 and 6.75.
     reference = np.arange(10.0)
     assert np.bincount(quantile_bins(reference, reference, 4)).tolist() == [3, 2, 2, 3]
@@ -35,7 +36,7 @@ def test_other_rows_are_binned_by_the_reference_edges_and_renumbered_with_them()
 
 def test_one_bin_and_one_value():
     assert quantile_bins([5.0, -1.0], [1.0], 1).tolist() == [0, 0]
-    assert quantile_bins([5.0], [1.0, 9.0], 2).tolist() == [0]  # one value: one non-empty bin, numbered 0
+    assert quantile_bins([7.0], [1.0, 9.0], 2).tolist() == [0]  # in the upper bin, the only non-empty one: bin 0
 
 
 @pytest.mark.parametrize("values, reference, n_bins", [([1.0], [], 2), ([np.nan], [1.0], 2), ([1.0], [np.inf], 2),
