@@ -42,6 +42,17 @@ def tiny_experiment(tmp_path: Path) -> dict:
     }
 
 
+def three_seed_edges(tmp_path: Path) -> dict:
+    """The tiny experiment on edges (a task of the paper's answer) with 3 seeds, the fewest a row is decided with, at
+    16 px and without the meter (its table has no verdict)."""
+    config = tiny_experiment(tmp_path)
+    config["tasks"] = ["edge_texture"]
+    config["seeds"] = [0, 1, 2]
+    config["data"]["synthetic"]["image_size"] = config["model"]["image_size"] = 16
+    config["heterogeneity_meter"] = False
+    return config
+
+
 def write_experiment(tmp_path: Path, config: dict) -> Path:
     path = tmp_path / "experiment.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -193,11 +204,7 @@ def test_verdicts_do_not_depend_on_the_thread_count(tmp_path):
     """Floating-point sums differ with the number of threads; the report's verdicts must not."""
     import torch
 
-    config = tiny_experiment(tmp_path)
-    config["tasks"] = ["edge_texture"]  # a task of the paper's answer (class_scene is only its control)
-    config["seeds"] = [0, 1, 2]
-    config["data"]["synthetic"]["image_size"] = config["model"]["image_size"] = 16  # sums of any size differ
-    config["heterogeneity_meter"] = False  # its table has no verdict (a tenth of each pipeline here)
+    config = three_seed_edges(tmp_path)  # sums of any size differ with the thread count
     experiment = write_experiment(tmp_path, config)
     previous = torch.get_num_threads()
     try:
@@ -230,11 +237,7 @@ def nudge_by_one_ulp(checkpoint: Path) -> None:
 @pytest.mark.slow
 def test_verdicts_survive_a_one_ulp_change_of_every_centralized_model(tmp_path):
     """Another CPU trains a centralized model that differs in the last bits; the verdicts must not follow them."""
-    config = tiny_experiment(tmp_path)
-    config["tasks"] = ["edge_texture"]
-    config["seeds"] = [0, 1, 2]
-    config["data"]["synthetic"]["image_size"] = config["model"]["image_size"] = 16
-    config["heterogeneity_meter"] = False
+    config = three_seed_edges(tmp_path)
     experiment = write_experiment(tmp_path, config)
     run_pipeline.main([str(experiment), "--results", str(tmp_path / "results")])
     out = tmp_path / "results" / "tiny"
@@ -361,11 +364,7 @@ def test_embeddings_allow_untrained_reaches_step_3_as_a_flag_not_a_stage_key(tmp
 
 @pytest.mark.slow
 def test_the_positive_control_partitions_by_the_target_property_and_reports_apart(tmp_path):
-    config = tiny_experiment(tmp_path)
-    config["tasks"] = ["edge_texture"]
-    config["seeds"] = [0, 1, 2]
-    config["data"]["synthetic"]["image_size"] = config["model"]["image_size"] = 16
-    config["heterogeneity_meter"] = False
+    config = three_seed_edges(tmp_path)
     config["partition"]["groupings"] = ["label_based", "embedding_based", "property_based"]
     experiment = write_experiment(tmp_path, config)
     run_pipeline.main([str(experiment), "--results", str(tmp_path / "results")])
