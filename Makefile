@@ -67,7 +67,7 @@ demo: setup
 	$(PY) run_pipeline.py experiments/demo.yaml --jobs $(JOBS) --threads 1
 
 # The demo's question on edges, keypoints and surface normals with four algorithms, each task trained longer:
-# 30 min 19 s on a 2-core Intel Xeon with AVX-512 (2026-12-05), 55 min 38 s on a 2-core EPYC with the code of
+# 37 min 9 s on a 2-core Intel Xeon with AVX-512 (2026-12-05, with the positive control), 55 min 38 s on a 2-core EPYC with the code of
 # 2026-11-28 (docs/BENCHMARKS.md, "The full CPU set").
 paper-cpu: setup
 	$(PY) run_pipeline.py experiments/paper_cpu.yaml --jobs $(JOBS) --threads 1
