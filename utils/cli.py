@@ -253,7 +253,10 @@ DEFAULT_THREADS = 1
 
 
 def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
-    """``--progress/--no-progress`` and ``--threads``: how a step runs, never what it computes (every step script)."""
+    """``--progress/--no-progress`` and ``--threads``: how a step runs (every step script). The thread count is in no
+    stage key, yet CPU training at another count sums in another order: step 2 then ends at another model (measured:
+    a keypoints model's weights differ from epoch 1 on, its best epoch 50 against 46), while step 3's embeddings of one
+    checkpoint are bit-identical at 1 and 2 threads."""
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                         help="progress bars; none are drawn when stdout is not a terminal (a log file, a pipe): "
                              "plain progress lines are printed instead")
@@ -264,7 +267,8 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
                              "OpenMP waits when other processes share the cores: on 2 busy cores a federated round "
                              "took 8-10 s at one thread and over 200 s at torch's one thread per core. Pass more on "
                              "an idle machine with cores to spare (CPU training of a large model); recorded in "
-                             "config.json")
+                             "config.json. CPU training at another count sums in another order and ends at another "
+                             "model: compare such runs by their verdicts, not their digits")
 
 
 def add_plots_flag(parser: argparse.ArgumentParser, pictures: str, drawn_from: str = "metrics.csv") -> None:
