@@ -197,3 +197,15 @@ def test_the_search_and_the_pipeline_refuse_several_processes(digits88, tmp_path
     with pytest.raises(TaskHetError, match="run_pipeline.py runs in one process"):
         run_pipeline.main([str(ROOT / "experiments" / "digits.yaml"), "--results", str(tmp_path / "results")])
     assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("world_size, printed", [("2", ""), ("1", "after\nfinalized\n"), ("", "after\nfinalized\n")])
+def test_a_launched_rank_leaves_without_finalizing(world_size, printed):
+    """Ranks of a multi-process launch end at once (no atexit, no native teardown); a plain run goes on and exits."""
+    code = ("import atexit; from utils.cli import leave_launched_process; "
+            "atexit.register(lambda: print('finalized')); leave_launched_process(); print('after')")
+    env = {key: value for key, value in os.environ.items() if key != "WORLD_SIZE"}
+    if world_size:
+        env["WORLD_SIZE"] = world_size
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stdout) == (0, printed), result.stderr

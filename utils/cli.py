@@ -171,6 +171,25 @@ def run_main(main: Callable[[list[str] | None], object], argv: list[str] | None 
         fail(f"{error.filename}: {error.strerror or type(error).__name__}")
 
 
+def leave_launched_process() -> None:
+    """End a rank of a multi-process launch (``accelerate launch``, torchrun: ``WORLD_SIZE`` > 1) at once, without the
+    interpreter's finalization; elsewhere return.
+
+    Step 2's ranks close their process group before this, yet a rank was seen to abort as the interpreter finalized
+    ("terminate called without an active exception" from a native thread, no Python frame left: twice under load, once
+    in a CI run), failing a run whose every output was already written. Called after ``run_main`` returned, so every
+    file is closed; logs and streams are flushed first. An error leaves through ``run_main``'s own exit, not here.
+    """
+    import logging
+
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def nonnegative_int(text: str) -> int:
     """argparse type: an int in [0, 2^63-1] (bench scripts; a step's flag has its own, documented :class:`Range`)."""
     return _ANY_NONNEGATIVE_INT(text)
