@@ -22,7 +22,8 @@ import numpy as np
 import pandas as pd
 
 from partitioning.groupings import PROPERTY_BASED
-from pipeline.studies.main_job.paper import detectable, detectable_text, one_sample, relative_changes, seed_changes
+from pipeline.studies.main_job.paper import (detectable, detectable_text, one_sample, personal_algorithms,
+                                             relative_changes, seed_changes)
 from utils.statistics import adjusted_decided
 
 DETECTED, NOT_DETECTED = "detected", "not detected"
@@ -34,7 +35,7 @@ def control_table(results: pd.DataFrame) -> pd.DataFrame:
     """One row per task × algorithm run under both label- and property-based partitions (:data:`CONTROL_COLUMNS`);
     empty where the experiment has no property-based runs. ``results``: the report's finals with each run's result."""
     changes = relative_changes(results, treatment=PROPERTY_BASED)
-    personal = set(results.loc[results.get("model", pd.Series("global", index=results.index)) == "personal", "algorithm"])
+    personal = personal_algorithms(results)
     rows, differences = [], []
     for (task, algorithm), group in changes.groupby(["task", "algorithm"], sort=True):
         per_seed = seed_changes(group)["mean"].tolist()

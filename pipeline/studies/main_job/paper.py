@@ -117,6 +117,12 @@ def seed_changes(changes: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["seed", "mean", "slope", "n_alphas"])
 
 
+def personal_algorithms(results: pd.DataFrame) -> set[str]:
+    """The algorithms whose rows in ``results`` are their clients' own models (``model`` "personal"; none without the
+    column)."""
+    return set(results.loc[results.get("model", pd.Series("global", index=results.index)) == "personal", "algorithm"])
+
+
 def detectable(values: list[float]) -> float:
     """The smallest mean change detectable with 80% power over ``values`` (one per seed), from their spread."""
     spread = float(np.std(values, ddof=1)) if len(values) > 1 else float("nan")
@@ -135,7 +141,7 @@ def paper_table(results: pd.DataFrame, iid: pd.DataFrame, did_not_learn: dict[st
     its rows get role "did not learn: <why>" (a control's too) and, like controls, stay out of the headline counts."""
     did_not_learn = did_not_learn or {}
     changes = relative_changes(results)
-    personal = set(results.loc[results.get("model", pd.Series("global", index=results.index)) == "personal", "algorithm"])
+    personal = personal_algorithms(results)
     rows, differences = [], []
     for (task, algorithm), group in changes.groupby(["task", "algorithm"], sort=True):
         per_seed = seed_changes(group)

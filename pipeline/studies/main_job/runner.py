@@ -142,16 +142,18 @@ class MainJob:
         if key not in self.partitions:
             owner, grouping, alpha, seed = key
             # Label-based and iid: no --groups, so step 3b uses the manifest's family's label column.
-            groups = {EMBEDDING_BASED: lambda: cluster_dirs[combination.task, seed] / "clusters.csv",
-                      PROPERTY_BASED: lambda: property_dirs[combination.task] / "groups.csv"}.get(grouping)
-            self.partitions[key] = self.assignments(owner, grouping, None if groups is None else str(groups()), alpha,
-                                                    seed, manifest)
+            groups = None
+            if grouping == EMBEDDING_BASED:
+                groups = str(cluster_dirs[combination.task, seed] / "clusters.csv")
+            elif grouping == PROPERTY_BASED:
+                groups = str(property_dirs[combination.task] / "groups.csv")
+            self.partitions[key] = self.assignments(owner, grouping, groups, alpha, seed, manifest)
         return self.partitions[key]
 
     def assignments(self, owner: str, grouping: str, groups: str | None, alpha: float, seed: int, manifest: Path) -> Path:
         """Step 3b: one partition's assignments.csv."""
         params = assignment_params(self.config, grouping, alpha, seed, manifest, groups)
-        inputs = [manifest] + ([Path(groups)] if grouping in (EMBEDDING_BASED, PROPERTY_BASED) else [])
+        inputs = [manifest] + ([Path(groups)] if groups else [])  # a groups file's content is part of the key
         name = f"{grouping}-s{seed}" if grouping == IID_REFERENCE else f"{grouping}-a{alpha:g}-s{seed}"
         stage_dir = self.out_dir / "assignments" / owner / f"{name}-{stage_key(params, inputs, self.out_dir)}"
         return self.pipeline.step(f"step 3b: {name}", stage_dir, params, step3b, ["--out", str(stage_dir), *flags(params)])
