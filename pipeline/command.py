@@ -35,7 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "seeds=[0] grid[0].local_steps=[2] (a value is YAML, its numbers plain decimals such "
                              "as 10 or 1e-3; before or after the flags); recorded in <results>/<name>/config.json")
     parser.add_argument("--results", type=Path, default=Path("results"), help="parent folder of the experiment's outputs")
-    cli.add_runtime_flags(parser)  # --threads reaches every step; the steps draw no bars, the pipeline draws one
+    # the steps draw no bars, the pipeline draws one
+    cli.add_runtime_flags(parser, threads_help=(
+        f"torch CPU threads of the steps whose outputs are the same at any count: rendering, step 1 and step 3's "
+        f"embeddings and clusters (default: {cli.DEFAULT_THREADS}). Steps 2, 3c and 4 sum gradients, which another "
+        "count rounds otherwise, so they run one thread each whatever this says, and the answer is the same at any "
+        "--threads; their parallelism is --jobs"))
     parser.add_argument("--jobs", type=cli.ints(1, cli.MAX_WORKERS), default=None,
                         help="federated runs (and step-3c readings) at once, for experiment and study files alike. "
                              "local: each in its own worker process, worker i seeing only GPU i mod G of G visible GPUs "
@@ -62,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "are GPUs and the experiment uses them, else 0. local: checked against --jobs and the "
                                 "visible GPUs")
     executors.add_argument("--cpus_per_run", type=CPUS_PER_RUN, default=None,
-                           help="CPUs each Ray task takes (its torch threads unless --threads is given); default: 1")
+                           help="CPUs each Ray task takes (its training runs one torch thread, as locally); default: 1")
     executors.add_argument("--max_retries", type=RETRIES, default=None,
                            help=f"times Ray reruns a run whose worker or node died (it resumes from its checkpoint); "
                                 f"default: {DEFAULT_MAX_RETRIES}")

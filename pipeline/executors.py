@@ -52,7 +52,8 @@ class ExecutorSettings:
         executor: a name in :data:`EXECUTORS` (``local`` or ``ray``).
         jobs: local: worker processes (None: 1, the pipeline's own process); ray: runs in flight at most
             (None: as many as the cluster's resources allow).
-        threads: torch threads of every stage (None: torch's choice; on Ray, the run's CPUs).
+        threads: torch threads a local worker starts with (None: torch's choice); each stage then sets its own
+            from its ``--threads``, one for the pooled steps, which sum gradients (pipeline/runner.py).
         ray_address: the Ray cluster to join (``auto``, ``host:port`` or ``ray://host:port``; None: start one here).
         gpus_per_run: the share of one GPU each run takes, in (0, 1] (None: on Ray, one GPU per run where there
             are GPUs and the experiment uses them, else none; locally, the workers go round-robin over the GPUs).

@@ -47,6 +47,17 @@ from utils.run_dir import RUN_LOG, write_config
 from utils.stages import is_done, run_stage, stage_key
 
 
+# Steps 2 (training), 3c (clients' gradients) and 4 (training) sum gradients over a batch, and torch splits such a
+# sum over its threads, so another thread count rounds otherwise: measured, step 2 at 2 threads ended at another
+# keypoints model (weights differing from epoch 1, best epoch 46 against 50), 5 of the demo's 6 clusterings followed
+# it, and one headline row moved from "no effect" to "undecided". The pipeline therefore runs them on one thread
+# whatever --threads says (its parallelism is --jobs), so an experiment's answer is the same at any --threads.
+# Steps 1, 3 and 3p take --threads: their outputs are bit-identical at 1 and 2 threads (each output element is
+# one thread's sum); tests/test_pipeline.py checks both at the level of the report.
+SUMS_GRADIENTS = (step2, step3c, step4)
+GRADIENT_THREADS = 1
+
+
 @dataclass
 class Pipeline:
     """The steps of one experiment (a validated config from ``pipeline.experiment.load_experiment``), skip-if-done,
@@ -57,7 +68,7 @@ class Pipeline:
     command: str
     progress: tqdm | None = None
     jobs: int = 1  # step-4 runs at once (separate processes); 1 runs them in this process
-    threads: int | None = None  # torch threads of every step (passed as --threads, so config.json records it)
+    threads: int | None = None  # torch threads of the steps that do not sum gradients (see SUMS_GRADIENTS)
     show_progress: bool = True  # the top-level bar (run_pipeline.py --no-progress, or stdout not a terminal: off)
     executor: Executor | None = None  # where pooled stages run (pipeline/executors.py); None: the local pool of jobs
     record: dict[str, Any] | None = None  # written to out_dir/config.json once the inputs are checked (None: not)
@@ -113,7 +124,7 @@ class Pipeline:
         lines in run.log and prints one line per run, so a grid of hundreds of runs prints hundreds of lines,
         not one per round.
         """
-        shared = ["--no-progress"] + ([] if self.threads is None else ["--threads", str(self.threads)])
+        shared = ["--no-progress"] + self.thread_flags(script)
         if script in (step2, step3, step3p, step3c, step4):
             # One decoded-sample cache for the experiment: PNGs are decoded once, not once per run.
             shared += ["--cache_dir", str(self.out_dir / "cache")]
@@ -124,6 +135,13 @@ class Pipeline:
         if script in (step2, step3b, step4) and not self.config.get("run_plots", True):
             shared.append("--no-plots")
         return shared
+
+    def thread_flags(self, script: Callable) -> list[str]:
+        """``--threads`` for ``script``: the pipeline's own for the steps whose outputs are the same at any count,
+        and one thread for those that sum gradients (:data:`SUMS_GRADIENTS`), whatever ``--threads`` says."""
+        if script in SUMS_GRADIENTS:
+            return ["--threads", str(GRADIENT_THREADS)]
+        return [] if self.threads is None else ["--threads", str(self.threads)]
 
     # ----- steps -----
     def data_root(self) -> Path:

@@ -266,23 +266,24 @@ _ANY_POSITIVE_INT = ints(1, 2**63 - 1)
 # Torch CPU threads of a step unless --threads says otherwise. One: on a loaded or shared machine, torch's own
 # choice (one thread per core) spins in OpenMP waits while other processes hold the cores; measured on 2 loaded
 # cores with two step-4 runs at once, a training round took 8-10 s at one thread and 208-238 s at torch's choice
-# (docs/DESIGN.md §5, "Threads"), against at most 1.24x lost by one run alone on 2 idle cores. One thread also
-# gives the same numbers on every machine (a thread count changes float rounding).
+# (docs/DESIGN.md §5, "Threads"), against at most 1.24x lost by one run alone on 2 idle cores. A thread count
+# changes float rounding, so one count also keeps one machine's numbers the same from run to run.
 DEFAULT_THREADS = 1
 
 
-def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
-    """``--progress/--no-progress`` and ``--threads``: how a step runs (every step script). The thread count is in no
-    stage key, yet CPU training at another count sums in another order: step 2 then ends at another model (measured:
-    a keypoints model's weights differ from epoch 1 on, its best epoch 50 against 46), while step 3's embeddings of one
-    checkpoint are bit-identical at 1 and 2 threads."""
+def add_runtime_flags(parser: argparse.ArgumentParser, threads_help: str | None = None) -> None:
+    """``--progress/--no-progress`` and ``--threads``: how a step runs (every step script; ``threads_help``: another
+    help for ``--threads``). The thread count is in no stage key, yet CPU training at another count sums in another
+    order: step 2 then ends at another model (measured: a keypoints model's weights differ from epoch 1 on, its best
+    epoch 50 against 46), while step 3's embeddings of one checkpoint are bit-identical at 1 and 2 threads; the
+    pipeline therefore trains on one thread whatever its --threads (pipeline/runner.py, SUMS_GRADIENTS)."""
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                         help="progress bars; none are drawn when stdout is not a terminal (a log file, a pipe): "
                              "plain progress lines are printed instead")
     # None: not given (the pipeline then passes none on, and a Ray task may take its CPUs); apply_runtime_flags
     # reads it as DEFAULT_THREADS
     parser.add_argument("--threads", type=THREADS, default=None,
-                        help=f"torch CPU threads of this step (default: {DEFAULT_THREADS}). More threads spin in "
+                        help=threads_help or f"torch CPU threads of this step (default: {DEFAULT_THREADS}). More threads spin in "
                              "OpenMP waits when other processes share the cores: on 2 busy cores a federated round "
                              "took 8-10 s at one thread and over 200 s at torch's one thread per core. Pass more on "
                              "an idle machine with cores to spare (CPU training of a large model); recorded in "
