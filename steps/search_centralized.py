@@ -16,8 +16,9 @@ from datasets.family import load_manifest
 from models import get_task
 from steps import train_centralized as step2
 from training.schedules import list_schedulers
-from training.search import (DONE, RUN_COLUMNS, Config, aggregate, best_record, diverged, grid, long_metrics,
-                             mean_validation_curves, pick, plot_validation_accuracy, rank, summarize, write_json, write_report)
+from training.search import (DONE, RUN_COLUMNS, Config, Score, aggregate, best_record, diverged, grid, long_metrics,
+                             mean_validation_curves, pick, plot_validation_curves, rank, score_for, summarize, write_json,
+                             write_report)
 from training.selection import centralized_splits, selected_test_metrics
 from utils import cli
 from utils.errors import NonFiniteLossError, TaskHetError
@@ -30,12 +31,14 @@ Inputs: a step-1 manifest with a validation part (cifar, digits: val = 1 rows) a
 (train_centralized_task_model.py --help) but --init_lr, --weight_decay and --scheduler, which become the
 lists --lrs, --weight_decays and --schedulers (and --seeds, a list, beside step 2's --seed). Each config is
 one step-2 run per seed in --out/runs/<config>/seed<seed>/, trained on the train part and scored on the
-validation part; a finished run is skipped, an interrupted one resumes, added seeds train only themselves.
-Outputs in --out: search_runs.csv (one row per config and seed), search.csv (one row per config: mean over
-seeds and 95% t-interval of the best validation accuracy and of the epochs to come within --tolerance of it),
-best.json (the winner, whether its interval clears the runner-up's, its test numbers), report.md (epochs
-needed, whether the win is clear, the winning scheduler), metrics.csv (every run's rows), val_top1.csv and
-val_top1.png (validation accuracy per epoch, mean over seeds, one line per config), config.json, run.log."""
+validation part: a classification task by its highest validation top-1 accuracy, a dense task (edges,
+keypoints, depth, normals) by its lowest validation loss. A finished run is skipped, an interrupted one
+resumes, added seeds train only themselves. Outputs in --out: search_runs.csv (one row per config and seed),
+search.csv (one row per config: mean over seeds and 95% t-interval of the best validation score and of the
+epochs to come within --tolerance of it), best.json (the winner, whether its interval clears the runner-up's,
+its test numbers), report.md (epochs needed, whether the win is clear, the winning scheduler), metrics.csv
+(every run's rows), val_<metric>.csv and val_<metric>.png (the validation score per epoch, mean over seeds,
+one line per config; metric top1 or loss), config.json, run.log."""
 
 
 # Each config × seed is one step-2 training: the lists and their product are bounded.
@@ -71,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--schedulers", type=comma_list(scheduler_name), default=["cosine"],
         help=f"schedules, from {', '.join(list_schedulers())} (default: cosine)")
     add("--tolerance", type=cli.floats(0.0, 1.0, low_open=True), default=0.01,
-        help="'epochs needed' = first epoch within this relative distance of the best validation accuracy (default: 0.01)")
+        help="'epochs needed' = first epoch within this relative distance of the best validation score: accuracy "
+             ">= (1 - tolerance) x best, loss <= (1 + tolerance) x best (default: 0.01)")
     add("--seeds", type=comma_list(cli.SEEDS), default=None,
         help="seeds, each config trains once per seed, e.g. 0,1,2 (default: --seed alone; one seed gives no interval)")
     add("--out", type=Path, default=None,
@@ -102,13 +106,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     args.seeds, args.seed = resolve_seeds(args), None
     if args.out is None:
         args.out = Path("results/search_centralized") / args.task / f"{args.encoder}-seeds{'-'.join(map(str, args.seeds))}"
-    if get_task(args.task).kind != "classification":
-        raise TaskHetError(f"--task {args.task}: the search ranks by validation accuracy, so it needs a classification task")
     configs = grid(args.lrs, args.weight_decays, args.schedulers)
     if len(configs) * len(args.seeds) > MAX_SEARCH_RUNS:
         raise TaskHetError(f"the search would train {len(configs)} configs × {len(args.seeds)} seeds = "
                            f"{len(configs) * len(args.seeds):,} runs; at most {MAX_SEARCH_RUNS:,}")
-    _, manifest = load_manifest(args.manifest)
+    family, manifest = load_manifest(args.manifest)
+    family.check_task(args.task, f"--task (manifest {args.manifest})")  # before the folder exists
     if "val" not in centralized_splits(manifest, f"manifest {args.manifest}"):
         raise TaskHetError(f"manifest {args.manifest} has no validation part (no train row with val = 1); the search "
                            "scores on it: rerun step 1 with --val_fraction > 0 (cifar, digits)")
@@ -129,28 +132,31 @@ def search(args: argparse.Namespace, configs: list[Config]) -> pd.DataFrame:
 
 
 def _search(args: argparse.Namespace, configs: list[Config], logger) -> pd.DataFrame:
-    runs = _train_all(args, configs, logger)
+    score = score_for(get_task(args.task).kind)
+    runs = _train_all(args, configs, score, logger)
     run_table = pd.DataFrame([row for row, _ in runs], columns=list(RUN_COLUMNS))
     atomic_write_text(args.out / "search_runs.csv", run_table.to_csv(index=False))
     table = aggregate(run_table)
     atomic_write_text(args.out / "search.csv", table.to_csv(index=False))
-    winner, _ = pick(table)  # refuses a search where every config diverged
+    winner, _ = pick(table, score)  # refuses a search where every config diverged
     run_dirs = {row["seed"]: run_dir for row, run_dir in runs if row["config"] == winner["config"]}
     tests = {seed: selected_test_metrics(run_dir / "metrics.csv") for seed, run_dir in run_dirs.items()}
-    best = best_record(table, args.tolerance, run_dirs, tests)
+    best = best_record(table, args.tolerance, run_dirs, tests, score)
     by_name = {config.name: config for config in configs}
     metrics = long_metrics([(by_name[row["config"]], row["seed"], run_dir) for row, run_dir in runs if row["status"] == DONE])
     atomic_write_text(args.out / "metrics.csv", metrics.to_csv(index=False))
-    atomic_write_text(args.out / "val_top1.csv", mean_validation_curves(metrics).to_csv(index=False))
-    plot_validation_accuracy(args.out / "val_top1.csv", args.out / "val_top1.png")
+    curves = args.out / f"val_{score.metric}.csv"
+    atomic_write_text(curves, mean_validation_curves(metrics, score).to_csv(index=False))
+    plot_validation_curves(curves, curves.with_suffix(".png"), score)
     write_json(args.out / "best.json", best)
-    write_report(args.out, table, best, {"task": args.task, "manifest": args.manifest, "n_epochs": args.n_epochs, "seeds": args.seeds})
-    logger.info("best: %s (mean val top1 %.4f, win %s); %.3g epochs to within %g; wrote %s", best["config"], best["best_val_top1"],
-                best["win"], best["epochs_to_within"], args.tolerance, args.out / "report.md")
-    return rank(table)
+    write_report(args.out, table, best, {"task": args.task, "manifest": args.manifest, "n_epochs": args.n_epochs,
+                                         "seeds": args.seeds}, score)
+    logger.info("best: %s (mean val %s %.4g, win %s); %.3g epochs to within %g; wrote %s", best["config"], score.metric,
+                best[score.column], best["win"], best["epochs_to_within"], args.tolerance, args.out / "report.md")
+    return rank(table, score)
 
 
-def _train_all(args: argparse.Namespace, configs: list[Config], logger) -> list[tuple[dict, Path]]:
+def _train_all(args: argparse.Namespace, configs: list[Config], score: Score, logger) -> list[tuple[dict, Path]]:
     """Step 2 for every (config, seed), config-major; ``(search_runs.csv row, run folder)`` each."""
     searched = {key: value for key, value in vars(args).items()
                 if key not in ("lrs", "weight_decays", "schedulers", "tolerance", "seeds")}
@@ -166,8 +172,8 @@ def _train_all(args: argparse.Namespace, configs: list[Config], logger) -> list[
             runs.append((diverged(config, seed), run_dir))
             logger.warning("%s seed %d diverged, its config is ranked last: %s", config.name, seed, error)
             continue
-        runs.append((summarize(config, seed, run_dir, args.tolerance), run_dir))
+        runs.append((summarize(config, seed, run_dir, args.tolerance, score), run_dir))
         row = runs[-1][0]
-        logger.info("%s seed %d: best val top1 %.4f at epoch %d, within %g of it at epoch %d", config.name, seed,
-                    row["best_val_top1"], row["best_epoch"], args.tolerance, row["epochs_to_within"])
+        logger.info("%s seed %d: best val %s %.4g at epoch %d, within %g of it at epoch %d", config.name, seed,
+                    score.metric, row[score.column], row["best_epoch"], args.tolerance, row["epochs_to_within"])
     return runs

@@ -9,8 +9,9 @@ import pytest
 from datasets.digits import select_digits
 from steps import search_centralized as search
 from steps import train_centralized as step2
-from training.search import (CLEAR, DIVERGED, DONE, NOT_CLEAR, RUN_COLUMNS, UNKNOWN, Config, aggregate, best_record, epochs_to_within,
-                             grid, pick, rank, win_clarity, write_report)
+from training.search import (BY_LOSS, CLEAR, DIVERGED, DONE, NOT_CLEAR, RUN_COLUMNS, UNKNOWN, Config, aggregate, best_record,
+                             epochs_to_within, grid, pick, rank, score_for, win_clarity, write_report)
+from tests.fixtures import tiny_data_root, tiny_manifest  # noqa: F401  (session fixtures)
 from utils.cli import run_main
 from utils.errors import NonFiniteLossError, TaskHetError
 
@@ -215,7 +216,7 @@ def test_grid_and_epochs_to_within_by_hand():
     (("--lrs", "0.1,abc"), "argument --lrs: must be a number in (0, 1e+06], got 'abc'"),
     (("--schedulers", "cosine,cosinus"), "unknown scheduler 'cosinus'"),
     (("--init_lr", "0.1"), "unrecognized arguments: --init_lr 0.1"),
-    (("--task", "normal"), "--task normal: the search ranks by validation accuracy"),
+    (("--task", "normal"), "task 'normal' is not a task of data family 'digits'"),
     (("--seeds", "0,x"), "argument --seeds: must be an integer in [0, 2^63-1], got 'x'"),
     (("--seeds", "0,1,0"), "--seeds repeats a value: 0, 1, 0"),
     (("--seeds", "0,1", "--seed", "3"), "--seed and --seeds both given"),
@@ -233,3 +234,82 @@ def test_a_manifest_without_validation_is_refused(digits400, tmp_path):
     pd.read_csv(digits400).drop(columns="val").to_csv(manifest, index=False)
     with pytest.raises(TaskHetError, match="has no validation part .* --val_fraction"):
         search.main(argv(manifest, tmp_path / "out"))
+
+
+# ----- dense tasks: ranked by the lowest validation loss -----
+def loss_rows(config: Config, values: list[tuple[int, float | None, int]]) -> list[dict]:
+    """Stubbed search_runs.csv rows of a dense task: (seed, best_val_loss, epochs_to_within); None loss = diverged."""
+    return [{**config.columns(), "seed": seed, "best_val_top1": math.nan, "best_val_loss": math.nan if loss is None else loss,
+             "best_epoch": 5, "epochs_to_within": epochs, "epochs_done": 10, "status": DIVERGED if loss is None else DONE}
+            for seed, loss, epochs in values]
+
+
+@pytest.fixture
+def stubbed_dense_table():
+    """A dense task's search: three seeds per config, losses with round log-scale spreads; no training."""
+    low, high, tie, wild = (Config(0.01, 0.0, "none"), Config(0.1, 0.0, "none"), Config(0.003, 0.0, "none"),
+                            Config(1.0, 0.0, "none"))
+    rows = (loss_rows(high, [(0, 0.040, 4), (1, 0.050, 5), (2, 0.060, 6)])  # grid order first, mean 0.05
+            + loss_rows(low, [(0, 0.020, 4), (1, 0.030, 5), (2, 0.025, 6)])  # mean 0.025: the winner
+            + loss_rows(tie, [(0, 0.030, 3), (1, 0.020, 3), (2, 0.025, 3)])  # the same mean; later in the grid
+            + loss_rows(wild, [(0, 0.001, 1), (1, None, -1), (2, 0.001, 1)]))  # one diverged seed: ranked last
+    return aggregate(pd.DataFrame(rows, columns=list(RUN_COLUMNS)))
+
+
+def test_a_dense_task_is_ranked_by_its_lowest_validation_loss(stubbed_dense_table, tmp_path):
+    assert score_for("classification").metric == "top1" and score_for("dense") is BY_LOSS
+    table = stubbed_dense_table.set_index("config")
+    winner = table.loc["lr0.01-wd0-none"]
+    # losses: t on the log scale, so the interval never reaches below 0
+    assert winner["best_val_loss"] == pytest.approx(0.025) and math.isnan(winner["best_val_top1"])
+    assert (winner["best_val_loss_low"], winner["best_val_loss_high"]) == pytest.approx(
+        _transformed_t([0.020, 0.030, 0.025], math.log, math.exp))
+    # lowest mean first; the tie (0.025 both) keeps grid order; the diverged config last despite its 0.001
+    assert list(rank(stubbed_dense_table, BY_LOSS)["config"]) == [
+        "lr0.01-wd0-none", "lr0.003-wd0-none", "lr0.1-wd0-none", "lr1-wd0-none"]
+    best = best_record(stubbed_dense_table, 0.01, {}, {0: {"epoch": 5, "loss": 0.03}}, BY_LOSS)
+    assert best["ranked_by"] == "best_val_loss" and best["runner_up"] == "lr0.003-wd0-none" and best["win"] == NOT_CLEAR
+    report = write_report(tmp_path, stubbed_dense_table, best, {"task": "edge_texture", "manifest": "m.csv", "n_epochs": 10,
+                                                                "seeds": [0, 1, 2]}, BY_LOSS).read_text()
+    low, high = _transformed_t([0.020, 0.030, 0.025], math.log, math.exp)
+    assert f"scheduler **none**: validation loss 0.025 (95% interval {low:.4g} to {high:.4g})" in report
+    assert "Ranked by the mean over seeds of the lowest validation loss over the epochs;" in report
+    assert "best validation loss (loss <= 1.01 x best)" in report
+    assert "val_loss.csv and val_loss.png" in report
+
+
+def test_a_lower_loss_wins_clearly_only_below_the_other_interval():
+    def row(low, high, n_seeds=3):
+        return {"best_val_loss_low": low, "best_val_loss_high": high, "n_seeds": n_seeds, "n_diverged": 0}
+    assert win_clarity(row(0.02, 0.03), row(0.031, 0.05), BY_LOSS) == CLEAR
+    assert win_clarity(row(0.02, 0.03), row(0.03, 0.05), BY_LOSS) == NOT_CLEAR  # touching is not clear
+    assert win_clarity(row(0.02, 0.03), row(0.01, 0.015), BY_LOSS) == NOT_CLEAR  # the other is lower
+    assert win_clarity(row(0.02, 0.03, 2), row(0.04, 0.05), BY_LOSS) == UNKNOWN  # two seeds: too few
+
+
+def test_epochs_to_within_a_loss_by_hand():
+    # lowest 0.20 at epoch 4; 1.01 * 0.20 = 0.202: epoch 3 (0.201) is the first within 1%; epoch 0 never counts
+    loss = pd.Series([0.1, 0.5, 0.3, 0.201, 0.20], index=range(5))
+    assert epochs_to_within(loss, 0.01, higher_is_better=False) == 3
+    assert epochs_to_within(loss, 0.5, higher_is_better=False) == 2  # 0.3 <= 1.5 * 0.2
+    assert epochs_to_within(pd.Series([0.3, 0.2, 0.2], index=range(3)), 0.0, higher_is_better=False) == 1  # a tie: the first
+
+
+@pytest.mark.slow
+def test_search_runs_on_a_dense_task(tiny_data_root, tiny_manifest, tmp_path):  # noqa: F811
+    """A keypoint search on the tiny renders: 1e-7 cannot move the model in 2 epochs, 3e-3 can."""
+    out = tmp_path / "dense"
+    table = search.main(["--lrs", "0.0000001,0.003", "--schedulers", "none", "--task", "keypoints2d", "--encoder", "small_cnn",
+                         "--weights", "none", "--data_path", str(tiny_data_root), "--manifest", str(tiny_manifest),
+                         "--image_size", "32", "--n_epochs", "2", "--batch_size", "8", "--optimizer", "adamw",
+                         "--no-use_accelerator", "--no-plots", "--out", str(out)])
+    runs = pd.read_csv(out / "search_runs.csv").set_index("lr")
+    assert runs["best_val_top1"].isna().all() and (runs["status"] == "done").all()
+    assert runs.loc[0.003, "best_val_loss"] < runs.loc[1e-7, "best_val_loss"]
+    assert list(table["lr"]) == [0.003, 1e-7]
+    best = json.loads((out / "best.json").read_text())
+    assert best["lr"] == 0.003 and best["ranked_by"] == "best_val_loss" and "loss" in best["test"]
+    curves = pd.read_csv(out / "val_loss.csv")
+    assert set(curves["metric"]) == {"loss"} and set(curves["config"]) == {"lr1e-07-wd0.0001-none", "lr0.003-wd0.0001-none"}
+    assert (out / "val_loss.png").is_file() and not (out / "val_top1.csv").exists()
+    assert "validation loss" in (out / "report.md").read_text()

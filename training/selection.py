@@ -86,14 +86,20 @@ def selected_test_metrics(metrics_csv: Path) -> dict[str, float | str]:
             **dict(zip(rows["metric"], rows["value"].astype(float)))}
 
 
-def epochs_to_within(values: pd.Series, tolerance: float) -> int:
-    """The first epoch (>= 1) whose value reaches ``(1 - tolerance)`` times the best epoch's (higher is better).
+def epochs_to_within(values: pd.Series, tolerance: float, higher_is_better: bool = True) -> int:
+    """The first epoch (>= 1) whose value is within ``tolerance`` of the best epoch's: at least ``(1 - tolerance)``
+    times the highest, or, when lower is better (a loss), at most ``(1 + tolerance)`` times the lowest.
 
     Args:
         values: a metric per epoch, e.g. :func:`curve` of ``val`` ``top1``; epoch 0 (untrained) is ignored.
         tolerance: relative, e.g. 0.01 for "within 1% of the best".
+        higher_is_better: True for an accuracy, False for a loss.
     """
     trained = values[values.index >= 1]
     if trained.empty:
         raise TaskHetError("no trained epoch to measure")
-    return int(trained.index[(trained >= (1.0 - tolerance) * trained.max()).to_numpy()][0])
+    if higher_is_better:
+        reached = trained >= (1.0 - tolerance) * trained.max()
+    else:
+        reached = trained <= (1.0 + tolerance) * trained.min()
+    return int(trained.index[reached.to_numpy()][0])
