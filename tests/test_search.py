@@ -10,7 +10,7 @@ from datasets.digits import select_digits
 from steps import search_centralized as search
 from steps import train_centralized as step2
 from training.search import (BY_LOSS, CLEAR, DIVERGED, DONE, NOT_CLEAR, RUN_COLUMNS, UNKNOWN, Config, aggregate, best_record,
-                             epochs_to_within, grid, pick, rank, score_for, win_clarity, write_report)
+                             epochs_to_within, grid, pick, rank, score_for, summarize, win_clarity, write_report)
 from tests.fixtures import tiny_data_root, tiny_manifest  # noqa: F401  (session fixtures)
 from utils.cli import run_main
 from utils.errors import NonFiniteLossError, TaskHetError
@@ -293,6 +293,16 @@ def test_epochs_to_within_a_loss_by_hand():
     assert epochs_to_within(loss, 0.01, higher_is_better=False) == 3
     assert epochs_to_within(loss, 0.5, higher_is_better=False) == 2  # 0.3 <= 1.5 * 0.2
     assert epochs_to_within(pd.Series([0.3, 0.2, 0.2], index=range(3)), 0.0, higher_is_better=False) == 1  # a tie: the first
+
+
+def test_a_dense_run_is_summarized_by_its_lowest_validation_loss(tmp_path):
+    """A step-2 metrics.csv written by hand: validation loss 0.9 (untrained), 0.302, 0.3, 0.31, 0.4 at epochs 0-4."""
+    rows = [(epoch, "val", "loss", value) for epoch, value in enumerate([0.9, 0.302, 0.3, 0.31, 0.4])]
+    rows += [(epoch, "test", "loss", 0.1) for epoch in range(5)]  # the test split plays no part
+    pd.DataFrame(rows, columns=["epoch", "split", "metric", "value"]).to_csv(tmp_path / "metrics.csv", index=False)
+    row = summarize(Config(0.01, 0.0, "none"), 0, tmp_path, 0.01, BY_LOSS)
+    assert (row["best_val_loss"], row["best_epoch"], row["epochs_done"]) == (0.3, 2, 4)
+    assert row["epochs_to_within"] == 1 and math.isnan(row["best_val_top1"])  # 0.302 <= 1.01 x 0.3 = 0.303
 
 
 @pytest.mark.slow
