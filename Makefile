@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.docs_installed
 DATA ?= data/synthetic
 
-.PHONY: paper-cpu setup demo test test-kernels docs bench mutation download download-cifar clean setup-gpu gpu-check gpu-bench
+.PHONY: paper-cpu mechanism setup demo test test-kernels docs bench mutation download download-cifar clean setup-gpu gpu-check gpu-bench
 
 HOOK_STAMP := $(VENV)/.torchvision_hook
 
@@ -71,6 +71,11 @@ demo: setup
 # 2026-11-28 (docs/BENCHMARKS.md, "The full CPU set").
 paper-cpu: setup
 	$(PY) run_pipeline.py experiments/paper_cpu.yaml --jobs $(JOBS) --threads 1
+
+# When the embedding-based penalty appears: the demo's edges once per knob level, each knob moved alone toward the
+# paper's setting (docs/results/mechanism.md says what it found and how long it took).
+mechanism: setup
+	$(PY) run_pipeline.py experiments/mechanism.yaml --jobs $(JOBS) --threads 1
 
 # One pytest worker per core (pytest-xdist); tests share no temporary path, port or global state.
 # The docs requirements too: tests/test_docs_site.py builds the site strictly. The 20 slowest tests are

@@ -51,6 +51,8 @@ def describe_check(check: Any) -> str:
         return f"{describe_check(check.check)}, or null"
     if isinstance(check, schema.Mapping):
         return f"a mapping: {check.what}, e.g. {check.example}"
+    if isinstance(getattr(check, "description", None), str):  # a kind's own check that says what it accepts
+        return check.description
     raise RuntimeError(f"docsgen/experiment_keys.py cannot describe the check {check!r}: add its kind to describe_check")
 
 

@@ -72,6 +72,14 @@ class Pipeline:
     show_progress: bool = True  # the top-level bar (run_pipeline.py --no-progress, or stdout not a terminal: off)
     executor: Executor | None = None  # where pooled stages run (pipeline/executors.py); None: the local pool of jobs
     record: dict[str, Any] | None = None  # written to out_dir/config.json once the inputs are checked (None: not)
+    # Where the stage folders go (None: out_dir). A study running several main jobs (pipeline/studies/mechanism.py)
+    # gives them one, so the stages their settings share (same parameters, same stage key) run once.
+    stages_dir: Path | None = None
+
+    @property
+    def stage_root(self) -> Path:
+        """The parent of the experiment's stage folders and decoded-sample cache: ``stages_dir``, else ``out_dir``."""
+        return self.out_dir if self.stages_dir is None else self.stages_dir
 
     def step(self, name: str, stage_dir: Path, params: dict[str, Any], script: Callable, argv: list[str]) -> Path:
         """Run one script unless its stage is done; advances the top-level progress bar (without a bar: a line
@@ -127,7 +135,7 @@ class Pipeline:
         shared = ["--no-progress"] + self.thread_flags(script)
         if script in (step2, step3, step3p, step3c, step4):
             # One decoded-sample cache for the experiment: PNGs are decoded once, not once per run.
-            shared += ["--cache_dir", str(self.out_dir / "cache")]
+            shared += ["--cache_dir", str(self.stage_root / "cache")]
         if script is step4:
             shared.append("--no-round_lines")
         if script in (step2, step4) and self.config.get("tensorboard"):
@@ -188,7 +196,7 @@ class Pipeline:
                                          root / "groups.csv") if path is not None and path.is_file()]
         if data["buildings"]:
             params["taskonomy_clients_to_include"] = ",".join(data["buildings"])
-        stage_dir = self.out_dir / f"step1-{stage_key(params, inputs, self.out_dir)}"
+        stage_dir = self.stage_root / f"step1-{stage_key(params, inputs, self.stage_root)}"
         self.step("step 1: select samples", stage_dir, params, step1, ["--out", str(stage_dir), *flags(params)])
         return stage_dir / "manifest.csv"
 
@@ -206,7 +214,7 @@ class Pipeline:
             "seed": self.config["seeds"][0] if seed is None else seed,
             "use_accelerator": self.config["use_accelerator"], **self.config["model"], **self.config["centralized"],
         }
-        stage_dir = self.out_dir / "centralized" / f"{task}-{stage_key(params, [manifest], self.out_dir)}"
+        stage_dir = self.stage_root / "centralized" / f"{task}-{stage_key(params, [manifest], self.stage_root)}"
         name = f"step 2: train {task}" + ("" if seed is None else f" seed {params['seed']}")
         return PoolStage(name, stage_dir, params, ["--out", str(stage_dir), *flags(params)], script=step2.__name__)
 
@@ -218,7 +226,7 @@ class Pipeline:
                   "assignments": str(assignments / "assignments.csv"), "data_path": str(root),
                   "use_accelerator": self.config["use_accelerator"], "cache_features": self.config["model"]["cache_features"]}
         inputs = [manifest, assignments / "assignments.csv", model_dir / "best.pt"]
-        stage_dir = stage_prefix.with_name(f"{stage_prefix.name}-{stage_key(params, inputs, self.out_dir)}")
+        stage_dir = stage_prefix.with_name(f"{stage_prefix.name}-{stage_key(params, inputs, self.stage_root)}")
         return PoolStage(f"step 3c: {label}", stage_dir, params, ["--out", str(stage_dir), *flags(params)],
                          script=step3c.__name__)
 

@@ -54,6 +54,10 @@ class MainJob:
     def out_dir(self) -> Path:
         return self.pipeline.out_dir
 
+    @property
+    def stage_root(self) -> Path:
+        return self.pipeline.stage_root
+
     def run(self) -> pd.DataFrame:
         """Every step for every combination, then the report; returns the report table."""
         pipeline = self.pipeline
@@ -123,7 +127,7 @@ class MainJob:
             "checkpoint": str(model_dir / "best.pt"), "manifest": str(manifest), "data_path": str(root),
             "seed": seed, **embeddings,
         }
-        stage_dir = self.out_dir / "embeddings" / f"{task}-{stage_key(params, [manifest, model_dir / 'best.pt'], self.out_dir)}"
+        stage_dir = self.stage_root / "embeddings" / f"{task}-{stage_key(params, [manifest, model_dir / 'best.pt'], self.stage_root)}"
         return self.pipeline.step(f"step 3: embed + cluster {task} seed {seed}", stage_dir, params, step3,
                                   ["--out", str(stage_dir), *flags(params), *allowed])
 
@@ -131,7 +135,7 @@ class MainJob:
         """Step 3p: ``task``'s samples in quantile bins of their mean target, as many bins as KMeans has clusters."""
         params = {"task": task, "manifest": str(manifest), "data_path": str(root),
                   "n_bins": self.config["embeddings"]["n_clusters"], "image_size": self.config["model"]["image_size"]}
-        stage_dir = self.out_dir / "property" / f"{task}-{stage_key(params, [manifest], self.out_dir)}"
+        stage_dir = self.stage_root / "property" / f"{task}-{stage_key(params, [manifest], self.stage_root)}"
         return self.pipeline.step(f"step 3p: property bins of {task}", stage_dir, params, step3p,
                                   ["--out", str(stage_dir), *flags(params)])
 
@@ -155,7 +159,7 @@ class MainJob:
         params = assignment_params(self.config, grouping, alpha, seed, manifest, groups)
         inputs = [manifest] + ([Path(groups)] if groups else [])  # a groups file's content is part of the key
         name = f"{grouping}-s{seed}" if grouping == IID_REFERENCE else f"{grouping}-a{alpha:g}-s{seed}"
-        stage_dir = self.out_dir / "assignments" / owner / f"{name}-{stage_key(params, inputs, self.out_dir)}"
+        stage_dir = self.stage_root / "assignments" / owner / f"{name}-{stage_key(params, inputs, self.stage_root)}"
         return self.pipeline.step(f"step 3b: {name}", stage_dir, params, step3b, ["--out", str(stage_dir), *flags(params)])
 
     def meter(self, task: str, grouping: str, alpha: float, seed: int, root: Path, manifest: Path, assignments: Path,
@@ -163,7 +167,7 @@ class MainJob:
         """Step 3c's stage: G² and B² of one partition's clients at the task's centralized model (run later in the
         pool, beside the federated runs: 48 readings one after another were a minute of one core)."""
         return self.pipeline.meter_stage(f"meter {task} {grouping} α={alpha:g} seed {seed}",
-                                         self.out_dir / "heterogeneity" / task / f"{grouping}-a{alpha:g}-s{seed}",
+                                         self.stage_root / "heterogeneity" / task / f"{grouping}-a{alpha:g}-s{seed}",
                                          root, manifest, assignments, model_dir)
 
     def federated(self, combination: Combination, root: Path, manifest: Path, assignments: Path,
@@ -173,8 +177,8 @@ class MainJob:
                                   model_dir / "best.pt")
         c = combination
         partition = c.grouping if c.grouping == IID_REFERENCE else Path(c.grouping, f"a{c.alpha:g}")
-        stage_dir = (self.out_dir / "federated" / c.task / partition / c.algorithm
-                     / f"s{c.seed}-{stage_key(params, [manifest, assignments / 'assignments.csv'], self.out_dir)}")
+        stage_dir = (self.stage_root / "federated" / c.task / partition / c.algorithm
+                     / f"s{c.seed}-{stage_key(params, [manifest, assignments / 'assignments.csv'], self.stage_root)}")
         argv = ["--out", str(stage_dir), "--resume", *flags(params)]
         return PoolStage(f"step 4: {c.label()}", stage_dir, params, argv)
 

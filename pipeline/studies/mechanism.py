@@ -1,0 +1,405 @@
+"""The mechanism study: when does the embedding-based penalty appear? The main job once per knob level.
+
+A file names a main-job experiment (``base``: its keys, as a file without ``study:`` has them) and knobs, each moved
+alone from the base toward the paper's setting by overrides (``model.decoder_width=96``: the same KEY=VALUE texts
+``run_pipeline.py`` takes, with the same checks). Every setting, the base and each knob level, is a main job whose
+report lands in ``settings/<setting>/``; their stage folders share the study's folder, so a stage two settings share
+(the same parameters: the base's centralized models under a federated knob, say) runs once. The study's report
+reads each setting's answer (report_paper.csv), positive control (report_control.csv) and iid reference
+(report_iid.csv) for every task × algorithm, and says in one sentence under which knob levels the penalty appears.
+
+Layout under ``results/<name>/``: the shared stage folders (pipeline/studies/main_job/runner.py), ``settings/<setting>/``
+(each setting's main-job report), ``report.md``, ``report.csv``, ``mechanism.png``, ``config.json``, ``run.log``.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from pipeline.checks import check_input_files
+from pipeline.fingerprint import fingerprint_line
+from pipeline.overrides import apply_overrides, parse_overrides
+from pipeline.schema import ListOf, Mapping, Str, check_types
+from pipeline.sections import merge_keys
+from pipeline.studies.main_job import config as main_config
+from pipeline.studies.main_job import runner as main_runner
+from pipeline.studies.main_job.paper import CONSISTENT, PAPER, PAPER_CLAIMS, SMALLER
+from pipeline.studies.registry import MAIN_JOB, StudyKind, register
+from utils.errors import TaskHetError
+from utils.loaders import read_csv
+from utils.plots import legend_outside, plt, save_figure
+from utils.run_dir import atomic_write_text, write_config
+from utils.statistics import LEVEL
+
+NAME = "mechanism"
+SCHEMA: dict[str, Any] = {"study": NAME, "name": NAME, "base": {}, "knobs": []}
+FREE_FORM = frozenset({"base", "knobs"})  # checked here, key by key, not by the generic merge
+TYPES: dict[str, Any] = {}  # filled below, once check_knobs is defined
+HELP = {
+    "study": "the kind of study this file is: mechanism",
+    "name": "the results folder's name (results/<name>/)",
+    "base": "a main-job experiment (the keys of a file without study:): the setting every knob starts from",
+    "knobs": "the knobs, each moved alone: a list of {name, base_level, levels: [{label, set: [KEY=VALUE, ...]}]}; "
+             "set holds run_pipeline.py's overrides of the base, which meet the main job's checks",
+}
+KNOB_KEYS = {"name", "base_level", "levels"}
+LEVEL_KEYS = {"label", "set"}
+BASE_SETTING = "base"
+APPEARS = (CONSISTENT, SMALLER)  # decided above 0: the penalty is there, at the paper's size or below it
+REPORT_COLUMNS = ["knob", "level", "setting", "task", "algorithm", "paper_percent", "n_seeds", "change_percent",
+                  "change_low", "change_high", "change_p", "detectable_percent", "verdict", "decided_after_bh_map",
+                  "control_percent", "control_low", "control_high", "control_verdict", "iid_above_reference_percent",
+                  "iid_low", "iid_high"]
+
+
+# ----- the file -----
+def load(raw: dict[str, Any], source: Path) -> dict[str, Any]:
+    """Merge and check a mechanism file, and validate every setting as the main job it will run (errors name the
+    knob, the level and the override). Returns the config with ``settings``: the base first, then every knob level
+    in file order, each ``{knob, level, slug, overrides, config}``."""
+    config = merge_keys(copy.deepcopy(SCHEMA), raw, source, FREE_FORM)
+    check_types(config, source, TYPES)
+    knobs = config["knobs"]
+    base = {key: value for key, value in config["base"].items() if key != "study"}
+    settings = [{"knob": BASE_SETTING, "level": BASE_SETTING, "slug": BASE_SETTING, "overrides": [],
+                 "config": main_setting(base, [], source, "base")}]
+    for index, knob in enumerate(knobs):
+        for level in knob["levels"]:
+            where = f"knobs[{index}] ({knob['name']}), level {level['label']}"
+            settings.append({"knob": knob["name"], "level": level["label"], "slug": setting_slug(knob["name"], level["label"]),
+                             "overrides": level["set"], "config": main_setting(base, level["set"], source, where)})
+    accelerators = {setting["config"]["use_accelerator"] for setting in settings}
+    if len(accelerators) > 1:
+        raise TaskHetError(f"{source}: knobs: a knob sets use_accelerator; every setting runs on the same executor")
+    slugs = [setting["slug"] for setting in settings]
+    repeated = sorted({slug for slug in slugs if slugs.count(slug) > 1})
+    if repeated:
+        raise TaskHetError(f"{source}: knobs: two settings share the folder name {repeated[0]!r}; give the knobs or "
+                           "levels names that differ in more than case and punctuation")
+    # the executor is opened once for every setting (run_pipeline.py reads this key)
+    return {**config, "knobs": knobs, "settings": settings, "use_accelerator": accelerators.pop()}
+
+
+def check_knobs(knobs: Any, key: str = "knobs") -> list[dict[str, Any]]:
+    """The knobs list, each ``{name, base_level, levels: [{label, set}]}`` with its keys and types checked (a
+    :data:`pipeline.schema.Check`: errors name the key; a number as a level's label becomes its text)."""
+    if not isinstance(knobs, list) or not knobs:
+        raise TaskHetError(f"{key} must list at least one knob, e.g. [{{name: decoder width, base_level: '32', "
+                           f"levels: [{{label: '96', set: [model.decoder_width=96]}}]}}], got {knobs!r}")
+    checked, names = [], set()
+    for index, knob in enumerate(knobs):
+        where = f"{key}[{index}]"
+        _require_keys(knob, KNOB_KEYS, where)
+        name = Str()(knob["name"], f"{where}.name")
+        if name in names:
+            raise TaskHetError(f"{where}.name {name!r} names a knob twice")
+        names.add(name)
+        base_level = Str()(_label_text(knob["base_level"]), f"{where}.base_level")
+        if not isinstance(knob["levels"], list) or not knob["levels"]:
+            raise TaskHetError(f"{where}.levels must list at least one level {{label, set}}, got {knob['levels']!r}")
+        levels, labels = [], {base_level}
+        for position, level in enumerate(knob["levels"]):
+            level_key = f"{where}.levels[{position}]"
+            _require_keys(level, LEVEL_KEYS, level_key)
+            label = Str()(_label_text(level["label"]), f"{level_key}.label")
+            if label in labels:
+                raise TaskHetError(f"{level_key}.label {label!r} repeats a level of knob {name!r} (its base level is "
+                                   f"{base_level!r})")
+            labels.add(label)
+            levels.append({"label": label, "set": ListOf(Str())(level["set"], f"{level_key}.set")})
+        checked.append({"name": name, "base_level": base_level, "levels": levels})
+    return checked
+
+
+def _label_text(value: Any) -> Any:
+    """A level written as a YAML number (``base_level: 32``) is its text; anything else is checked as it is."""
+    return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+def _require_keys(value: Any, keys: set[str], where: str) -> None:
+    if not isinstance(value, dict):
+        raise TaskHetError(f"{where} must be a mapping with the keys {', '.join(sorted(keys))}, got {value!r}")
+    if set(value) != keys:
+        missing, unknown = sorted(keys - set(value)), sorted(set(value) - keys)
+        problem = f"lacks {', '.join(missing)}" if missing else f"has the unknown key(s) {', '.join(unknown)}"
+        raise TaskHetError(f"{where} {problem}; a knob has {', '.join(sorted(keys))}")
+
+
+@dataclass(frozen=True)
+class KnobList:
+    """The ``knobs`` key's check (a :data:`pipeline.schema.Check`), with the words the reference page prints."""
+
+    description: str = "a list (at least 1) of {name, base_level, levels: [{label, set: [KEY=VALUE, ...]}]}"
+
+    def __call__(self, value: Any, key: str) -> list[dict[str, Any]]:
+        return check_knobs(value, key)
+
+
+TYPES.update({
+    "study": Str(),
+    "name": Str(plain=True),
+    "base": Mapping(what="hold a main-job experiment's keys", example="{tasks: [edge_texture], partition: {...}, ...}"),
+    "knobs": KnobList(),
+})
+
+
+def main_setting(base: dict[str, Any], overrides: list[str], source: Path, where: str) -> dict[str, Any]:
+    """The validated main-job config of ``base`` with ``overrides`` applied (errors name ``where``)."""
+    try:
+        parsed = parse_overrides(overrides)
+        raw = apply_overrides(copy.deepcopy(base), parsed, main_config.SCHEMA, main_config.FREE_FORM)
+        config = main_config.load(raw, source)
+    except TaskHetError as error:
+        raise TaskHetError(f"{where}: {error}") from None
+    config["study"] = MAIN_JOB
+    config["overrides"] = list(overrides)
+    return config
+
+
+def setting_slug(knob: str, level: str) -> str:
+    """A setting's folder name: ``decoder_width-96`` (letters, digits, ``.`` and ``_``; the rest becomes ``_``)."""
+    def plain(text: str) -> str:
+        return re.sub(r"[^A-Za-z0-9.]+", "_", text).strip("_").lower() or "x"
+    return f"{plain(knob)}-{plain(level)}"
+
+
+# ----- the run -----
+def run(pipeline) -> pd.DataFrame:
+    """Every setting's main job, one after another, with their stages in the study's folder; then the report."""
+    config, out_dir = pipeline.config, pipeline.out_dir
+    settings = config["settings"]
+    for setting in settings:
+        check_input_files(setting["config"])
+    if pipeline.record is not None:
+        write_config(out_dir, pipeline.record)
+        pipeline.log(f"started: {pipeline.command}")
+    started = time.monotonic()
+    for number, setting in enumerate(settings, 1):
+        line = f"setting {number} of {len(settings)}: {describe(setting)}"
+        print(line, flush=True)
+        pipeline.log(line)
+        # run_pipeline.py's --tensorboard and --run_plots set these keys of the study's config: each setting takes them
+        flags = {key: config[key] for key in ("tensorboard", "run_plots") if key in config}
+        sub = replace(pipeline, config={**setting["config"], **flags}, out_dir=setting_dir(out_dir, setting),
+                      progress=None, record=None, stages_dir=pipeline.stage_root)
+        main_runner.run(sub)
+        elapsed = time.monotonic() - started
+        left = elapsed / number * (len(settings) - number)  # settings differ in cost: a rough guide
+        done = f"setting {number} of {len(settings)} done: {elapsed / 60:.1f} min elapsed, ETA {left / 60:.0f} min"
+        print(done, flush=True)
+        pipeline.log(done)
+    table = mechanism_table(config, out_dir)
+    write_report(config, out_dir, table, pipeline.command)
+    return table
+
+
+def describe(setting: dict[str, Any]) -> str:
+    if setting["knob"] == BASE_SETTING:
+        return "the base"
+    return f"{setting['knob']} = {setting['level']} ({', '.join(setting['overrides'])})"
+
+
+def setting_dir(out_dir: Path, setting: dict[str, Any]) -> Path:
+    return Path(out_dir) / "settings" / setting["slug"]
+
+
+# ----- the report -----
+def mechanism_table(config: dict[str, Any], out_dir: Path) -> pd.DataFrame:
+    """One row per setting × task × algorithm (global models), from each setting's report files
+    (:data:`REPORT_COLUMNS`); ``decided_after_bh_map``: Benjamini–Hochberg over every row of the map."""
+    rows = []
+    for setting in config["settings"]:
+        rows += setting_rows(setting, setting_dir(out_dir, setting))
+    table = pd.DataFrame(rows, columns=REPORT_COLUMNS)
+    table["decided_after_bh_map"] = decided_after_bh(table)
+    return table
+
+
+def setting_rows(setting: dict[str, Any], folder: Path) -> list[dict[str, Any]]:
+    """A setting's global-model rows of report_paper.csv, with its control and iid reference beside each."""
+    paper = read_csv(folder / "report_paper.csv", "the setting's answer table")
+    paper = paper[paper["model"] == "global"]
+    control = _indexed(folder / "report_control.csv", "the setting's positive control")
+    iid = _indexed(folder / "report_iid.csv", "the setting's iid reference")
+    rows = []
+    for row in paper.itertuples(index=False):
+        key = (row.task, row.algorithm)
+        claim = PAPER_CLAIMS.get(row.task)
+        control_row = control.get(key, {})
+        iid_row = iid.get(key, {})
+        rows.append({
+            "knob": setting["knob"], "level": setting["level"], "setting": setting["slug"], "task": row.task,
+            "algorithm": row.algorithm, "paper_percent": np.nan if claim is None or claim.size_percent is None
+            else claim.size_percent, "n_seeds": row.n_seeds, "change_percent": row.change_percent,
+            "change_low": row.change_low, "change_high": row.change_high, "change_p": row.change_p,
+            "detectable_percent": row.detectable_percent, "verdict": row.verdict, "decided_after_bh_map": False,
+            "control_percent": control_row.get("change_percent", np.nan), "control_low": control_row.get("change_low", np.nan),
+            "control_high": control_row.get("change_high", np.nan), "control_verdict": control_row.get("verdict", "not run"),
+            "iid_above_reference_percent": iid_row.get("above_centralized_percent", np.nan),
+            "iid_low": iid_row.get("above_ci_low", np.nan), "iid_high": iid_row.get("above_ci_high", np.nan)})
+    return rows
+
+
+def _indexed(path: Path, what: str) -> dict[tuple[str, str], dict[str, Any]]:
+    """(task, algorithm) -> the global-model row of a report file; empty when the setting did not write it."""
+    if not path.is_file():
+        return {}
+    frame = read_csv(path, what)
+    if "model" in frame.columns:
+        frame = frame[frame["model"] == "global"]
+    return {(row["task"], row["algorithm"]): row for row in frame.to_dict("records")}
+
+
+def decided_after_bh(table: pd.DataFrame) -> list[bool]:
+    """Which rows' changes stay decided (interval off 0) after Benjamini–Hochberg over the whole map."""
+    if table.empty:
+        return []
+    from scipy import stats  # slow to import; only the report needs it
+
+    p_values = table["change_p"].fillna(1.0).clip(0.0, 1.0).to_numpy(dtype=float)
+    adjusted = stats.false_discovery_control(p_values, method="bh")
+    decided = (table["change_low"] > 0) | (table["change_high"] < 0)
+    return [bool(is_decided and value <= 1 - LEVEL) for is_decided, value in zip(decided, adjusted)]
+
+
+def conclusion(table: pd.DataFrame) -> str:
+    """The study's answer in one sentence: under which knob levels the penalty appears (decided above 0 and still
+    decided after Benjamini–Hochberg over the map), or that it appears under none."""
+    appears = table[table["verdict"].isin(APPEARS) & table["decided_after_bh_map"]]
+    moved = table[table["knob"] != BASE_SETTING]
+    knobs = list(dict.fromkeys(moved["knob"]))
+    if appears.empty:
+        return (f"On this data the embedding-based penalty appears under none of these settings (the base and "
+                f"{len(knobs)} knob(s) moved alone: {', '.join(knobs)}): no change is decided above 0 after "
+                "Benjamini–Hochberg over the map.")
+    parts = [f"{'the base' if row.knob == BASE_SETTING else f'{row.knob} = {row.level}'} "
+             f"({row.task}, {row.algorithm}: {row.change_percent:+.1f}% [{row.change_low:+.1f}%, {row.change_high:+.1f}%])"
+             for row in appears.itertuples(index=False)]
+    return f"On this data the embedding-based penalty appears when {'; '.join(parts)}; under the other settings it does not."
+
+
+def control_sentence(table: pd.DataFrame) -> str:
+    """Where the positive control was detected: the settings that could show a penalty of its size at all."""
+    detected = table[table["control_verdict"].astype(str).str.startswith("detected")]
+    ran = table[table["control_verdict"] != "not run"]
+    if ran.empty:
+        return "No setting ran the positive control (partition.groupings without property_based)."
+    if detected.empty:
+        return (f"The positive control was detected in none of its {len(ran)} rows: no setting here shows that it "
+                "could detect a partition penalty of the control's size.")
+    settings = list(dict.fromkeys(f"{'the base' if row.knob == BASE_SETTING else f'{row.knob} = {row.level}'}"
+                                  for row in detected.itertuples(index=False)))
+    return f"The positive control was detected in {len(detected)} of its {len(ran)} rows: {', '.join(settings)}."
+
+
+def write_report(config: dict[str, Any], out_dir: Path, table: pd.DataFrame, command: str) -> None:
+    """report.csv, mechanism.png and report.md."""
+    out_dir = Path(out_dir)
+    atomic_write_text(out_dir / "report.csv", table.to_csv(index=False))
+    plot_map(table, out_dir / "mechanism.png")
+    lines = [
+        f"# When does the embedding-based penalty appear? ({config['name']})",
+        "",
+        fingerprint_line(config),
+        "",
+        f"Command: `{command}`",
+        "",
+        conclusion(table),
+        "",
+        control_sentence(table),
+        "",
+        f"Each knob moves alone from the base toward the paper's setting ({PAPER}); every setting is a main job "
+        "(its whole report in `settings/<setting>/report.md`). *Change*: the embedding-based federated loss against the "
+        "label-based one at the same α, with its 95% interval over seeds, pooled over the setting's α values; every "
+        "seed redraws the centralized model, the clusters, the partition and the federated run. *Detectable*: the "
+        "smallest change the seeds detect with 80% power. *After BH*: still decided after Benjamini–Hochberg over "
+        "every row of this map. *Control*: the property-based partition against the label-based one. *iid above "
+        "reference*: how far the iid federation ends above the trained centralized reference.",
+        "",
+        "![the change per knob level](mechanism.png)",
+        "",
+        map_markdown(table),
+        "",
+        "The knobs (overrides of the base):",
+        "",
+        *[f"- **{knob['name']}**: base {knob['base_level']}; "
+          + "; ".join(f"{level['label']}: `{' '.join(level['set'])}`" for level in knob["levels"])
+          for knob in config["knobs"]],
+        "",
+        "Files: report.csv (this table), mechanism.png, settings/<setting>/ (each setting's main-job report), "
+        "config.json, run.log.",
+        "",
+    ]
+    atomic_write_text(out_dir / "report.md", "\n".join(lines))
+
+
+def map_markdown(table: pd.DataFrame) -> str:
+    def interval(mean: float, low: float, high: float) -> str:
+        return "—" if pd.isna(mean) else f"{mean:+.1f}% [{low:+.1f}%, {high:+.1f}%]"
+
+    rows = ["| knob | level | task | algorithm | change | detectable | verdict | after BH | control | iid above reference |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in table.itertuples(index=False):
+        rows.append(f"| {row.knob} | {row.level} | {row.task} | {row.algorithm} | "
+                    f"{interval(row.change_percent, row.change_low, row.change_high)} | "
+                    f"{'—' if pd.isna(row.detectable_percent) else f'±{row.detectable_percent:.1f}%'} | {row.verdict} | "
+                    f"{'yes' if row.decided_after_bh_map else 'no'} | "
+                    f"{interval(row.control_percent, row.control_low, row.control_high)} | "
+                    f"{interval(row.iid_above_reference_percent, row.iid_low, row.iid_high)} |")
+    return "\n".join(rows)
+
+
+def plot_map(table: pd.DataFrame, path: Path) -> None:
+    """One panel per algorithm: the change (and the control's) with its 95% interval at every setting, the paper's
+    size as a dashed line and 0 as a grey one."""
+    algorithms = list(dict.fromkeys(table["algorithm"]))
+    settings = list(dict.fromkeys(zip(table["knob"], table["level"])))
+    names = ["base" if knob == BASE_SETTING else f"{knob}\n= {level}" for knob, level in settings]
+    figure, axes = plt.subplots(len(algorithms), 1, figsize=(max(6.0, 1.1 * len(settings) + 2), 3.2 * len(algorithms)),
+                                squeeze=False, layout="constrained")
+    handles, labels = [], []
+    for axis, algorithm in zip(axes[:, 0], algorithms):
+        rows = table[table["algorithm"] == algorithm]
+        for offset, (column, low, high, label, style) in enumerate((
+                ("change_percent", "change_low", "change_high", "embedding- vs label-based", "o"),
+                ("control_percent", "control_low", "control_high", "control: property- vs label-based", "s"))):
+            where = [settings.index((row.knob, row.level)) + (offset - 0.5) * 0.2 for row in rows.itertuples(index=False)]
+            values = rows[column].to_numpy(dtype=float)
+            errors = np.vstack([values - rows[low].to_numpy(dtype=float), rows[high].to_numpy(dtype=float) - values])
+            drawn = axis.errorbar(where, values, yerr=np.abs(errors), fmt=style, capsize=3, label=label)
+            if label not in labels:
+                handles.append(drawn)
+                labels.append(label)
+        for size in sorted(set(rows["paper_percent"].dropna())):
+            line = axis.axhline(size, color="tab:red", linestyle="--", linewidth=1)
+            if "the paper's size" not in labels:
+                handles.append(line)
+                labels.append("the paper's size")
+        axis.axhline(0, color="grey", linewidth=0.8)
+        axis.set_xticks(range(len(settings)), names, fontsize=8)
+        axis.set_ylabel("loss change (%)")
+        axis.set_title(f"{algorithm}: {', '.join(dict.fromkeys(rows['task']))}")
+    legend_outside(figure, handles, labels, where="lower")
+    save_figure(figure, path)
+
+
+register(StudyKind(
+    name=NAME,
+    summary="the main job once per knob level, each knob moved alone toward the paper's setting: when the "
+            "embedding-based penalty appears",
+    schema=SCHEMA,
+    load=load,
+    run=run,
+    report_unit="setting × task × algorithm rows",
+    free_form=FREE_FORM,
+    types=TYPES,
+    help=HELP,
+))

@@ -1,0 +1,127 @@
+"""The mechanism study (pipeline/studies/mechanism.py): its file's checks, its report on hand-made rows, and a tiny
+run whose rows must be each setting's own main-job answers, with the stages the settings share run once."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+import run_pipeline
+from pipeline.experiment import load_experiment
+from pipeline.studies import mechanism
+from pipeline.studies.main_job.paper import CONSISTENT, NO_EFFECT, SMALLER, UNDECIDED
+from tests.test_pipeline import three_seed_edges
+from utils.errors import TaskHetError
+
+
+def mechanism_file(tmp_path: Path, knobs: list | None = None, base: dict | None = None) -> Path:
+    base = base or three_seed_edges(tmp_path)
+    base["partition"].update(groupings=["label_based", "embedding_based", "property_based"], iid_reference=True)
+    config = {"study": "mechanism", "name": "knobs", "base": base,
+              "knobs": knobs if knobs is not None else [
+                  {"name": "local steps", "base_level": 2, "levels": [{"label": "4", "set": ["federated.local_steps=4"]}]},
+                  {"name": "decoder width", "base_level": "default", "levels": [{"label": "8", "set": ["model.decoder_width=8"]}]}]}
+    path = tmp_path / "mechanism.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def test_every_setting_is_validated_as_the_main_job_it_runs(tmp_path):
+    config = load_experiment(mechanism_file(tmp_path))
+    assert [setting["slug"] for setting in config["settings"]] == ["base", "local_steps-4", "decoder_width-8"]
+    base, steps, width = (setting["config"] for setting in config["settings"])
+    assert (base["federated"]["local_steps"], steps["federated"]["local_steps"], width["federated"]["local_steps"]) == (2, 4, 2)
+    assert width["model"]["decoder_width"] == 8 and base["model"]["decoder_width"] is None
+    assert config["knobs"][0]["base_level"] == "2"  # a YAML number is a level's label too
+
+
+@pytest.mark.parametrize("knobs, message", [
+    ([], "knobs must list at least one knob"),
+    ([{"name": "x", "levels": [{"label": "a", "set": ["seeds=[0,1,2]"]}]}], r"knobs\[0\] lacks base_level"),
+    ([{"name": "x", "base_level": "1", "levels": [{"label": "a", "set": ["federated.local_step=4"]}]}],
+     r"knobs\[0\] \(x\), level a: .*federated.local_step"),
+    ([{"name": "x", "base_level": "1", "levels": [{"label": "a", "set": ["federated.local_steps=0"]}]}],
+     r"knobs\[0\] \(x\), level a: .*federated.local_steps"),
+    ([{"name": "x", "base_level": "1", "levels": [{"label": "1", "set": ["federated.local_steps=3"]}]}],
+     r"knobs\[0\].levels\[0\].label '1' repeats a level"),
+    ([{"name": "x", "base_level": "1", "levels": [{"label": "a", "set": []}]}], r"knobs\[0\].levels\[0\].set must list"),
+    ([{"name": "x", "base_level": "1", "levels": [{"label": "a", "set": ["federated.local_steps=3"]}]},
+      {"name": "x", "base_level": "1", "levels": [{"label": "b", "set": ["federated.local_steps=5"]}]}], "names a knob twice"),
+    ([{"name": "X!", "base_level": "1", "levels": [{"label": "a", "set": ["federated.local_steps=3"]}]},
+      {"name": "x", "base_level": "1", "levels": [{"label": "A", "set": ["federated.local_steps=5"]}]}],
+     "two settings share the folder name 'x-a'"),
+    ([{"name": "x", "base_level": "1", "levels": [{"label": "a", "set": ["use_accelerator=true"]}]}], "sets use_accelerator"),
+])
+def test_a_bad_knob_is_one_error_naming_it(tmp_path, knobs, message):
+    path = mechanism_file(tmp_path, knobs)
+    with pytest.raises(TaskHetError, match=message):
+        load_experiment(path)
+    with pytest.raises(TaskHetError):
+        run_pipeline.main([str(path), "--results", str(tmp_path / "results")])
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_bad_base_names_the_key(tmp_path):
+    base = three_seed_edges(tmp_path)
+    base["federated"]["n_round"] = 3
+    with pytest.raises(TaskHetError, match="base: .*federated.n_round"):
+        load_experiment(mechanism_file(tmp_path, base=base))
+
+
+def hand_rows() -> pd.DataFrame:
+    """A hand-made map: the base and two knob levels; p-values chosen so Benjamini–Hochberg over the 3 rows keeps
+    exactly the rows with adjusted p <= 0.05 (sorted 0.01, 0.04, 0.5: adjusted 0.03, 0.06, 0.5)."""
+    def row(knob, level, change, low, high, p, verdict, control="not detected"):
+        return {"knob": knob, "level": level, "setting": mechanism.setting_slug(knob, level), "task": "edge_texture",
+                "algorithm": "fedavg", "paper_percent": 60.0, "n_seeds": 3, "change_percent": change, "change_low": low,
+                "change_high": high, "change_p": p, "detectable_percent": 5.0, "verdict": verdict,
+                "decided_after_bh_map": False, "control_percent": 1.0, "control_low": -1.0, "control_high": 3.0,
+                "control_verdict": control, "iid_above_reference_percent": 50.0, "iid_low": 40.0, "iid_high": 60.0}
+    return pd.DataFrame([row("base", "base", 1.0, -2.0, 4.0, 0.5, NO_EFFECT),
+                         row("local steps", "50", 8.0, 2.0, 14.0, 0.01, SMALLER, control="detected: worse"),
+                         row("decoder width", "96", 3.0, 0.1, 5.9, 0.04, SMALLER)], columns=mechanism.REPORT_COLUMNS)
+
+
+def test_the_map_adjusts_over_all_its_rows_and_says_where_the_penalty_appears():
+    table = hand_rows()
+    # decoder width's p = 0.04 is decided alone but not after BH over the map (0.04 x 3 / 2 = 0.06)
+    assert mechanism.decided_after_bh(table) == [False, True, False]
+    table["decided_after_bh_map"] = mechanism.decided_after_bh(table)
+    assert mechanism.conclusion(table) == ("On this data the embedding-based penalty appears when local steps = 50 "
+                                           "(edge_texture, fedavg: +8.0% [+2.0%, +14.0%]); under the other settings it "
+                                           "does not.")
+    assert mechanism.control_sentence(table) == "The positive control was detected in 1 of its 3 rows: local steps = 50."
+    nowhere = table.assign(verdict=[NO_EFFECT, UNDECIDED, CONSISTENT], decided_after_bh_map=[False, False, False])
+    assert mechanism.conclusion(nowhere).startswith("On this data the embedding-based penalty appears under none of "
+                                                    "these settings (the base and 2 knob(s) moved alone: local steps, "
+                                                    "decoder width)")
+    assert mechanism.control_sentence(table.assign(control_verdict="not run")).startswith("No setting ran")
+
+
+@pytest.mark.slow
+def test_a_tiny_map_reads_each_settings_own_answer_and_shares_stages(tmp_path):
+    path = mechanism_file(tmp_path)
+    results = tmp_path / "results"
+    run_pipeline.main([str(path), "--results", str(results), "--threads", "1"])
+    out = results / "knobs"
+    table = pd.read_csv(out / "report.csv")
+    assert list(table["setting"]) == ["base", "local_steps-4", "decoder_width-8"]
+    for row in table.itertuples(index=False):  # each row is its setting's own main-job answer, control and iid check
+        own = pd.read_csv(out / "settings" / row.setting / "report_paper.csv").query("model == 'global'").iloc[0]
+        control = pd.read_csv(out / "settings" / row.setting / "report_control.csv").query("model == 'global'").iloc[0]
+        iid = pd.read_csv(out / "settings" / row.setting / "report_iid.csv").iloc[0]
+        assert (row.change_percent, row.change_low, row.verdict) == (own.change_percent, own.change_low, own.verdict)
+        assert (row.control_percent, row.control_verdict) == (control.change_percent, control.verdict)
+        assert row.iid_above_reference_percent == iid.above_centralized_percent and row.paper_percent == 60.0
+    # the local-steps level changes step 4 only: it reuses the base's 3 centralized models and clusters; the decoder
+    # width trains 3 models of its own
+    assert len(list((out / "centralized").iterdir())) == 6 and len(list((out / "embeddings").iterdir())) == 6
+    report = (out / "report.md").read_text()
+    assert mechanism.conclusion(table) in report and "![the change per knob level](mechanism.png)" in report
+    assert (out / "mechanism.png").stat().st_size > 10_000 and (out / "config.json").is_file()
+    assert "setting 3 of 3 done" in (out / "run.log").read_text()
+    assert not math.isnan(table["detectable_percent"].iloc[0])
