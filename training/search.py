@@ -318,7 +318,7 @@ def write_report(out_dir: Path, table: pd.DataFrame, best: dict, header: dict, s
         "",
         "## All configs, best first",
         "",
-        _markdown(rank(table, score)),
+        _markdown(rank(table, score).dropna(axis="columns", how="all")),  # a dense task has no accuracy columns
         "",
         "Files: search.csv (this table), search_runs.csv (one row per config and seed), best.json, metrics.csv (every "
         f"run's rows), val_{score.metric}.csv and val_{score.metric}.png ({score.words} per epoch, mean over seeds), "
