@@ -23,7 +23,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 NUMERIC_CODE = ("datasets/**/*.py", "models/**/*.py", "network/**/*.py", "partitioning/**/*.py", "steps/**/*.py",
                 "training/**/*.py", "losses.py", "utils/statistics.py", "utils/seeding.py", "utils/loaders.py",
-                "pipeline/run_results.py", "pipeline/studies/main_job/*.py", "pipeline/studies/mechanism.py")
+                "pipeline/run_results.py", "pipeline/studies/main_job/*.py")
 LINE_START = "*Fingerprints*: code `"  # how the report's line begins (tests find it by this)
 DIGITS = 16  # hex digits kept: enough that a change is never mistaken for no change
 

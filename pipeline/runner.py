@@ -72,7 +72,7 @@ class Pipeline:
     show_progress: bool = True  # the top-level bar (run_pipeline.py --no-progress, or stdout not a terminal: off)
     executor: Executor | None = None  # where pooled stages run (pipeline/executors.py); None: the local pool of jobs
     record: dict[str, Any] | None = None  # written to out_dir/config.json once the inputs are checked (None: not)
-    # Where the stage folders go (None: out_dir). A study running several main jobs (pipeline/studies/mechanism.py)
+    # Where the stage folders go (None: out_dir). A study running several main jobs (pipeline/studies/main_job/mechanism.py)
     # gives them one, so the stages their settings share (same parameters, same stage key) run once.
     stages_dir: Path | None = None
 

@@ -1,4 +1,4 @@
-"""The mechanism study (pipeline/studies/mechanism.py): its file's checks, its report on hand-made rows, and a tiny
+"""The mechanism study (pipeline/studies/main_job/mechanism.py): its file's checks, its report on hand-made rows, and a tiny
 run whose rows must be each setting's own main-job answers, with the stages the settings share run once."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import yaml
 
 import run_pipeline
 from pipeline.experiment import load_experiment
-from pipeline.studies import mechanism
+from pipeline.studies.main_job import mechanism
 from pipeline.studies.main_job.paper import CONSISTENT, NO_EFFECT, SMALLER, UNDECIDED
 from tests.test_pipeline import three_seed_edges
 from utils.errors import TaskHetError
@@ -65,6 +65,17 @@ def test_a_bad_knob_is_one_error_naming_it(tmp_path, knobs, message):
     assert not (tmp_path / "results").exists()
 
 
+def test_the_settings_together_meet_the_run_limit(tmp_path, monkeypatch):
+    from pipeline import sections
+
+    # 3 settings x (3 groupings + iid) x 3 seeds = 36 runs: a limit of 35 refuses the map, 36 lets it through
+    monkeypatch.setattr(sections, "MAX_RUNS", 35)
+    with pytest.raises(TaskHetError, match="asks for 36 federated runs"):
+        load_experiment(mechanism_file(tmp_path))
+    monkeypatch.setattr(sections, "MAX_RUNS", 36)
+    assert len(load_experiment(mechanism_file(tmp_path))["settings"]) == 3
+
+
 def test_a_bad_base_names_the_key(tmp_path):
     base = three_seed_edges(tmp_path)
     base["federated"]["n_round"] = 3
@@ -104,9 +115,11 @@ def test_the_map_adjusts_over_all_its_rows_and_says_where_the_penalty_appears():
 
 @pytest.mark.slow
 def test_a_tiny_map_reads_each_settings_own_answer_and_shares_stages(tmp_path):
-    path = mechanism_file(tmp_path)
+    base = three_seed_edges(tmp_path)
+    del base["run_plots"]  # the flag below must reach every setting: by default each run draws its curves
+    path = mechanism_file(tmp_path, base=base)
     results = tmp_path / "results"
-    run_pipeline.main([str(path), "--results", str(results), "--threads", "1"])
+    run_pipeline.main([str(path), "--results", str(results), "--threads", "1", "--no-run_plots"])
     out = results / "knobs"
     table = pd.read_csv(out / "report.csv")
     assert list(table["setting"]) == ["base", "local_steps-4", "decoder_width-8"]
@@ -124,4 +137,5 @@ def test_a_tiny_map_reads_each_settings_own_answer_and_shares_stages(tmp_path):
     assert mechanism.conclusion(table) in report and "![the change per knob level](mechanism.png)" in report
     assert (out / "mechanism.png").stat().st_size > 10_000 and (out / "config.json").is_file()
     assert "setting 3 of 3 done" in (out / "run.log").read_text()
+    assert list((out / "federated").rglob("metrics.csv")) and not list((out / "federated").rglob("curves.png"))
     assert not math.isnan(table["detectable_percent"].iloc[0])

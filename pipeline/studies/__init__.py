@@ -4,12 +4,12 @@ Each kind module registers itself in :data:`pipeline.studies.registry.STUDIES` w
 imports them all explicitly (torchvision's rule), so a new kind is one module plus one line here.
 
 * ``main_job`` (a file without ``study:``): label- vs embedding-based partitions, the paper's question.
-* ``mechanism``: the main job once per knob level, each knob moved alone (when the penalty appears).
+* ``mechanism`` (in ``main_job/``): the main job once per knob level, each knob moved alone (when the penalty appears).
 * ``fedavg_sharding``, ``sparse_finetuning``, ``fed_lt``, ``heterogeneity_toolbox``: grid studies
   (pipeline/studies/grid/: the shared grid keys, validation and runner).
 """
 
-from pipeline.studies import fed_lt, fedavg_sharding, heterogeneity_toolbox, main_job, mechanism, sparse_finetuning  # noqa: F401
+from pipeline.studies import fed_lt, fedavg_sharding, heterogeneity_toolbox, main_job, sparse_finetuning  # noqa: F401
 from pipeline.studies.registry import MAIN_JOB, STUDIES, StudyKind
 
 

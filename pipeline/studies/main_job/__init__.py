@@ -1,8 +1,11 @@
 """The main job (a file without a ``study:`` key): does an embedding-based partition hurt federated learning
 more than a label-based one at equal Dirichlet α? Steps 1–4 for every task × grouping × α × algorithm × seed,
-then the gap report (config: the file's keys; runner: the steps; report, iid, meter, plots: the report)."""
+then the gap report (config: the file's keys; runner: the steps; report, iid, meter, plots: the report).
 
-from pipeline.studies.main_job import config, runner
+The package also registers the ``mechanism`` kind (mechanism.py): the main job once per knob level, which runs this
+package's runner, so it lives here rather than importing one kind from another."""
+
+from pipeline.studies.main_job import config, mechanism, runner  # noqa: F401  (mechanism registers itself)
 from pipeline.studies.registry import MAIN_JOB, StudyKind, register
 
 register(StudyKind(

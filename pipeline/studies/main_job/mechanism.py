@@ -28,7 +28,7 @@ from pipeline.checks import check_input_files
 from pipeline.fingerprint import fingerprint_line
 from pipeline.overrides import apply_overrides, parse_overrides
 from pipeline.schema import ListOf, Mapping, Str, check_types
-from pipeline.sections import merge_keys
+from pipeline.sections import check_run_count, merge_keys
 from pipeline.studies.main_job import config as main_config
 from pipeline.studies.main_job import runner as main_runner
 from pipeline.studies.main_job.paper import CONSISTENT, PAPER, PAPER_CLAIMS, SMALLER
@@ -76,6 +76,9 @@ def load(raw: dict[str, Any], source: Path) -> dict[str, Any]:
             where = f"knobs[{index}] ({knob['name']}), level {level['label']}"
             settings.append({"knob": knob["name"], "level": level["label"], "slug": setting_slug(knob["name"], level["label"]),
                              "overrides": level["set"], "config": main_setting(base, level["set"], source, where)})
+    # every setting is a whole main job: the map's runs together meet the one limit a file has
+    check_run_count(sum(main_config.count_combinations(setting["config"]) for setting in settings), source,
+                    "the settings' main jobs together (the base and every knob level)")
     accelerators = {setting["config"]["use_accelerator"] for setting in settings}
     if len(accelerators) > 1:
         raise TaskHetError(f"{source}: knobs: a knob sets use_accelerator; every setting runs on the same executor")
