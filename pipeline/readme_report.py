@@ -8,7 +8,9 @@ docs/demo``, into a folder the report's PNG plots are copied to (committed, so t
 fresh clone). ``--sections Summary,Results`` keeps the report's opening text and only those ``##`` sections
 (the README shows the answer; the results page of the documentation shows the whole report). Nothing else of
 the file changes; without both markers it is an error, and so are a linked plot that is not there and a
-section the report lacks, before anything is written.
+section the report lacks, before anything is written. ``--block mechanism`` uses the markers
+``<!-- mechanism report: start -->`` and ``<!-- mechanism report: end -->`` instead, so one file can hold the
+reports of several experiments.
 """
 
 from __future__ import annotations
@@ -21,7 +23,21 @@ from pathlib import Path
 from utils.errors import TaskHetError
 from utils.run_dir import atomic_copy_file, atomic_write_text
 
+DEFAULT_BLOCK = "demo"
 START, END = "<!-- demo report: start -->", "<!-- demo report: end -->"
+
+
+def markers(block: str = DEFAULT_BLOCK) -> tuple[str, str]:
+    """The start and end lines of a pasted block (``demo``: :data:`START` and :data:`END`)."""
+    return f"<!-- {block} report: start -->", f"<!-- {block} report: end -->"
+
+
+def pasted_block(text: str, block: str = DEFAULT_BLOCK) -> str | None:
+    """What sits between a block's markers in ``text`` (None without both)."""
+    start, end = markers(block)
+    if text.count(start) != 1 or text.count(end) != 1 or text.index(start) > text.index(end):
+        return None
+    return text.split(start, 1)[1].split(end, 1)[0]
 IMAGE = re.compile(r"!\[([^\]]*)\]\(([^/)]+\.png)\)")  # a plot beside report.md
 
 
@@ -48,13 +64,14 @@ def readme_block(report: str, report_dir: str) -> str:
     return IMAGE.sub(rf"![\1]({report_dir}/\2)", text)
 
 
-def paste(readme: str, report: str, report_dir: str) -> str:
-    """``readme`` with the text between the markers replaced by :func:`readme_block` of ``report``."""
-    if readme.count(START) != 1 or readme.count(END) != 1 or readme.index(START) > readme.index(END):
-        raise TaskHetError(f"README: expected one {START!r} line followed by one {END!r} line")
-    before, rest = readme.split(START)
-    _, after = rest.split(END)
-    return f"{before}{START}\n\n{readme_block(report, report_dir)}\n\n{END}{after}"
+def paste(readme: str, report: str, report_dir: str, block: str = DEFAULT_BLOCK) -> str:
+    """``readme`` with the text between ``block``'s markers replaced by :func:`readme_block` of ``report``."""
+    start, end = markers(block)
+    if pasted_block(readme, block) is None:
+        raise TaskHetError(f"README: expected one {start!r} line followed by one {end!r} line")
+    before, rest = readme.split(start)
+    _, after = rest.split(end)
+    return f"{before}{start}\n\n{readme_block(report, report_dir)}\n\n{end}{after}"
 
 
 def plots(report: str, report_dir: Path) -> list[Path]:
@@ -66,6 +83,13 @@ def plots(report: str, report_dir: Path) -> list[Path]:
     return files
 
 
+def block_name(text: str) -> str:
+    """argparse type of ``--block``: a plain lower-case name (it becomes part of an HTML comment)."""
+    if not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", text):
+        raise argparse.ArgumentTypeError(f"a block is a lower-case name such as demo or mechanism, got {text!r}")
+    return text
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("report", type=Path, help="an experiment's report.md, e.g. results/demo/report.md")
@@ -75,6 +99,9 @@ def main(argv: list[str] | None = None) -> None:
                              "default: link them in the report's folder")
     parser.add_argument("--sections", type=lambda text: [name.strip() for name in text.split(",") if name.strip()],
                         default=None, help="comma-separated ## sections to keep, e.g. Summary,Results (default: all)")
+    parser.add_argument("--block", default=DEFAULT_BLOCK, type=block_name,
+                        help="the markers to paste between: <!-- BLOCK report: start --> and <!-- BLOCK report: end "
+                             f"--> (default: {DEFAULT_BLOCK})")
     args = parser.parse_args(argv)
     if not args.report.is_file():
         raise TaskHetError(f"{args.report}: no such report (run the experiment first)")
@@ -86,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     files = plots(report, args.report.parent)
     target = args.report.parent if args.images is None else args.images
     folder = Path(os.path.relpath(target.resolve(), args.readme.resolve().parent)).as_posix()
-    text = paste(args.readme.read_text(), report, folder)  # the markers are checked before any plot is copied
+    text = paste(args.readme.read_text(), report, folder, args.block)  # markers checked before any plot is copied
     if args.images is not None:
         for path in files:
             if (args.images / path.name).resolve() != path.resolve():

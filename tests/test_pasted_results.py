@@ -13,18 +13,24 @@ from pathlib import Path
 import pytest
 
 from pipeline.experiment import load_experiment
+from pipeline.readme_report import pasted_block
 from pipeline.fingerprint import (LINE_START, code_fingerprint, config_fingerprint, fingerprint_line,
                                   pasted_fingerprints)
 
 ROOT = Path(__file__).resolve().parent.parent
-PASTES = [("README.md", "experiments/demo.yaml", "make demo"),
-          ("docs/results/main-job.md", "experiments/demo.yaml", "make demo"),
-          ("docs/results/paper-cpu.md", "experiments/paper_cpu.yaml", "make paper-cpu")]
+# (page, its block of pasted report, the experiment, the command that makes the report)
+PASTES = [("README.md", "demo", "experiments/demo.yaml", "make demo"),
+          ("README.md", "mechanism", "experiments/mechanism.yaml", "make mechanism"),
+          ("docs/results/main-job.md", "demo", "experiments/demo.yaml", "make demo"),
+          ("docs/results/paper-cpu.md", "demo", "experiments/paper_cpu.yaml", "make paper-cpu"),
+          ("docs/results/mechanism.md", "demo", "experiments/mechanism.yaml", "make mechanism")]
 
 
-@pytest.mark.parametrize("page, experiment, command", PASTES)
-def test_each_pasted_answer_was_made_by_todays_code_and_experiment(page, experiment, command):
-    pasted = pasted_fingerprints((ROOT / page).read_text(encoding="utf-8"))
+@pytest.mark.parametrize("page, block, experiment, command", PASTES)
+def test_each_pasted_answer_was_made_by_todays_code_and_experiment(page, block, experiment, command):
+    pasted_text = pasted_block((ROOT / page).read_text(encoding="utf-8"), block)
+    assert pasted_text is not None, f"{page} has no {block} report block: paste its report after `{command}`"
+    pasted = pasted_fingerprints(pasted_text)
     assert pasted is not None, f"{page} carries no fingerprint line: paste its report again after `{command}`"
     today = (code_fingerprint(), config_fingerprint(load_experiment(ROOT / experiment)))
     assert pasted == today, (f"{page} was pasted from code {pasted[0]} and experiment {pasted[1]}; today's are "

@@ -194,7 +194,7 @@ def test_bad_experiment_rejected_before_any_work(tmp_path, edit, named):
 
 
 def test_shipped_experiment_files_are_valid():
-    for name in ("demo.yaml", "paper.yaml"):
+    for name in ("demo.yaml", "paper.yaml", "mechanism.yaml", "paper_mechanism.yaml"):
         config = load_experiment(ROOT / "experiments" / name)
         assert json.dumps(config)
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.readme_report import END, START, main, paste
+from pipeline.readme_report import END, START, main, markers, paste, pasted_block
 from utils.errors import TaskHetError
 
 REPORT = "# Label-based vs embedding-based heterogeneity\n\nProduced by `x`.\n\n## Summary\n\n- a\n\n![loss vs alpha](loss_vs_alpha.png)\n"
@@ -92,3 +92,20 @@ def test_a_section_the_report_lacks_is_named_and_nothing_is_written(tmp_path):
                                            r"Results, Plots"):
         main([str(report), str(readme), "--sections", "Summary,Verdicts"])
     assert readme.read_text() == f"intro\n{START}\n{END}\n"
+
+
+def test_a_second_block_is_pasted_between_its_own_markers_and_leaves_the_first(tmp_path):
+    report, readme = write_demo(tmp_path)
+    start, end = markers("mechanism")
+    assert (start, end) == ("<!-- mechanism report: start -->", "<!-- mechanism report: end -->")
+    readme.write_text(f"intro\n{start}\n{end}\nmiddle\n{START}\nthe demo's\n{END}\n")
+    main([str(report), str(readme), "--block", "mechanism", "--sections", "Summary"])
+    text = readme.read_text()
+    assert pasted_block(text, "demo") == "\nthe demo's\n"  # untouched
+    assert pasted_block(text, "mechanism") == ("\n\nProduced by `x`.\n\n#### Summary\n\n- a\n\n"
+                                               "![loss vs alpha](results/demo/loss_vs_alpha.png)\n\n")
+    with pytest.raises(TaskHetError, match="expected one '<!-- other report: start -->'"):
+        main([str(report), str(readme), "--block", "other"])
+    with pytest.raises(SystemExit):  # a block name becomes part of an HTML comment: plain names only
+        main([str(report), str(readme), "--block", "x -->"])
+    assert pasted_block("no markers", "demo") is None

@@ -315,9 +315,13 @@ def write_report(config: dict[str, Any], out_dir: Path, table: pd.DataFrame, com
         "",
         f"Command: `{command}`",
         "",
+        "## The conclusion",
+        "",
         conclusion(table),
         "",
         control_sentence(table),
+        "",
+        "## The map",
         "",
         f"Each knob moves alone from the base toward the paper's setting ({PAPER}); every setting is a main job "
         "(its whole report in `settings/<setting>/report.md`). *Change*: the embedding-based federated loss against the "
