@@ -86,9 +86,9 @@ def test_a_bad_base_names_the_key(tmp_path):
 def hand_rows() -> pd.DataFrame:
     """A hand-made map: the base and two knob levels; p-values chosen so Benjamini–Hochberg over the 3 rows keeps
     exactly the rows with adjusted p <= 0.05 (sorted 0.01, 0.04, 0.5: adjusted 0.03, 0.06, 0.5)."""
-    def row(knob, level, change, low, high, p, verdict, control="not detected"):
+    def row(knob, level, change, low, high, p, verdict, control="not detected", role="headline"):
         return {"knob": knob, "level": level, "setting": mechanism.setting_slug(knob, level), "task": "edge_texture",
-                "algorithm": "fedavg", "paper_percent": 60.0, "n_seeds": 3, "change_percent": change, "change_low": low,
+                "algorithm": "fedavg", "role": role, "paper_percent": 60.0, "n_seeds": 3, "change_percent": change, "change_low": low,
                 "change_high": high, "change_p": p, "detectable_percent": 5.0, "verdict": verdict,
                 "decided_after_bh_map": False, "control_percent": 1.0, "control_low": -1.0, "control_high": 3.0,
                 "control_verdict": control, "iid_above_reference_percent": 50.0, "iid_low": 40.0, "iid_high": 60.0}
@@ -111,6 +111,14 @@ def test_the_map_adjusts_over_all_its_rows_and_says_where_the_penalty_appears():
                                                     "these settings (the base and 2 knob(s) moved alone: local steps, "
                                                     "decoder width)")
     assert mechanism.control_sentence(table.assign(control_verdict="not run")).startswith("No setting ran")
+    # a task that did not learn at a setting says nothing there, even decided after the adjustment
+    silent = table.assign(role=["headline", "did not learn: centralized 0.02 is not 5% below zeros 0.02", "headline"])
+    assert mechanism.conclusion(silent) == (
+        "On this data the embedding-based penalty appears under none of these settings (the base and 2 knob(s) moved "
+        "alone: local steps, decoder width): no change is decided above 0 after Benjamini–Hochberg over the map; "
+        "local steps = 50 (edge_texture did not learn): that setting says nothing.")
+    assert "| local steps | 50 | edge_texture (did not learn) | fedavg | +8.0% [+2.0%, +14.0%] | ≥ 5.0% |" in (
+        mechanism.map_markdown(silent))
 
 
 @pytest.mark.slow
@@ -130,6 +138,7 @@ def test_a_tiny_map_reads_each_settings_own_answer_and_shares_stages(tmp_path):
         assert (row.change_percent, row.change_low, row.verdict) == (own.change_percent, own.change_low, own.verdict)
         assert (row.control_percent, row.control_verdict) == (control.change_percent, control.verdict)
         assert row.iid_above_reference_percent == iid.above_centralized_percent and row.paper_percent == 60.0
+        assert row.role == own.role
     # the local-steps level changes step 4 only: it reuses the base's 3 centralized models and clusters; the decoder
     # width trains 3 models of its own
     assert len(list((out / "centralized").iterdir())) == 6 and len(list((out / "embeddings").iterdir())) == 6

@@ -31,7 +31,7 @@ from pipeline.schema import ListOf, Mapping, Str, check_types
 from pipeline.sections import check_run_count, merge_keys
 from pipeline.studies.main_job import config as main_config
 from pipeline.studies.main_job import runner as main_runner
-from pipeline.studies.main_job.paper import CONSISTENT, PAPER, PAPER_CLAIMS, SMALLER
+from pipeline.studies.main_job.paper import CONSISTENT, DID_NOT_LEARN, PAPER, PAPER_CLAIMS, SMALLER
 from pipeline.studies.registry import MAIN_JOB, StudyKind, register
 from utils.errors import TaskHetError
 from utils.loaders import read_csv
@@ -54,7 +54,7 @@ KNOB_KEYS = {"name", "base_level", "levels"}
 LEVEL_KEYS = {"label", "set"}
 BASE_SETTING = "base"
 APPEARS = (CONSISTENT, SMALLER)  # decided above 0: the penalty is there, at the paper's size or below it
-REPORT_COLUMNS = ["knob", "level", "setting", "task", "algorithm", "paper_percent", "n_seeds", "change_percent",
+REPORT_COLUMNS = ["knob", "level", "setting", "task", "algorithm", "role", "paper_percent", "n_seeds", "change_percent",
                   "change_low", "change_high", "change_p", "detectable_percent", "verdict", "decided_after_bh_map",
                   "control_percent", "control_low", "control_high", "control_verdict", "iid_above_reference_percent",
                   "iid_low", "iid_high"]
@@ -240,7 +240,7 @@ def setting_rows(setting: dict[str, Any], folder: Path) -> list[dict[str, Any]]:
         iid_row = iid.get(key, {})
         rows.append({
             "knob": setting["knob"], "level": setting["level"], "setting": setting["slug"], "task": row.task,
-            "algorithm": row.algorithm, "paper_percent": np.nan if claim is None or claim.size_percent is None
+            "algorithm": row.algorithm, "role": row.role, "paper_percent": np.nan if claim is None or claim.size_percent is None
             else claim.size_percent, "n_seeds": row.n_seeds, "change_percent": row.change_percent,
             "change_low": row.change_low, "change_high": row.change_high, "change_p": row.change_p,
             "detectable_percent": row.detectable_percent, "verdict": row.verdict, "decided_after_bh_map": False,
@@ -273,20 +273,33 @@ def decided_after_bh(table: pd.DataFrame) -> list[bool]:
     return [bool(is_decided and value <= 1 - LEVEL) for is_decided, value in zip(decided, adjusted)]
 
 
+def learned(table: pd.DataFrame) -> pd.Series:
+    """Which rows' task learned at their setting (the main job's role says "did not learn: ..." otherwise)."""
+    return ~table["role"].astype(str).str.startswith(DID_NOT_LEARN)
+
+
+def setting_name(row) -> str:
+    return "the base" if row.knob == BASE_SETTING else f"{row.knob} = {row.level}"
+
+
 def conclusion(table: pd.DataFrame) -> str:
-    """The study's answer in one sentence: under which knob levels the penalty appears (decided above 0 and still
-    decided after Benjamini–Hochberg over the map), or that it appears under none."""
-    appears = table[table["verdict"].isin(APPEARS) & table["decided_after_bh_map"]]
+    """The study's answer in one sentence: under which knob levels the penalty appears (decided above 0, still
+    decided after Benjamini–Hochberg over the map, on a task that learned there), or that it appears under none;
+    the settings whose task did not learn are named as saying nothing."""
+    appears = table[table["verdict"].isin(APPEARS) & table["decided_after_bh_map"] & learned(table)]
+    silent = list(dict.fromkeys(f"{setting_name(row)} ({row.task} did not learn)"
+                                for row in table[~learned(table)].itertuples(index=False)))
+    aside = f"; {', '.join(silent)}: {'that setting says' if len(silent) == 1 else 'those settings say'} nothing" if silent else ""
     moved = table[table["knob"] != BASE_SETTING]
     knobs = list(dict.fromkeys(moved["knob"]))
     if appears.empty:
         return (f"On this data the embedding-based penalty appears under none of these settings (the base and "
                 f"{len(knobs)} knob(s) moved alone: {', '.join(knobs)}): no change is decided above 0 after "
-                "Benjamini–Hochberg over the map.")
-    parts = [f"{'the base' if row.knob == BASE_SETTING else f'{row.knob} = {row.level}'} "
-             f"({row.task}, {row.algorithm}: {row.change_percent:+.1f}% [{row.change_low:+.1f}%, {row.change_high:+.1f}%])"
-             for row in appears.itertuples(index=False)]
-    return f"On this data the embedding-based penalty appears when {'; '.join(parts)}; under the other settings it does not."
+                f"Benjamini–Hochberg over the map{aside}.")
+    parts = [f"{setting_name(row)} ({row.task}, {row.algorithm}: {row.change_percent:+.1f}% "
+             f"[{row.change_low:+.1f}%, {row.change_high:+.1f}%])" for row in appears.itertuples(index=False)]
+    return (f"On this data the embedding-based penalty appears when {'; '.join(parts)}; under the other settings it "
+            f"does not{aside}.")
 
 
 def control_sentence(table: pd.DataFrame) -> str:
@@ -298,8 +311,7 @@ def control_sentence(table: pd.DataFrame) -> str:
     if detected.empty:
         return (f"The positive control was detected in none of its {len(ran)} rows: no setting here shows that it "
                 "could detect a partition penalty of the control's size.")
-    settings = list(dict.fromkeys(f"{'the base' if row.knob == BASE_SETTING else f'{row.knob} = {row.level}'}"
-                                  for row in detected.itertuples(index=False)))
+    settings = list(dict.fromkeys(setting_name(row) for row in detected.itertuples(index=False)))
     return f"The positive control was detected in {len(detected)} of its {len(ran)} rows: {', '.join(settings)}."
 
 
@@ -329,7 +341,8 @@ def write_report(config: dict[str, Any], out_dir: Path, table: pd.DataFrame, com
         "seed redraws the centralized model, the clusters, the partition and the federated run. *Detectable*: the "
         "smallest change the seeds detect with 80% power. *After BH*: still decided after Benjamini–Hochberg over "
         "every row of this map. *Control*: the property-based partition against the label-based one. *iid above "
-        "reference*: how far the iid federation ends above the trained centralized reference.",
+        "reference*: how far the iid federation ends above the trained centralized reference. A task that did not "
+        "beat the better trivial predictor at a setting (the main job's rule) is marked and says nothing there.",
         "",
         "![the change per knob level](mechanism.png)",
         "",
@@ -355,9 +368,10 @@ def map_markdown(table: pd.DataFrame) -> str:
     rows = ["| knob | level | task | algorithm | change | detectable | verdict | after BH | control | iid above reference |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in table.itertuples(index=False):
-        rows.append(f"| {row.knob} | {row.level} | {row.task} | {row.algorithm} | "
+        task = row.task if not str(row.role).startswith(DID_NOT_LEARN) else f"{row.task} (did not learn)"
+        rows.append(f"| {row.knob} | {row.level} | {task} | {row.algorithm} | "
                     f"{interval(row.change_percent, row.change_low, row.change_high)} | "
-                    f"{'—' if pd.isna(row.detectable_percent) else f'±{row.detectable_percent:.1f}%'} | {row.verdict} | "
+                    f"{'—' if pd.isna(row.detectable_percent) else f'≥ {row.detectable_percent:.1f}%'} | {row.verdict} | "
                     f"{'yes' if row.decided_after_bh_map else 'no'} | "
                     f"{interval(row.control_percent, row.control_low, row.control_high)} | "
                     f"{interval(row.iid_above_reference_percent, row.iid_low, row.iid_high)} |")
