@@ -383,7 +383,9 @@ def plot_map(table: pd.DataFrame, path: Path) -> None:
     size as a dashed line and 0 as a grey one."""
     algorithms = list(dict.fromkeys(table["algorithm"]))
     settings = list(dict.fromkeys(zip(table["knob"], table["level"])))
-    names = ["base" if knob == BASE_SETTING else f"{knob}\n= {level}" for knob, level in settings]
+    silent = set(zip(table.loc[~learned(table), "knob"], table.loc[~learned(table), "level"]))
+    names = [("base" if knob == BASE_SETTING else f"{knob}\n= {level}") + ("\n(did not learn)" if (knob, level) in silent
+                                                                          else "") for knob, level in settings]
     figure, axes = plt.subplots(len(algorithms), 1, figsize=(max(6.0, 1.1 * len(settings) + 2), 3.2 * len(algorithms)),
                                 squeeze=False, layout="constrained")
     handles, labels = [], []
