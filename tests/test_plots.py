@@ -171,14 +171,14 @@ def test_step2_plots_have_units_and_one_legend_beside_the_panels(tmp_path, figur
 
 
 def test_the_search_title_is_not_cut_off(tmp_path, figures):
-    from training.search import plot_validation_accuracy
+    from training.search import plot_validation_curves
 
     rows = [{"config": config, "epoch": epoch, "split": "val", "metric": "top1", "value": 0.1 * epoch}
             for config in ("lr0.1-wd0-cosine", "lr0.01-wd0.0005-step") for epoch in (1, 2, 3)]
     pd.DataFrame(rows).to_csv(tmp_path / "val_top1.csv", index=False)
-    plot_validation_accuracy(tmp_path / "val_top1.csv", tmp_path / "val_top1.png")
+    plot_validation_curves(tmp_path / "val_top1.csv", tmp_path / "val_top1.png")
     figure = figures[-1]
-    assert figure.get_suptitle() == "validation top-1 accuracy per config (mean over seeds)"
+    assert figure.get_suptitle() == "validation top-1 per config (mean over seeds)"
     assert _inside(figure._suptitle, figure)
     axis = figure.axes[0]
     assert axis.get_xlabel() == "epoch" and axis.get_title() == "top1" and axis.get_ylabel() == "share of samples, 0–1"
