@@ -33,7 +33,11 @@ from utils.errors import FolderInUseError, TaskHetError
 from utils.locks import folder_lock
 from utils.run_dir import atomic_write_text
 
-CONNECT_SECONDS = 10  # a --ray_address that does not accept a TCP connection in this time is unreachable
+# A wrong --ray_address is one line within 10 s: the TCP connection, then one call to the GCS, each bounded (Ray's
+# own join retries for a minute or more, and against a port that answers another protocol for about 12 minutes).
+CONNECT_SECONDS = 4  # a --ray_address that does not accept a TCP connection in this time is unreachable
+GCS_SECONDS = 4  # ... and one whose GCS does not answer a key-value read in this time is no Ray cluster
+CLUSTER_METADATA = (b"CLUSTER_METADATA", b"cluster")  # the key and namespace where a head records its versions
 PROBE_SECONDS = 120  # every node answers the storage check within this time (a busy node starts a worker first)
 WARM_SECONDS = 60  # a warm-up task waits this long at most for the others to check in (a busy node starts late)
 WARM_FOLDER = ".ray-workers-starting"
@@ -164,6 +168,8 @@ def start_ray(ray: Any, address: str | None) -> str:
     how messages name the cluster. An address that does not answer is one line, not Ray's minute of retries."""
     if address is not None and address != "auto":
         check_reachable(address)
+        if not address.startswith("ray://"):  # the Ray Client server speaks another protocol than the GCS
+            check_gcs(address, ray.__version__)
     with warnings.catch_warnings():
         # Ray's notice that a future version leaves CUDA_VISIBLE_DEVICES alone for tasks without GPUs.
         warnings.filterwarnings("ignore", message=".*RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO.*", category=FutureWarning)
@@ -198,6 +204,38 @@ def check_reachable(address: str) -> None:
         raise TaskHetError(f"--ray_address {address}: nothing answers there ({reason}); start a cluster with "
                            "`ray start --head` and pass the address it prints, or leave --ray_address out to start "
                            "Ray on this machine") from None
+
+
+def check_gcs(address: str, ray_version: str) -> None:
+    """One line when ``address`` answers but is not a Ray head's GCS, or is the GCS of another Ray or Python version
+    (a driver and its cluster must run the same): one key-value read of the versions the head recorded, bounded by
+    :data:`GCS_SECONDS`."""
+    import json
+    import sys
+
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    key, namespace = CLUSTER_METADATA
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = gcs_service_pb2_grpc.InternalKVGcsServiceStub(channel).InternalKVGet(
+                gcs_service_pb2.InternalKVGetRequest(key=key, namespace=namespace), timeout=GCS_SECONDS)
+        except grpc.RpcError as error:
+            detail = ((error.details() or "").strip().splitlines() or [""])[0][:120]
+            raise TaskHetError(f"--ray_address {address}: something answers there, but not a Ray cluster's GCS "
+                               f"({error.code().name}: {detail}); pass the address `ray start --head` printed") from None
+    try:
+        metadata = json.loads(reply.value)
+        theirs = (str(metadata["ray_version"]), str(metadata["python_version"]))
+    except (ValueError, KeyError, TypeError):
+        raise TaskHetError(f"--ray_address {address}: the Ray cluster there recorded no Ray and Python versions; "
+                           "start it with `ray start --head` from this checkout's .venv") from None
+    ours = (ray_version, ".".join(map(str, sys.version_info[:3])))
+    if theirs[0] != ours[0] or theirs[1].split(".")[:2] != ours[1].split(".")[:2]:
+        raise TaskHetError(f"--ray_address {address}: that cluster runs Ray {theirs[0]} on Python {theirs[1]}, this "
+                           f"machine Ray {ours[0]} on Python {ours[1]}; a driver and its cluster need the same Ray and "
+                           "Python: start the cluster with this checkout's .venv/bin/ray")
 
 
 RESOURCE_SLACK = 1e-9  # Ray adds resources as floats: a node of 3 × 0.1 GPU holds a run of 0.3 GPU

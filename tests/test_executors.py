@@ -9,6 +9,7 @@ import os
 import re
 import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -210,6 +211,78 @@ def test_a_ray_address_that_does_not_answer_is_one_line(tmp_path):
                                "--ray_address", address])
     assert str(raised.value).startswith(f"--ray_address {address}: nothing answers there (Connection refused)")
     assert not (tmp_path / "results").exists()
+
+
+def join_fails_in_one_line_within_10_s(tmp_path, address: str) -> str:
+    """run_pipeline.py's line for ``address`` (the elapsed time includes importing Ray)."""
+    experiment = write_experiment(tmp_path)
+    started = time.monotonic()
+    with pytest.raises(TaskHetError) as raised:
+        run_pipeline.main([str(experiment), "--results", str(tmp_path / "results"), "--executor", "ray",
+                           "--ray_address", address])
+    assert time.monotonic() - started < 10
+    assert "\n" not in str(raised.value) and not (tmp_path / "results").exists()
+    return str(raised.value)
+
+
+def test_a_port_that_answers_http_is_no_ray_cluster_in_one_line(tmp_path):
+    pytest.importorskip("ray")
+    import http.server
+    import threading
+
+    class Quiet(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):  # no request lines on the test's stderr
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        address = f"127.0.0.1:{server.server_address[1]}"
+        line = join_fails_in_one_line_within_10_s(tmp_path, address)
+        server.shutdown()
+    assert line.startswith(f"--ray_address {address}: something answers there, but not a Ray cluster's GCS (UNAVAILABLE")
+
+
+def test_a_port_that_accepts_and_says_nothing_is_no_ray_cluster_within_the_bound(tmp_path):
+    pytest.importorskip("ray")
+    with socket.socket() as silent:  # listens, never speaks: the GCS read runs out of its time
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        line = join_fails_in_one_line_within_10_s(tmp_path, address)
+    assert line.startswith(f"--ray_address {address}: something answers there, but not a Ray cluster's GCS (")
+
+
+@pytest.mark.parametrize("recorded, says", [
+    ({"ray_version": "1.13.0", "python_version": "3.11.7"}, "that cluster runs Ray 1.13.0 on Python 3.11.7, this machine Ray"),
+    ({"ray_version": "<ours>", "python_version": "3.9.1"}, "on Python 3.9.1, this machine Ray"),
+    (None, "recorded no Ray and Python versions"),
+])
+def test_a_gcs_of_another_version_is_one_line(tmp_path, recorded, says):
+    """A gRPC server that answers the head's key-value read as a GCS does, with versions of our choosing."""
+    ray = pytest.importorskip("ray")
+    import json
+    from concurrent import futures
+
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    value = b"" if recorded is None else json.dumps(
+        {key: ray.__version__ if text == "<ours>" else text for key, text in recorded.items()}).encode()
+
+    class FakeGcs(gcs_service_pb2_grpc.InternalKVGcsServiceServicer):
+        def InternalKVGet(self, request, context):  # noqa: N802 (the service's name)
+            assert (request.key, request.namespace) == (b"CLUSTER_METADATA", b"cluster")
+            return gcs_service_pb2.InternalKVGetReply(value=value)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    gcs_service_pb2_grpc.add_InternalKVGcsServiceServicer_to_server(FakeGcs(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        line = join_fails_in_one_line_within_10_s(tmp_path, f"127.0.0.1:{port}")
+    finally:
+        server.stop(None)
+    assert says in line
 
 
 # ----- the Ray executor starts its workers together (a stand-in for ray: each task a thread) -----
