@@ -1,4 +1,4 @@
-"""The mechanism study (pipeline/studies/main_job/mechanism.py): its file's checks, its report on hand-made rows, and a tiny
+"""The mechanism study (pipeline/studies/main_job/mechanism.py and mechanism_report.py): its file's checks, its report on hand-made rows, and a tiny
 run whose rows must be each setting's own main-job answers, with the stages the settings share run once."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import yaml
 import run_pipeline
 from pipeline.experiment import load_experiment
 from pipeline.studies.main_job import mechanism
+from pipeline.studies.main_job import mechanism_report as report
 from pipeline.studies.main_job.paper import CONSISTENT, NO_EFFECT, SMALLER, UNDECIDED
 from tests.test_pipeline import three_seed_edges
 from utils.errors import TaskHetError
@@ -94,31 +95,31 @@ def hand_rows() -> pd.DataFrame:
                 "control_verdict": control, "iid_above_reference_percent": 50.0, "iid_low": 40.0, "iid_high": 60.0}
     return pd.DataFrame([row("base", "base", 1.0, -2.0, 4.0, 0.5, NO_EFFECT),
                          row("local steps", "50", 8.0, 2.0, 14.0, 0.01, SMALLER, control="detected: worse"),
-                         row("decoder width", "96", 3.0, 0.1, 5.9, 0.04, SMALLER)], columns=mechanism.REPORT_COLUMNS)
+                         row("decoder width", "96", 3.0, 0.1, 5.9, 0.04, SMALLER)], columns=report.REPORT_COLUMNS)
 
 
 def test_the_map_adjusts_over_all_its_rows_and_says_where_the_penalty_appears():
     table = hand_rows()
     # decoder width's p = 0.04 is decided alone but not after BH over the map (0.04 x 3 / 2 = 0.06)
-    assert mechanism.decided_after_bh(table) == [False, True, False]
-    table["decided_after_bh_map"] = mechanism.decided_after_bh(table)
-    assert mechanism.conclusion(table) == ("On this data the embedding-based penalty appears when local steps = 50 "
+    assert report.decided_after_bh(table) == [False, True, False]
+    table["decided_after_bh_map"] = report.decided_after_bh(table)
+    assert report.conclusion(table) == ("On this data the embedding-based penalty appears when local steps = 50 "
                                            "(edge_texture, fedavg: +8.0% [+2.0%, +14.0%]); under the other settings it "
                                            "does not.")
-    assert mechanism.control_sentence(table) == "The positive control was detected in 1 of its 3 rows: local steps = 50."
+    assert report.control_sentence(table) == "The positive control was detected in 1 of its 3 rows: local steps = 50."
     nowhere = table.assign(verdict=[NO_EFFECT, UNDECIDED, CONSISTENT], decided_after_bh_map=[False, False, False])
-    assert mechanism.conclusion(nowhere).startswith("On this data the embedding-based penalty appears under none of "
+    assert report.conclusion(nowhere).startswith("On this data the embedding-based penalty appears under none of "
                                                     "these settings (the base and 2 knob(s) moved alone: local steps, "
                                                     "decoder width)")
-    assert mechanism.control_sentence(table.assign(control_verdict="not run")).startswith("No setting ran")
+    assert report.control_sentence(table.assign(control_verdict="not run")).startswith("No setting ran")
     # a task that did not learn at a setting says nothing there, even decided after the adjustment
     silent = table.assign(role=["headline", "did not learn: centralized 0.02 is not 5% below zeros 0.02", "headline"])
-    assert mechanism.conclusion(silent) == (
+    assert report.conclusion(silent) == (
         "On this data the embedding-based penalty appears under none of these settings (the base and 2 knob(s) moved "
         "alone: local steps, decoder width): no change is decided above 0 after Benjamini–Hochberg over the map; "
         "local steps = 50 (edge_texture did not learn): that setting says nothing.")
     assert "| local steps | 50 | edge_texture (did not learn) | fedavg | +8.0% [+2.0%, +14.0%] | ≥ 5.0% |" in (
-        mechanism.map_markdown(silent))
+        report.map_markdown(silent))
 
 
 @pytest.mark.slow
@@ -142,8 +143,8 @@ def test_a_tiny_map_reads_each_settings_own_answer_and_shares_stages(tmp_path):
     # the local-steps level changes step 4 only: it reuses the base's 3 centralized models and clusters; the decoder
     # width trains 3 models of its own
     assert len(list((out / "centralized").iterdir())) == 6 and len(list((out / "embeddings").iterdir())) == 6
-    report = (out / "report.md").read_text()
-    assert mechanism.conclusion(table) in report and "![the change per knob level](mechanism.png)" in report
+    text = (out / "report.md").read_text()
+    assert report.conclusion(table) in text and "![the change per knob level](mechanism.png)" in text
     assert (out / "mechanism.png").stat().st_size > 10_000 and (out / "config.json").is_file()
     assert "setting 3 of 3 done" in (out / "run.log").read_text()
     assert list((out / "federated").rglob("metrics.csv")) and not list((out / "federated").rglob("curves.png"))
