@@ -23,8 +23,11 @@ CHECKPOINT_FILE, BEST_FILE = "checkpoint.pt", "best.pt"
 
 def run_fingerprint(algorithm: Algorithm, config: EngineConfig, client_ids: list[str]) -> dict[str, Any]:
     """What a checkpoint must match to be resumed: algorithm, settings, seed, client ids and the run's signature."""
-    return {"algorithm": algorithm.name, "settings": dataclasses.asdict(algorithm.settings), "seed": config.seed,
-            "clients": list(client_ids), "signature": dict(config.signature or {})}
+    fingerprint = {"algorithm": algorithm.name, "settings": dataclasses.asdict(algorithm.settings), "seed": config.seed,
+                   "clients": list(client_ids), "signature": dict(config.signature or {})}
+    if config.client_steps is not None:  # unequal local work changes what every round computes
+        fingerprint["client_steps"] = {str(key): int(value) for key, value in sorted(config.client_steps.items())}
+    return fingerprint
 
 
 def load_resumable(path: Path, fingerprint: dict[str, Any], frozen: FrozenEncoder | None = None) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 Everything comes from the run's metrics.csv (the source of truth) and the clients' training sizes,
 so the table can be rebuilt from a finished folder. Columns:
 
-* ``client``, ``train_samples`` (n_i);
+* ``client``, ``train_samples`` (n_i); ``local_step_budget``, the client's local steps per round, only under
+  unequal local work (network/local_work.py);
 * ``global_<metric>``, ``personal_<metric>``, ``finetuned_<metric>``: the client's ``client_test``,
   ``client_test_personal`` and ``client_test_finetuned`` rows at the last evaluated round (the global
   model, the client's own model, and after ``--finetune_steps``; empty where the run has none, e.g. a
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Mapping
 
 import pandas as pd
 
@@ -27,7 +29,8 @@ PREFIX = {CLIENT_TEST_SPLIT: "global", PERSONAL_TEST_SPLIT: "personal", FINETUNE
 TRAIN_SPLIT = "train"
 
 
-def clients_table(metrics: pd.DataFrame, client_sizes: dict[str, int]) -> pd.DataFrame:
+def clients_table(metrics: pd.DataFrame, client_sizes: dict[str, int],
+                  client_steps: Mapping[str, int] | None = None) -> pd.DataFrame:
     """The table described above from a step-4 ``metrics`` frame (columns round, split, client, metric, value).
 
     Built from plain lists, not pandas' pivot_table and joins: every step-4 run ends here, and those cost
@@ -41,6 +44,8 @@ def clients_table(metrics: pd.DataFrame, client_sizes: dict[str, int]) -> pd.Dat
         if row[2] in known:
             by_split.setdefault(row[1], []).append(row)
     columns: dict[str, list] = {"client": clients, "train_samples": list(client_sizes.values())}
+    if client_steps is not None:
+        columns["local_step_budget"] = [int(client_steps[client]) for client in clients]
     for split, prefix in PREFIX.items():
         if split in by_split:
             last = max(row[0] for row in by_split[split])
@@ -66,10 +71,11 @@ def first_values(clients: list[str], rows: list[tuple], prefix: str) -> dict[str
             for metric in sorted(first)}
 
 
-def write_clients_table(metrics_csv: Path, client_sizes: dict[str, int], out_path: Path) -> Path:
+def write_clients_table(metrics_csv: Path, client_sizes: dict[str, int], out_path: Path,
+                        client_steps: Mapping[str, int] | None = None) -> Path:
     """Read ``metrics_csv`` and write :func:`clients_table` to ``out_path`` atomically."""
     from utils.run_dir import atomic_write_text
 
     metrics = pd.read_csv(metrics_csv, dtype={"client": str})
-    atomic_write_text(Path(out_path), clients_table(metrics, client_sizes).to_csv(index=False))
+    atomic_write_text(Path(out_path), clients_table(metrics, client_sizes, client_steps).to_csv(index=False))
     return Path(out_path)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from network.diagnostics import check_diagnostics_options
+from utils.errors import TaskHetError
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class EngineConfig:
             summary line at the end (what a pipeline of hundreds of runs wants).
         vectorize_chunk: 0 trains the sampled clients one after another; C > 0 trains them in
             lock-step, C at a time (``--vectorize_clients``, network/vectorized.py).
+        client_steps: each client's own local steps per round (unequal local work, network/local_work.py); None:
+            every client takes ``local_steps``.
         plots: draw the run's pictures (``curves.png`` at the end; with diagnostics, ``diagnostics.png`` and the
             cosine heatmaps). Step 4 always draws them; a caller that reads none (a benchmark, a test of the
             numbers) may skip them: ``curves.png`` alone is about half of a tiny run's time.
@@ -69,6 +72,16 @@ class EngineConfig:
     round_lines: bool = True
     vectorize_chunk: int = 0
     plots: bool = True
+    client_steps: Mapping[str, int] | None = None
 
     def __post_init__(self) -> None:
         check_diagnostics_options(self.diagnostics_every, self.diagnostics_max_samples)
+        if self.client_steps is not None and self.vectorize_chunk:
+            raise TaskHetError("--vectorize_clients trains a chunk of clients in lock-step, step for step, so its "
+                               "clients cannot do unequal local work (--straggler_fraction, --local_steps_range)")
+
+    def local_steps_of(self, client_id: str) -> int | None:
+        """Client ``client_id``'s local steps per round (None: the budget is ``local_epochs``)."""
+        if self.client_steps is None or self.local_steps is None:
+            return self.local_steps
+        return int(self.client_steps.get(str(client_id), self.local_steps))

@@ -177,7 +177,7 @@ class SequentialEngine(RoundEvaluation):
             plot_diagnostics(self.out_dir / METRICS_FILE, self.out_dir / DIAGNOSTICS_PLOT,
                              run_title(self.algorithm.name, self.out_dir))
         write_clients_table(self.out_dir / METRICS_FILE, self.algorithm.federation.client_sizes,
-                            self.out_dir / CLIENTS_FILE)
+                            self.out_dir / CLIENTS_FILE, self.config.client_steps)
         best = (f"best global validation loss {self.best_loss:.4g} (best.pt)" if math.isfinite(self.best_loss)
                 else "no validation rows, so no best.pt")
         self.logger.info("%s: %d rounds done (%d in this call, %.1fs), %s (every round: run.log)", self.out_dir,
@@ -246,9 +246,11 @@ class SequentialEngine(RoundEvaluation):
             members = sampled[start:start + chunk]
             yield from zip(members, self._train_chunk(round_index, members, broadcast, lr))
 
-    def client_config(self, lr: float, num_samples: int) -> ClientConfig:
+    def client_config(self, lr: float, num_samples: int, client_id: str | None = None) -> ClientConfig:
+        """The round's ClientConfig for one client: its own local steps under unequal local work."""
+        steps = self.config.local_steps if client_id is None else self.config.local_steps_of(client_id)
         return ClientConfig(lr=lr, loss_fn=self.loss_fn, device=self.device, num_samples=num_samples,
-                            local_steps=self.config.local_steps, local_epochs=self.config.local_epochs,
+                            local_steps=steps, local_epochs=self.config.local_epochs,
                             momentum=self.config.momentum, weight_decay=self.config.weight_decay)
 
     # ----- pieces -----
@@ -259,7 +261,7 @@ class SequentialEngine(RoundEvaluation):
                                   self.algorithm.client_broadcast(self.server, broadcast, client_id),
                                   self.store.get(client_id), client,
                                   client_seed(self.config.seed, round_index, client_id),
-                                  self.client_config(lr, client.num_samples))
+                                  self.client_config(lr, client.num_samples, client_id))
         except NonFiniteLossError as error:
             raise NonFiniteLossError(f"round {round_index}, client {client_id}: {error}; "
                                      f"{self._stop_message()}") from None
@@ -280,7 +282,8 @@ class SequentialEngine(RoundEvaluation):
             results = train_clients(self.algorithm, self.model, broadcast,
                                     [self.store.get(client_id) for client_id in client_ids], clients,
                                     [client_seed(self.config.seed, round_index, client_id) for client_id in client_ids],
-                                    [self.client_config(lr, client.num_samples) for client in clients])
+                                    [self.client_config(lr, client.num_samples, client_id)
+                                     for client_id, client in zip(client_ids, clients)])
         except NonFiniteLossError as error:
             raise NonFiniteLossError(f"round {round_index}, {error}; {self._stop_message()}") from None
         except Exception as error:  # any failure inside a chunk names its clients

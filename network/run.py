@@ -30,6 +30,7 @@ from network.client_data import LOCAL_TESTS
 from network.diagnostics import check_diagnostics_options
 from network.engine_config import EngineConfig
 from network.engine_sequential import check_vectorizable
+from network.local_work import LocalWork, client_step_budgets, parse_steps_range
 from network.lr_schedule import make_lr_schedule
 from network.run_inputs import (default_assignments, skews_signature, split_unseen, train_class_groups,
                                 unseen_signature)
@@ -87,6 +88,9 @@ class RunConfig:
     momentum: float = 0.0
     weight_decay: float = 0.0
     client_fraction: float = 1.0
+    straggler_fraction: float = 0.0
+    straggler_share: float = 0.5
+    local_steps_range: str | None = None
     calibration_fraction: float = 0.0
     finetune_steps: int = 0
     local_test: str = "assigned"
@@ -222,6 +226,7 @@ def prepare(config: RunConfig) -> FedSetup:
         diagnostics_max_samples=config.diagnostics_max_samples, tensorboard=config.tensorboard,
         round_lines=config.round_lines, plots=config.plots,
         vectorize_chunk=config.vectorize_chunk if config.vectorize_clients else 0,
+        client_steps=client_step_budgets(local_work(config), config.local_steps, sizes, config.rand_seed),
         signature={**{key: str(value) for key, value in dataclasses.asdict(config).items() if key not in NOT_IN_SIGNATURE},
                    **skews_signature(meta), **unseen_signature(meta)})
     return FedSetup(
@@ -273,6 +278,11 @@ def resolve(config: RunConfig, meta: dict) -> RunConfig:
     if config.vectorize_clients and config.engine != "sequential":
         raise TaskHetError(f"--vectorize_clients needs --engine sequential (the {config.engine} engine trains each "
                            "client on its own node)")
+    work = local_work(config)
+    client_step_budgets(work, config.local_steps, [], config.rand_seed)  # --local_epochs with unequal work: refused
+    if config.vectorize_clients and not work.is_equal:
+        raise TaskHetError("--vectorize_clients trains a chunk of clients in lock-step, step for step, so its clients "
+                           "cannot do unequal local work (--straggler_fraction, --local_steps_range)")
     if config.vectorize_chunk < 1:
         raise TaskHetError(f"--vectorize_chunk must be >= 1, got {config.vectorize_chunk}")
     if config.local_test not in LOCAL_TESTS:
@@ -283,6 +293,11 @@ def resolve(config: RunConfig, meta: dict) -> RunConfig:
         config = config.replace(out=Path("results/test_federated") / config.task / config.type / config.method
                                 / f"a{config.alpha}-s{config.rand_seed}")
     return config
+
+
+def local_work(config: RunConfig) -> LocalWork:
+    """The run's unequal-local-work settings (network/local_work.py)."""
+    return LocalWork(config.straggler_fraction, config.straggler_share, parse_steps_range(config.local_steps_range))
 
 
 def initial_model(config: RunConfig, num_classes: int | None) -> torch.nn.Module:

@@ -99,6 +99,14 @@ def build_parser(method: str | None = None, prog: str = "test_fed.py", descripti
     add("--momentum", type=cli.MOMENTA, default=0.0, help="local SGD momentum (default: 0)")
     add("--weight_decay", type=cli.WEIGHT_DECAYS, default=0.0, help="local SGD weight decay (default: 0)")
     add("--client_fraction", type=CLIENT_FRACTIONS, default=1.0, help="share of clients per round (default: 1)")
+    add("--straggler_fraction", type=cli.floats(0.0, 1.0), default=0.0,
+        help="unequal local work: this share of the clients, drawn once from the seed, are stragglers taking "
+             "max(1, floor(S·J)) local steps, S = --straggler_share (clients.csv: local_step_budget; default: 0, none)")
+    add("--straggler_share", type=cli.floats(0.0, 1.0, low_open=True), default=0.5,
+        help="--straggler_fraction: the share S of --local_steps a straggler takes (default: 0.5)")
+    add("--local_steps_range", default=None, metavar="LOW:HIGH",
+        help="unequal local work: each client's local steps drawn once from the seed, uniformly from LOW..HIGH "
+             "(clients.csv: local_step_budget; default: every client takes --local_steps)")
     add("--calibration_fraction", type=CALIBRATION_FRACTIONS, default=0.0,
         help="hold out this share of the manifest's train rows no client holds as the server's calibration split "
              "(sparse_ft --mask_source server; default: 0, none)")

@@ -206,6 +206,16 @@ def test_every_algorithm_over_flower_messages_equals_the_sequential_engine(tmp_p
     assert load_checkpoint(tmp_path / "flower" / "checkpoint.pt")["client_states"] == {}  # state stays on nodes
 
 
+def test_unequal_local_work_reaches_each_node_and_equals_the_sequential_engine(tmp_path):
+    budgets = {"0": 1, "1": 4, "2": 2, "3": 3}  # each client its own steps (network/local_work.py)
+    reference = run_sequential(tmp_path / "sequential", "fedavg", rounds=2, client_steps=budgets)
+    engine = run_in_process(tmp_path / "flower", "fedavg", rounds=2, client_steps=budgets)
+    assert_same_server(reference, engine)
+    assert_same_metrics(tmp_path / "sequential", tmp_path / "flower")
+    steps = metrics_of(tmp_path / "flower").query("split == 'train' and metric == 'local_steps' and client != 'mean'")
+    assert len(steps) >= 3 and all(value == budgets[client] for client, value in zip(steps.client, steps.value))
+
+
 @pytest.mark.parametrize("name", ["fedavg", "fedper"])
 def test_diagnostics_gradients_taken_on_the_nodes_equal_the_sequential_engines(tmp_path, name):
     """--diagnostics over Flower: each node takes its clients' gradients at the global model (fedper: its shared

@@ -175,3 +175,25 @@ def test_step4_accepts_exactly_the_methods_settings(tiny_data_root, tiny_manifes
     test_fed.main(["--list_methods"])
     listing = capsys.readouterr().out
     assert "fedprox:" in listing and "--mu (float, default 0.01; at most 1e+09 in magnitude)" in listing and "ifca:" in listing
+
+
+def test_step4_gives_stragglers_their_share_of_the_steps_and_refuses_another_share_on_resume(  # noqa: F811
+        tiny_data_root, tiny_manifest, assignments, tmp_path):
+    """3 clients, --straggler_fraction 0.34: floor(0.34·3 + 1/2) = 1 straggler, taking floor(0.5·4) = 2 of 4 steps."""
+    out = tmp_path / "stragglers"
+    base = argv(tiny_data_root, tiny_manifest, assignments, out, "--straggler_fraction", "0.34")
+    base[base.index("--local_steps") + 1] = "4"
+    test_fed.main(base)
+    table = pd.read_csv(out / "clients.csv", dtype={"client": str})
+    assert sorted(table["local_step_budget"]) == [2, 4, 4]
+    assert table["local_steps"].tolist() == table["local_step_budget"].tolist()
+    with pytest.raises(TaskHetError, match="belongs to a different run"):
+        test_fed.main([*base, "--straggler_share", "0.75"])
+    bad = argv(tiny_data_root, tiny_manifest, assignments, tmp_path / "bad")
+    epochs = bad[:bad.index("--local_steps")] + bad[bad.index("--local_steps") + 2:] + ["--local_epochs", "1"]
+    for command, message in (([*bad, "--local_steps_range", "5:2"], "1 <= LOW <= HIGH, got 5:2"),
+                             ([*epochs, "--local_steps_range", "2:5"], "use --local_steps, not --local_epochs"),
+                             ([*bad, "--straggler_fraction", "0.5", "--vectorize_clients"], "cannot do unequal local work")):
+        with pytest.raises(TaskHetError, match=message):
+            test_fed.main(command)
+        assert not (tmp_path / "bad").exists()

@@ -52,6 +52,26 @@ def test_study_file_is_the_documented_grid():
     assert config["federated"]["client_test_fraction"] > 0  # personalised accuracy needs client test rows
 
 
+def test_a_situation_with_stragglers_gives_every_run_its_unequal_work_and_its_own_folder(tmp_path):
+    from pipeline.studies.grid.params import federated_params
+
+    config = yaml.safe_load(STUDY_FILE.read_text())
+    config["grid"][0]["partitions"] = [{"situation": "mild_label_skew", "scheme": "dirichlet_mixture", "alpha": 10.0},
+                                       {"scheme": "dirichlet_mixture", "alpha": 10.0, "straggler_fraction": 0.5,
+                                        "straggler_share": 0.25}]
+    config["practitioners_table"] = {"mild": "mild_label_skew"}
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    loaded = load_experiment(path)
+    runs = study_runs(loaded)
+    plain, stragglers = runs[0].partition, runs[-1].partition
+    assert plain.work == () and stragglers.work == (("straggler_fraction", 0.5), ("straggler_share", 0.25))
+    assert stragglers.label == "dirichlet_mixture-a10.0-straggler_fraction0.5-straggler_share0.25"
+    params = federated_params(loaded, runs[-1], "data", "m.csv", "a.csv", "best.pt")
+    assert (params["straggler_fraction"], params["straggler_share"]) == (0.5, 0.25)
+    assert "straggler_fraction" not in federated_params(loaded, runs[0], "data", "m.csv", "a.csv", "best.pt")
+
+
 def test_distinct_groups_clients_each_hold_one_class_group(tmp_path):
     manifest = select_digits.main(["--n_samples", "300", "--out", str(tmp_path / "step1"), "--no-progress"])
     config = load_experiment(STUDY_FILE)
@@ -95,6 +115,15 @@ def situation(config: dict, name: str) -> dict:
     (lambda c: situation(c, "mild_label_skew").update(n_clients=5),
      "grid[0].partitions[0].n_clients: not a step-3b option a study may set"),
     (lambda c: situation(c, "mild_label_skew").update(seed=3), "grid[0].partitions[0].seed: not a step-3b option"),
+    # Unequal local work: step 4's options in a situation, checked as its flags are.
+    (lambda c: situation(c, "mild_label_skew").update(straggler_fraction=1.5),
+     "grid[0].partitions[0].straggler_fraction must be a finite number >= 0 and <= 1"),
+    (lambda c: situation(c, "mild_label_skew").update(straggler_share=0),
+     "grid[0].partitions[0].straggler_share must be a finite number > 0 and <= 1"),
+    (lambda c: situation(c, "mild_label_skew").update(local_steps_range="5:2"),
+     "grid[0].partitions[0]: --local_steps_range must be LOW:HIGH with 1 <= LOW <= HIGH, got 5:2"),
+    (lambda c: situation(c, "mild_label_skew").update(local_steps_range="1:2", straggler_fraction=0.5),
+     "grid[0].partitions[0]: pass one of --straggler_fraction and --local_steps_range"),
     # Unseen clients and private weightings: step 3b's and the algorithm's own checks, named by the YAML key.
     (lambda c: situation(c, "mild_label_skew").update(unseen_fraction=1.5), "grid[0].partitions[0].unseen_fraction"),
     (lambda c: situation(c, "mild_label_skew").update(unseen_fraction=".nan"), "grid[0].partitions[0].unseen_fraction"),

@@ -98,15 +98,13 @@ class FlowerEngine(SequentialEngine):
         A failed client is left out while ``min_available_clients`` can still answer; below
         that the round stops with :class:`ClientFailure` naming every failed client.
         """
-        training = P.local_training(lr, self.config.local_steps, self.config.local_epochs, self.config.momentum,
-                                    self.config.weight_decay)
         shared = P.bundle_records(P.BROADCAST_PREFIX, broadcast)
         messages = {}
         for client_id in sampled:  # the algorithm may tailor each client's message (Algorithm.client_broadcast)
             tailored = self.algorithm.client_broadcast(self.server, broadcast, client_id)
             records, groups = shared if tailored is broadcast else P.bundle_records(P.BROADCAST_PREFIX, tailored)
             messages[client_id] = self._message(client_id, MessageType.TRAIN, round_index, records,
-                                                {**training, P.BUNDLE_GROUPS: groups,
+                                                {**self._local_training(lr, client_id), P.BUNDLE_GROUPS: groups,
                                                  P.SEED: client_seed(self.config.seed, round_index, client_id)})
         failed: dict[str, str] = {}
         for client_id, reply in self._exchange(messages):
@@ -122,6 +120,11 @@ class FlowerEngine(SequentialEngine):
                                     f"{self.min_results}; {self._stop_message()}")
             self.logger.warning("round %d: client %s failed (%s); the round goes on without it "
                                 "(--min_available_clients %d)", round_index, client_id, reason, self.min_results)
+
+    def _local_training(self, lr: float, client_id: str) -> dict[str, Any]:
+        """One client's local-training orders (its own steps under unequal local work)."""
+        return P.local_training(lr, self.config.local_steps_of(client_id), self.config.local_epochs,
+                                self.config.momentum, self.config.weight_decay)
 
     def client_evaluations(self, round_index: int) -> dict[str, dict[str, dict[str, float]]]:
         """Every client's splits, computed on its node by ``network.client.evaluate_client``.

@@ -102,6 +102,8 @@ BLOCK_KEYS = ("partitions", "local_steps", "algorithms")
 # Step-3b options a study sets itself (from federated.* and the seeds, or a class_groups file), never a partition entry.
 STUDY_SET_OPTIONS = ("manifest", "out", "n_clients", "seed", "client_test_fraction", "groups", "help")
 STUDY_KEYS = ("scheme", "situation", "class_groups")  # the keys of a partition entry that are not step-3b options
+# Step 4's unequal local work (network/local_work.py): a situation's clients may each do their own number of steps.
+WORK_KEYS = ("straggler_fraction", "straggler_share", "local_steps_range")
 Extra = Callable[[dict[str, Any], Path], None]  # a kind's own check of a merged, validated study config
 
 
@@ -306,11 +308,12 @@ class PartitionCheck:
         any_scheme_takes = {name for other in list_schemes() for name in scheme_parameters(other)}
         params = {}
         for name, item in value.items():
-            if name in STUDY_KEYS:
+            if name in STUDY_KEYS or name in WORK_KEYS:
                 continue
             if name not in options:
                 raise TaskHetError(f"{key}.{name}: not a step-3b option a study may set; a partition entry takes "
-                                   f"scheme, situation, class_groups and: {', '.join(sorted(options))}")
+                                   f"scheme, situation, class_groups, {', '.join(WORK_KEYS)} and: "
+                                   f"{', '.join(sorted(options))}")
             if name in any_scheme_takes and name not in scheme_takes:
                 raise TaskHetError(f"{key}.{name}: scheme {scheme} does not take it; it takes: "
                                    f"{', '.join(scheme_takes) or 'nothing'}")
@@ -324,7 +327,22 @@ class PartitionCheck:
             per_client = params.get("groups_per_client")
             if per_client is not None and per_client > len(class_groups):
                 raise TaskHetError(f"{key}.groups_per_client {per_client} exceeds the {len(class_groups)} class groups")
-        return Partition(scheme, tuple(sorted(params.items())), situation, class_groups)
+        return Partition(scheme, tuple(sorted(params.items())), situation, class_groups, local_work(value, key))
+
+
+def local_work(entry: dict[str, Any], key: str) -> tuple[tuple[str, Any], ...]:
+    """The unequal-local-work keys of a partition entry, checked as step 4 checks its flags (errors name the key)."""
+    from network.local_work import LocalWork, parse_steps_range
+
+    types = {"straggler_fraction": Float(0, 1), "straggler_share": Float(0, 1, low_open=True),
+             "local_steps_range": Str()}
+    work = {name: types[name](entry[name], f"{key}.{name}") for name in WORK_KEYS if name in entry}
+    try:
+        LocalWork(work.get("straggler_fraction", 0.0), work.get("straggler_share", 0.5),
+                  parse_steps_range(work.get("local_steps_range")))
+    except TaskHetError as error:
+        raise TaskHetError(f"{key}: {error}") from None
+    return tuple(sorted(work.items()))
 
 
 def convert_option(action: argparse.Action, value: Any, key: str) -> Any:

@@ -36,7 +36,7 @@ def federated_params(config: dict[str, Any], run: StudyRun, root: Path | str, ma
         "n_rounds": rounds, "local_steps": run.local_steps, "eval_every": max(1, rounds // federated["evaluations"]),
         **{key: federated[key] for key in ("batch_size", "init_lr", "lr_schedule", "momentum", "weight_decay",
                                            "client_fraction", "init_from")},
-        **dict(run.variant.settings),
+        **dict(run.variant.settings), **dict(run.partition.work),
     }
     if federated["init_from"] != "scratch":
         params.update(init_from="centralized", centralized_checkpoint=str(start_checkpoint))

@@ -31,18 +31,21 @@ class Partition:
         class_groups: the classes of each group, when clients are drawn from groups of classes: the study writes a
             groups file mapping every sample to the index of its class's group and passes it as step 3b's
             ``--groups`` (so ``nc_shards`` with one group per client gives every client one group's classes).
+        work: the situation's unequal local work, step 4's options (``straggler_fraction``, ``straggler_share``,
+            ``local_steps_range``: network/local_work.py), sorted by name; empty: every client takes J steps.
     """
 
     scheme: str
     params: tuple[tuple[str, Any], ...]
     situation: str | None = None
     class_groups: tuple[tuple[int, ...], ...] | None = None
+    work: tuple[tuple[str, Any], ...] = ()
 
     @property
     def label(self) -> str:
         if self.situation:
             return self.situation
-        parts = [self.scheme] + [f"{PARAM_LABELS.get(key, key)}{value}" for key, value in self.params]
+        parts = [self.scheme] + [f"{PARAM_LABELS.get(key, key)}{value}" for key, value in self.params + self.work]
         return UNSAFE_IN_LABEL.sub("_", "-".join(parts))
 
     @property
