@@ -18,11 +18,12 @@ def _traits(algorithm_class: type) -> str:
     """What the class declares about itself, in words."""
     traits = []  # class-level declarations only (``personalized`` may depend on the model, so it is not read here)
     if algorithm_class.result_is_personal:
-        traits.append("its result is the clients' own models (the global head is never trained)")
+        traits.append("its result is the clients' own models (one part of the global model, the head or the body, is "
+                      "never trained)")
     if algorithm_class.vectorizable:
         traits.append("runs under `--vectorize_clients`")
     if algorithm_class.needs_classifier:
-        traits.append("needs a classification task (it replaces the linear classifier)")
+        traits.append("needs a classification task with a linear classifier head")
     return "; ".join(traits) + "." if traits else ""
 
 
@@ -45,6 +46,8 @@ def section(name: str) -> str:
     module = sys.modules[algorithm_class.__module__]
     parts = [f"## {name} {{#{name}}}", escape(first_paragraph(module.__doc__)),
              f"{escape(first_paragraph(algorithm_class.__doc__))} Source: `{module.__name__.replace('.', '/')}.py`."]
+    if algorithm_class.use_when:
+        parts.append(f"Use it when: {escape(algorithm_class.use_when)}.")
     traits = _traits(algorithm_class)
     if traits:
         parts.append(escape(traits))

@@ -36,7 +36,7 @@ class TinyClassifier(TinyNet):
 
 # Settings the generic tests run an algorithm with instead of its defaults: FedLoGe's 10,000 SSE-C refinement steps
 # take seconds per engine on a busy CPU, and the generic tests build dozens of engines.
-FAST_SETTINGS = {"fedloge": {"etf_steps": 20}}
+FAST_SETTINGS = {"fedloge": {"etf_steps": 20}, "ccvr": {"num_virtual": 20, "calib_epochs": 2}}
 
 
 def tiny_model_for(name: str) -> nn.Module:

@@ -13,6 +13,8 @@ from torch import nn
 from network.algorithms import (ditto, fedavg, fedbabu, fedbn, fedloge, fedper, fedprox, fedrep, fedrod,  # noqa: F401
                                 ifca, scaffold, sparse_finetune)  # (registration)
 from network.algorithms import cfl, fedamp, fedem, local, mocha, pfedme, qfedavg  # noqa: F401  (registration; issue 21 toolbox)
+from network.algorithms import (apfl, ccvr, fedala, feddecorr, feddyn, fedlc, fednova, lgfedavg, moon,  # noqa: F401
+                                perfedavg)  # (registration: the standard non-IID baselines)
 from network.algorithms.base import (ALGORITHMS, Algorithm, ClientConfig, ClientResult, Federation, ModelLayout,
                                      ServerState, Upload)
 from network.settings import build_settings, settings_table

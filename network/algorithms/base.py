@@ -223,7 +223,9 @@ class Algorithm(ABC):
     result_is_personal: ClassVar[bool] = False
     # True: ``client_updates`` trains a chunk of clients in lock-step (--vectorize_clients, network/vectorized.py).
     vectorizable: ClassVar[bool] = False
-    needs_classifier: ClassVar[bool] = False  # True: its worker model replaces a Linear classifier head (FedLoGe, FedRoD)
+    needs_classifier: ClassVar[bool] = False  # True: it needs a Linear classifier head (FedLoGe, FedRoD, FedLC, CCVR)
+    # One line for the reference pages: the heterogeneity this method is for ("clients drift apart over many local steps").
+    use_when: ClassVar[str] = ""
 
     def __init__(self, settings: Any, federation: Federation) -> None:
         if not isinstance(settings, self.Settings):

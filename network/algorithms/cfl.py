@@ -76,6 +76,7 @@ class CFL(Algorithm):
     """Clusters that split recursively when their members' updates disagree (cosine bipartition)."""
 
     name = "cfl"
+    use_when = "an unknown number of client groups, found by splitting"
     Settings = CFLSettings
     personalized = True
 

@@ -54,6 +54,7 @@ class Ditto(ModelAveraging):
     """FedAvg for w plus a proximally regularised personal model v_i per client."""
 
     name = "ditto"
+    use_when = "personal models that stay near a fair global one"
     Settings = DittoSettings
     personalized = True
     vectorizable = True  # --vectorize_clients: both parts run in lock-step (client_updates below)

@@ -72,6 +72,7 @@ class FedAMP(Algorithm):
     """Attentive message passing: each client is pulled towards its own mix u_i of similar clients' models."""
 
     name = "fedamp"
+    use_when = "cross-silo: few clients, each pulled to similar ones"
     Settings = FedAMPSettings
     personalized = True
 

@@ -24,4 +24,5 @@ class FedAvg(ModelAveraging):
     """Sample-weighted model averaging with a pluggable server optimizer (the skeleton's defaults)."""
 
     name = "fedavg"
+    use_when = "the baseline every study needs"
     vectorizable = True  # --vectorize_clients: the skeleton's phases run in lock-step

@@ -29,6 +29,7 @@ class FedBN(ModelAveraging):
     """Model averaging with local BatchNorm."""
 
     name = "fedbn"
+    use_when = "feature shift (domains, cameras)"
     vectorizable = True  # --vectorize_clients: the skeleton's phases run in lock-step
     Settings = ServerOptSettings
 

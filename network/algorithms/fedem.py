@@ -133,6 +133,7 @@ class FedEM(ModelAveraging):
     """M shared component models; each client learns its mixture weights π by EM and mixes their predictions."""
 
     name = "fedem"
+    use_when = "each client's data mixes a few shared distributions; M× the compute"
     Settings = FedEMSettings
     personalized = True
 

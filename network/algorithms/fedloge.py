@@ -181,6 +181,7 @@ class FedLoGe(ModelAveraging):
     """Backbone trained through a fixed sparse ETF (SSE-C); GLA-FR serves a realigned global and personal heads."""
 
     name = "fedloge"
+    use_when = "a long-tailed global class distribution, with realigned global and personal models"
     Settings = FedLoGeSettings
     personalized = True
     needs_classifier = True

@@ -23,6 +23,7 @@ class FedPer(ModelAveraging):
     """Joint local training; the head stays private, the body is averaged."""
 
     name = "fedper"
+    use_when = "a cheaper FedRep"
     result_is_personal = True  # the global head is never updated: its clients' own models are the result
     vectorizable = True  # --vectorize_clients: the skeleton's phases run in lock-step
     Settings = ServerOptSettings

@@ -35,6 +35,7 @@ class FedProx(ModelAveraging):
     """Model averaging whose clients stay near the global model by a proximal penalty of weight μ."""
 
     name = "fedprox"
+    use_when = "clients drift apart over many local steps"
     vectorizable = True  # --vectorize_clients: the skeleton's phases run in lock-step
     Settings = FedProxSettings
 

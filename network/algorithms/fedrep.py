@@ -61,6 +61,7 @@ class FedRep(ModelAveraging):
     """Alternating head/body local training; only the body is averaged."""
 
     name = "fedrep"
+    use_when = "clients share features but not labels"
     result_is_personal = True  # the global head is never updated: its clients' own models are the result
     vectorizable = True  # --vectorize_clients: the skeleton's phases run in lock-step
     Settings = FedRepSettings

@@ -82,6 +82,7 @@ class FedRoD(ModelAveraging):
     """A generic head trained with the balanced softmax and a personal head on detached features."""
 
     name = "fedrod"
+    use_when = "a long-tailed global class distribution, with a generic and a personal head"
     Settings = FedRoDSettings
     personalized = True
     needs_classifier = True

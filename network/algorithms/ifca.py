@@ -63,6 +63,7 @@ class IFCA(Algorithm):
     """k cluster models; each client trains the one that fits its data best."""
 
     name = "ifca"
+    use_when = "a known number of client groups"
     Settings = IFCASettings
     personalized = True
     vectorizable = True  # --vectorize_clients: each client's chosen model trains in lock-step (client_updates)

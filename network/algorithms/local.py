@@ -33,6 +33,7 @@ class Local(Algorithm):
     """Each client trains only its own model; no communication, the server model never changes."""
 
     name = "local"
+    use_when = "the bar every personalised method must clear"
     result_is_personal = True  # the server model never trains: each client's own model is the result
     Settings = LocalSettings
     personalized = True

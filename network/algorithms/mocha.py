@@ -110,6 +110,7 @@ class Mocha(ModelAveraging):
     """Shared body; personal heads coupled by a learned task-relationship regulariser (λ/2)·tr(W Ω Wᵀ)."""
 
     name = "mocha"
+    use_when = "tasks related through their classifiers, relationships to learn"
     Settings = MochaSettings
     personalized = True
 

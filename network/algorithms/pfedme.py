@@ -57,6 +57,7 @@ class PFedMe(ModelAveraging):
     """Personal models as Moreau-envelope proximal points of the local loss; β-averaging of the local models."""
 
     name = "pfedme"
+    use_when = "personal models from a Moreau envelope; K× the compute"
     Settings = PFedMeSettings
     personalized = True
 

@@ -53,6 +53,7 @@ class QFedAvg(Algorithm):
     """Fair averaging: clients with a larger loss at the global model move it more (q-FFL)."""
 
     name = "qfedavg"
+    use_when = "a fairer spread of client losses (worst clients)"
     Settings = QFedAvgSettings
 
     @functools.cached_property

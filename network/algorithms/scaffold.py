@@ -85,6 +85,7 @@ class Scaffold(Algorithm):
     """Stochastic controlled averaging: server c, client c_i, corrected local steps."""
 
     name = "scaffold"
+    use_when = "drift under label skew, enough rounds to learn c"
     Settings = ScaffoldSettings
     vectorizable = True  # --vectorize_clients: client_updates below
 

@@ -105,6 +105,7 @@ class SparseFinetune(Algorithm):
     """Clients fine-tune only a calibrated sparse mask of entries (TaLoS); the server averages per entry."""
 
     name = "sparse_ft"
+    use_when = "sparse task vectors to merge later (task arithmetic)"
     Settings = SparseFinetuneSettings
     # --vectorize_clients: one masked SGD phase whose masks are fixed per-client tensors (client_updates below);
     # a new client's mask is calibrated before the chunk, under its own seed (prepare_lockstep).
