@@ -97,7 +97,7 @@ def test_table_check_lists_every_row_and_the_unmapped_ones_as_not_measured():
     assert list(check.row) == list(TABLE)
     outcomes = dict(zip(check.row, check.outcome))
     assert outcomes == {"mild": "agrees", "moderate": "disagrees", "groups": "not measured", "personal": "not measured",
-                        "transfer": "not measured", "severe": "agrees"}
+                        "transfer": "not measured", "severe": "agrees", "unequal": "not measured"}
     # fedavg − fedprox per seed: 0.10, 0.11, 0.11: decided, so the moderate row (FedProx or SCAFFOLD) disagrees.
     assert "fedavg 91.0% is decidedly better: fedprox 80.3%" in check.set_index("row").detail["moderate"]
 
@@ -128,6 +128,16 @@ def test_run_rows_read_the_personal_split_and_fedavg_fine_tuned(tmp_path):
     assert (tuned["method"], tuned["algorithm"], tuned["global"], tuned["personal"], tuned["worst10"]) == (
         "fedavg+ft", "fedavg+ft", 0.72, 0.75, 0.4)
     assert plain["situation"] == tuned["situation"] == "mild_label_skew" and tuned["seed"] == 1
+
+
+def test_a_method_personalised_by_fine_tuning_reads_its_fine_tuned_split_and_only_that(tmp_path):
+    splits = {"client_test": {"mean": 0.5, "worst_decile": 0.2}, "client_test_finetuned": {"mean": 0.8, "worst_decile": 0.3}}
+    write_metrics(tmp_path / "perfedavg", splits, 0.6)
+    (row,) = run_rows(run("perfedavg", 0), tmp_path / "perfedavg")  # Per-FedAvg: one row, no "+ft" twin
+    assert (row["method"], row["split"], row["personal"], row["worst10"]) == ("perfedavg", "client_test_finetuned", 0.8, 0.3)
+    write_metrics(tmp_path / "fedprox", splits, 0.6)
+    (row,) = run_rows(run("fedprox", 0), tmp_path / "fedprox")  # a global-model method stays on the global model
+    assert (row["split"], row["personal"]) == ("client_test", 0.5)
 
 
 def test_write_report_on_hand_made_runs(tmp_path):
@@ -171,5 +181,5 @@ def test_write_report_on_hand_made_runs(tmp_path):
     check = pd.read_csv(out / "table_check.csv", keep_default_na=False).set_index("row")
     assert check.outcome["severe"] == "agrees" and check.outcome["mild"] == "not measured"
     text = (out / "report.md").read_text()
-    assert "1 rows agree, 0 disagree, 0 undecided, 5 not measured" in text
+    assert "1 rows agree, 0 disagree, 0 undecided, 6 not measured" in text
     assert "| fedem | 51.0 [" in text and "personalised accuracy: **fedem** (72.3%)" in text

@@ -26,7 +26,10 @@ from utils.errors import TaskHetError
 ROOT = Path(__file__).resolve().parent.parent
 STUDY_FILE = ROOT / "experiments" / "digits_heterogeneity.yaml"
 SITUATIONS = ["mild_label_skew", "moderate_label_skew", "severe_label_skew", "feature_skew", "concept_shift",
-              "quantity_skew", "temporal_skew", "distinct_groups", "compound"]
+              "quantity_skew", "temporal_skew", "distinct_groups", "compound", "unequal_work"]
+# The standard non-IID baselines, each in the situations it is meant for (the study file's later blocks).
+GLOBAL_REMEDIES = {"feddyn", "fednova", "moon", "feddecorr", "fedlc"}
+PERSONAL_REMEDIES = {"perfedavg", "apfl", "lgfedavg", "fedala"}
 # the label-set form of distinct groups (commented in the study file, run by the tests)
 LABEL_GROUPS = {"situation": "distinct_label_groups", "scheme": "nc_shards", "groups_per_client": 1,
                 "class_groups": [[0, 1, 2], [3, 4, 5, 6], [7, 8, 9]]}
@@ -36,9 +39,18 @@ GROUPS = ((0, 1, 2), (3, 4, 5, 6), (7, 8, 9))
 def test_study_file_is_the_documented_grid():
     config = load_experiment(STUDY_FILE)
     runs = study_runs(config)
-    assert len(runs) == len(SITUATIONS) * 11 * 3  # 11 algorithms (the 12th method, fedavg+ft, is FedAvg's runs)
+    # 9 situations × 11 algorithms (the 12th method, fedavg+ft, is FedAvg's runs), then the baselines: 5 global remedies
+    # in 4 situations, unequal work's 3 own baselines, 4 personalised ones in 3 situations; 3 seeds each
+    assert len(runs) == (9 * 11 + 4 * 5 + 3 + 3 * 4) * 3
     partitions = {run.partition.label: run.partition for run in runs}
     assert list(partitions) == SITUATIONS
+    by_situation = {label: {run.variant.algorithm for run in runs if run.partition.label == label} for label in SITUATIONS}
+    for label in ("moderate_label_skew", "severe_label_skew", "feature_skew", "unequal_work"):
+        assert GLOBAL_REMEDIES <= by_situation[label], label
+    for label in ("concept_shift", "feature_skew", "distinct_groups"):
+        assert PERSONAL_REMEDIES <= by_situation[label], label
+    assert by_situation["unequal_work"] == GLOBAL_REMEDIES | {"fedavg", "fedprox", "scaffold"}
+    assert partitions["unequal_work"].work == (("straggler_fraction", 0.5), ("straggler_share", 0.25))
     assert partitions["quantity_skew"] == Partition("iid", (("size_skew", "lognormal:1.0"),), "quantity_skew")
     assert dict(partitions["compound"].params) == {"alpha": 0.5, "size_skew": "lognormal:1.0", "feature_noise": 0.3,
                                                    "temporal": "rotate:3:10", "n_rounds": 30}
@@ -47,7 +59,8 @@ def test_study_file_is_the_documented_grid():
     assert dict(partitions["temporal_skew"].params)["n_rounds"] == config["federated"]["rounds_x_local_steps"] // 4
     assert config["practitioners_table"] == {"mild": "mild_label_skew", "moderate": "moderate_label_skew",
                                              "groups": "distinct_groups", "personal": "concept_shift",
-                                             "transfer": "feature_skew", "severe": "severe_label_skew"}
+                                             "transfer": "feature_skew", "severe": "severe_label_skew",
+                                             "unequal": "unequal_work"}
     assert config["heterogeneity_meter"] and config["federated"]["finetune_steps"] > 0
     assert config["federated"]["client_test_fraction"] > 0  # personalised accuracy needs client test rows
 
@@ -56,6 +69,7 @@ def test_a_situation_with_stragglers_gives_every_run_its_unequal_work_and_its_ow
     from pipeline.studies.grid.params import federated_params
 
     config = yaml.safe_load(STUDY_FILE.read_text())
+    config["grid"] = config["grid"][:1]
     config["grid"][0]["partitions"] = [{"situation": "mild_label_skew", "scheme": "dirichlet_mixture", "alpha": 10.0},
                                        {"scheme": "dirichlet_mixture", "alpha": 10.0, "straggler_fraction": 0.5,
                                         "straggler_share": 0.25}]
@@ -151,6 +165,8 @@ def situation(config: dict, name: str) -> dict:
 ])
 def test_bad_study_file_stops_with_one_error_line_before_any_work(tmp_path, capsys, change, message):
     config = yaml.safe_load(STUDY_FILE.read_text())
+    config["grid"] = config["grid"][:1]  # a changed situation must not clash with its twin in a later block
+    config["practitioners_table"].pop("unequal")
     config["grid"][0]["partitions"].append(dict(LABEL_GROUPS))  # partitions[9]
     change(config)
     path = tmp_path / "study.yaml"
@@ -204,6 +220,7 @@ def test_tiny_heterogeneity_study_end_to_end(tmp_path, capsys):
     table check."""
     config = yaml.safe_load(STUDY_FILE.read_text())
     config.update(name="tiny", seeds=[0], practitioners_table={"groups": "distinct_groups", "mild": "mild_label_skew"})
+    config["grid"] = config["grid"][:1]  # the first block's algorithms only
     config["data"]["n_samples"] = 150
     config["model"]["image_size"] = 8
     config["centralized"]["n_epochs"] = 1

@@ -224,6 +224,9 @@ class Algorithm(ABC):
     # True: ``client_updates`` trains a chunk of clients in lock-step (--vectorize_clients, network/vectorized.py).
     vectorizable: ClassVar[bool] = False
     needs_classifier: ClassVar[bool] = False  # True: it needs a Linear classifier head (FedLoGe, FedRoD, FedLC, CCVR)
+    # True: its personal model is the global one after ``--finetune_steps`` local steps at evaluation (FedBABU,
+    # Per-FedAvg); reports read its ``client_test_finetuned`` split as its personalised accuracy.
+    personalised_by_finetuning: ClassVar[bool] = False
     # One line for the reference pages: the heterogeneity this method is for ("clients drift apart over many local steps").
     use_when: ClassVar[str] = ""
 

@@ -35,6 +35,7 @@ class FedBABU(ModelAveraging):
     """Body-only training and averaging under a fixed random head; personalised by fine-tuning at evaluation."""
 
     name = "fedbabu"
+    personalised_by_finetuning = True  # --finetune_steps gives its personal models
     use_when = "a long-tailed or label-skewed federation: a frozen random head, the body averaged"
     Settings = ServerOptSettings
 

@@ -85,6 +85,7 @@ class PerFedAvg(ModelAveraging):
 
     name = "perfedavg"
     Settings = PerFedAvgSettings
+    personalised_by_finetuning = True  # --finetune_steps gives its personal models
     use_when = "clients' tasks differ but one local gradient step from a shared start can fit each"
 
     def client_update(self, model: nn.Module, broadcast: Bundle, client_state: Weights,

@@ -32,6 +32,7 @@ import pandas as pd
 
 from network.run_outputs import SKIPPED_CLIENT, SUMMARY_CLIENTS
 from pipeline.studies.grid.kind import register_grid_kind
+from pipeline.studies.toolbox_runs import personalised_by_finetuning
 from utils.statistics import UNIT, mean_interval, paired_difference
 from utils.run_dir import atomic_write_text
 
@@ -44,7 +45,6 @@ GLOBAL_COLUMNS = ("global", *(f"global_{group}" for group in GROUPS))
 LOCAL_COLUMNS = ("local", "local_std", "local_worst10", "local_masked", "local_masked_std", "local_masked_worst10")
 FINETUNED = "client_test_finetuned"
 PERSONAL = "client_test_personal"
-FINETUNED_METHODS = {"fedbabu"}  # personalised by fine-tuning at evaluation (their own protocol)
 FINETUNE_BASELINE = "fedavg"  # its fine-tuned model is the local fine-tuning baseline, reported as fedavg+ft
 CLAIMS = (("global", "global accuracy"), ("local", "local accuracy (no mask)"), ("local_masked", "local accuracy (masked)"))
 
@@ -74,9 +74,9 @@ def local_accuracy(final: pd.DataFrame, split: str) -> dict[str, float]:
 
 
 def local_split(algorithm: str, final: pd.DataFrame) -> str:
-    """FedBABU's fine-tuned model; else the personal models when the run has them (personalised algorithms); else
+    """The fine-tuned model of a method personalised by fine-tuning (FedBABU); else the personal models when the run has them (personalised algorithms); else
     the global model."""
-    if algorithm in FINETUNED_METHODS:
+    if personalised_by_finetuning(algorithm):
         return FINETUNED
     return PERSONAL if (final.split == PERSONAL).any() else "client_test"
 

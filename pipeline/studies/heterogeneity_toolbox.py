@@ -79,6 +79,7 @@ TABLE = {
     "personal": Row("personal needs", ("pfedme", "fedavg+ft"), "personal"),
     "transfer": Row("transfer", ("fedper",), "personal"),
     "severe": Row("severe skew", ("fedem",), "personal"),
+    "unequal": Row("unequal local work", ("fednova",), "global"),
 }
 
 

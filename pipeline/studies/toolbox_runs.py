@@ -43,12 +43,21 @@ def accuracies(final: pd.DataFrame, split: str) -> dict[str, float]:
             "worst10": _value(final, split, "worst_decile"), "unseen": _value(final, UNSEEN_SPLIT_OF[split], "mean")}
 
 
+def personalised_by_finetuning(algorithm: str) -> bool:
+    """Whether ``algorithm``'s personal models are its global model fine-tuned at evaluation (its class says so)."""
+    from network.algorithms.base import ALGORITHMS
+
+    return ALGORITHMS.get(algorithm).personalised_by_finetuning
+
+
 def run_rows(run, run_dir: Path) -> list[dict[str, Any]]:
     """The method rows of one run: its algorithm on its personal split (or the global model's), plus ``fedavg+ft``
     (FedAvg's fine-tuned models) from FedAvg's runs when they were fine-tuned."""
     final = final_rows(run_dir / "metrics.csv")
     base = {"situation": run.partition.label, "seed": run.seed}
     split = PERSONAL_TEST_SPLIT if (final.split == PERSONAL_TEST_SPLIT).any() else CLIENT_TEST_SPLIT
+    if personalised_by_finetuning(run.variant.algorithm) and (final.split == FINETUNED_TEST_SPLIT).any():
+        split = FINETUNED_TEST_SPLIT  # Per-FedAvg, FedBABU: their personal models are the fine-tuned ones
     rows = [{**base, "method": run.variant.label, "algorithm": run.variant.algorithm, "split": split,
              **accuracies(final, split)}]
     if run.variant.algorithm == BASELINE and (final.split == FINETUNED_TEST_SPLIT).any():
