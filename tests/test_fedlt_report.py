@@ -83,10 +83,11 @@ def test_the_embedded_study_file_is_valid_and_asks_for_the_protocol():
     assert config["data"]["imbalance_factor"] == 0.1
     from pipeline.studies.grid.runs import study_runs
 
-    assert {run.variant.algorithm for run in study_runs(config)} == {"fedloge", "fedrod", "fedbabu", "fedavg", "fedprox",
-                                                                     "ditto", "fedrep"}
+    methods = {"fedloge", "fedrod", "fedbabu", "fedavg", "fedprox", "ditto", "fedrep", "ccvr"}
+    assert {run.variant.algorithm for run in study_runs(config)} == methods
     for name in ("cifar10_lt_fedloge", "cifar100_lt_fedloge"):
-        assert load_study(ROOT / "experiments" / f"{name}.yaml")["federated"]["n_clients"] == 40
+        study = load_study(ROOT / "experiments" / f"{name}.yaml")
+        assert study["federated"]["n_clients"] == 40 and {run.variant.algorithm for run in study_runs(study)} == methods
 
 
 def test_write_report_writes_the_tables_and_the_summary(tmp_path):

@@ -74,8 +74,8 @@ def local_accuracy(final: pd.DataFrame, split: str) -> dict[str, float]:
 
 
 def local_split(algorithm: str, final: pd.DataFrame) -> str:
-    """The fine-tuned model of a method personalised by fine-tuning (FedBABU); else the personal models when the run has them (personalised algorithms); else
-    the global model."""
+    """The fine-tuned model of a method personalised by fine-tuning (FedBABU); else the personal models when the run
+    has them (personalised algorithms); else the global model."""
     if personalised_by_finetuning(algorithm):
         return FINETUNED
     return PERSONAL if (final.split == PERSONAL).any() else "client_test"
