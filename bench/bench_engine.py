@@ -7,8 +7,9 @@
    grow linearly: constant time per client), and the process RSS after each round
    (it should stay flat: no per-client leak). SCAFFOLD's per-client c_i are state the
    algorithm needs (N × model size, spillable); they are reported separately.
-3. Methods (issue 21): each algorithm's round time ÷ FedAvg's on the small-CNN case, measured
-   interleaved in one run, with the factor its design predicts beside it (``--methods``).
+3. Methods: each algorithm's round time ÷ FedAvg's on the small-CNN case, measured interleaved in
+   one run, with the factor its design predicts beside it (``--methods``; ``name:key=value`` sets a
+   setting, e.g. ``ccvr:covariance=diagonal``).
 
 Run: ``.venv/bin/python bench/bench_engine.py`` (``--help`` for sizes).
 """
@@ -95,9 +96,11 @@ def make_clients(count: int, samples: int, shape: tuple[int, ...], batch_size: i
     generator = torch.Generator().manual_seed(0)
     clients = []
     for index in range(count):
-        data = TensorDicts(torch.randn(samples, *shape, generator=generator),
-                           torch.randint(0, 10, (samples,), generator=generator))
-        clients.append(ClientData(str(index), samples, lambda seed, data=data: make_loader(data, batch_size, True, seed)))
+        labels = torch.randint(0, 10, (samples,), generator=generator)
+        data = TensorDicts(torch.randn(samples, *shape, generator=generator), labels)
+        counts = tuple(torch.bincount(labels, minlength=10).tolist())  # FedLC's calibration and FedRoD's prior read them
+        clients.append(ClientData(str(index), samples, lambda seed, data=data: make_loader(data, batch_size, True, seed),
+                                  class_counts=counts))
     return clients
 
 
@@ -185,18 +188,33 @@ def scaling(device: torch.device, counts: list[int], steps: int, rounds: int) ->
 EXPECTED_FACTORS = {"fedavg": "1", "fedprox": "≈ 1", "scaffold": "≈ 1", "fedrep": "≈ 2", "fedper": "≈ 1",
                     "fedbn": "≈ 1", "ditto": "≈ 2", "ifca": "≈ 1 + k forward passes", "local": "≈ 1",
                     "pfedme": "≈ K = 5", "fedem": "≈ M = 3 (+ E-step)", "qfedavg": "≈ 1 (+ 1 forward pass)",
-                    "fedamp": "≈ 1 (+ server mixing, N·model)", "mocha": "≈ 1", "cfl": "≈ 1", "sparse_ft": "≈ 1"}
+                    "fedamp": "≈ 1 (+ server mixing, N·model)", "mocha": "≈ 1", "cfl": "≈ 1", "sparse_ft": "≈ 1",
+                    # the standard non-IID baselines: a forward pass is about a third of a training step
+                    "feddyn": "≈ 1", "fednova": "≈ 1", "feddecorr": "≈ 1", "fedlc": "≈ 1", "lgfedavg": "≈ 1",
+                    "moon": "≈ 1.7 (+ 2 forward passes a step)", "apfl": "≈ 2 (w and v̄ each a backward pass)",
+                    "perfedavg": "≈ 4 hf (2 steps + 2 gradients for Hv) / 2 fo",
+                    "fedala": "≈ 1 + ALA (one pass over 80% of the data: 6.4 steps on J)",
+                    "ccvr": "≈ 1 + 1 forward pass over the data, + d² statistics and the server's calibration"}
+
+
+def method_spec(text: str) -> tuple[str, dict[str, str]]:
+    """``ccvr:covariance=diagonal:num_virtual=200`` -> ("ccvr", {"covariance": "diagonal", "num_virtual": "200"})."""
+    name, *pairs = text.split(":")
+    return name, dict(pair.split("=", 1) for pair in pairs)
 
 
 def methods(device: torch.device, names: list[str], clients: int, steps: int, repeats: int) -> None:
-    """Each method's round time over FedAvg's, interleaved round by round so background load hits all alike."""
+    """Each method's round time over FedAvg's, interleaved round by round so background load hits all alike.
+
+    ``names`` are algorithm names, each optionally with settings: ``ccvr:covariance=diagonal``."""
     data = make_clients(clients, 256, (3, 32, 32), 32)
     engines, times = {}, {}
     with tempfile.TemporaryDirectory() as folder:
-        for name in ["fedavg", *[name for name in names if name != "fedavg"]]:
+        for spec in ["fedavg", *[spec for spec in names if spec != "fedavg"]]:
+            name, settings = method_spec(spec)
             torch.manual_seed(0)
-            engines[name] = make_engine(prepare_model(small_cnn(), device), name, data, steps, Path(folder) / name,
-                                        device)
+            engines[spec] = make_engine(prepare_model(small_cnn(), device), name, data, steps,
+                                        Path(folder) / spec.replace(":", "_"), device, settings)
             engines[name].train_round(1)  # warm-up
             times[name] = []
         for round_index in range(2, 2 + repeats):
@@ -209,7 +227,7 @@ def methods(device: torch.device, names: list[str], clients: int, steps: int, re
     for name in engines:
         ratio = statistics.median(times[name]) / base
         print(f"methods: {name:10s} {statistics.median(times[name]):.3f} s/round, ÷ fedavg = {ratio:.2f} "
-              f"(expected {EXPECTED_FACTORS.get(name, '?')})")
+              f"(expected {EXPECTED_FACTORS.get(method_spec(name)[0], '?')})")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,8 +19,10 @@ from pipeline.argv import command_line
 from pipeline.executors import (CPUS_PER_RUN, DEFAULT_MAX_RETRIES, EXECUTORS, GPU_FRACTIONS, RETRIES, ExecutorSettings,
                                  open_executor)
 from pipeline.experiment import load_experiment, run_experiment
+from pipeline.shards import Shard
 from pipeline.studies import get_study
 from utils import cli
+from utils.errors import TaskHetError
 from utils.locks import folder_lock
 
 
@@ -55,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "heatmap: up to a second of CPU each); --no-run_plots leaves them out, every other file "
                              "the same, for a grid whose runs nobody opens one by one. The report's pictures are "
                              "always drawn (default: the experiment file's run_plots key, which is on)")
+    parser.add_argument("--shard", type=shard_type, default=None, metavar="i/n",
+                        help="run only shard i of n (counted from 0) of the federated runs, for a Slurm array or "
+                             "n processes on shared storage with no Ray: every stage the runs share runs once (the "
+                             "others wait for it), the runs are split i, i+n, i+2n, ..., and no report is written; "
+                             "then run the same command without --shard to finish what is left and write the report "
+                             "(docs/howto/slurm.md)")
     executors = parser.add_argument_group("where the runs go (results do not depend on these; docs/howto/ray-cluster.md)")
     executors.add_argument("--executor", choices=EXECUTORS.names(), default="local",
                            help="local: worker processes on this machine; ray: Ray tasks on a Ray cluster")
@@ -72,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
                            help=f"times Ray reruns a run whose worker or node died (it resumes from its checkpoint); "
                                 f"default: {DEFAULT_MAX_RETRIES}")
     return parser
+
+
+def shard_type(text: str) -> Shard:
+    """argparse type of ``--shard``: ``i/n`` (its message becomes the parser's one error line)."""
+    try:
+        return Shard.parse(text)
+    except TaskHetError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("--shard ")) from None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -98,14 +114,25 @@ def main(argv: list[str] | None = None) -> None:
             config[key] = getattr(args, key)
     show_progress = cli.apply_runtime_flags(args).progress
     out_dir = args.results / config["name"]
-    with folder_lock(out_dir, f"experiment {config['name']!r} in --results"):  # a second run of it is refused
+    if args.shard is not None and settings.executor != "local":
+        raise TaskHetError("--shard splits a grid over processes without a cluster: use it with --executor local "
+                           "(a Ray cluster spreads the runs itself)")
+    # A second run of the experiment is refused; shards lock their own folder, so n of them (and the final call)
+    # share the experiment, each stage guarded by its stage lock and each run by its own folder lock.
+    lock_dir = out_dir if args.shard is None else out_dir / "shards" / args.shard.folder_name
+    with folder_lock(lock_dir, f"experiment {config['name']!r} in --results"):
         # The executor starts (a Ray cluster joined, its resources and storage checked) before anything is written.
         with open_executor(settings, out_dir, config["use_accelerator"]) as executor:
             # what was run: the file, its overrides and every key as checked (every run folder has its own config.json too)
             record = {"experiment": str(args.experiment), "overrides": args.overrides, "resolved": config,
                       **{key: value for key, value in vars(args).items() if key not in ("experiment", "overrides")}}
-            table = run_experiment(config, out_dir, command_line([str(args.experiment), *args.overrides]),
+            shard_flags = [] if args.shard is None else ["--shard", args.shard.label]
+            table = run_experiment(config, out_dir, command_line([str(args.experiment), *args.overrides, *shard_flags]),
                                    jobs=settings.jobs or 1, threads=args.threads, show_progress=show_progress,
-                                   executor=executor, record=record)
+                                   executor=executor, record=record, shard=args.shard)
+    if args.shard is not None:
+        print(f"shard {args.shard.label}: its runs are done; when every shard has finished, run the same command "
+              f"without --shard to finish what is left and write {out_dir / 'report.md'}")
+        return
     print(f"report: {out_dir / 'report.md'} ({len(table)} {get_study(config['study']).report_unit} in report.csv)")
 

@@ -15,6 +15,7 @@ import pandas as pd
 from pipeline.executors import Executor
 from pipeline.overrides import Override, apply_overrides, dotted, parse_overrides
 from pipeline.runner import Pipeline
+from pipeline.shards import Shard
 from pipeline.studies import MAIN_JOB, StudyKind, get_study
 from utils.errors import TaskHetError
 from utils.loaders import load_yaml
@@ -69,7 +70,7 @@ def study_kind(raw: dict[str, Any], path: Path) -> StudyKind:
 
 def run_experiment(config: dict[str, Any], out_dir: Path, command: str, jobs: int = 1, threads: int | None = None,
                    show_progress: bool = True, executor: Executor | None = None,
-                   record: dict[str, Any] | None = None) -> pd.DataFrame:
+                   record: dict[str, Any] | None = None, shard: Shard | None = None) -> pd.DataFrame:
     """Run a validated config (from :func:`load_experiment`) into ``out_dir``; returns its report table.
 
     Args:
@@ -80,7 +81,9 @@ def run_experiment(config: dict[str, Any], out_dir: Path, command: str, jobs: in
         executor: where the federated runs and step-3c readings run, opened by
             ``pipeline.executors.open_executor`` (None: ``jobs`` local worker processes, spread over the GPUs).
         record: what was run, written to ``out_dir/config.json`` once the inputs are checked (None: nothing).
+        shard: run only this shard's share of the step-4 runs and write no report (pipeline/shards.py; the table
+            returned is then empty).
     """
     pipeline = Pipeline(config, Path(out_dir), command, jobs=jobs, threads=threads, show_progress=show_progress,
-                        executor=executor, record=record)
+                        executor=executor, record=record, shard=shard)
     return get_study(config["study"]).run(pipeline)

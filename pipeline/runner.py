@@ -33,6 +33,7 @@ from pipeline.checks import check_input_files
 from pipeline.executors import Executor, ExecutorSettings, GridProgress, open_local
 from pipeline.pool import PoolStage, placement, stage_counts
 from pipeline.sections import DATA_SOURCES, FOLDER_SOURCES, split_csv_path
+from pipeline.shards import Shard
 from steps import assign as step3b
 from steps import embed as step3
 from steps import federated as step4
@@ -75,6 +76,14 @@ class Pipeline:
     # Where the stage folders go (None: out_dir). A study running several main jobs (pipeline/studies/main_job/mechanism.py)
     # gives them one, so the stages their settings share (same parameters, same stage key) run once.
     stages_dir: Path | None = None
+    # run_pipeline.py --shard i/n: this process runs its share of the step-4 runs and writes no report
+    # (pipeline/shards.py); None: every run, then the report.
+    shard: Shard | None = None
+
+    @property
+    def writes_report(self) -> bool:
+        """Whether this process writes the kind's report (not a shard: it has only its share of the runs)."""
+        return self.shard is None
 
     @property
     def stage_root(self) -> Path:
@@ -242,6 +251,8 @@ class Pipeline:
         if executor is None:
             executor = open_local(ExecutorSettings(jobs=self.jobs, threads=self.threads), None,
                                   self.config["use_accelerator"])
+        if self.shard is not None:
+            stages = self.shard.share(stages)
         pending = [stage for stage in stages if not is_done(stage.stage_dir)]
         summary = f"{stage_counts(pending)}, {executor.describe()}"
         # Said once on the console too: with no bars (--no-progress, or stdout not a terminal) nothing else shows it.

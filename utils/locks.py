@@ -22,7 +22,7 @@ import shlex
 import socket
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from utils.errors import FolderInUseError, TaskHetError, disk_full_names
 
@@ -32,11 +32,35 @@ except ImportError:  # Windows: no flock; _take_by_pid below decides from the re
     fcntl = None
 
 LOCK_FILE = "LOCK"
+# The pipeline's stage lock (utils/stages.py): a second process reaching a stage another one runs waits for it.
+STAGE_LOCK = ".stage-lock"
 
 
 def folder_entries(folder: Path) -> list[Path]:
-    """The entries of ``folder`` other than its lock file (what "is the folder empty?" must look at)."""
-    return [entry for entry in Path(folder).iterdir() if entry.name != LOCK_FILE]
+    """The entries of ``folder`` other than its lock files (what "is the folder empty?" must look at)."""
+    return [entry for entry in Path(folder).iterdir() if entry.name not in (LOCK_FILE, STAGE_LOCK)]
+
+
+@contextlib.contextmanager
+def waiting_lock(path: Path, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
+    """Hold an OS lock on the file ``path`` (made if missing) while the block runs, WAITING for another holder.
+
+    Unlike :func:`folder_lock`, a second process does not stop: it waits until the first lets go (``on_wait`` is
+    called once when it has to). The file is never deleted (deleting a lock file lets two processes hold locks on
+    two different files); the kernel drops the lock when its holder dies. Without flock (Windows) it locks nothing.
+    """
+    handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if on_wait is not None:
+                    on_wait()
+                fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)  # closing the descriptor releases its flock
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from utils.hashing import file_sha256
-from utils.locks import LOCK_FILE
+from utils.locks import LOCK_FILE, STAGE_LOCK, waiting_lock
 from utils.run_dir import atomic_write_text
 
 MARKER = "stage.json"
@@ -45,10 +45,10 @@ def _relative(value: Any, root: Path | None) -> Any:
 
 
 def output_sizes(stage_dir: Path) -> dict[str, int]:
-    """Every file under ``stage_dir`` except the marker and lock files: relative path -> size in bytes."""
+    """Every file under ``stage_dir`` except the marker and the lock files: relative path -> size in bytes."""
     stage_dir = Path(stage_dir)
     return {path.relative_to(stage_dir).as_posix(): path.stat().st_size
-            for path in sorted(stage_dir.rglob("*")) if path.is_file() and path.name not in (MARKER, LOCK_FILE)}
+            for path in sorted(stage_dir.rglob("*")) if path.is_file() and path.name not in (MARKER, LOCK_FILE, STAGE_LOCK)}
 
 
 def is_done(stage_dir: Path) -> bool:
@@ -65,12 +65,20 @@ def is_done(stage_dir: Path) -> bool:
 
 
 def run_stage(stage_dir: Path, params: dict[str, Any], work: Callable[[], None]) -> bool:
-    """Run ``work`` unless ``stage_dir`` holds a finished stage; returns True if it ran."""
+    """Run ``work`` unless ``stage_dir`` holds a finished stage; returns True if it ran.
+
+    Several processes may reach one stage (the shards of a grid, ``run_pipeline.py --shard``, each run the stages
+    their runs share): the stage lock lets one run it while the others wait, then find it done and skip it.
+    """
     if is_done(stage_dir):
         return False
     Path(stage_dir).mkdir(parents=True, exist_ok=True)
-    (Path(stage_dir) / MARKER).unlink(missing_ok=True)  # a stale marker must never outlive a rerun
-    work()
-    record = {"params": params, "outputs": output_sizes(stage_dir)}
-    atomic_write_text(Path(stage_dir) / MARKER, json.dumps(record, indent=2, sort_keys=True, default=str))
+    with waiting_lock(Path(stage_dir) / STAGE_LOCK,
+                      lambda: print(f"waiting for another process to finish {stage_dir}", flush=True)):
+        if is_done(stage_dir):  # the process we waited for finished it
+            return False
+        (Path(stage_dir) / MARKER).unlink(missing_ok=True)  # a stale marker must never outlive a rerun
+        work()
+        record = {"params": params, "outputs": output_sizes(stage_dir)}
+        atomic_write_text(Path(stage_dir) / MARKER, json.dumps(record, indent=2, sort_keys=True, default=str))
     return True

@@ -41,6 +41,10 @@ def register_grid_kind(name: str, summary: str, write_report: WriteReport, repor
 
     def run(pipeline: "Pipeline") -> "pd.DataFrame":
         result = GridStudy(pipeline).run()
+        if not pipeline.writes_report:  # a shard: its share of the runs is done; the final call reports
+            import pandas as pd
+
+            return pd.DataFrame()
         extra = {"meters": result.meters} if reads_meters else {}
         return write_report(pipeline.config, pipeline.out_dir, result.run_dirs, result.centralized, pipeline.command,
                             **extra)

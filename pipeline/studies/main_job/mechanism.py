@@ -189,6 +189,8 @@ def run(pipeline) -> pd.DataFrame:
         done = f"setting {number} of {len(settings)} done: {elapsed / 60:.1f} min elapsed, ETA {left / 60:.0f} min"
         print(done, flush=True)
         pipeline.log(done)
+    if not pipeline.writes_report:  # a shard: its share of every setting's runs is done; the final call reports
+        return pd.DataFrame()
     table = mechanism_table(config, out_dir)
     write_report(config, out_dir, table, pipeline.command)
     return table

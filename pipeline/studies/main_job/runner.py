@@ -86,6 +86,8 @@ class MainJob:
                 stage = self.federated(combination, root, manifest, assignments, model_dir)
                 stages.append((combination, stage, assignments))
             pipeline.run_pooled([*meters.values(), *(stage for _, stage, _ in stages)])
+        if not pipeline.writes_report:  # a shard: its share of the runs is done; the final call reports
+            return pd.DataFrame()
         return self.report([(combination, stage.stage_dir, assignments) for combination, stage, assignments in stages],
                            model_dirs, cluster_dirs, {key: stage.stage_dir for key, stage in meters.items()})
 
