@@ -21,6 +21,9 @@ if TYPE_CHECKING:  # the engine imports this module, so only the type is needed 
 CHECKPOINT_FILE, BEST_FILE = "checkpoint.pt", "best.pt"
 
 
+DROPPED_STATES = "dropped_client_states"  # clients whose states a finished run left out of its checkpoint
+
+
 def run_fingerprint(algorithm: Algorithm, config: EngineConfig, client_ids: list[str]) -> dict[str, Any]:
     """What a checkpoint must match to be resumed: algorithm, settings, seed, client ids and the run's signature."""
     fingerprint = {"algorithm": algorithm.name, "settings": dataclasses.asdict(algorithm.settings), "seed": config.seed,

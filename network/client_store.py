@@ -75,6 +75,17 @@ class ClientStore:
         """Every client's state (spilled ones loaded), for a checkpoint."""
         return {key: self.get(key) for key in sorted([*self._memory, *self._spilled])}
 
+    @property
+    def count(self) -> int:
+        """The clients whose state holds something (FedAvg's clients keep an empty one)."""
+        return sum(1 for state in self._memory.values() if state) + len(self._spilled)  # an empty state never spills
+
+    def drop_spilled(self) -> None:
+        """Delete the spill folder's files (a finished run that keeps no client state); the in-memory ones stay."""
+        if self.spill_dir is not None and self.spill_dir.exists():
+            shutil.rmtree(self.spill_dir)
+        self._spilled.clear()
+
     def restore(self, snapshot: dict[str, State]) -> None:
         """Replace the whole store by a snapshot (spilled files of the old contents are removed)."""
         self._memory.clear()

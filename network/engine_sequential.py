@@ -37,7 +37,7 @@ from network.algorithms.base import (ALGORITHMS, Algorithm, ClientConfig, Client
                                      Upload)
 from network.client import ClientData, ClientFailure, EvaluateFn, train_client, train_clients
 from models.frozen_encoder import frozen_encoder_of, strip_frozen_encoder
-from network.checkpoints import BEST_FILE, CHECKPOINT_FILE, load_resumable, run_fingerprint
+from network.checkpoints import BEST_FILE, CHECKPOINT_FILE, DROPPED_STATES, load_resumable, run_fingerprint
 from network.client_store import ClientStore
 from network.clients_table import CLIENTS_FILE, write_clients_table
 from network.diagnostics import PLOT_FILE as DIAGNOSTICS_PLOT, DriftMeter, plot_diagnostics
@@ -103,6 +103,7 @@ class SequentialEngine(RoundEvaluation):
         self.out_dir = Path(config.out_dir)
         self.checkpoint_path = self.out_dir / CHECKPOINT_FILE
         self.checkpoint_round = 0  # the round of the last checkpoint.pt written (or resumed from)
+        self._checkpointed_at = time.monotonic()  # when it was written (--checkpoint_minutes)
         self.current_round = 0  # the round being run: an interrupt names it
         self.frozen = frozen_encoder_of(model)  # checkpoints name a frozen pretrained encoder instead of holding it
         self.store = ClientStore(self.out_dir / "client_states", config.max_state_memory_bytes, self.frozen)
@@ -301,6 +302,11 @@ class SequentialEngine(RoundEvaluation):
         remove_stale_temporaries(self.out_dir)  # half-written files of a killed earlier run of this folder
         if self.config.resume and self.checkpoint_path.exists():
             checkpoint = load_resumable(self.checkpoint_path, self._fingerprint(), self.frozen)
+            if checkpoint.get(DROPPED_STATES) and self.config.n_rounds > checkpoint["round"]:
+                raise TaskHetError(f"{self.checkpoint_path}: the run ended at round {checkpoint['round']} and dropped its "
+                                   f"{checkpoint[DROPPED_STATES]} clients' states, so it cannot train on to round "
+                                   f"{self.config.n_rounds}; start over with --no-resume (or keep them next time: "
+                                   "--keep_client_state)")
             self.server = ServerState(**checkpoint["server"]).to(self.device)
             self.store.restore(checkpoint["client_states"])
             torch.set_rng_state(checkpoint["rng"]["torch"])
@@ -334,17 +340,28 @@ class SequentialEngine(RoundEvaluation):
             self._write_checkpoint(round_index, server, global_weights)
 
     def _checkpoints(self, round_index: int) -> bool:
-        every = self.config.checkpoint_every
-        return round_index % every == 0 or round_index == self.config.n_rounds
+        if round_index in (0, self.config.n_rounds):
+            return True
+        minutes = self.config.checkpoint_minutes
+        if minutes is not None:  # a budget of time lost to a kill, whatever a round costs
+            return time.monotonic() - self._checkpointed_at >= 60 * minutes
+        return round_index % self.config.checkpoint_every == 0
 
     def _write_checkpoint(self, round_index: int, server: ServerState, global_weights: Weights) -> None:
+        finished = (round_index == self.config.n_rounds and not self.config.keep_client_state
+                    and not self.algorithm.client_state_is_a_result())
+        states = {} if finished else self.store.snapshot()
         atomic_torch_save(strip_frozen_encoder({
             "round": round_index, "model": global_weights, "model_config": self.model_config,
-            "server": server.as_dict(), "client_states": self.store.snapshot(), "best_loss": self.best_loss,
+            "server": server.as_dict(), "client_states": states, "best_loss": self.best_loss,
             # Every draw derives from (seed, round, client), so the global torch state is the only RNG left.
             "rng": {"torch": torch.get_rng_state()}, "run": self._fingerprint(),
+            DROPPED_STATES: self.store.count if finished else 0,
         }, self.frozen), self.checkpoint_path)
         self.checkpoint_round = round_index  # after the write: an interrupt inside it leaves the previous one
+        self._checkpointed_at = time.monotonic()
+        if finished:
+            self.store.drop_spilled()  # the run is over: its states' evaluation is in metrics.csv
 
     def _fingerprint(self) -> dict[str, Any]:
         return run_fingerprint(self.algorithm, self.config, list(self.clients))

@@ -47,7 +47,7 @@ STEP = "step 4"
 ENGINES = ("sequential", "flower")  # round loops over the same algorithm objects
 # Fields that do not change what a run computes: a resumed run may differ in them.
 NOT_IN_SIGNATURE = ("out", "resume", "use_accelerator", "num_workers", "cache_dir", "deterministic", "n_rounds",
-                    "eval_every", "checkpoint_every", "diagnostics", "progress", "client_state_memory_mb", "engine", "flower_mode", "flower_num_cpus",
+                    "eval_every", "checkpoint_every", "checkpoint_minutes", "keep_client_state", "diagnostics", "progress", "client_state_memory_mb", "engine", "flower_mode", "flower_num_cpus",
                     "flower_num_gpus", "flower_num_nodes", "min_available_clients", "threads", "tensorboard", "round_lines", "plots",
                     "diagnostics_every", "diagnostics_max_samples")
 
@@ -99,6 +99,8 @@ class RunConfig:
     diagnostics_max_samples: int | None = None
     eval_every: int = 1
     checkpoint_every: int = 1
+    checkpoint_minutes: float | None = None
+    keep_client_state: bool = False
     rand_seed: int = 42
     deterministic: bool = False
     use_accelerator: bool = True
@@ -133,6 +135,9 @@ class RunConfig:
             if isinstance(value, float) and not math.isfinite(value):
                 raise TaskHetError(f"--{item.name} must be a finite number, got {value!r}")
         check_diagnostics_options(self.diagnostics_every, self.diagnostics_max_samples)
+        if self.engine == "flower" and self.checkpoint_minutes is not None:
+            raise TaskHetError("--checkpoint_minutes: the Flower engine's clients keep their state on their nodes, so it "
+                               "checkpoints every round (drop --checkpoint_minutes)")
         if self.engine == "flower" and self.checkpoint_every != 1:
             raise TaskHetError(f"--checkpoint_every {self.checkpoint_every}: the Flower engine's clients keep their state "
                                "on their nodes, so a checkpoint older than the last round could not resume them; "
@@ -219,7 +224,8 @@ def prepare(config: RunConfig) -> FedSetup:
         lr_schedule=make_lr_schedule(config.lr_schedule, config.init_lr, config.n_rounds),
         seed=config.rand_seed, local_steps=config.local_steps, local_epochs=config.local_epochs,
         client_fraction=config.client_fraction, eval_every=config.eval_every,
-        checkpoint_every=config.checkpoint_every, momentum=config.momentum,
+        checkpoint_every=config.checkpoint_every, checkpoint_minutes=config.checkpoint_minutes,
+        keep_client_state=config.keep_client_state, momentum=config.momentum,
         weight_decay=config.weight_decay, resume=config.resume, progress=config.progress,
         max_state_memory_bytes=int(config.client_state_memory_mb * 2**20), finetune_steps=config.finetune_steps,
         diagnostics=config.diagnostics, diagnostics_every=config.diagnostics_every,

@@ -41,6 +41,9 @@ CLIENT_FRACTIONS = cli.floats(0.0, 1.0, low_open=True)
 CALIBRATION_FRACTIONS = cli.floats(0.0, 1.0, high_open=True)  # the clients keep some train rows
 
 
+MAX_CHECKPOINT_MINUTES = 10_000.0  # about a week
+
+
 def build_parser(method: str | None = None, prog: str = "test_fed.py", description: str = DESCRIPTION
                  ) -> argparse.ArgumentParser:
     """The run's flags, plus the settings of ``method`` when given; ``prog`` and ``description`` head ``--help`` (the
@@ -131,6 +134,14 @@ def build_parser(method: str | None = None, prog: str = "test_fed.py", descripti
     add("--checkpoint_every", type=ROUNDS, default=1,
         help="write checkpoint.pt every this many rounds, and at round 0 and the last round; --resume redoes the "
              "rounds after the last one, bit for bit (default: 1)")
+    add("--checkpoint_minutes", type=cli.floats(0.0, MAX_CHECKPOINT_MINUTES, low_open=True), default=None,
+        help="write checkpoint.pt whenever this many minutes have passed since the last one (and at round 0 and the "
+             "last round) instead of every --checkpoint_every rounds: the time a kill can cost, whatever a round "
+             "costs (default: by rounds)")
+    add("--keep_client_state", action=argparse.BooleanOptionalAction, default=False,
+        help="keep the clients' states (SCAFFOLD's c_i, personal models) in the final checkpoint.pt and client_states/; "
+             "by default a finished run drops them (its evaluation is in metrics.csv), and resuming it to train more "
+             "rounds is then refused (default: no)")
     add("--rand_seed", "--seed", type=cli.SEEDS, default=defaults.rand_seed, help="root seed of init, sampling and training (default: 42)")
     add("--deterministic", action=argparse.BooleanOptionalAction, default=False, help="deterministic kernels")
     add("--use_accelerator", action=argparse.BooleanOptionalAction, default=True, help="CUDA/MPS when present")

@@ -19,7 +19,7 @@ from tests.fixtures import tiny_data_root, tiny_manifest  # noqa: F401  (session
 from tests.test_engine import make_clients, make_engine
 from tests.test_step4 import argv as fed_argv, assignments  # noqa: F401  (a fixture)
 from utils.interrupts import Interrupted
-from utils.locks import LOCK_FILE
+from utils.locks import LOCK_FILE, STAGE_LOCK
 from utils.run_dir import load_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,7 +178,8 @@ def test_ctrl_c_with_a_stage_queued_names_it_not_started_and_leaves_no_lock(tmp_
     assert stderr == (f"interrupted while running step 4: run a, step 4: run b; not started: step 4: run c; "
                       f"each resumes from its last checkpoint: {HINT}\n")
     assert not (tmp_path / "c").exists() and not (tmp_path / "c.pid").exists()  # never started
-    assert {path.name for path in (tmp_path / "a").iterdir()} == set()  # unfinished: no stage.json, no LOCK
+    # unfinished: no stage.json, no LOCK; the stage lock's file stays (never deleted; unheld, it blocks nothing)
+    assert {path.name for path in (tmp_path / "a").iterdir()} == {STAGE_LOCK}
     _assert_stopped_cleanly(tmp_path, stderr, workers)
 
 

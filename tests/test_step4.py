@@ -47,7 +47,7 @@ def test_client_state_memory_mb_is_megabytes(tiny_data_root, tiny_manifest, assi
     for limit in ("1", "0"):
         out = tmp_path / f"mb{limit}"
         test_fed.main(argv(tiny_data_root, tiny_manifest, assignments, out, "--method", "fedrep",
-                           "--client_state_memory_mb", limit))
+                           "--client_state_memory_mb", limit, "--keep_client_state"))
         runs[limit] = load_checkpoint(out / "checkpoint.pt")
     states = runs["1"]["client_states"]
     size = sum(value.numel() * value.element_size() for state in states.values() for value in state.values())
@@ -80,7 +80,8 @@ def test_step4_writes_the_run_folder_and_resumes_without_redoing_work(tiny_data_
     assert {"train", "client_test"} <= splits and (("client_test_personal" in splits) == (method == "fedrep"))
     assert set(metrics[(metrics.split == "client_test") & (metrics.metric == "loss")].client) >= {"0", "1", "2", "mean", "std"}
     checkpoint = load_checkpoint(out / "checkpoint.pt")
-    assert checkpoint["round"] == 2 and set(checkpoint["client_states"]) <= {"0", "1", "2"}
+    # a finished run drops its clients' states by default (--keep_client_state keeps them)
+    assert checkpoint["round"] == 2 and checkpoint["client_states"] == {} and not (out / "client_states").exists()
     load_task_model(out / "best.pt")  # step-2 layout: a TaskModel rebuilds from it
 
     before = (out / "metrics.csv").read_bytes()

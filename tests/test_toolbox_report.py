@@ -183,3 +183,13 @@ def test_write_report_on_hand_made_runs(tmp_path):
     text = (out / "report.md").read_text()
     assert "1 rows agree, 0 disagree, 0 undecided, 6 not measured" in text
     assert "| fedem | 51.0 [" in text and "personalised accuracy: **fedem** (72.3%)" in text
+
+
+def test_a_situations_options_name_its_unequal_local_work():
+    from pipeline.studies.heterogeneity_toolbox import situation_options
+
+    work = Partition("dirichlet_mixture", (("alpha", 0.5),), "unequal_work", None,
+                     (("straggler_fraction", 0.5), ("straggler_share", 0.25)))
+    options = situation_options({"grid": [{"partitions": [work]}]})
+    assert options == {"unequal_work": "scheme dirichlet_mixture; alpha 0.5; step 4's straggler_fraction 0.5; "
+                                       "step 4's straggler_share 0.25"}

@@ -254,6 +254,11 @@ class Algorithm(ABC):
         """
         return model
 
+    def client_state_is_a_result(self) -> bool:
+        """Whether the clients' states are an output a later step reads (sparse_ft's θ_k with ``keep_local_models``,
+        which merge_task_vectors.py merges): a finished run then keeps them even without ``keep_client_state``."""
+        return False
+
     def private_keys(self) -> frozenset[str]:
         """Worker-model entries that never leave a client (none by default); engines assert it on every upload."""
         return frozenset()

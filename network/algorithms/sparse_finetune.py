@@ -111,6 +111,9 @@ class SparseFinetune(Algorithm):
     # a new client's mask is calibrated before the chunk, under its own seed (prepare_lockstep).
     vectorizable = True
 
+    def client_state_is_a_result(self) -> bool:
+        return self.settings.keep_local_models  # merge_task_vectors.py reads each client's θ_k from the checkpoint
+
     def __init__(self, settings: SparseFinetuneSettings, federation: Federation) -> None:
         super().__init__(settings, federation)
         self.shares = federation_shares(settings, federation.client_sizes, federation.seed)

@@ -261,11 +261,12 @@ def winner_lines(runs: pd.DataFrame) -> list[str]:
 
 
 def situation_options(config: dict[str, Any]) -> dict[str, str]:
-    """Each situation's step-3b options as the study file gives them."""
+    """Each situation's step-3b options as the study file gives them, and its unequal local work (step 4's)."""
     options = {}
     for block in config["grid"]:
         for partition in block["partitions"]:
             parts = [f"scheme {partition.scheme}"] + [f"{name} {value}" for name, value in partition.params]
+            parts += [f"step 4's {name} {value}" for name, value in partition.work]  # unequal local work
             if partition.class_groups:
                 parts.append("class groups " + " / ".join(",".join(map(str, group)) for group in partition.class_groups))
             options[partition.label] = "; ".join(parts)
@@ -304,7 +305,7 @@ def report_lines(config: dict[str, Any], command: str, runs: pd.DataFrame, table
         lines.append(f"| {row.recommendation} | {row.situation or '–'} | {METRICS[row.metric]} | **{row.outcome}** | "
                      f"{row.detail} |")
     options = situation_options(config)
-    lines += ["", "## Situations", "", "| situation | step-3b options | G² at the start | B² |", "|---|---|---|---|"]
+    lines += ["", "## Situations", "", "| situation | options | G² at the start | B² |", "|---|---|---|---|"]
     for _, row in situations.iterrows():
         lines.append(f"| {row.situation} | {options.get(row.situation, '')} | {_cell(row, 'g2', 1.0, 3)} | "
                      f"{_cell(row, 'b2', 1.0, 2)} |")
