@@ -215,8 +215,8 @@ def methods(device: torch.device, names: list[str], clients: int, steps: int, re
             torch.manual_seed(0)
             engines[spec] = make_engine(prepare_model(small_cnn(), device), name, data, steps,
                                         Path(folder) / spec.replace(":", "_"), device, settings)
-            engines[name].train_round(1)  # warm-up
-            times[name] = []
+            engines[spec].train_round(1)  # warm-up
+            times[spec] = []
         for round_index in range(2, 2 + repeats):
             for name, engine in engines.items():
                 times[name].append(timed(lambda: (engine.train_round(round_index),

@@ -165,3 +165,24 @@ def test_a_frozen_encoder_is_refused_before_training():
     with pytest.raises(TaskHetError, match="feddecorr cannot train a model whose encoder is frozen .*: the "
                                            "decorrelated representation, the pooled encoder output, cannot change"):
         build_algorithm("feddecorr", model, {"0": 1})
+
+
+@pytest.mark.parametrize("samples, dims", [(4, 10), (10, 4), (3, 3)])
+def test_the_term_is_the_papers_whether_the_batch_or_the_dimension_is_smaller(samples, dims):
+    """N < d takes the N×N Gram matrix (‖ẐẐᵀ‖_F = ‖ẐᵀẐ‖_F); the value and its gradient are the d×d formula's."""
+    from network.algorithms.feddecorr import decorrelation_loss
+
+    z = torch.randn(samples, dims, generator=torch.Generator().manual_seed(3), dtype=torch.float64,
+                    requires_grad=True)
+    array = z.detach().numpy()
+    centred = array - array.mean(axis=0)
+    standardised = centred / np.sqrt((centred ** 2).mean(axis=0) + 1e-8)
+    expected = ((standardised.T @ standardised / samples) ** 2).sum() / dims ** 2
+    value = decorrelation_loss(z)
+    assert abs(float(value.detach()) - expected) < 1e-12
+    (gradient,) = torch.autograd.grad(value, z)
+    direct = z.detach().clone().requires_grad_(True)
+    centred_t = direct - direct.mean(dim=0)
+    standardised_t = centred_t / (centred_t.pow(2).mean(dim=0) + 1e-8).sqrt()
+    (reference,) = torch.autograd.grad((standardised_t.T @ standardised_t / samples).pow(2).sum() / dims ** 2, direct)
+    assert torch.allclose(gradient, reference, rtol=1e-10, atol=1e-12)

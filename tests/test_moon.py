@@ -206,3 +206,24 @@ def test_the_oracle_loss_is_the_tasks():  # guards the oracle's task gradient ag
                                     b.numpy())
     assert np.allclose(model.body.weight.grad.numpy(), grad_w, rtol=0, atol=1e-14)
     assert np.allclose(model.head.weight.grad.numpy(), grad_h, rtol=0, atol=1e-14)
+
+
+def test_a_fixed_models_replay_stops_once_the_representation_exists():
+    """MOON's two fixed models need z only: the replay runs no head (a dense TaskModel: no decoder either)."""
+    model = TinyNet()
+    calls = []
+    model.head.register_forward_hook(lambda *_: calls.append("head"))
+    tap = RepresentationTap(model, tiny_loss, "moon")
+    batch = {"x": torch.randn(5, 4), "y": torch.randn(5)}
+    tap(model, batch)
+    z = tap.take()
+    assert calls == ["head"]  # the trained model's own forward reaches its head
+    replayed = tap.replay({key: value.clone() for key, value in model.state_dict().items()}, torch.device("cpu"))
+    assert calls == ["head"] and replayed.shape == z.shape  # the replay stopped at the head's input
+    dense = build_task_model("depth_euclidean", "small_cnn", "none", seed=0)
+    dense.decoder.register_forward_hook(lambda *_: calls.append("decoder"))
+    dense_tap = RepresentationTap(dense, lambda net, batch, reduction="mean": net(batch["x"])[0].mean(), "moon")
+    dense_tap(dense, {"x": torch.rand(2, 3, 32, 32)})
+    dense_tap.take()
+    dense_tap.replay(dense.state_dict(), torch.device("cpu"))
+    assert calls.count("decoder") == 1  # only the trained model's forward ran the decoder

@@ -71,6 +71,10 @@ def pooled(features: Tensor) -> Tensor:
     return features if features.dim() == 2 else features.flatten(2).mean(-1)
 
 
+class Captured(Exception):
+    """Raised by a replay's hook once z exists, to end a fixed model's forward there."""
+
+
 class RepresentationTap:
     """A task loss that also keeps z and the model's input of its forward pass, for the step's ``extra_loss``.
 
@@ -91,17 +95,22 @@ class RepresentationTap:
             return self.loss_fn(model, batch, reduction)
 
     @contextlib.contextmanager
-    def capturing(self) -> Iterator[None]:
-        """Within the block, every forward of the model records its input and z (the last call wins)."""
+    def capturing(self, stop: bool = False) -> Iterator[None]:
+        """Within the block, every forward of the model records its input and z (the last call wins); with ``stop``
+        the forward ends as soon as z exists (:class:`Captured`): a fixed model runs no decoder and no head."""
         def keep_inputs(_: nn.Module, args: tuple, kwargs: dict) -> None:
             self._inputs = (args, kwargs)
 
         def keep_output(_: nn.Module, args: tuple, output) -> None:
             maps = output if isinstance(output, (list, tuple)) else [output]
             self._z = pooled(maps[-1])  # the encoder's maps, finest first: the deepest is the last
+            if stop:
+                raise Captured
 
         def keep_input(_: nn.Module, args: tuple) -> None:
             self._z = pooled(args[0])
+            if stop:
+                raise Captured
 
         handles = [self.model.register_forward_pre_hook(keep_inputs, with_kwargs=True),
                    self.module.register_forward_hook(keep_output) if self.is_encoder
@@ -132,8 +141,10 @@ class RepresentationTap:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad(), autocast(device), self.capturing():
+            with torch.no_grad(), autocast(device), self.capturing(stop=True):
                 functional_call(self.model, weights, args, kwargs)
+        except Captured:
+            pass  # z is taken: the rest of the forward (a dense decoder, the head) would be thrown away
         finally:
             self.model.train(was_training)
         return self.take()
