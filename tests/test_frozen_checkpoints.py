@@ -105,7 +105,9 @@ def frozen_runs(tiny_data_root, tiny_manifest, tmp_path_factory):  # noqa: F811
     assignments = base / "assignments" / "assignments.csv"
     write_assignments(assignments, table, {"scheme": "round_robin", "alpha": 1.0, "n_clients": N_CLIENTS,
                                            "groups": "scene_class"})
-    test_fed.main(step4_argv(tiny_data_root, tiny_manifest, assignments, base / "step4", weights, "--method", "ditto"))
+    # --keep_client_state: the clients' states stay in the final checkpoint, so the tests below see them too
+    test_fed.main(step4_argv(tiny_data_root, tiny_manifest, assignments, base / "step4", weights, "--method", "ditto",
+                             "--keep_client_state"))
     return {"base": base, "weights": weights, "step2": base / "step2", "step4": base / "step4",
             "assignments": assignments, "data": (tiny_data_root, tiny_manifest)}
 
@@ -224,7 +226,7 @@ def test_a_killed_and_resumed_frozen_step2_run_is_bit_identical(frozen_runs, tmp
 def test_a_killed_and_resumed_frozen_step4_run_is_bit_identical(frozen_runs, tmp_path, monkeypatch):
     data_root, manifest = frozen_runs["data"]
     argv = step4_argv(data_root, manifest, frozen_runs["assignments"], tmp_path / "run", frozen_runs["weights"],
-                      "--method", "ditto")
+                      "--method", "ditto", "--keep_client_state")
     real_save = network.engine_sequential.atomic_torch_save
 
     def save_then_die(obj, path):

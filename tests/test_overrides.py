@@ -115,10 +115,10 @@ def test_at_most_64_overrides():
 
 
 def test_an_item_the_file_does_not_have_is_named_with_the_lists_length():
-    with pytest.raises(TaskHetError) as refused:  # the toolbox file's grid is one block
-        load_experiment(TOOLBOX, ["grid[1].local_steps=[1]"])
-    assert str(refused.value) == ("override 'grid[1].local_steps=[1]': grid has 1 item in the file (indexes 0 to 0), so "
-                                  "no item 1; set the whole list with grid=[...]")
+    with pytest.raises(TaskHetError) as refused:  # the toolbox file's grid is four blocks
+        load_experiment(TOOLBOX, ["grid[4].local_steps=[1]"])
+    assert str(refused.value) == ("override 'grid[4].local_steps=[1]': grid has 4 items in the file (indexes 0 to 3), so "
+                                  "no item 4; set the whole list with grid=[...]")
 
 
 def test_a_list_the_file_leaves_out_has_no_items_to_change(tmp_path):
