@@ -2,7 +2,7 @@
 and, when the manifest has validation rows, the global validation loader.
 
 Shared by step 4 (all clients) and a Flower SuperNode (``network/flower/app.py``: only
-the clients whose data that machine holds). ``args`` is the run's ``network.run.RunConfig`` (data_path,
+the clients whose data that machine holds). ``args`` is the run's ``network.run_config.RunConfig`` (data_path,
 image_size, cache_dir, cache_features, batch_size, num_workers). With ``cache_features`` the datasets
 hold the frozen encoder's maps of the images instead of the images (``datasets/encoded.py``).
 """

@@ -1,20 +1,16 @@
 """One federated run's setup behind one typed run config (step 4, the Flower app and the pipeline all use it).
 
-:class:`RunConfig` holds every input of a run: what ``test_fed.py`` parses, what an
-experiment file's federated section gives, and what a Flower deployment carries in
-its run config (serialised generically: :meth:`RunConfig.to_json`). :func:`prepare`
-reads and checks the inputs and builds the task model, the algorithm, its worker
-model and the engine config; :func:`run` adds the client data and runs an engine.
+:class:`network.run_config.RunConfig` holds every input of a run (its checks are there too). :func:`prepare`
+reads and checks the inputs and builds the task model, the algorithm, its worker model and the engine config;
+:func:`run` adds the client data and runs an engine.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -26,148 +22,22 @@ from datasets.family import load_manifest
 from models import build_task_model, get_task, load_task_model
 from network.algorithms import build_algorithm
 from network.algorithms.base import Algorithm
-from network.client_data import LOCAL_TESTS
-from network.diagnostics import check_diagnostics_options
 from network.engine_config import EngineConfig
 from network.engine_sequential import check_vectorizable
-from network.local_work import LocalWork, client_step_budgets, parse_steps_range
+from network.local_work import client_step_budgets
 from network.lr_schedule import make_lr_schedule
 from network.run_inputs import (default_assignments, skews_signature, split_unseen, train_class_groups,
                                 unseen_signature)
+from network.run_config import NOT_IN_SIGNATURE, RunConfig, check_flower_counts, local_work, resolve
 from network.run_outputs import LOG_ONLY
-from partitioning.assignments import UNSEEN_KEY, load_assignments
+from partitioning.assignments import load_assignments
 from partitioning.temporal import check_horizon
-from partitioning.groupings import EMBEDDING_BASED, LABEL_BASED
 from training.loop import evaluate
 from utils.device import pick_device, prepare_model
 from utils.errors import NonFiniteLossError, TaskHetError
 from utils.seeding import set_deterministic
 
 STEP = "step 4"
-ENGINES = ("sequential", "flower")  # round loops over the same algorithm objects
-# Fields that do not change what a run computes: a resumed run may differ in them.
-NOT_IN_SIGNATURE = ("out", "resume", "use_accelerator", "num_workers", "cache_dir", "deterministic", "n_rounds",
-                    "eval_every", "checkpoint_every", "checkpoint_minutes", "keep_client_state", "diagnostics", "progress", "client_state_memory_mb", "engine", "flower_mode", "flower_num_cpus",
-                    "flower_num_gpus", "flower_num_nodes", "min_available_clients", "threads", "tensorboard", "round_lines", "plots",
-                    "diagnostics_every", "diagnostics_max_samples")
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """Every input of one federated run (``test_fed.py --help`` documents each field as a flag).
-
-    ``settings`` holds the algorithm's own settings (name -> value), checked against the
-    algorithm's ``Settings`` by :func:`network.algorithms.build_algorithm`.
-    """
-
-    task: str
-    method: str = "fedavg"
-    settings: dict[str, Any] = field(default_factory=dict)
-    manifest: Path = Path("results/datapoints/manifest.csv")
-    data_path: Path = Path("data/synthetic")
-    assignments: Path | None = None
-    assignment_files_path: Path = Path("results/assignments")
-    type: str | None = None
-    alpha: float | None = None
-    n_clients: int | None = None
-    n_clusters: int = 10
-    encoder: str = "resnet50"
-    weights: str = "none"
-    freeze_encoder: bool = False
-    cache_features: bool = False
-    decoder_width: int | None = None
-    init_from: str = "scratch"
-    centralized_checkpoint: Path | None = None
-    image_size: int = 224
-    n_rounds: int = 100
-    local_steps: int | None = None
-    local_epochs: int | None = None
-    batch_size: int = 16
-    init_lr: float = 0.01
-    lr_schedule: str = "constant"
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    client_fraction: float = 1.0
-    straggler_fraction: float = 0.0
-    straggler_share: float = 0.5
-    local_steps_range: str | None = None
-    calibration_fraction: float = 0.0
-    finetune_steps: int = 0
-    local_test: str = "assigned"
-    diagnostics: bool = False
-    diagnostics_every: int = 1
-    diagnostics_max_samples: int | None = None
-    eval_every: int = 1
-    checkpoint_every: int = 1
-    checkpoint_minutes: float | None = None
-    keep_client_state: bool = False
-    rand_seed: int = 42
-    deterministic: bool = False
-    use_accelerator: bool = True
-    num_workers: int = 0
-    cache_dir: Path | None = None
-    client_state_memory_mb: float = 2048
-    progress: bool = True
-    threads: int | None = None
-    tensorboard: bool = False
-    round_lines: bool = True
-    plots: bool = True
-    resume: bool = True
-    out: Path | None = None
-    engine: str = "sequential"
-    vectorize_clients: bool = False
-    vectorize_chunk: int = 32
-    flower_mode: str = "simulation"
-    flower_num_cpus: float = 1.0
-    flower_num_gpus: float = 0.0
-    flower_num_nodes: int | None = None
-    min_available_clients: int | None = None
-
-    def __post_init__(self) -> None:
-        """Every RunConfig is checked where it is made (test_fed.py, the pipeline, a Flower deployment's JSON): its
-        numbers are finite and its algorithm's settings pass that algorithm's own ``Settings``, so both engines and
-        the Flower app refuse the same values with the same message."""
-        from network.algorithms.base import get_settings_class
-        from network.settings import build_settings
-
-        for item in dataclasses.fields(self):
-            value = getattr(self, item.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise TaskHetError(f"--{item.name} must be a finite number, got {value!r}")
-        check_diagnostics_options(self.diagnostics_every, self.diagnostics_max_samples)
-        if self.engine == "flower" and self.checkpoint_minutes is not None:
-            raise TaskHetError("--checkpoint_minutes: the Flower engine's clients keep their state on their nodes, so it "
-                               "checkpoints every round (drop --checkpoint_minutes)")
-        if self.engine == "flower" and self.checkpoint_every != 1:
-            raise TaskHetError(f"--checkpoint_every {self.checkpoint_every}: the Flower engine's clients keep their state "
-                               "on their nodes, so a checkpoint older than the last round could not resume them; "
-                               "it checkpoints every round (drop --checkpoint_every)")
-        if not isinstance(self.settings, dict):
-            raise TaskHetError(f"the run's settings must map setting names to values, got {self.settings!r}")
-        build_settings(get_settings_class(self.method), self.settings, self.method)
-
-    def to_json(self) -> str:
-        """Every field as JSON (paths as strings): what a Flower deployment's run config carries."""
-        return json.dumps(dataclasses.asdict(self), default=str, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> "RunConfig":
-        """The inverse of :meth:`to_json` (paths restored from the field types)."""
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise TaskHetError(f"the run config is not valid JSON (line {error.lineno}: {error.msg})") from None
-        names = {item.name for item in dataclasses.fields(cls)}
-        if not isinstance(values, dict) or "task" not in values or set(values) - names:
-            unknown = sorted(set(values) - names) if isinstance(values, dict) else []
-            raise TaskHetError("the run config must be a RunConfig as JSON with a 'task'"
-                               + (f"; unknown field(s): {', '.join(unknown)}" if unknown else ""))
-        paths = {item.name for item in dataclasses.fields(cls) if "Path" in str(item.type)}
-        return cls(**{key: Path(value) if key in paths and value is not None else value for key, value in values.items()})
-
-    def replace(self, **changes: Any) -> "RunConfig":
-        return dataclasses.replace(self, **changes)
-
 
 @dataclass
 class FedSetup:
@@ -243,67 +113,6 @@ def prepare(config: RunConfig) -> FedSetup:
         evaluate_fn=lambda net, loader: evaluate(net, loader, task, next(net.parameters()).device, input_key=input_key,
                                                  progress=False, class_groups=groups),
         feature_model=task_model if config.cache_features else None, unseen_table=unseen_table)
-
-
-def check_flower_counts(config: RunConfig, n_clients: int) -> None:
-    """The Flower engine's counts against the run's ``n_clients``: ``--min_available_clients`` (at most the clients a
-    round samples) and ``--flower_num_nodes`` (at most the clients). Nothing to check for another engine."""
-    if config.engine != "flower":
-        return
-    from network.flower.server import check_min_available  # only here: the sequential path never imports flwr
-    from network.flower.simulation import check_num_nodes
-
-    check_min_available(config.min_available_clients, n_clients, config.client_fraction)
-    check_num_nodes(config.flower_num_nodes, n_clients)
-
-
-def resolve(config: RunConfig, meta: dict) -> RunConfig:
-    """Check the config against itself and against the assignment file's sidecar ``meta``."""
-    if config.local_steps is not None and config.local_epochs is not None:
-        raise TaskHetError("pass one of --local_steps (--sgd_per_epoch) and --local_epochs, not both")
-    if config.local_steps is None and config.local_epochs is None:
-        config = config.replace(local_steps=50)
-    # Groups are a clusters CSV (embedding-based) or a manifest column (label-based).
-    kind = EMBEDDING_BASED if str(meta.get("groups", "")).endswith(".csv") else LABEL_BASED
-    for name, given, recorded in (("type", config.type, kind if meta else None),
-                                  ("n_clients", config.n_clients, meta.get("n_clients")),
-                                  ("alpha", config.alpha, meta.get("alpha"))):
-        if given is not None and recorded is not None and given != recorded:
-            raise TaskHetError(f"--{name} {given} does not match {config.assignments}, made with {name} {recorded}")
-    config = config.replace(type=config.type or kind, alpha=config.alpha if config.alpha is not None else meta.get("alpha"))
-    if config.init_from == "centralized" and config.centralized_checkpoint is None:
-        raise TaskHetError("--init_from centralized needs --centralized_checkpoint (a step-2 best.pt)")
-    if not 0 <= config.calibration_fraction < 1:
-        raise TaskHetError(f"--calibration_fraction must be in [0, 1), got {config.calibration_fraction}")
-    if config.calibration_fraction and config.engine != "sequential":
-        raise TaskHetError(f"--calibration_fraction needs --engine sequential (the {config.engine} engine has no "
-                           "server-side calibration yet)")
-    if meta.get(UNSEEN_KEY) and config.engine != "sequential":
-        raise TaskHetError(f"{config.assignments} holds out unseen clients (assignments.json's {UNSEEN_KEY}), which "
-                           f"the {config.engine} engine does not evaluate: run it with --engine sequential")
-    if config.vectorize_clients and config.engine != "sequential":
-        raise TaskHetError(f"--vectorize_clients needs --engine sequential (the {config.engine} engine trains each "
-                           "client on its own node)")
-    work = local_work(config)
-    client_step_budgets(work, config.local_steps, [], config.rand_seed)  # --local_epochs with unequal work: refused
-    if config.vectorize_clients and not work.is_equal:
-        raise TaskHetError("--vectorize_clients trains a chunk of clients in lock-step, step for step, so its clients "
-                           "cannot do unequal local work (--straggler_fraction, --local_steps_range)")
-    if config.vectorize_chunk < 1:
-        raise TaskHetError(f"--vectorize_chunk must be >= 1, got {config.vectorize_chunk}")
-    if config.local_test not in LOCAL_TESTS:
-        raise TaskHetError(f"--local_test must be one of {', '.join(LOCAL_TESTS)}, got {config.local_test!r}")
-    if config.finetune_steps < 0:
-        raise TaskHetError(f"--finetune_steps must be >= 0, got {config.finetune_steps}")
-    if config.out is None:
-        config = config.replace(out=Path("results/test_federated") / config.task / config.type / config.method
-                                / f"a{config.alpha}-s{config.rand_seed}")
-    return config
-
-
-def local_work(config: RunConfig) -> LocalWork:
-    """The run's unequal-local-work settings (network/local_work.py)."""
-    return LocalWork(config.straggler_fraction, config.straggler_share, parse_steps_range(config.local_steps_range))
 
 
 def initial_model(config: RunConfig, num_classes: int | None) -> torch.nn.Module:

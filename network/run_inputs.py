@@ -19,7 +19,7 @@ from partitioning.groupings import EMBEDDING_BASED
 from utils.errors import TaskHetError
 
 if TYPE_CHECKING:  # annotations only: network.run imports this module
-    from network.run import RunConfig
+    from network.run_config import RunConfig
 
 
 def default_assignments(config: RunConfig) -> Path:

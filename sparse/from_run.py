@@ -53,7 +53,8 @@ class RunModels:
 def read_run(run_dir: Path, use_accelerator: bool = False) -> RunModels:
     """Models, masks and client data of the finished step-4 run in ``run_dir``."""
     from network.client_data import make_clients
-    from network.run import RunConfig, prepare
+    from network.run import prepare
+    from network.run_config import RunConfig
 
     run_dir = Path(run_dir)
     record = _read_config(run_dir)

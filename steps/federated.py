@@ -15,7 +15,8 @@ from network.algorithms import describe_algorithms, list_algorithms
 from network.algorithms.base import ALGORITHMS, get_settings_class
 from network.client_data import LOCAL_TESTS
 from network.lr_schedule import LR_SCHEDULE_HELP, make_lr_schedule
-from network.run import ENGINES, RunConfig, check_flower_counts, prepare, resolve
+from network.run import prepare
+from network.run_config import ENGINES, RunConfig, check_flower_counts, resolve
 from network.run_inputs import default_assignments
 from partitioning.groupings import GROUPINGS, canonical_grouping
 from partitioning.temporal import ROUNDS

@@ -228,7 +228,7 @@ def test_a_personalised_algorithm_is_measured_on_its_shared_parameters_at_the_gl
 
 @pytest.mark.parametrize("every", [0, -2, float("nan"), 2.5, True])
 def test_a_bad_period_is_refused_naming_the_flag(every):
-    from network.run import RunConfig
+    from network.run_config import RunConfig
 
     expected = "finite number" if isinstance(every, float) and every != every else "integer >= 1"
     with pytest.raises(TaskHetError, match=f"^--diagnostics_every must be an? {expected}"):

@@ -376,7 +376,7 @@ def test_a_stopped_run_names_the_round_of_its_last_checkpoint(tmp_path):
 
 
 def test_the_flower_engine_refuses_a_sparser_checkpoint(tmp_path):
-    from network.run import RunConfig
+    from network.run_config import RunConfig
 
     assert RunConfig(task="normal", out=tmp_path, checkpoint_every=5).checkpoint_every == 5  # sequential: taken
     with pytest.raises(TaskHetError, match="--checkpoint_every 5: the Flower engine"):

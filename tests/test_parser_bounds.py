@@ -477,7 +477,7 @@ def test_a_deployment_run_config_edited_out_of_range_is_refused_by_the_flower_ap
     from flwr.app import Context, RecordDict
 
     from network.flower import app, protocol
-    from network.run import RunConfig
+    from network.run_config import RunConfig
 
     record = json.loads(RunConfig(task="class_scene", assignments="a.csv").to_json())
     assert app.run_config(Context(run_id=1, node_id=0, state=RecordDict(), node_config={},

@@ -10,7 +10,7 @@ import pytest
 import test_fed
 from network.algorithms import list_algorithms
 from network.algorithms.base import get_settings_class
-from network.run import RunConfig
+from network.run_config import RunConfig
 from network.settings import build_settings, describe
 from tests.fixtures import tiny_data_root, tiny_manifest  # noqa: F401  (session fixtures)
 from tests.test_step4 import argv, assignments  # noqa: F401  (the step-4 fixture: 3 clients)
@@ -120,7 +120,7 @@ def test_ifca_with_more_cluster_models_than_clients_is_one_error_at_setup(tiny_d
 def test_resolve_fills_alpha_type_and_the_default_out_from_the_sidecar_and_refuses_a_whole_calibration_split():
     from pathlib import Path
 
-    from network.run import resolve
+    from network.run_config import resolve
 
     meta = {"groups": "clusters.csv", "n_clients": 5, "alpha": 0.5}
     config = resolve(RunConfig(task="class_scene", assignments=Path("a.csv"), method="fedavg", rand_seed=3), meta)

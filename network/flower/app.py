@@ -2,7 +2,7 @@
 
 A SuperLink runs ``server_app`` (the :class:`~network.flower.server.FlowerEngine` round loop);
 one SuperNode per machine runs ``client_app`` for the clients whose data that machine holds.
-Both read the same run config: ``run-config``, a :class:`network.run.RunConfig` as JSON
+Both read the same run config: ``run-config``, a :class:`network.run_config.RunConfig` as JSON
 (``RunConfig.to_json``), and both build the run with ``network.run.prepare``, so a
 deployment computes what ``test_fed.py --engine flower`` computes on one machine
 (docs/FLOWER.md). The server needs the manifest, the assignment file and the global test
@@ -37,7 +37,8 @@ from flwr.serverapp import Grid
 from network.flower.node import NodeHost, make_client_app
 from network.flower.protocol import NODE_PATHS, NODE_WAIT, PARTITION_IDS, REPLY_TIMEOUT, RUN_CONFIG, STATE_DIR
 from network.flower.server import FlowerEngine, make_server_app
-from network.run import RunConfig, open_run_folder, prepare
+from network.run import open_run_folder, prepare
+from network.run_config import RunConfig
 from utils.cli import floats, run_main
 from utils.errors import TaskHetError
 

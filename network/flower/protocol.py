@@ -81,7 +81,7 @@ NODE_PATHS = (("data-path", "data_path"), ("manifest", "manifest"), ("assignment
               ("centralized-checkpoint", "centralized_checkpoint"))  # (node config key, RunConfig field)
 
 # ----- run config (flwr run --run-config) -----
-RUN_CONFIG = "run-config"  # network.run.RunConfig.to_json()
+RUN_CONFIG = "run-config"  # network.run_config.RunConfig.to_json()
 REPLY_TIMEOUT = "reply-timeout-s"  # a client silent this long counts as failed; 0: wait
 NODE_WAIT = "node-wait-s"  # how long the server waits for nodes hosting every client
 
