@@ -135,3 +135,30 @@ def manual_sgd(weights: dict, train: set, batches: list[dict], lr: float, steps:
             for key, grad in zip(sorted(train), grads):
                 current[key] -= lr * grad
     return {key: value.detach() for key, value in current.items()}
+
+
+def batched_clients(batch_sizes: tuple[tuple[int, ...], ...], seed: int) -> list[list[dict]]:
+    """Least-squares clients as fixed lists of distinct batches of the given sizes (what each loader yields every
+    pass, in that order): for methods that read several batches a step (Per-FedAvg's D, D', D'')."""
+    data = least_squares_clients(sizes=tuple(sum(sizes) for sizes in batch_sizes), seed=seed)
+    return [[{"x": x, "y": y} for x, y in zip(a.split(sizes), b.split(sizes))]
+            for (a, b), sizes in zip(data, batch_sizes)]
+
+
+def run_batched(out_dir, name, batches, rounds, steps, lr, **settings):
+    """Run ``name`` on :func:`batched_clients` through the sequential engine; returns (the final weight vector in
+    numpy, the engine)."""
+    clients = [ClientData(str(index), sum(len(batch["y"]) for batch in own), lambda seed, own=own: own, own)
+               for index, own in enumerate(batches)]
+    algorithm, worker = build_algorithm(name, linear_model(), {c.client_id: c.num_samples for c in clients}, settings)
+    config = EngineConfig(out_dir=out_dir, n_rounds=rounds, lr_schedule=make_lr_schedule("constant", lr, rounds),
+                          local_steps=steps, eval_every=rounds, progress=False, plots=False)
+    engine = SequentialEngine(worker, algorithm, clients, least_squares_loss, mean_loss,
+                              [batch for own in batches for batch in own], config, CPU)
+    return engine.run()["weight"].squeeze(0).numpy(), engine
+
+
+def numpy_gradient(w, batch):
+    """∇ of ‖A w − b‖²/(2n) at ``w`` (a numpy vector) on one batch, in numpy."""
+    a, b = batch["x"].numpy(), batch["y"].numpy()
+    return a.T @ (a @ w - b) / len(b)

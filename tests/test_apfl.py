@@ -17,47 +17,28 @@ from torch import nn
 from network.algorithms import build_algorithm
 from network.algorithms.apfl import MIXING_WEIGHT
 from network.algorithms.skeleton import DELTA
-from network.client import ClientData
-from network.engine_sequential import EngineConfig, SequentialEngine
-from network.lr_schedule import make_lr_schedule
-from tests.oracles import CPU, DIM, client_config, least_squares_clients, least_squares_loss, linear_model, mean_loss
+from tests.oracles import DIM, batched_clients, client_config, linear_model, numpy_gradient, run_batched
 from utils.errors import TaskHetError
 
 BATCH_SIZES = ((3, 5, 2), (4, 6, 7, 1))  # two clients of 10 and 18 rows, batches of unequal sizes
 
 
 def client_batches() -> list[list[dict]]:
-    """Each client's distinct batches, in the fixed order its loader yields them every pass."""
-    data = least_squares_clients(sizes=tuple(sum(sizes) for sizes in BATCH_SIZES), seed=4)
-    return [[{"x": x, "y": y} for x, y in zip(a.split(sizes), b.split(sizes))]
-            for (a, b), sizes in zip(data, BATCH_SIZES)]
+    return batched_clients(BATCH_SIZES, seed=4)
 
 
-def run_engine(tmp_path, name, batches, rounds, steps, lr, **settings):
-    clients = [ClientData(str(index), sum(len(batch["y"]) for batch in own), lambda seed, own=own: own, own)
-               for index, own in enumerate(batches)]
-    algorithm, worker = build_algorithm(name, linear_model(), {c.client_id: c.num_samples for c in clients}, settings)
-    config = EngineConfig(out_dir=tmp_path / name, n_rounds=rounds,
-                          lr_schedule=make_lr_schedule("constant", lr, rounds), local_steps=steps, eval_every=rounds,
-                          progress=False, plots=False)
-    engine = SequentialEngine(worker, algorithm, clients, least_squares_loss, mean_loss,
-                              [batch for own in batches for batch in own], config, CPU)
-    return engine.run()["weight"].squeeze(0).numpy(), engine
 
 
 # ----- the numpy oracle, from the paper's Algorithm 1 and its adaptive α -----
-def grad(w, batch):
-    a, b = batch["x"].numpy(), batch["y"].numpy()
-    return a.T @ (a @ w - b) / len(b)
 
 
 def local_round(w, v, alpha, batches, steps, lr, alpha_lr, adaptive):
     """Every update from the values before the step: v̄^(t−1) = α v^(t−1) + (1 − α) w^(t−1), one batch ξ for all."""
     for step in range(steps):
         batch = batches[step % len(batches)]
-        mixed_grad = grad(alpha * v + (1 - alpha) * w, batch)
+        mixed_grad = numpy_gradient(alpha * v + (1 - alpha) * w, batch)
         next_alpha = np.clip(alpha - alpha_lr * (v - w) @ mixed_grad, 0, 1) if adaptive else alpha
-        w, v, alpha = w - lr * grad(w, batch), v - lr * alpha * mixed_grad, next_alpha
+        w, v, alpha = w - lr * numpy_gradient(w, batch), v - lr * alpha * mixed_grad, next_alpha
     return w, v, alpha
 
 
@@ -78,7 +59,7 @@ def oracle(batches, rounds, steps, lr, alpha_init, alpha_lr, adaptive):
                                       {"alpha_init": 0.7, "alpha_lr": 0.2, "adaptive": False}])
 def test_two_rounds_equal_the_papers_algorithm_in_numpy(tmp_path, settings):
     batches = client_batches()
-    taskhet, engine = run_engine(tmp_path, "apfl", batches, rounds=2, steps=3, lr=0.05, **settings)
+    taskhet, engine = run_batched(tmp_path / "apfl", "apfl", batches, rounds=2, steps=3, lr=0.05, **settings)
     w, personal = oracle(batches, rounds=2, steps=3, lr=0.05, **settings)
     assert np.allclose(taskhet, w, rtol=0, atol=1e-12)
     models = {"global": {"weight": torch.tensor(taskhet).unsqueeze(0)}}
@@ -103,7 +84,8 @@ def test_a_huge_alpha_step_is_clipped_to_the_unit_interval():
 
 def test_alpha_fixed_at_zero_makes_the_personal_model_the_global_model(tmp_path):
     batches = client_batches()
-    _, engine = run_engine(tmp_path, "apfl", batches, rounds=2, steps=3, lr=0.05, alpha_init=0.0, adaptive=False)
+    _, engine = run_batched(tmp_path / "apfl", "apfl", batches, rounds=2, steps=3, lr=0.05, alpha_init=0.0,
+                            adaptive=False)
     for client_id in ("0", "1"):
         state = engine.store.get(client_id)
         assert torch.equal(state["weight"], torch.zeros(1, DIM, dtype=torch.float64))  # v never moves: ∇_v = 0·∇f
@@ -113,8 +95,9 @@ def test_alpha_fixed_at_zero_makes_the_personal_model_the_global_model(tmp_path)
 
 def test_alpha_fixed_at_one_trains_the_personal_model_as_local_does(tmp_path):
     batches = client_batches()
-    _, apfl = run_engine(tmp_path, "apfl", batches, rounds=2, steps=3, lr=0.05, alpha_init=1.0, adaptive=False)
-    _, local = run_engine(tmp_path, "local", batches, rounds=2, steps=3, lr=0.05)
+    _, apfl = run_batched(tmp_path / "apfl", "apfl", batches, rounds=2, steps=3, lr=0.05, alpha_init=1.0,
+                          adaptive=False)
+    _, local = run_batched(tmp_path / "local", "local", batches, rounds=2, steps=3, lr=0.05)
     for client_id in ("0", "1"):
         assert torch.equal(apfl.store.get(client_id)["weight"], local.store.get(client_id)["weight"])
         own = apfl.algorithm.personal_model(apfl.server.models, apfl.store.get(client_id))

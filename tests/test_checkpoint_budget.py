@@ -9,19 +9,9 @@ import torch
 from network.engine_config import EngineConfig
 from network.lr_schedule import make_lr_schedule
 from tests.test_engine import assert_same_weights, make_engine
+from tests.test_progress_lines import FakeClock as Clock  # seconds that advance a step at every reading
 from utils.errors import TaskHetError
 from utils.run_dir import load_checkpoint
-
-
-class Clock:
-    """A stand-in for time.monotonic that advances ``step`` seconds a call."""
-
-    def __init__(self, step: float) -> None:
-        self.now, self.step = 0.0, step
-
-    def __call__(self) -> float:
-        self.now += self.step
-        return self.now
 
 
 def written_rounds(make, monkeypatch, clock: Clock) -> list[int]:

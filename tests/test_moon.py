@@ -15,7 +15,7 @@ from network.algorithms import build_algorithm
 from network.algorithms.moon import model_contrastive_loss
 from network.algorithms.representation import RepresentationTap
 from network.algorithms.skeleton import DELTA
-from tests.oracles import TwoLayer, client_config, least_squares_clients, least_squares_loss, linear_model, run_oracle
+from tests.oracles import TwoLayer, client_config, least_squares_clients, least_squares_loss, run_oracle
 from tests.tiny_models import TinyNet, loss_fn as tiny_loss
 from utils.errors import TaskHetError
 
@@ -184,18 +184,6 @@ def test_hooks_are_removed_when_the_task_loss_raises():
 def test_out_of_range_settings_are_refused(settings, message):
     with pytest.raises(TaskHetError, match=message):
         build_algorithm("moon", TwoLayer(), {"0": 1}, settings)
-
-
-def test_a_model_without_a_representation_is_refused():
-    with pytest.raises(TaskHetError, match="moon needs a model with an 'encoder' .* or a 'head' module"):
-        build_algorithm("moon", linear_model(), {"0": 1})
-
-
-def test_a_frozen_encoder_is_refused_before_training():
-    model = build_task_model("digit_class", "small_cnn", "none", seed=0, freeze_encoder=True, num_classes=10)
-    with pytest.raises(TaskHetError, match="moon cannot train a model whose encoder is frozen .*: the contrasted "
-                                           "representation, the pooled encoder output, cannot change"):
-        build_algorithm("moon", model, {"0": 1})
 
 
 def test_the_oracle_loss_is_the_tasks():  # guards the oracle's task gradient against the loss the engine uses

@@ -16,38 +16,21 @@ from network.algorithms import build_algorithm
 from network.algorithms.perfedavg import hessian_vector_product
 from network.algorithms.skeleton import DELTA
 from network.client import ClientData, Finetune, evaluate_client
-from network.engine_sequential import EngineConfig, SequentialEngine
 from network.local_train import NonFiniteLossError
-from network.lr_schedule import make_lr_schedule
-from tests.oracles import CPU, DIM, client_config, least_squares_clients, least_squares_loss, linear_model, mean_loss
+from tests.oracles import (CPU, DIM, batched_clients, client_config, least_squares_clients, least_squares_loss,
+                           linear_model, mean_loss, numpy_gradient, run_batched)
 from utils.errors import TaskHetError
 
 BATCH_SIZES = ((3, 5, 2, 1), (4, 6, 7))  # two clients of 11 and 17 rows, batches of unequal sizes
 
 
 def client_batches() -> list[list[dict]]:
-    """Each client's distinct batches, in the fixed order its loader yields them every pass."""
-    data = least_squares_clients(sizes=tuple(sum(sizes) for sizes in BATCH_SIZES), seed=3)
-    return [[{"x": x, "y": y} for x, y in zip(a.split(sizes), b.split(sizes))]
-            for (a, b), sizes in zip(data, BATCH_SIZES)]
+    return batched_clients(BATCH_SIZES, seed=3)
 
 
-def run_engine(tmp_path, batches, rounds, steps, lr, **settings):
-    clients = [ClientData(str(index), sum(len(batch["y"]) for batch in own), lambda seed, own=own: own, own)
-               for index, own in enumerate(batches)]
-    algorithm, worker = build_algorithm("perfedavg", linear_model(), {c.client_id: c.num_samples for c in clients},
-                                        settings)
-    config = EngineConfig(out_dir=tmp_path, n_rounds=rounds, lr_schedule=make_lr_schedule("constant", lr, rounds),
-                          local_steps=steps, eval_every=rounds, progress=False, plots=False)
-    engine = SequentialEngine(worker, algorithm, clients, least_squares_loss, mean_loss,
-                              [batch for own in batches for batch in own], config, CPU)
-    return engine.run()["weight"].squeeze(0).numpy(), engine
 
 
 # ----- the numpy oracle, from the paper's Algorithm 1 -----
-def grad(w, batch):
-    a, b = batch["x"].numpy(), batch["y"].numpy()
-    return a.T @ (a @ w - b) / len(b)
 
 
 def hessian(batch):
@@ -57,8 +40,8 @@ def hessian(batch):
 
 def meta_step(w, group, alpha, beta, version, velocity=None, momentum=0.0, weight_decay=0.0):
     """One local step; weight decay as the L2 term (wd/2)‖w‖² of f (gradient + wd·w, Hessian + wd·I)."""
-    w_tilde = w - alpha * (grad(w, group[0]) + weight_decay * w)
-    direction = grad(w_tilde, group[1]) + weight_decay * w_tilde
+    w_tilde = w - alpha * (numpy_gradient(w, group[0]) + weight_decay * w)
+    direction = numpy_gradient(w_tilde, group[1]) + weight_decay * w_tilde
     if version == "hf":
         direction = direction - alpha * (hessian(group[2]) + weight_decay * np.eye(len(w))) @ direction
     velocity = direction if velocity is None else momentum * velocity + direction  # torch's SGD momentum buffer
@@ -88,7 +71,7 @@ def oracle(batches, rounds, steps, alpha, beta, version):
 def test_two_rounds_equal_the_papers_algorithm_in_numpy(tmp_path, version):
     batches = client_batches()
     settings = {"version": version, "outer_lr": 0.3, "delta": 0.01}
-    taskhet, _ = run_engine(tmp_path, batches, rounds=2, steps=3, lr=0.05, **settings)
+    taskhet, _ = run_batched(tmp_path, "perfedavg", batches, rounds=2, steps=3, lr=0.05, **settings)
     expected = oracle(batches, rounds=2, steps=3, alpha=0.05, beta=0.3, version=version)
     assert np.allclose(taskhet, expected, rtol=0, atol=1e-12)
     fedavg_like = oracle(batches, rounds=2, steps=3, alpha=0.0, beta=0.3, version=version)
@@ -97,8 +80,8 @@ def test_two_rounds_equal_the_papers_algorithm_in_numpy(tmp_path, version):
 
 def test_hf_differs_from_fo_by_the_curvature_term(tmp_path):
     batches = client_batches()
-    fo, _ = run_engine(tmp_path / "fo", batches, rounds=1, steps=2, lr=0.05, version="fo", outer_lr=0.3)
-    hf, _ = run_engine(tmp_path / "hf", batches, rounds=1, steps=2, lr=0.05, version="hf", outer_lr=0.3)
+    fo, _ = run_batched(tmp_path / "fo", "perfedavg", batches, rounds=1, steps=2, lr=0.05, version="fo", outer_lr=0.3)
+    hf, _ = run_batched(tmp_path / "hf", "perfedavg", batches, rounds=1, steps=2, lr=0.05, version="hf", outer_lr=0.3)
     assert np.abs(fo - hf).max() > 1e-4
 
 
@@ -151,7 +134,7 @@ def test_one_finetuning_step_at_evaluation_is_the_papers_personalisation_at_alph
     splits = evaluate_client(algorithm, model, record, {"global": weights}, weights, None, client, least_squares_loss,
                              CPU, Finetune(steps=1, lr=0.05), seed=0)
     assert "client_test_finetuned" in splits and not algorithm.personalized
-    assert np.allclose(seen[-1], w - 0.05 * grad(w, batches[0]), rtol=0, atol=1e-15)  # w − α∇f(w; D)
+    assert np.allclose(seen[-1], w - 0.05 * numpy_gradient(w, batches[0]), rtol=0, atol=1e-15)  # w − α∇f(w; D)
 
 
 def test_the_finite_difference_replays_the_dropout_masks_of_its_plus_pass():
