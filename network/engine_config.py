@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from network.diagnostics import check_diagnostics_options
+from network.local_work import check_not_lockstep
 from utils.errors import TaskHetError
 
 
@@ -88,9 +89,7 @@ class EngineConfig:
         if self.checkpoint_minutes is not None and (self.checkpoint_every != 1 or not self.checkpoint_minutes > 0):
             raise TaskHetError(f"--checkpoint_minutes must be > 0 and replaces --checkpoint_every (pass one), got "
                                f"{self.checkpoint_minutes} minutes and every {self.checkpoint_every} rounds")
-        if self.client_steps is not None and self.vectorize_chunk:
-            raise TaskHetError("--vectorize_clients trains a chunk of clients in lock-step, step for step, so its "
-                               "clients cannot do unequal local work (--straggler_fraction, --local_steps_range)")
+        check_not_lockstep(self.client_steps is not None, bool(self.vectorize_chunk))
 
     def local_steps_of(self, client_id: str) -> int | None:
         """Client ``client_id``'s local steps per round (None: the budget is ``local_epochs``)."""

@@ -98,3 +98,10 @@ def client_step_budgets(work: LocalWork, local_steps: int | None, client_ids: It
     stragglers = {ids[index] for index in numpy_rng(seed, "stragglers").permutation(len(ids))[:count]}
     short = straggler_steps(local_steps, work.straggler_share)
     return {client_id: short if client_id in stragglers else local_steps for client_id in ids}
+
+
+def check_not_lockstep(unequal: bool, lockstep: bool) -> None:
+    """Refuse unequal local work in a lock-step chunk (``--vectorize_clients``), which takes the same steps for all."""
+    if unequal and lockstep:
+        raise TaskHetError("--vectorize_clients trains a chunk of clients in lock-step, step for step, so its clients "
+                           "cannot do unequal local work (--straggler_fraction, --local_steps_range)")

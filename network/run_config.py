@@ -18,7 +18,7 @@ from typing import Any
 
 from network.client_data import LOCAL_TESTS
 from network.diagnostics import check_diagnostics_options
-from network.local_work import LocalWork, client_step_budgets, parse_steps_range
+from network.local_work import LocalWork, check_not_lockstep, client_step_budgets, parse_steps_range
 from partitioning.assignments import UNSEEN_KEY
 from partitioning.groupings import EMBEDDING_BASED, LABEL_BASED
 from utils.errors import TaskHetError
@@ -189,9 +189,7 @@ def resolve(config: RunConfig, meta: dict) -> RunConfig:
                            "client on its own node)")
     work = local_work(config)
     client_step_budgets(work, config.local_steps, [], config.rand_seed)  # --local_epochs with unequal work: refused
-    if config.vectorize_clients and not work.is_equal:
-        raise TaskHetError("--vectorize_clients trains a chunk of clients in lock-step, step for step, so its clients "
-                           "cannot do unequal local work (--straggler_fraction, --local_steps_range)")
+    check_not_lockstep(not work.is_equal, config.vectorize_clients)
     if config.vectorize_chunk < 1:
         raise TaskHetError(f"--vectorize_chunk must be >= 1, got {config.vectorize_chunk}")
     if config.local_test not in LOCAL_TESTS:
