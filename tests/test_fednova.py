@@ -181,3 +181,33 @@ def test_nothing_personal_is_kept_or_uploaded():
                                      [{"x": a, "y": b}], client_config(10, steps=3))
     assert result.client_state == {} and not algorithm.private_keys() and not algorithm.personalized
     assert set(result.upload) == {NORMALISED, DELTA, NORM} and result.upload[NORM]["a"].dtype == torch.float64
+
+
+def test_stragglers_set_by_the_engine_are_normalised_as_the_numpy_oracle_says(tmp_path):
+    """The engine's unequal local work (EngineConfig.client_steps, what --straggler_fraction sets) reaches FedNova:
+    two rounds, full batches, client 0 a straggler at 1 step and client 1 at 3, against the numpy oracle."""
+    from network.engine_config import EngineConfig
+    from network.engine_sequential import SequentialEngine
+    from network.lr_schedule import make_lr_schedule
+    from tests.oracles import CPU, least_squares_loss, mean_loss, oracle_clients
+
+    data = least_squares_clients(sizes=SIZES, seed=5)
+    budgets, lr, rounds = {"0": 1, "1": 3}, 0.03, 2
+    clients = oracle_clients(data)
+    algorithm, model = build_algorithm("fednova", linear_model(), {c.client_id: c.num_samples for c in clients})
+    config = EngineConfig(out_dir=tmp_path, n_rounds=rounds, lr_schedule=make_lr_schedule("constant", lr, rounds),
+                          local_steps=4, client_steps=budgets, progress=False, plots=False)
+    pooled = [{"x": torch.cat([a for a, _ in data]), "y": torch.cat([b for _, b in data])}]
+    final = SequentialEngine(model, algorithm, clients, least_squares_loss, mean_loss, pooled, config, CPU).run()
+    x = np.zeros(DIM)
+    for _ in range(rounds):
+        results = [numpy_client(x, [(a.numpy(), b.numpy())], lr, budgets[str(k)], 0.0, 0.0)
+                   for k, (a, b) in enumerate(data)]
+        x = numpy_server(x, [delta for delta, _ in results], [norm for _, norm in results], list(SIZES), 1.0)
+    np.testing.assert_allclose(final["weight"].squeeze(0).numpy(), x, rtol=0, atol=1e-12)
+    # the setting discriminates: FedAvg's mean of the same updates (no normalisation) lands elsewhere
+    first = [numpy_client(np.zeros(DIM), [(a.numpy(), b.numpy())], lr, budgets[str(k)], 0.0, 0.0)
+             for k, (a, b) in enumerate(data)]
+    fedavg = sum(size * delta for size, (delta, _) in zip(SIZES, first)) / sum(SIZES)
+    fednova = numpy_server(np.zeros(DIM), [d for d, _ in first], [n for _, n in first], list(SIZES), 1.0)
+    assert np.abs(fedavg - fednova).max() > 1e-3
