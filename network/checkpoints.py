@@ -22,6 +22,7 @@ CHECKPOINT_FILE, BEST_FILE = "checkpoint.pt", "best.pt"
 
 
 DROPPED_STATES = "dropped_client_states"  # clients whose states a finished run left out of its checkpoint
+PRIVACY_STATE = "privacy"  # client-level DP's server state (its current C, the rounds released); None without DP
 
 
 def run_fingerprint(algorithm: Algorithm, config: EngineConfig, client_ids: list[str]) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from torch import nn
 from network.aggregation import Weights
 from network.algorithms.base import Algorithm, ClientConfig, ClientResult, LossFn, load_weights, make_optimizer
 from network.local_train import local_train
+from network.privacy import ADAPTIVE_KEY, CLIP_KEY, DP_GROUP, clip_upload
 from network.sampling import client_seed
 from network.vectorized import ChunkNonFiniteLoss
 from utils.errors import NonFiniteLossError, TaskHetError
@@ -108,7 +109,18 @@ def train_client(algorithm: Algorithm, model: nn.Module, broadcast: dict[str, We
         result = algorithm.client_update(model, broadcast, dict(state or {}), client.train_loader(seed), cfg)
     _check_upload(algorithm, result, client.client_id)
     result.num_samples = algorithm.reported_num_samples(client.client_id, result.num_samples)
+    result.upload = private_upload(algorithm, broadcast, result.upload)
     return result
+
+
+def private_upload(algorithm: Algorithm, broadcast: dict[str, Weights], upload: dict[str, Weights]
+                   ) -> dict[str, Weights]:
+    """Under client-level DP (the broadcast carries the round's C), the upload clipped on the client, before it
+    leaves: nothing unclipped reaches the server (network/privacy.py). Unchanged without DP."""
+    dp = broadcast.get(DP_GROUP)
+    if dp is None:
+        return upload
+    return clip_upload(upload, algorithm.dp_groups, float(dp[CLIP_KEY]), ADAPTIVE_KEY in dp)
 
 
 def _check_upload(algorithm: Algorithm, result: ClientResult, client_id: str) -> None:
@@ -139,6 +151,7 @@ def train_clients(algorithm: Algorithm, model: nn.Module, broadcast: dict[str, W
     for client, result in zip(clients, results):
         _check_upload(algorithm, result, client.client_id)
         result.num_samples = algorithm.reported_num_samples(client.client_id, result.num_samples)
+        result.upload = private_upload(algorithm, broadcast, result.upload)
     return results
 
 

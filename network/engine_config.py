@@ -8,6 +8,7 @@ from typing import Callable, Mapping
 
 from network.diagnostics import check_diagnostics_options
 from network.local_work import check_not_lockstep
+from network.privacy import PrivacySettings
 from utils.errors import TaskHetError
 
 
@@ -50,6 +51,7 @@ class EngineConfig:
             summary line at the end (what a pipeline of hundreds of runs wants).
         vectorize_chunk: 0 trains the sampled clients one after another; C > 0 trains them in
             lock-step, C at a time (``--vectorize_clients``, network/vectorized.py).
+        privacy: client-level DP (network/privacy.py) with its noise multiplier resolved; None: no DP.
         client_steps: each client's own local steps per round (unequal local work, network/local_work.py); None:
             every client takes ``local_steps``.
         plots: draw the run's pictures (``curves.png`` at the end; with diagnostics, ``diagnostics.png`` and the
@@ -83,6 +85,7 @@ class EngineConfig:
     vectorize_chunk: int = 0
     plots: bool = True
     client_steps: Mapping[str, int] | None = None
+    privacy: PrivacySettings | None = None
 
     def __post_init__(self) -> None:
         check_diagnostics_options(self.diagnostics_every, self.diagnostics_max_samples)

@@ -37,7 +37,8 @@ from network.algorithms.base import (ALGORITHMS, Algorithm, ClientConfig, Client
                                      Upload)
 from network.client import ClientData, ClientFailure, EvaluateFn, train_client, train_clients
 from models.frozen_encoder import frozen_encoder_of, strip_frozen_encoder
-from network.checkpoints import BEST_FILE, CHECKPOINT_FILE, DROPPED_STATES, load_resumable, run_fingerprint
+from network.checkpoints import (BEST_FILE, CHECKPOINT_FILE, DROPPED_STATES, PRIVACY_STATE, load_resumable,
+                                 run_fingerprint)
 from network.client_store import ClientStore
 from network.clients_table import CLIENTS_FILE, write_clients_table
 from network.diagnostics import PLOT_FILE as DIAGNOSTICS_PLOT, DriftMeter, plot_diagnostics
@@ -47,7 +48,8 @@ from network.local_train import NonFiniteLossError
 from network.run_outputs import (CURVES_FILE, GLOBAL_CLIENT, GLOBAL_VAL_SPLIT, METRICS_COLUMNS, METRICS_FILE, LOG_ONLY,
                                  ROUND_LINE, TRAIN_SPLIT, mean_train_loss, metric_row, not_a_round_line, not_log_only,
                                  plot_curves, run_title)
-from network.sampling import client_seed, sample_clients
+from network.privacy import DP_GROUP, PRIVACY_SPLIT, SERVER_CLIENT, ServerPrivacy
+from network.sampling import client_seed, clients_per_round, sample_clients
 from network.schedule import client_at, holding_clients
 from network.vectorized import require_vectorizable
 from utils.errors import TaskHetError
@@ -120,6 +122,7 @@ class SequentialEngine(RoundEvaluation):
                 if not config.round_lines:
                     handler.addFilter(not_a_round_line)
         self.drift = DriftMeter(self.out_dir, algorithm.federation.layout.param_keys) if config.diagnostics else None
+        self.privacy = server_privacy(config, algorithm, len(ids))
         # Private entries never leave a client: the gradient diagnostics read the shared parameters only.
         self.private_params = algorithm.private_keys()
         self.shares_parameters = any(param.requires_grad and name not in self.private_params
@@ -209,6 +212,8 @@ class SequentialEngine(RoundEvaluation):
         sampled = sample_clients(holding_clients(self.clients, round_index), self.config.client_fraction,
                                  self.config.seed, round_index)
         broadcast = self.algorithm.broadcast(self.server)
+        if self.privacy is not None:  # client-level DP: the round's clipping norm goes out with the model
+            broadcast = {**broadcast, DP_GROUP: self.privacy.broadcast()}
         lr = float(self.config.lr_schedule(round_index))
         results: dict[str, dict[str, float]] = {}
 
@@ -219,7 +224,8 @@ class SequentialEngine(RoundEvaluation):
                     self.drift.add(client_id, result.upload)
                 yield Upload(client_id, result.upload, result.num_samples, result.metrics)
 
-        self.server = self.algorithm.aggregate(self.server, uploads())
+        private = None if self.privacy is None else self.privacy.start_round(round_index)
+        self.server = self.algorithm.aggregate(self.server, uploads() if private is None else private.uploads(uploads()))
         finite = [torch.isfinite(value).all() for weights in self.server.models.values()
                   for value in weights.values() if value.is_floating_point()]
         if finite and not bool(torch.stack(finite).all()):  # one device sync per round
@@ -232,6 +238,9 @@ class SequentialEngine(RoundEvaluation):
             rows.append(metric_row(round_index, TRAIN_SPLIT, "mean", metric, sum(values) / len(values)))
         if self.drift is not None:
             rows += self.drift.finish(round_index, plot=self.config.plots and self._evaluates(round_index))
+        if private is not None:
+            rows += [metric_row(round_index, PRIVACY_SPLIT, SERVER_CLIENT, metric, value)
+                     for metric, value in private.finish()]
         return rows
 
     # ----- how an engine reaches its clients (the Flower engine overrides these two) -----
@@ -309,6 +318,8 @@ class SequentialEngine(RoundEvaluation):
                                    "--keep_client_state)")
             self.server = ServerState(**checkpoint["server"]).to(self.device)
             self.store.restore(checkpoint["client_states"])
+            if self.privacy is not None:
+                self.privacy.load_state(checkpoint[PRIVACY_STATE])
             torch.set_rng_state(checkpoint["rng"]["torch"])
             self.best_loss = checkpoint["best_loss"]
             self.metrics.truncate_after("round", checkpoint["round"])
@@ -357,6 +368,7 @@ class SequentialEngine(RoundEvaluation):
             # Every draw derives from (seed, round, client), so the global torch state is the only RNG left.
             "rng": {"torch": torch.get_rng_state()}, "run": self._fingerprint(),
             DROPPED_STATES: self.store.count if finished else 0,
+            PRIVACY_STATE: None if self.privacy is None else self.privacy.state(),
         }, self.frozen), self.checkpoint_path)
         self.checkpoint_round = round_index  # after the write: an interrupt inside it leaves the previous one
         self._checkpointed_at = time.monotonic()
@@ -365,6 +377,21 @@ class SequentialEngine(RoundEvaluation):
 
     def _fingerprint(self) -> dict[str, Any]:
         return run_fingerprint(self.algorithm, self.config, list(self.clients))
+
+
+def server_privacy(config: EngineConfig, algorithm: Algorithm, num_clients: int) -> ServerPrivacy | None:
+    """The server's client-level DP over the run (network/privacy.py), or None without DP."""
+    if config.privacy is None:
+        return None
+    # RunConfig refuses these first; an engine built directly (a test, a benchmark) refuses them too.
+    if not algorithm.dp_groups:
+        raise TaskHetError(f"client-level DP is not offered for {algorithm.name}: {algorithm.dp_refusal}")
+    if getattr(algorithm.settings, "weighting", None) != "uniform":
+        raise TaskHetError(f"client-level DP needs --weighting uniform, {algorithm.name} has "
+                           f"{getattr(algorithm.settings, 'weighting', None)}")
+    return ServerPrivacy(config.privacy, algorithm.dp_groups, num_clients,
+                         clients_per_round(num_clients, config.client_fraction), config.seed,
+                         config.privacy.noise_multiplier or 0.0)
 
 
 def unseen_by_id(unseen: list[ClientData], seen_ids: list[str], algorithm: Algorithm) -> dict[str, ClientData]:

@@ -28,10 +28,13 @@ from network.local_work import client_step_budgets
 from network.lr_schedule import make_lr_schedule
 from network.run_inputs import (default_assignments, skews_signature, split_unseen, train_class_groups,
                                 unseen_signature)
-from network.run_config import NOT_IN_SIGNATURE, RunConfig, check_flower_counts, local_work, resolve
+from network.privacy import PrivacySettings, resolve_budget
+from network.run_config import (NOT_IN_SIGNATURE, RunConfig, check_flower_counts, local_work, privacy_settings,
+                                resolve)
+from network.sampling import clients_per_round
 from network.run_outputs import LOG_ONLY
 from partitioning.assignments import load_assignments
-from partitioning.temporal import check_horizon
+from partitioning.temporal import check_horizon, has_schedule
 from training.loop import evaluate
 from utils.device import pick_device, prepare_model
 from utils.errors import NonFiniteLossError, TaskHetError
@@ -58,6 +61,8 @@ class FedSetup:
     # The rows of the clients held out of all training (assignments.json's unseen_clients); None: no such client.
     # ``table`` then holds the federation's clients only.
     unseen_table: pd.DataFrame | None = None
+    # Lines for run.log, (logging level, text): client-level DP's budget and warnings.
+    notes: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
     @property
     def assigned_rows(self) -> pd.DataFrame:
@@ -89,8 +94,9 @@ def prepare(config: RunConfig) -> FedSetup:
                                         input_key=input_key)
     if config.vectorize_clients:  # refused here, before any data is read or folder written
         check_vectorizable(worker, algorithm)
+    privacy, n_rounds, notes = private_budget(config, table, sizes)
     engine_config = EngineConfig(
-        out_dir=config.out, n_rounds=config.n_rounds,
+        out_dir=config.out, n_rounds=n_rounds, privacy=privacy,
         lr_schedule=make_lr_schedule(config.lr_schedule, config.init_lr, config.n_rounds),
         seed=config.rand_seed, local_steps=config.local_steps, local_epochs=config.local_epochs,
         client_fraction=config.client_fraction, eval_every=config.eval_every,
@@ -112,7 +118,20 @@ def prepare(config: RunConfig) -> FedSetup:
         # The model's own device, not the server's: Flower nodes may train on another device.
         evaluate_fn=lambda net, loader: evaluate(net, loader, task, next(net.parameters()).device, input_key=input_key,
                                                  progress=False, class_groups=groups),
-        feature_model=task_model if config.cache_features else None, unseen_table=unseen_table)
+        feature_model=task_model if config.cache_features else None, unseen_table=unseen_table, notes=notes)
+
+
+def private_budget(config: RunConfig, table: pd.DataFrame, sizes: dict[str, int]
+                   ) -> tuple[PrivacySettings | None, int, list[tuple[int, str]]]:
+    """Client-level DP's settings with z resolved, the rounds its budget allows, and lines for run.log (no DP: the
+    config's rounds)."""
+    settings = privacy_settings(config)
+    if settings is None:
+        return None, config.n_rounds, []
+    if has_schedule(table):
+        raise TaskHetError(f"--dp_clip: {config.assignments} has a temporal schedule, so the clients a round can sample "
+                           "change with the data; the accountant assumes m of the same N clients every round")
+    return resolve_budget(settings, len(sizes), clients_per_round(len(sizes), config.client_fraction), config.n_rounds)
 
 
 def initial_model(config: RunConfig, num_classes: int | None) -> torch.nn.Module:
@@ -139,6 +158,8 @@ def run(setup: FedSetup) -> dict:
     calibration = calibration_loader(setup)  # before the folder is claimed: a refused split leaves it untouched
     open_run_folder(setup)
     with run_log(config.out) as logger:
+        for level, note in setup.notes:
+            logger.log(level, "%s", note)
         if calibration is not None:
             logger.info("server calibration split: %d held-out train samples", len(calibration.dataset))
         test_loader = global_test_loader(config, setup.manifest, setup.task, setup.feature_model)

@@ -18,12 +18,15 @@ from typing import Any
 
 from network.client_data import LOCAL_TESTS
 from network.diagnostics import check_diagnostics_options
+from network.privacy import DEFAULT_CLIP_LR, PrivacySettings
 from network.local_work import LocalWork, check_not_lockstep, client_step_budgets, parse_steps_range
 from partitioning.assignments import UNSEEN_KEY
 from partitioning.groupings import EMBEDDING_BASED, LABEL_BASED
 from utils.errors import TaskHetError
 
-ENGINES = ("sequential", "flower")  # round loops over the same algorithm objects
+ENGINES = ("sequential", "flower")
+DP_FLAGS = ("dp_noise_multiplier", "dp_target_epsilon", "dp_delta", "dp_adaptive_quantile", "dp_clip_lr",
+            "dp_count_noise")  # round loops over the same algorithm objects
 # Fields that do not change what a run computes: a resumed run may differ in them.
 NOT_IN_SIGNATURE = ("out", "resume", "use_accelerator", "num_workers", "cache_dir", "deterministic", "n_rounds",
                     "eval_every", "checkpoint_every", "checkpoint_minutes", "keep_client_state", "diagnostics", "progress", "client_state_memory_mb", "engine", "flower_mode", "flower_num_cpus",
@@ -101,6 +104,13 @@ class RunConfig:
     flower_num_gpus: float = 0.0
     flower_num_nodes: int | None = None
     min_available_clients: int | None = None
+    dp_clip: float | None = None
+    dp_noise_multiplier: float | None = None
+    dp_target_epsilon: float | None = None
+    dp_delta: float = 1e-5
+    dp_adaptive_quantile: float | None = None
+    dp_clip_lr: float = DEFAULT_CLIP_LR
+    dp_count_noise: float | None = None
 
     def __post_init__(self) -> None:
         """Every RunConfig is checked where it is made (test_fed.py, the pipeline, a Flower deployment's JSON): its
@@ -111,7 +121,7 @@ class RunConfig:
 
         for item in dataclasses.fields(self):
             value = getattr(self, item.name)
-            if isinstance(value, float) and not math.isfinite(value):
+            if isinstance(value, float) and not math.isfinite(value) and not (item.name == "dp_clip" and value == math.inf):
                 raise TaskHetError(f"--{item.name} must be a finite number, got {value!r}")
         check_diagnostics_options(self.diagnostics_every, self.diagnostics_max_samples)
         if self.engine == "flower" and self.checkpoint_minutes is not None:
@@ -123,7 +133,8 @@ class RunConfig:
                                "it checkpoints every round (drop --checkpoint_every)")
         if not isinstance(self.settings, dict):
             raise TaskHetError(f"the run's settings must map setting names to values, got {self.settings!r}")
-        build_settings(get_settings_class(self.method), self.settings, self.method)
+        settings = build_settings(get_settings_class(self.method), self.settings, self.method)
+        check_private_run(self, settings)
 
     def to_json(self) -> str:
         """Every field as JSON (paths as strings): what a Flower deployment's run config carries."""
@@ -200,6 +211,33 @@ def resolve(config: RunConfig, meta: dict) -> RunConfig:
         config = config.replace(out=Path("results/test_federated") / config.task / config.type / config.method
                                 / f"a{config.alpha}-s{config.rand_seed}")
     return config
+
+
+def privacy_settings(config: RunConfig) -> PrivacySettings | None:
+    """The run's client-level DP settings (None: no DP, ``--dp_clip`` not given)."""
+    if config.dp_clip is None:
+        return None
+    return PrivacySettings(config.dp_clip, config.dp_noise_multiplier, config.dp_target_epsilon, config.dp_delta,
+                           config.dp_adaptive_quantile, config.dp_clip_lr, config.dp_count_noise)
+
+
+def check_private_run(config: RunConfig, settings: Any) -> None:
+    """Client-level DP's checks that need no file: its settings, the algorithm, the weighting (one line each)."""
+    from network.algorithms.base import ALGORITHMS
+
+    if config.dp_clip is None:
+        given = [name for name in DP_FLAGS if getattr(config, name) != getattr(RunConfig, name)]
+        if given:
+            raise TaskHetError(f"--{given[0]} needs --dp_clip C (client-level DP is on when a clipping norm is given)")
+        return
+    privacy_settings(config)
+    algorithm = ALGORITHMS.get(config.method)
+    if not algorithm.dp_groups:
+        raise TaskHetError(f"--dp_clip: client-level DP is not offered for {config.method}: {algorithm.dp_refusal}")
+    if getattr(settings, "weighting", None) != "uniform":
+        raise TaskHetError(f"--dp_clip: client-level DP weighs every client alike (pass --weighting uniform): a weight "
+                           f"n_i would scale a clipped update past C; {config.method} has --weighting "
+                           f"{getattr(settings, 'weighting', None)}")
 
 
 def local_work(config: RunConfig) -> LocalWork:

@@ -8,12 +8,14 @@ setting of another algorithm (``--mu`` for fedavg) is an error that lists the ri
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
 from network.algorithms import describe_algorithms, list_algorithms
 from network.algorithms.base import ALGORITHMS, get_settings_class
 from network.client_data import LOCAL_TESTS
+from network.privacy import DEFAULT_CLIP_LR, MAX_CLIP, MAX_EPSILON, MAX_NOISE_MULTIPLIER
 from network.lr_schedule import LR_SCHEDULE_HELP, make_lr_schedule
 from network.run import prepare
 from network.run_config import ENGINES, RunConfig, check_flower_counts, resolve
@@ -43,6 +45,7 @@ CALIBRATION_FRACTIONS = cli.floats(0.0, 1.0, high_open=True)  # the clients keep
 
 
 MAX_CHECKPOINT_MINUTES = 10_000.0  # about a week
+CLIP_NORMS = cli.floats(0.0, MAX_CLIP, low_open=True)
 
 
 def build_parser(method: str | None = None, prog: str = "test_fed.py", description: str = DESCRIPTION
@@ -103,6 +106,7 @@ def build_parser(method: str | None = None, prog: str = "test_fed.py", descripti
     add("--momentum", type=cli.MOMENTA, default=0.0, help="local SGD momentum (default: 0)")
     add("--weight_decay", type=cli.WEIGHT_DECAYS, default=0.0, help="local SGD weight decay (default: 0)")
     add("--client_fraction", type=CLIENT_FRACTIONS, default=1.0, help="share of clients per round (default: 1)")
+    add_privacy_flags(parser)
     add("--straggler_fraction", type=cli.floats(0.0, 1.0), default=0.0,
         help="unequal local work: this share of the clients, drawn once from the seed, are stragglers taking "
              "max(1, floor(S·J)) local steps, S = --straggler_share (clients.csv: local_step_budget; default: 0, none)")
@@ -164,6 +168,36 @@ def build_parser(method: str | None = None, prog: str = "test_fed.py", descripti
     if method is not None:
         add_settings_arguments(parser, get_settings_class(method), method)
     return parser
+
+
+def add_privacy_flags(parser: argparse.ArgumentParser) -> None:
+    """Client-level differential privacy (network/privacy.py): on when --dp_clip is given."""
+    add = parser.add_argument
+    add("--dp_clip", type=clip_norm, default=None,
+        help="client-level DP (DP-FedAvg): clip each client's upload to this L2 norm C, in (0, 1e6], or inf (no "
+             "clipping, with --dp_noise_multiplier 0); needs --weighting uniform (default: no DP)")
+    add("--dp_noise_multiplier", type=cli.floats(0.0, MAX_NOISE_MULTIPLIER), default=None,
+        help="--dp_clip: the server adds Gaussian noise of std z·C to the round's sum of clipped uploads (0: none, ε = ∞)")
+    add("--dp_target_epsilon", type=cli.floats(0.0, MAX_EPSILON, low_open=True), default=None,
+        help="--dp_clip: the privacy budget ε at --dp_delta; without --dp_noise_multiplier, z is calibrated so that "
+             "--n_rounds spend it; with it, the run stops before the round that would exceed it")
+    add("--dp_delta", type=cli.floats(0.0, 1.0, low_open=True, high_open=True), default=1e-5,
+        help="--dp_clip: the δ of every reported ε; a δ of 1/N or more gets a warning (default: 1e-05)")
+    add("--dp_adaptive_quantile", type=cli.floats(0.0, 1.0), default=None,
+        help="--dp_clip: adaptive clipping (Andrew et al. 2021): C follows this quantile of the update norms, "
+             "estimated from the clients' privatised bits; --dp_clip is then the initial C (default: fixed C)")
+    add("--dp_clip_lr", type=cli.floats(0.0, 10.0, low_open=True), default=DEFAULT_CLIP_LR,
+        help="--dp_adaptive_quantile: the geometric step η_C of C (default: 0.2)")
+    add("--dp_count_noise", type=cli.floats(0.0, 1e6, low_open=True), default=None,
+        help="--dp_adaptive_quantile: the std σ_b of the noise on the count of unclipped uploads; it must exceed "
+             "z/2 (default: m/20, m the clients per round)")
+
+
+def clip_norm(text: str) -> float:
+    """argparse type of --dp_clip: a number in (0, 1e6] or ``inf``."""
+    if isinstance(text, str) and text.strip().lower() == "inf":
+        return math.inf
+    return CLIP_NORMS.parse(text)
 
 
 def check_arguments(argv: list[str], *, n_clients: int | None = None,

@@ -128,11 +128,11 @@ def global_test() -> list[dict]:
 
 
 def engine_inputs(out_dir: Path, name: str, rounds: int, clients: list[ClientData], fraction: float,
-                  finetune_steps: int = 2, **config_extra) -> tuple:
+                  finetune_steps: int = 2, settings: dict | None = None, **config_extra) -> tuple:
     """The sequential engine's arguments: TinyNet (BatchNorm, dropout), momentum, fine-tuning at evaluation."""
     torch.manual_seed(0)
     algorithm, model = build_algorithm(name, tiny_model_for(name), {client.client_id: client.num_samples for client in clients},
-                                       FAST_SETTINGS.get(name), seed=SEED)
+                                       settings or FAST_SETTINGS.get(name), seed=SEED)
     config = EngineConfig(out_dir=out_dir, n_rounds=rounds, lr_schedule=make_lr_schedule("constant", 0.05, rounds),
                           seed=SEED, local_steps=3, client_fraction=fraction, momentum=0.5, progress=False,
                           signature={"test": name}, finetune_steps=finetune_steps,
@@ -204,6 +204,21 @@ def test_every_algorithm_over_flower_messages_equals_the_sequential_engine(tmp_p
         metrics.split == CLIENT_TEST_SPLIT].client)
     assert (metrics.split == PERSONAL_TEST_SPLIT).any() == engine.algorithm.personalized
     assert load_checkpoint(tmp_path / "flower" / "checkpoint.pt")["client_states"] == {}  # state stays on nodes
+
+
+def test_client_level_dp_clips_on_the_nodes_and_both_engines_add_the_same_noise_and_report_the_same_epsilon(tmp_path):
+    """The nodes clip (the C they receive with the model), the server adds its one draw: the Flower run's models and
+    every metrics.csv row, ε and C's adaptive path included, are the sequential run's."""
+    from network.privacy import PrivacySettings
+
+    privacy = PrivacySettings(0.5, 0.8, adaptive_quantile=0.5, count_noise=2.0, delta=1e-3)
+    settings = {"weighting": "uniform"}
+    reference = run_sequential(tmp_path / "sequential", "scaffold", rounds=2, settings=settings, privacy=privacy)
+    engine = run_in_process(tmp_path / "flower", "scaffold", rounds=2, settings=settings, privacy=privacy)
+    assert_same_server(reference, engine)
+    assert_same_metrics(tmp_path / "sequential", tmp_path / "flower")
+    rows = metrics_of(tmp_path / "flower").query("split == 'privacy'")
+    assert rows["round"].tolist().count(2) == 4 and rows.query("metric == 'dp_epsilon'")["value"].min() > 0
 
 
 def test_unequal_local_work_reaches_each_node_and_equals_the_sequential_engine(tmp_path):

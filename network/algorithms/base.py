@@ -229,6 +229,10 @@ class Algorithm(ABC):
     personalised_by_finetuning: ClassVar[bool] = False
     # One line for the reference pages: the heterogeneity this method is for ("clients drift apart over many local steps").
     use_when: ClassVar[str] = ""
+    # Client-level DP (network/privacy.py): the upload groups clipped together to C and noised at the server; the
+    # server step must be a uniform mean of them (``weighting uniform``). Empty: DP is refused, saying ``dp_refusal``.
+    dp_groups: ClassVar[tuple[str, ...]] = ()
+    dp_refusal: ClassVar[str] = "its server step is not one uniform mean of the uploads (not implemented)"
 
     def __init__(self, settings: Any, federation: Federation) -> None:
         if not isinstance(settings, self.Settings):

@@ -77,6 +77,7 @@ class CFL(Algorithm):
 
     name = "cfl"
     use_when = "an unknown number of client groups, found by splitting"
+    dp_refusal = "the server splits clusters by the clients' unclipped update similarities, which no noise covers"
     Settings = CFLSettings
     personalized = True
 

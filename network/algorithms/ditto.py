@@ -30,7 +30,7 @@ from torch import nn
 from network.aggregation import ServerOptSettings
 from network.algorithms.base import (ALGORITHMS, GLOBAL_MODEL, LOCAL_STEPS, Bundle, ClientConfig, ClientResult,
                                      Weights, copy_state, load_weights, trainable)
-from network.algorithms.skeleton import ModelAveraging, Phase, proximal_term, run_phases, run_phases_lockstep
+from network.algorithms.skeleton import DELTA, ModelAveraging, Phase, proximal_term, run_phases, run_phases_lockstep
 from network.settings import check, setting
 
 PERSONAL_TRAIN_LOSS = "personal_train_loss"  # client metric: the personal part's mean task loss
@@ -55,6 +55,7 @@ class Ditto(ModelAveraging):
 
     name = "ditto"
     use_when = "personal models that stay near a fair global one"
+    dp_groups = (DELTA,)  # client-level DP: the shared entries' Δ, clipped and noised as DP-FedAvg's
     Settings = DittoSettings
     personalized = True
     vectorizable = True  # --vectorize_clients: both parts run in lock-step (client_updates below)

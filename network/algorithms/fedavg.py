@@ -16,7 +16,7 @@ gradient descent on the pooled data). Parameters take a pseudo-gradient step:
 from __future__ import annotations
 
 from network.algorithms.base import ALGORITHMS
-from network.algorithms.skeleton import ModelAveraging
+from network.algorithms.skeleton import DELTA, ModelAveraging
 
 
 @ALGORITHMS.register("fedavg")
@@ -25,4 +25,5 @@ class FedAvg(ModelAveraging):
 
     name = "fedavg"
     use_when = "the baseline every study needs"
+    dp_groups = (DELTA,)  # client-level DP: the shared entries' Δ, clipped and noised as DP-FedAvg's
     vectorizable = True  # --vectorize_clients: the skeleton's phases run in lock-step

@@ -27,7 +27,7 @@ from network.aggregation import ServerOptSettings
 from network.algorithms.base import ALGORITHMS, Bundle, ClientConfig, Federation, Weights
 from network.algorithms.fedrep import require_head
 from network.algorithms.multihead import classifier_head
-from network.algorithms.skeleton import ModelAveraging, Phase
+from network.algorithms.skeleton import DELTA, ModelAveraging, Phase
 
 
 @ALGORITHMS.register("fedbabu")
@@ -37,6 +37,7 @@ class FedBABU(ModelAveraging):
     name = "fedbabu"
     personalised_by_finetuning = True  # --finetune_steps gives its personal models
     use_when = "a long-tailed or label-skewed federation: a frozen random head, the body averaged"
+    dp_groups = (DELTA,)  # client-level DP: the shared entries' Δ, clipped and noised as DP-FedAvg's
     Settings = ServerOptSettings
 
     @classmethod

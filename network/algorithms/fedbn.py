@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from network.aggregation import ServerOptSettings
 from network.algorithms.base import ALGORITHMS
-from network.algorithms.skeleton import ModelAveraging
+from network.algorithms.skeleton import DELTA, ModelAveraging
 
 
 @ALGORITHMS.register("fedbn")
@@ -30,6 +30,7 @@ class FedBN(ModelAveraging):
 
     name = "fedbn"
     use_when = "feature shift (domains, cameras)"
+    dp_groups = (DELTA,)  # client-level DP: the shared entries' Δ, clipped and noised as DP-FedAvg's
     vectorizable = True  # --vectorize_clients: the skeleton's phases run in lock-step
     Settings = ServerOptSettings
 

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from network.aggregation import ServerOptSettings
 from network.algorithms.base import ALGORITHMS, Bundle, ClientConfig, Weights
 from network.algorithms.representation import RepresentationAveraging, RepresentationTap
-from network.algorithms.skeleton import Phase
+from network.algorithms.skeleton import DELTA, Phase
 from network.settings import check, setting
 
 EPS = 1e-8  # ε under the square root of the standardisation (the authors' code's)
@@ -83,6 +83,7 @@ class FedDecorr(RepresentationAveraging):
     Settings = FedDecorrSettings
     verb = "decorrelated"
     use_when = "label skew collapses each client's representation into a few dimensions"
+    dp_groups = (DELTA,)  # client-level DP: its uploads are FedAvg's (only the local loss differs)
 
     def phases(self, model: nn.Module, broadcast: Bundle, client_state: Weights, cfg: ClientConfig) -> list[Phase]:
         if self.settings.beta == 0:

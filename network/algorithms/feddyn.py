@@ -70,6 +70,7 @@ class FedDyn(Algorithm):
     name = "feddyn"
     Settings = FedDynSettings
     use_when = "clients' local optima disagree and long local training drifts FedAvg off the global optimum"
+    dp_refusal = "its server state h adds every update with weight 1/N and the model a further 1/α·h, a mechanism whose sensitivity is not DP-FedAvg's (not implemented)"
 
     def __init__(self, settings: FedDynSettings, federation: Federation) -> None:
         super().__init__(settings, federation)

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from network.aggregation import ServerOptSettings
 from network.algorithms.base import ALGORITHMS, ClientConfig, ClientResult, LossFn, Weights, require
 from network.algorithms.multihead import HEAD_MODULE, classifier_head
-from network.algorithms.skeleton import ModelAveraging
+from network.algorithms.skeleton import DELTA, ModelAveraging
 from network.settings import check, setting
 
 ABSENT_COUNT = 1e-8  # FL-bench's clamp of a class count of 0: its margin is τ·(1e-8)^{−1/4} = 100·τ
@@ -89,6 +89,7 @@ class FedLC(ModelAveraging):
     Settings = FedLCSettings
     needs_classifier = True  # the margins are per class of a Linear classifier head
     use_when = "label distributions differ across clients (classes rare or missing on some clients)"
+    dp_groups = (DELTA,)  # client-level DP: its uploads are FedAvg's (only the local loss differs)
 
     @classmethod
     def worker_model(cls, model: nn.Module, settings: FedLCSettings) -> nn.Module:

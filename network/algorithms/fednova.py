@@ -61,6 +61,7 @@ class FedNova(ModelAveraging):
 
     name = "fednova"
     use_when = "clients do unequal local work (different numbers of local steps or epochs per round)"
+    dp_refusal = "it rescales each update by the client's own step count τ_i after clipping, so the server's sum has no bound C (not implemented)"
 
     def client_update(self, model: nn.Module, broadcast: Bundle, client_state: Weights,
                       loader: Iterable[dict], cfg: ClientConfig) -> ClientResult:

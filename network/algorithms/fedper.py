@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from network.algorithms.base import ALGORITHMS, Federation
 from network.algorithms.fedrep import require_head
-from network.algorithms.skeleton import ModelAveraging
+from network.algorithms.skeleton import DELTA, ModelAveraging
 from network.aggregation import ServerOptSettings
 
 
@@ -24,6 +24,7 @@ class FedPer(ModelAveraging):
 
     name = "fedper"
     use_when = "a cheaper FedRep"
+    dp_groups = (DELTA,)  # client-level DP: the shared entries' Δ, clipped and noised as DP-FedAvg's
     result_is_personal = True  # the global head is never updated: its clients' own models are the result
     vectorizable = True  # --vectorize_clients: the skeleton's phases run in lock-step
     Settings = ServerOptSettings

@@ -17,7 +17,7 @@ from torch import nn
 
 from network.aggregation import ServerOptSettings
 from network.algorithms.base import ALGORITHMS, GLOBAL_MODEL, Bundle, ClientConfig, Weights
-from network.algorithms.skeleton import ModelAveraging, Phase, proximal_term
+from network.algorithms.skeleton import DELTA, ModelAveraging, Phase, proximal_term
 from network.settings import check, setting
 
 
@@ -36,6 +36,7 @@ class FedProx(ModelAveraging):
 
     name = "fedprox"
     use_when = "clients drift apart over many local steps"
+    dp_groups = (DELTA,)  # client-level DP: the shared entries' Δ, clipped and noised as DP-FedAvg's
     vectorizable = True  # --vectorize_clients: the skeleton's phases run in lock-step
     Settings = FedProxSettings
 

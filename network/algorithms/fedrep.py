@@ -29,7 +29,7 @@ from torch import nn
 
 from network.aggregation import ServerOptSettings
 from network.algorithms.base import ALGORITHMS, Bundle, ClientConfig, Federation, Weights, require
-from network.algorithms.skeleton import ModelAveraging, Phase
+from network.algorithms.skeleton import DELTA, ModelAveraging, Phase
 from network.settings import check, setting
 
 HEAD_TRAIN_LOSS = "head_train_loss"  # client metric: the head phase's mean loss
@@ -62,6 +62,7 @@ class FedRep(ModelAveraging):
 
     name = "fedrep"
     use_when = "clients share features but not labels"
+    dp_groups = (DELTA,)  # client-level DP: the shared entries' Δ, clipped and noised as DP-FedAvg's
     result_is_personal = True  # the global head is never updated: its clients' own models are the result
     vectorizable = True  # --vectorize_clients: the skeleton's phases run in lock-step
     Settings = FedRepSettings

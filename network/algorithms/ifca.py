@@ -64,6 +64,7 @@ class IFCA(Algorithm):
 
     name = "ifca"
     use_when = "a known number of client groups"
+    dp_refusal = "the server's per-cluster means divide by counts that depend on the clients' data (their chosen cluster), not by a fixed m"
     Settings = IFCASettings
     personalized = True
     vectorizable = True  # --vectorize_clients: each client's chosen model trains in lock-step (client_updates)

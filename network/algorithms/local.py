@@ -34,6 +34,7 @@ class Local(Algorithm):
 
     name = "local"
     use_when = "the bar every personalised method must clear"
+    dp_refusal = "nothing leaves its clients: there is no upload to privatise"
     result_is_personal = True  # the server model never trains: each client's own model is the result
     Settings = LocalSettings
     personalized = True

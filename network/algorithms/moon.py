@@ -43,7 +43,7 @@ from network.aggregation import ServerOptSettings
 from network.algorithms.base import (ALGORITHMS, GLOBAL_MODEL, Bundle, ClientConfig, Weights,
                                      copy_state)
 from network.algorithms.representation import RepresentationAveraging, RepresentationTap
-from network.algorithms.skeleton import Phase
+from network.algorithms.skeleton import DELTA, Phase
 from network.settings import check, setting
 
 
@@ -89,6 +89,7 @@ class Moon(RepresentationAveraging):
     Settings = MoonSettings
     verb = "contrasted"
     use_when = "label skew pulls each client's representation away from the global model's"
+    dp_groups = (DELTA,)  # client-level DP: its uploads are FedAvg's (only the local loss differs)
 
     def phases(self, model: nn.Module, broadcast: Bundle, client_state: Weights, cfg: ClientConfig) -> list[Phase]:
         if self.settings.mu == 0 or not client_state:  # no previous model yet: ℓ_con has zero gradient (docstring)

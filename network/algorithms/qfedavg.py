@@ -54,6 +54,7 @@ class QFedAvg(Algorithm):
 
     name = "qfedavg"
     use_when = "a fairer spread of client losses (worst clients)"
+    dp_refusal = "its uploads carry the loss F_i^q, whose sensitivity no clipping of the update bounds"
     Settings = QFedAvgSettings
 
     @functools.cached_property

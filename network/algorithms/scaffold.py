@@ -83,6 +83,9 @@ class ScaffoldSettings(WeightingSettings):
 @ALGORITHMS.register("scaffold")
 class Scaffold(Algorithm):
     """Stochastic controlled averaging: server c, client c_i, corrected local steps."""
+    # Client-level DP: Δy_i and Δc_i clipped together (one vector of norm ≤ C) and both noised at the server, so the
+    # control variates leak no more than the model update (the server's c is then built from noisy sums).
+    dp_groups = (DELTA, CONTROL_DELTA)
 
     name = "scaffold"
     use_when = "drift under label skew, enough rounds to learn c"
