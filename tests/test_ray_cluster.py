@@ -14,8 +14,10 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,10 +28,11 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 import run_pipeline  # noqa: E402
-from pipeline.pool import PLACEMENT_FILE  # noqa: E402
-from pipeline.ray_executor import check_resources  # noqa: E402
+from pipeline import ray_executor  # noqa: E402
+from pipeline.pool import PLACEMENT_FILE, PoolStage  # noqa: E402
+from pipeline.ray_executor import RayExecutor, check_resources, lost_head_message  # noqa: E402
 from tests.test_digits import tiny_digits_experiment  # noqa: E402
-from tests.test_worker_death import parent_of  # noqa: E402
+from tests.test_worker_death import parent_of, stat_fields  # noqa: E402
 from utils.errors import TaskHetError  # noqa: E402
 from utils.locks import LOCK_FILE  # noqa: E402
 from utils.stages import MARKER  # noqa: E402
@@ -164,6 +167,118 @@ def test_a_run_beyond_every_node_is_refused_naming_the_largest_node(resources, c
     assert str(raised.value) == message
 
 
+# ----- a lost head and a lost raylet without a cluster -----
+
+def test_a_lost_head_is_one_line_naming_the_finished_and_the_running_runs():
+    assert lost_head_message("the Ray cluster at h:1", "h:1", ["step 4: a"],
+                             ["step 4: b", "step 3c: c", "step 4: d", "step 4: e", "step 4: f"], 2) == (
+        "the Ray cluster at h:1 lost its head (its GCS at h:1 stopped answering): of 8 run(s), 1 finished (step 4: a), "
+        "5 were running or queued (step 4: b, step 3c: c, step 4: d and 2 more), 2 not yet submitted; rerun the same "
+        "command to resume once the cluster is back (`ray start --head` again, then the other nodes): finished runs "
+        "are kept, the others go on from their checkpoints")
+    assert lost_head_message("a Ray instance on this machine", "10.0.0.1:6379", [], ["x", "y", "z"], 0) == (
+        "a Ray instance on this machine lost its head (its GCS at 10.0.0.1:6379 stopped answering): of 3 run(s), 0 "
+        "finished, 3 were running or queued (x, y, z); rerun the same command to resume once the cluster is back "
+        "(`ray start --head` again, then the other nodes): finished runs are kept, the others go on from their "
+        "checkpoints")
+
+
+class HeadDiesRay:
+    """A stand-in for ``ray`` whose first ``wait`` finds the first task done and whose later waits find nothing,
+    the head (a listening socket) closed by the second wait. Records what was cancelled and whether it was shut
+    down."""
+
+    class exceptions:  # noqa: N801 (ray.exceptions)
+        RayError = RuntimeError
+        RayTaskError = ValueError
+
+    def __init__(self, head: socket.socket):
+        self.head, self.waits, self.cancelled, self.shut = head, 0, [], False
+
+    def remote(self, **resources):
+        class Task:
+            @staticmethod
+            def options(name):
+                class Call:
+                    @staticmethod
+                    def remote(*args):
+                        return name
+                return Call
+        return lambda fn: Task
+
+    def wait(self, refs, num_returns, timeout):
+        self.waits += 1
+        assert self.waits < 10, "the driver did not notice that the head had gone"
+        if self.waits == 1:
+            return refs[:1], refs[1:]
+        self.head.close()
+        return [], refs
+
+    def get(self, ref):
+        return {"ran": False}
+
+    def cancel(self, ref, force):
+        self.cancelled.append(ref)
+
+    def shutdown(self):
+        self.shut = True
+
+
+def test_a_head_that_stops_answering_mid_grid_is_one_line_and_nothing_more_is_asked_of_ray(monkeypatch):
+    monkeypatch.setattr(ray_executor, "HEAD_CHECK_SECONDS", 0.01)
+    head = socket.create_server(("127.0.0.1", 0))  # a GCS port that accepts connections until it is closed
+    address = f"127.0.0.1:{head.getsockname()[1]}"
+    fake = HeadDiesRay(head)
+    executor = RayExecutor(fake, "the Ray cluster at h:1", [{"Resources": {"CPU": 2.0}}], 1.0, 0.0, 0, 2, "/",
+                           None, gcs_address=address)
+    stages = [PoolStage(f"step 4: {name}", Path(name), {}, []) for name in "abcd"]
+    done = []
+    with pytest.raises(TaskHetError) as raised:
+        executor.run(stages, lambda stage, record: done.append(stage.name))
+    assert str(raised.value) == lost_head_message("the Ray cluster at h:1", address, ["step 4: a"],
+                                                  ["step 4: b", "step 4: c"], 1)
+    assert done == ["step 4: a"] and fake.waits == 2  # --jobs 2: a finished, b and c in flight, d never sent
+    executor.close()
+    assert fake.cancelled == [] and not fake.shut  # cancelling and shutting down would wait for the dead GCS
+    assert executor.head_lost
+
+
+def test_a_worker_whose_raylet_dies_ends_itself():
+    """A process (the Ray worker) started by another (its raylet) runs while its parent lives, starts one watcher
+    however often asked, and is gone within a few watch periods of its parent's death."""
+    reader, writer = os.pipe()
+    raylet = os.fork()
+    if raylet == 0:  # the raylet's stand-in: starts the worker, then waits to be killed
+        try:
+            if os.fork() == 0:
+                try:
+                    ray_executor.exit_with_raylet()
+                    ray_executor.exit_with_raylet()
+                    watchers = sum(thread.name == ray_executor.WATCH_THREAD for thread in threading.enumerate())
+                    os.write(writer, f"{os.getpid()} {watchers}".encode())
+                    time.sleep(60)
+                finally:
+                    os._exit(0)
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    os.close(writer)
+    worker, watchers = map(int, os.read(reader, 100).split())
+    os.close(reader)
+    process = {worker: started(worker)}
+    try:
+        assert watchers == 1
+        time.sleep(3 * ray_executor.WATCH_SECONDS)
+        assert left_running(process) != {}, "the worker ended while its raylet lived"
+        os.kill(raylet, signal.SIGKILL)
+        os.waitpid(raylet, 0)
+        gone = time.monotonic()
+        assert wait_until_gone(process, 10) == {}
+        assert time.monotonic() - gone < 5 * ray_executor.WATCH_SECONDS + 1
+    finally:
+        kill_all(process)
+
+
 @pytest.mark.slow
 def test_a_grid_on_two_nodes_equals_the_local_one_each_run_sees_its_own_gpu_and_a_lost_node_is_survived(
         local_grid, tmp_path):
@@ -273,3 +388,160 @@ def test_settings_the_cluster_cannot_meet_and_an_unshared_results_folder_are_one
     assert message.startswith(f"--results {results / NAME} is not on storage every Ray node sees: node ")
     assert "cannot read" in message and "(No such file or directory)" in message and "\n" not in message
     assert list(results.rglob("*")) == []  # refused before step 0: nothing written, the marker removed
+
+
+# ----- a raylet or the head lost mid-grid (pipeline/ray_executor.py: exit_with_raylet, RayExecutor.head_answers) -----
+
+def started(pid: int) -> str | None:
+    """``pid``'s start time (clock ticks since boot; None once it has gone or is a zombie): with the pid, it names one
+    process, so a pid the kernel reused for someone else's process is never taken for a cluster's."""
+    fields = stat_fields(pid)
+    return None if fields is None or fields[0] == "Z" else fields[19]
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def node_processes(node) -> dict[int, str]:
+    """pid -> start time of a node's Ray processes: the ones Ray started for it (GCS, raylet, monitor, ...) and the
+    raylet's children (its two agents and the workers), which Ray does not list."""
+    pids = [info.process.pid for infos in node.all_processes.values() for info in infos]
+    pids += children(raylet_pid(node))
+    return {pid: when for pid in pids if (when := started(pid)) is not None}
+
+
+def left_running(processes: dict[int, str]) -> dict[int, str]:
+    """Those of ``processes`` still running (the same pid and start time), with their command lines."""
+    alive = {}
+    for pid, when in processes.items():
+        if started(pid) == when:
+            with contextlib.suppress(OSError):
+                alive[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:80]
+    return alive
+
+
+def wait_until_gone(processes: dict[int, str], seconds: float) -> dict[int, str]:
+    """Poll until none of ``processes`` runs, ``seconds`` at most; returns those still running."""
+    deadline = time.time() + seconds
+    while left_running(processes) and time.time() < deadline:
+        time.sleep(0.2)
+    return left_running(processes)
+
+
+def kill_all(processes: dict[int, str]) -> None:
+    for pid in left_running(processes):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def start_driver(experiment: Path, results: Path, address: str, log: Path) -> subprocess.Popen:
+    with log.open("w") as console:
+        return subprocess.Popen([sys.executable, "run_pipeline.py", str(experiment), "--results", str(results),
+                                 "--threads", "1", "--executor", "ray", "--ray_address", address,
+                                 "--cpus_per_run", "1", "--max_retries", "2"],
+                                cwd=ROOT, stdout=console, stderr=subprocess.STDOUT)
+
+
+def catch_a_run(driver: subprocess.Popen, results: Path, raylet: int, log: Path | None = None,
+                after: str = "") -> tuple[Path, int]:
+    """A run in the middle on the node of ``raylet``, frozen (:func:`freeze_in_the_middle`); with ``log``, one caught
+    after the driver's console shows ``after``."""
+    deadline, caught = time.time() + 300, None
+    while caught is None and driver.poll() is None and time.time() < deadline:
+        if log is None or after in log.read_text():
+            caught = freeze_in_the_middle(run_on(results, raylet))
+        time.sleep(0.05)
+    assert caught is not None, "no run was caught in the middle on that node"
+    return caught
+
+
+def ray_lines(out: str) -> list[str]:
+    """Lines of the driver's console that Ray wrote: its error messages ((raylet) ..., a raylet's state dump) and its
+    C++ core's log lines ([2026-01-01 10:00:00,000 E 123 456] file.cc:12: ...)."""
+    return [line for line in out.splitlines()
+            if "(raylet)" in line or "[state-dump]" in line or line.startswith("[20") or ".cc:" in line]
+
+
+def done_names(out: str) -> list[str]:
+    """The stage names of the ``run k of N done: NAME (...)`` lines, in order."""
+    return [line.split(" done: ", 1)[1].rsplit(" (", 1)[0] for line in out.splitlines() if line.startswith("run ")]
+
+
+@pytest.mark.slow
+def test_a_lost_raylet_is_rerun_elsewhere_and_a_lost_head_is_one_line(local_grid, tmp_path):
+    """One cluster, a head and a worker node of one CPU each, two grids.
+
+    The worker node's raylet alone is killed (SIGKILL) while a run on it is in the middle: that run's worker ends
+    itself, Ray reruns it on the head from its checkpoint, the grid ends with the local metrics.csv byte for byte,
+    nothing of the dead node is left running, and Ray's messages about it stay off the console. Then the head is
+    killed in the middle of a second grid: the driver says so in one line naming the finished run and the three
+    others, within 15 s, and exits with 2. No process of the cluster outlives the test (the head's two agents would
+    for about a minute: they wait for the dead GCS to take their report)."""
+    cluster = start_cluster({"num_cpus": 1}, {"num_cpus": 1})
+    worker, head, address = next(iter(cluster.worker_nodes)), cluster.head_node, cluster.address
+    seen = {**node_processes(head), **node_processes(worker)}  # every process of the cluster, killed at the end
+    driver = None
+    try:
+        results = tmp_path / "results"
+        log = tmp_path / "driver.log"
+        driver = start_driver(copy_of_steps_1_to_3(local_grid, results), results, address, log)
+        killed, frozen_pid = catch_a_run(driver, results, raylet_pid(worker))
+        dead_node = node_processes(worker)  # its raylet, its two agents and its workers, the frozen one among them
+        seen.update(dead_node)
+        os.kill(raylet_pid(worker), signal.SIGKILL)  # the raylet alone: its agents and workers must go by themselves
+        os.kill(frozen_pid, signal.SIGCONT)  # the run goes on until its worker sees its raylet gone
+        assert wait_until_gone(dead_node, 15) == {}, "a process of the dead node outlived it"
+        driver.wait(timeout=600)
+        out = log.read_text()
+        assert driver.returncode == 0, out
+        assert ray_lines(out) == [], out
+        local = metrics_files(local_grid / "results")
+        assert len(local) == 4 and metrics_files(results) == local
+        assert "resumed from" in (killed / "run.log").read_text()  # the retry went on from the checkpoint ...
+        assert json.loads((killed / PLACEMENT_FILE).read_text())["node_id"] == head.node_id  # ... on the head
+        names = done_names(out)
+        assert len(names) == 4
+
+        # The head, in the middle of a second grid (one CPU left: one run at a time), once the GCS has marked the
+        # worker node dead (the storage check of a new driver would ask it otherwise).
+        deadline = time.time() + 60
+        while any(entry["Alive"] for entry in cluster.global_state.node_table() if entry["NodeID"] == worker.node_id):
+            assert time.time() < deadline, "the GCS did not mark the killed node dead"
+            time.sleep(0.2)
+        results = tmp_path / "results-2"
+        log = tmp_path / "driver-2.log"
+        driver = start_driver(copy_of_steps_1_to_3(local_grid, results), results, address, log)
+        _, frozen_pid = catch_a_run(driver, results, raylet_pid(head), log, after="run 1 of 4 done")
+        seen.update(node_processes(head))
+        for pid in [info.process.pid for infos in head.all_processes.values() for info in infos]:
+            os.kill(pid, signal.SIGKILL)  # GCS, raylet, monitor, ...; the raylet's agents and workers are left to Ray
+        os.kill(frozen_pid, signal.SIGCONT)
+        lost = time.time()
+        while "error:" not in log.read_text() and driver.poll() is None and time.time() < lost + 60:
+            time.sleep(0.1)
+        said = time.time() - lost
+        driver.wait(timeout=60)  # Ray's exit hook waits about 5 s for the dead GCS after the line
+    finally:
+        if driver is not None and driver.poll() is None:
+            driver.kill()
+        with contextlib.suppress(Exception):  # the head is dead: Cluster.shutdown may complain
+            cluster.shutdown()
+        kill_all(seen)
+    out = log.read_text()
+    assert driver.returncode == 2, out
+    assert said < 15, f"the line came {said:.1f} s after the kill"
+    assert ray_lines(out) == [], out
+    line = out.splitlines()[-1]  # the last line: Ray's exit says nothing after it
+    finished = done_names(out)
+    assert len(finished) == 1
+    others = [name for name in names if name != finished[0]]
+    assert line.startswith(f"error: the Ray cluster at {address} lost its head (its GCS at {address} stopped "
+                           f"answering): of 4 run(s), 1 finished ({finished[0]}), 3 were running or queued (")
+    assert all(f"{name}, " in line or f"{name})" in line for name in others), line
+    assert line.endswith("; rerun the same command to resume once the cluster is back (`ray start --head` again, "
+                         "then the other nodes): finished runs are kept, the others go on from their checkpoints")
+    assert wait_until_gone(seen, 10) == {}
