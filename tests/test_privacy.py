@@ -102,14 +102,14 @@ class Recorder:
 
 
 def dp_engine(tmp_path, name, data, rounds, privacy=None, fraction=1.0, steps=1, lr=0.1, method="fedavg",
-              model=None, eval_every=None, **settings):
+              model=None, eval_every=None, vectorize_chunk=0, **settings):
     clients = oracle_clients(data)
     settings = {"weighting": "uniform", **settings}
     algorithm, worker = build_algorithm(method, model or linear_model(),
                                         {client.client_id: client.num_samples for client in clients}, settings, seed=3)
     config = EngineConfig(out_dir=tmp_path / name, n_rounds=rounds, lr_schedule=make_lr_schedule("constant", lr, rounds),
                           local_steps=steps, client_fraction=fraction, eval_every=eval_every or rounds, progress=False, plots=False,
-                          seed=3, privacy=privacy)
+                          seed=3, privacy=privacy, vectorize_chunk=vectorize_chunk)
     pooled = [{"x": torch.cat([a for a, _ in data]), "y": torch.cat([b for _, b in data])}]
     return SequentialEngine(worker, algorithm, clients, least_squares_loss, mean_loss, pooled, config, CPU), algorithm
 
@@ -389,3 +389,16 @@ def write_round_robin(manifest, tmp_path):
     path = tmp_path / "assignments" / "assignments.csv"
     write_assignments(path, table, {"scheme": "round_robin", "alpha": 1.0, "n_clients": N_CLIENTS, "groups": "scene_class"})
     return path
+
+
+def test_lockstep_clients_are_clipped_as_one_after_another(tmp_path):
+    """--vectorize_clients trains a chunk in lock-step; its uploads are clipped as train_client clips them, so the run
+    equals the one-after-another run (to float64 rounding: lock-step sums in another order)."""
+    data = least_squares_clients(sizes=(8, 12, 20, 30), seed=1)
+    runs = {}
+    for chunk in (0, 4):
+        engine, _ = dp_engine(tmp_path, f"chunk{chunk}", data, 2, PrivacySettings(0.05, 0.0), steps=3,
+                              vectorize_chunk=chunk)
+        runs[chunk] = engine.run()["weight"]
+    assert torch.allclose(runs[0], runs[4], rtol=1e-12, atol=1e-15)
+    assert not torch.allclose(runs[0], dp_engine(tmp_path, "free", data, 2, None, steps=3)[0].run()["weight"])
