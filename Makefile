@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.docs_installed
 DATA ?= data/synthetic
 
-.PHONY: paper-cpu mechanism setup demo test test-kernels docs bench mutation download download-cifar clean setup-gpu gpu-check gpu-bench
+.PHONY: paper-cpu mechanism privacy setup demo test test-kernels docs bench mutation download download-cifar clean setup-gpu gpu-check gpu-bench
 
 HOOK_STAMP := $(VENV)/.torchvision_hook
 
@@ -76,6 +76,12 @@ paper-cpu: setup
 # paper's setting (docs/results/mechanism.md says what it found and how long it took).
 mechanism: setup
 	$(PY) run_pipeline.py experiments/mechanism.yaml --jobs $(JOBS) --threads 1
+
+# Does client-level DP amplify the embedding-based penalty? The demo's question (edges, keypoints) and the digits one,
+# each once per privacy level: no DP, clipping only, ε = 50, 8, 2 (docs/results/privacy.md: what it found, how long).
+privacy: setup
+	$(PY) run_pipeline.py experiments/privacy.yaml --jobs $(JOBS) --threads 1
+	$(PY) run_pipeline.py experiments/digits_privacy.yaml --jobs $(JOBS) --threads 1
 
 # One pytest worker per core (pytest-xdist); tests share no temporary path, port or global state.
 # The docs requirements too: tests/test_docs_site.py builds the site strictly. The 20 slowest tests are

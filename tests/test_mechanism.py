@@ -146,6 +146,13 @@ def test_a_tiny_map_reads_each_settings_own_answer_and_shares_stages(tmp_path):
     text = (out / "report.md").read_text()
     assert report.conclusion(table) in text and "![the change per knob level](mechanism.png)" in text
     assert (out / "mechanism.png").stat().st_size > 10_000 and (out / "config.json").is_file()
+    losses = pd.read_csv(out / "report_losses.csv")  # each setting's per-α losses, as its own report.csv has them
+    assert list(losses["setting"]) == ["base", "local_steps-4", "decoder_width-8"]
+    for row in losses.itertuples(index=False):
+        own = pd.read_csv(out / "settings" / row.setting / "report.csv").iloc[0]
+        assert (row.label_loss_mean, row.embedding_loss_std, row.trivial_zero_loss) == (
+            own.label_loss_mean, own.embedding_loss_std, own.trivial_zero_loss)
+    assert (out / "losses.png").stat().st_size > 10_000 and "![the losses per setting](losses.png)" in text
     assert "setting 3 of 3 done" in (out / "run.log").read_text()
     assert list((out / "federated").rglob("metrics.csv")) and not list((out / "federated").rglob("curves.png"))
     assert not math.isnan(table["detectable_percent"].iloc[0])

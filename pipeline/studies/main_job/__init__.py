@@ -17,4 +17,5 @@ register(StudyKind(
     report_unit="task × algorithm × α rows",
     types=config.TYPES,
     help=config.HELP,
+    free_form=config.FREE_FORM,  # an override may name a key inside federated.privacy, federated.algorithms, ...
 ))

@@ -19,6 +19,7 @@ from typing import Any
 from partitioning.client_tests import TEST_SPLIT
 from partitioning.groupings import ALL_GROUPINGS, EMBEDDING_BASED, GROUPINGS, IID_REFERENCE, PROPERTY_BASED, canonical_grouping
 from pipeline import checks
+from network.run_config import DP_FLAGS
 from pipeline.checks import Entry
 from pipeline.schema import LEARNING_RATE, Check, check_types
 from pipeline.sections import check_run_count, merge_keys, validate_data, validate_encoder, validate_lr_schedule
@@ -96,6 +97,7 @@ def validate_names(config: dict[str, Any], source: Path) -> None:
     check_partition_flags(config, source)
     check("partition.groupings", list(config["partition"]["groupings"]), list(ALL_GROUPINGS))
     check("partition.skews", list(config["partition"]["skews"]), list(SKEW_FLAGS))
+    check("federated.privacy", list(config["federated"]["privacy"]), ["dp_clip", *DP_FLAGS])
     if not set(GROUPINGS) <= set(config["partition"]["groupings"]):
         raise TaskHetError(f"{source}: partition.groupings must list both {' and '.join(GROUPINGS)}: the report "
                            f"compares them; got {config['partition']['groupings']}")
@@ -250,7 +252,7 @@ def federated_params(config: dict[str, Any], combination: Combination, root: Pat
         "weights": model["weights"], "decoder_width": model["decoder_width"],
         "freeze_encoder": model["freeze_encoder"], "cache_features": model["cache_features"],
         "image_size": model["image_size"], "use_accelerator": config["use_accelerator"],
-        **federated, **hyper,
+        **federated, **config["federated"]["privacy"], **hyper,
     }
     if federated["init_from"] == "centralized":
         params["centralized_checkpoint"] = str(centralized_checkpoint)
@@ -316,6 +318,7 @@ def run_origins(config: dict[str, Any], task: str, algorithm: str) -> dict[str, 
     origins.update({key: f"federated.per_task.{task}.{key}" for key in federated["per_task"].get(task, {})})
     if task in federated["task_init_lr"]:
         origins["init_lr"] = f"federated.task_init_lr.{task}"
+    origins.update({key: f"federated.privacy.{key}" for key in federated["privacy"]})
     origins.update({key: f"federated.algorithms.{algorithm}.{key}" for key in federated["algorithms"][algorithm] or {}})
     origins.update({"task": "tasks", "method": "federated.algorithms", "rand_seed": "seeds", "alpha": "partition.alphas",
                     "image_size": "model.image_size", "encoder": "model.encoder", "weights": "model.weights",

@@ -55,6 +55,7 @@ SCHEMA: dict[str, Any] = {
         "eval_every": 1,
         "checkpoint_every": 1,  # step 4 writes checkpoint.pt every this many rounds (a killed run redoes the rest)
         "init_from": "scratch",
+        "privacy": {},  # step 4's client-level DP flags by name, e.g. {dp_clip: 0.15, dp_target_epsilon: 8}
     },
     "seeds": [0, 1],
     "use_accelerator": True,
@@ -66,9 +67,10 @@ SCHEMA: dict[str, Any] = {
     "run_plots": True,
 }
 # Sections whose values are free-form mappings (algorithm name -> its hyperparameters).
-FREE_FORM = frozenset({"federated.algorithms", "federated.task_init_lr", "federated.per_task", "partition.skews"})
+FREE_FORM = frozenset({"federated.algorithms", "federated.task_init_lr", "federated.per_task", "federated.privacy",
+                       "partition.skews"})
 # federated keys that federated.per_task may not change: the grid and the other per-task mappings.
-NOT_PER_TASK = ("algorithms", "task_init_lr", "per_task")
+NOT_PER_TASK = ("algorithms", "task_init_lr", "per_task", "privacy")
 
 TYPES: dict[str, Check] = {
     **SHARED_TYPES,
@@ -102,6 +104,8 @@ TYPES: dict[str, Check] = {
     "federated.eval_every": Int(1, MAX_ROUNDS),
     "federated.checkpoint_every": Int(1, MAX_ROUNDS),
     "federated.init_from": Str(("scratch", "centralized")),
+    "federated.privacy": Mapping("map step 4's --dp_* flags to values", "{dp_clip: 0.15, dp_target_epsilon: 8}",
+                                 allow_empty=True),
     "heterogeneity_meter": Bool(),
     "tensorboard": Bool(),
     "run_plots": Bool(),
@@ -142,6 +146,9 @@ HELP = MappingProxyType({
     "federated.checkpoint_every": "step 4: write checkpoint.pt every this many rounds (a killed run redoes the rounds "
                                   "after the last one)",
     "federated.init_from": "the federated runs' starting model: scratch (untrained) or centralized (step 2's model)",
+    "federated.privacy": "step 4's client-level differential privacy, its --dp_* flags by name (dp_clip, "
+                         "dp_noise_multiplier, dp_target_epsilon, dp_delta, dp_adaptive_quantile, dp_clip_lr, "
+                         "dp_count_noise); every algorithm then needs weighting: uniform (empty: no DP)",
     "heterogeneity_meter": "step 3c: G² and B² of every label- and embedding-based partition at the centralized model",
     "tensorboard": "TensorBoard logs of every step-2 and step-4 run (run_pipeline.py --tensorboard says the same)",
     "run_plots": "each step-2, step-3b and step-4 stage's own pictures (curves.png, the partition's heatmap); the "

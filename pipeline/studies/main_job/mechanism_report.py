@@ -1,5 +1,6 @@
 """The mechanism study's report: the map's table from each setting's report files, Benjamini–Hochberg over the
-map, the conclusion and control sentences, report.md, report.csv and mechanism.png (mechanism.py runs the settings)."""
+map, the conclusion and control sentences, the losses behind the changes, report.md, report.csv, report_losses.csv,
+mechanism.png and losses.png (mechanism.py runs the settings)."""
 
 from __future__ import annotations
 
@@ -63,6 +64,23 @@ def setting_rows(setting: dict[str, Any], folder: Path) -> list[dict[str, Any]]:
             "iid_above_reference_percent": iid_row.get("above_centralized_percent", np.nan),
             "iid_low": iid_row.get("above_ci_low", np.nan), "iid_high": iid_row.get("above_ci_high", np.nan)})
     return rows
+
+
+LOSS_COLUMNS = ["knob", "level", "setting", "task", "algorithm", "alpha", "n_seeds", "label_loss_mean", "label_loss_std",
+                "embedding_loss_mean", "embedding_loss_std", "centralized_loss", "trivial_zero_loss",
+                "trivial_constant_loss"]
+
+
+def loss_table(config: dict[str, Any], out_dir: Path) -> pd.DataFrame:
+    """The final global test loss of each grouping at every setting × task × algorithm × α (each setting's
+    report.csv: mean and standard deviation over seeds), beside the centralized reference and the trivial
+    predictors: what the changes of the map are changes of."""
+    frames = []
+    for setting in config["settings"]:
+        frame = read_csv(setting_dir(out_dir, setting) / "report.csv", "the setting's per-α table")
+        frame = frame.assign(knob=setting["knob"], level=setting["level"], setting=setting["slug"])
+        frames.append(frame[LOSS_COLUMNS])
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=LOSS_COLUMNS)
 
 
 def _indexed(path: Path, what: str) -> dict[tuple[str, str], dict[str, Any]]:
@@ -134,6 +152,9 @@ def write_report(config: dict[str, Any], out_dir: Path, table: pd.DataFrame, com
     out_dir = Path(out_dir)
     atomic_write_text(out_dir / "report.csv", table.to_csv(index=False))
     plot_map(table, out_dir / "mechanism.png")
+    losses = loss_table(config, out_dir)
+    atomic_write_text(out_dir / "report_losses.csv", losses.to_csv(index=False))
+    plot_losses(losses, out_dir / "losses.png")
     lines = [
         f"# When does the embedding-based penalty appear? ({config['name']})",
         "",
@@ -162,14 +183,24 @@ def write_report(config: dict[str, Any], out_dir: Path, table: pd.DataFrame, com
         "",
         map_markdown(table),
         "",
+        "## The losses",
+        "",
+        "The final global test loss of each grouping at every setting (mean ± standard deviation over seeds), beside "
+        "the trivial predictors (all zeros; the training targets' mean) and the centralized reference: the changes "
+        "above compare these means.",
+        "",
+        "![the losses per setting](losses.png)",
+        "",
+        losses_markdown(losses),
+        "",
         "The knobs (overrides of the base):",
         "",
         *[f"- **{knob['name']}**: base {knob['base_level']}; "
           + "; ".join(f"{level['label']}: `{' '.join(level['set'])}`" for level in knob["levels"])
           for knob in config["knobs"]],
         "",
-        "Files: report.csv (this table), mechanism.png, settings/<setting>/ (each setting's main-job report), "
-        "config.json, run.log.",
+        "Files: report.csv (the map), report_losses.csv (the losses), mechanism.png, losses.png, settings/<setting>/ "
+        "(each setting's main-job report), config.json, run.log.",
         "",
     ]
     atomic_write_text(out_dir / "report.md", "\n".join(lines))
@@ -193,18 +224,18 @@ def map_markdown(table: pd.DataFrame) -> str:
 
 
 def plot_map(table: pd.DataFrame, path: Path) -> None:
-    """One panel per algorithm: the change (and the control's) with its 95% interval at every setting, the paper's
-    size as a dashed line and 0 as a grey one."""
-    algorithms = list(dict.fromkeys(table["algorithm"]))
+    """One panel per algorithm × task: the change (and the control's) with its 95% interval at every setting, the
+    paper's size as a dashed line and 0 as a grey one."""
+    panels = list(dict.fromkeys(zip(table["algorithm"], table["task"])))
     settings = list(dict.fromkeys(zip(table["knob"], table["level"])))
     silent = set(zip(table.loc[~learned(table), "knob"], table.loc[~learned(table), "level"]))
     names = [("base" if knob == BASE_SETTING else f"{knob}\n= {level}") + ("\n(did not learn)" if (knob, level) in silent
                                                                           else "") for knob, level in settings]
-    figure, axes = plt.subplots(len(algorithms), 1, figsize=(max(6.0, 1.1 * len(settings) + 2), 3.2 * len(algorithms)),
+    figure, axes = plt.subplots(len(panels), 1, figsize=(max(6.0, 1.1 * len(settings) + 2), 3.2 * len(panels)),
                                 squeeze=False, layout="constrained")
     handles, labels = [], []
-    for axis, algorithm in zip(axes[:, 0], algorithms):
-        rows = table[table["algorithm"] == algorithm]
+    for axis, (algorithm, task) in zip(axes[:, 0], panels):
+        rows = table[(table["algorithm"] == algorithm) & (table["task"] == task)]
         for offset, (column, low, high, label, style) in enumerate((
                 ("change_percent", "change_low", "change_high", "embedding- vs label-based", "o"),
                 ("control_percent", "control_low", "control_high", "control: property- vs label-based", "s"))):
@@ -223,6 +254,50 @@ def plot_map(table: pd.DataFrame, path: Path) -> None:
         axis.axhline(0, color="grey", linewidth=0.8)
         axis.set_xticks(range(len(settings)), names, fontsize=8)
         axis.set_ylabel("loss change (%)")
-        axis.set_title(f"{algorithm}: {', '.join(dict.fromkeys(rows['task']))}")
+        axis.set_title(f"{algorithm}: {task}")
     legend_outside(figure, handles, labels, where="lower")
+    save_figure(figure, path)
+
+
+def losses_markdown(losses: pd.DataFrame) -> str:
+    rows = ["| knob | level | task | algorithm | α | label-based | embedding-based | trivial: zeros | trivial: mean | "
+            "centralized |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in losses.itertuples(index=False):
+        rows.append(f"| {row.knob} | {row.level} | {row.task} | {row.algorithm} | {row.alpha:g} | "
+                    f"{row.label_loss_mean:.4g} ± {row.label_loss_std:.2g} | "
+                    f"{row.embedding_loss_mean:.4g} ± {row.embedding_loss_std:.2g} | {row.trivial_zero_loss:.4g} | "
+                    f"{row.trivial_constant_loss:.4g} | {row.centralized_loss:.4g} |")
+    return "\n".join(rows)
+
+
+def plot_losses(losses: pd.DataFrame, path: Path) -> None:
+    """One panel per task × algorithm: each grouping's final loss (mean ± standard deviation over seeds) at every
+    setting and α, with the trivial predictors and the centralized reference as horizontal lines."""
+    panels = list(dict.fromkeys(zip(losses["task"], losses["algorithm"])))
+    settings = list(dict.fromkeys(zip(losses["knob"], losses["level"])))
+    names = ["base" if knob == BASE_SETTING else f"{knob}\n= {level}" for knob, level in settings]
+    figure, axes = plt.subplots(len(panels), 1, figsize=(max(6.0, 1.1 * len(settings) + 2), 3.2 * len(panels)),
+                                squeeze=False, layout="constrained")
+    handles: dict[str, Any] = {}
+    for axis, (task, algorithm) in zip(axes[:, 0], panels):
+        rows = losses[(losses["task"] == task) & (losses["algorithm"] == algorithm)]
+        alphas = list(dict.fromkeys(rows["alpha"]))
+        for index, alpha in enumerate(alphas):
+            at = rows[rows["alpha"] == alpha]
+            where = np.array([settings.index((row.knob, row.level)) for row in at.itertuples(index=False)], dtype=float)
+            for offset, (grouping, marker) in enumerate((("label", "o"), ("embedding", "s"))):
+                label = f"{grouping}-based" + (f", α = {alpha:g}" if len(alphas) > 1 else "")
+                shift = (offset - 0.5) * 0.2 + (index - (len(alphas) - 1) / 2) * 0.45
+                handles[label] = axis.errorbar(where + shift, at[f"{grouping}_loss_mean"], yerr=at[f"{grouping}_loss_std"],
+                                               fmt=marker, capsize=3, label=label)
+        for column, label, style in (("trivial_zero_loss", "trivial: all zeros", ":"),
+                                     ("trivial_constant_loss", "trivial: the targets' mean", "--"),
+                                     ("centralized_loss", "centralized reference", "-.")):
+            value = rows[column].dropna()
+            if not value.empty:
+                handles[label] = axis.axhline(float(value.mean()), color="grey", linestyle=style, linewidth=1, label=label)
+        axis.set_xticks(range(len(settings)), names, fontsize=8)
+        axis.set_ylabel("final test loss")
+        axis.set_title(f"{task}, {algorithm}")
+    legend_outside(figure, list(handles.values()), list(handles), where="lower")
     save_figure(figure, path)
