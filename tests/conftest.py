@@ -32,6 +32,13 @@ def pytest_configure(config):
                                        "CPU's kernels only fails on every machine")
 
 
+def pytest_collection_modifyitems(config, items):
+    """The slow tests first (a stable sort: the rest keep their order). pytest-xdist hands tests out in this order,
+    and a slow test met last keeps one worker busy after the other has finished: the suite lasts as long as its
+    busiest worker."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def one_torch_thread():
     """The tests' tensors are tiny: extra OpenMP threads only add synchronisation, and thrash
