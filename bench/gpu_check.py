@@ -54,6 +54,7 @@ from utils.seeding import set_deterministic  # noqa: E402
 
 DEFAULT_BUDGET_S = 480.0  # the goal's 8 minutes on one H100, imports included
 DEFAULT_EVAL_SAMPLES = 10_000
+DEFAULT_TRAIN_SAMPLES = 40_000
 
 
 STAGES = (
@@ -115,6 +116,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="seconds for the whole check, imports included; each stage also has its own budget")
     parser.add_argument("--eval_samples", type=cli.ints(1, 10**9), default=DEFAULT_EVAL_SAMPLES,
                         help="samples one evaluation of a paper run reads (an assumption of the grid's projection)")
+    parser.add_argument("--train_samples", type=cli.ints(1, 10**9), default=DEFAULT_TRAIN_SAMPLES,
+                        help="train rows of the paper's manifest, read by each step-2 epoch, step-3 embedding and "
+                             "step-3c reading (an assumption of the grid's projection; step 1 prints yours)")
     parser.add_argument("--threads", type=cli.THREADS, default=None,
                         help="torch CPU threads (default: torch's choice; 1 is faster on a shared CPU)")
     return parser.parse_args(argv)
@@ -194,7 +198,8 @@ def main(argv: list[str] | None = None) -> Report:
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     report = Report(out, header(args, argv, device), dry_run=args.dry_run)
-    ctx = Context(report, DRY if args.dry_run else FULL, device, args.eval_samples, encoders, began)
+    ctx = Context(report, DRY if args.dry_run else FULL, device, args.eval_samples, encoders, began,
+                  train_samples=args.train_samples)
     run_stages(stages, ctx, began + args.budget_s)
     report.write()
     progress(f"[{clock(time.perf_counter() - began)}] done: {len(report.rows)} figures"

@@ -69,6 +69,11 @@ class PaperSetting:
     momentum: float
     weight_decay: float
     count_text: str
+    seeds: int = 1
+    epochs: int = 1  # step 2's centralized.n_epochs
+    optimizer: str = "adamw"  # step 2's
+    readings: int = 0  # step-3c readings (heterogeneity_meter)
+    checkpoint_every: int = 1
 
     @property
     def evaluations(self) -> int:
@@ -79,8 +84,9 @@ class PaperSetting:
 
 def paper_setting(plan: Plan) -> PaperSetting:
     from network.sampling import clients_per_round
+    from partitioning.groupings import GROUPINGS
     from pipeline.experiment import load_experiment
-    from pipeline.studies.main_job.config import count_combinations
+    from pipeline.studies.main_job.config import combinations, count_combinations
 
     config = load_experiment(PAPER_FILE)
     federated, partition = config["federated"], config["partition"]
@@ -98,7 +104,11 @@ def paper_setting(plan: Plan) -> PaperSetting:
         steps=plan.paper_steps or federated["local_steps"], batch=plan.paper_batch or federated["batch_size"],
         n_rounds=federated["n_rounds"], eval_every=federated["eval_every"], init_lr=federated["init_lr"],
         lr_schedule=federated["lr_schedule"], momentum=federated["momentum"], weight_decay=federated["weight_decay"],
-        count_text=count_text)
+        count_text=count_text, seeds=len(config["seeds"]), epochs=config["centralized"]["n_epochs"],
+        optimizer=config["centralized"]["optimizer"], checkpoint_every=federated["checkpoint_every"],
+        # step 3c reads each label- and embedding-based partition once (MainJob.metered)
+        readings=len({(c.task, c.grouping, c.alpha, c.seed) for c in combinations(config) if c.grouping in GROUPINGS})
+        if config["heterogeneity_meter"] else 0)
 
 
 def paper_stage(ctx: Context) -> None:
@@ -159,11 +169,16 @@ def paper_stage(ctx: Context) -> None:
     eval_rate = len(loader.dataset) / synced_seconds(lambda: evaluate_model(model, evaluate_fn, loader), ctx.device)
     ctx.add("eval_samples_per_s", eval_rate, "samples/s", f"the evaluation's forward passes and metrics, batch "
             f"{setting.batch}, one pass of {len(loader.dataset)} samples after a warm-up pass")
-    project_paper_grid(ctx, setting, round_seconds, eval_rate)
+    project_paper_grid(ctx, setting, round_seconds, eval_rate,
+                       {key: value.detach().cpu() for key, value in model.state_dict().items()})
 
 
-def project_paper_grid(ctx: Context, setting: PaperSetting, round_seconds: dict[str, float], eval_rate: float) -> None:
-    """The grid's hours from the timed rounds and the evaluation's rate; its assumptions go into the Markdown."""
+def project_paper_grid(ctx: Context, setting: PaperSetting, round_seconds: dict[str, float], eval_rate: float,
+                       state: dict[str, torch.Tensor]) -> None:
+    """The grid's hours from the timed rounds and the evaluation's rate, then its other parts (steps 2, 3 and 3c and
+    the checkpoint writes of ``state``'s model: bench/gpu_grid_projection.py); the assumptions go into the Markdown."""
+    from bench.gpu_grid_projection import assumption_lines, complete_projection
+
     fallback = round_seconds.get("fedavg", statistics.mean(round_seconds.values()))
     per_method = setting.runs / len(setting.algorithms)
     eval_hours = setting.evaluations * ctx.eval_samples / eval_rate / 3600
@@ -177,7 +192,9 @@ def project_paper_grid(ctx: Context, setting: PaperSetting, round_seconds: dict[
     per_gpu = math.ceil(setting.runs / GPUS_IN_PROJECTION)
     ctx.add("grid_8gpu", grid_hours / GPUS_IN_PROJECTION, "h",
             f"{per_gpu} runs per GPU, independent runs shared evenly")
-    ctx.report.notes = paper_assumptions(setting, round_seconds, eval_rate, ctx.eval_samples, ctx.report.dry_run)
+    parts = complete_projection(ctx, setting, grid_hours, round_seconds.get("fedavg", fallback), eval_rate, state)
+    notes = paper_assumptions(setting, round_seconds, eval_rate, ctx.eval_samples, ctx.report.dry_run)
+    ctx.report.notes = [*notes[:-1], *assumption_lines(ctx, setting, parts), *notes[-1:]]
 
 
 def paper_assumptions(setting: PaperSetting, round_seconds: dict[str, float], eval_rate: float, eval_samples: int,
@@ -198,13 +215,11 @@ def paper_assumptions(setting: PaperSetting, round_seconds: dict[str, float], ev
         f"last), each a forward pass over {eval_samples:,} samples (`--eval_samples`: the global test split plus the "
         f"clients' test splits; set it to your manifest's) at the measured {eval_rate:,.0f} samples/s.",
         f"- {GPUS_IN_PROJECTION} GPUs: the runs are independent and shared evenly, "
-        f"{math.ceil(setting.runs / GPUS_IN_PROJECTION)} per GPU, with no other overhead.",
-        "- Not included: steps 1–3 and step 2's centralized training, checkpoint writes (every round), loading "
-        "ImageNet weights, and PNG decoding: the samples here are decoded in memory (the decoded-sample cache's path).",
+        f"{math.ceil(setting.runs / GPUS_IN_PROJECTION)} per GPU, with no other overhead: `grid_1gpu` and `grid_8gpu` "
+        "are step 4 alone; `complete_1gpu` and `complete_8gpu` add the parts below.",
     ]
-    if dry_run:
-        lines.append("- Dry run: the rounds were timed at tiny sizes on the CPU, so the hours are not a projection.")
-    return lines
+    dry = "- Dry run: the rounds were timed at tiny sizes on the CPU, so the hours are not a projection."
+    return [*lines, dry if dry_run else "- Measured on the GPU: every rate above is this machine's."]
 
 
 def fedloge_stage(ctx: Context) -> None:

@@ -147,13 +147,22 @@ def goal_lines(report: Report) -> list[str]:
     if any(row.stage == "pfl" for row in report.rows):
         lines.append(pfl_goal(report))
     if any(row.stage == "paper_round" for row in report.rows):
-        hours = number(report.value("paper_round", "grid_1gpu"))
-        eight = number(report.value("paper_round", "grid_8gpu"))
-        shown = ("—" if hours is None else f"{hours:.1f} h on 1 GPU"
-                 + ("" if eight is None else f", {eight:.1f} h on 8"))
-        lines.append(goal_row(report, f"the paper grid ≤ {GRID_GOAL_HOURS:g} h on one GPU", shown,
-                              verdict(hours, GRID_GOAL_HOURS, at_most=True)))
+        lines.append(paper_goal(report))
     return lines
+
+
+def paper_goal(report: Report) -> str:
+    """The grid goal, judged on the whole grid (steps 2–4 and the checkpoint writes) where it was projected, else on
+    step 4's runs alone."""
+    step4 = number(report.value("paper_round", "grid_1gpu"))
+    complete = number(report.value("paper_round", "complete_1gpu"))
+    hours = step4 if complete is None else complete
+    eight = number(report.value("paper_round", "grid_8gpu" if complete is None else "complete_8gpu"))
+    shown = "—" if hours is None else f"{hours:.1f} h on 1 GPU" + ("" if eight is None else f", {eight:.1f} h on 8")
+    if complete is not None and step4 is not None:
+        shown = f"the whole grid {shown} (step 4 alone {step4:.1f} h)"
+    return goal_row(report, f"the paper grid ≤ {GRID_GOAL_HOURS:g} h on one GPU", shown,
+                    verdict(hours, GRID_GOAL_HOURS, at_most=True))
 
 
 def pfl_goal(report: Report) -> str:

@@ -72,6 +72,7 @@ class Context:
     began: float
     stage: str = ""
     deadline: float = math.inf
+    train_samples: int = 40_000  # step 2's train rows a paper-grid epoch reads (gpu_check.py --train_samples)
 
     @property
     def cuda(self) -> bool:

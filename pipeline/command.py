@@ -16,6 +16,8 @@ import argparse
 from pathlib import Path
 
 from pipeline.argv import command_line
+from pipeline.checks import check_input_files
+from pipeline.disk_projection import experiment_projection
 from pipeline.executors import (CPUS_PER_RUN, DEFAULT_MAX_RETRIES, EXECUTORS, GPU_FRACTIONS, RETRIES, ExecutorSettings,
                                  open_executor)
 from pipeline.experiment import load_experiment, run_experiment
@@ -57,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "heatmap: up to a second of CPU each); --no-run_plots leaves them out, every other file "
                              "the same, for a grid whose runs nobody opens one by one. The report's pictures are "
                              "always drawn (default: the experiment file's run_plots key, which is on)")
+    parser.add_argument("--disk_check", action=argparse.BooleanOptionalAction, default=True,
+                        help="before step 0, project the bytes the grid will still write (its runs' checkpoints, "
+                             "the --jobs runs in flight with their temporary copies, the models, embeddings and "
+                             "caches; stages already finished are not counted) and refuse, in one line, a grid "
+                             "that does not fit the --results folder's free space with a 10%% margin. The "
+                             "projection is printed and kept in config.json and run.log; --no-disk_check skips it")
     parser.add_argument("--shard", type=shard_type, default=None, metavar="i/n",
                         help="run only shard i of n (counted from 0) of the federated runs, for a Slurm array or "
                              "n processes on shared storage with no Ray: every stage the runs share runs once (the "
@@ -103,6 +111,26 @@ def executor_settings(args: argparse.Namespace) -> ExecutorSettings:
     return settings
 
 
+def disk_check(args: argparse.Namespace, settings: ExecutorSettings, config: dict, out_dir: Path) -> dict:
+    """The grid's disk projection (pipeline/disk_projection.py), printed, and refused when it does not fit; its
+    record for config.json (``line``: what run.log keeps)."""
+    if not args.disk_check:
+        return {"line": "disk: not checked (--no-disk_check)"}
+    check_input_files(config)  # a missing input is its own line, before a projection that would read around it
+    # Runs in flight at once: --jobs local workers in each shard process (every shard may run at once); a Ray
+    # cluster without --jobs may start every run still to do.
+    jobs = settings.jobs if settings.executor != "local" else (settings.jobs or 1)
+    in_flight = None if jobs is None else jobs * (args.shard.count if args.shard is not None else 1)
+    projection = experiment_projection(config, out_dir, in_flight)
+    if projection is None:
+        line = f"disk: not projected for study kind {config['study']!r}"
+        print(line, flush=True)
+        return {"line": line}
+    print(projection.line(), flush=True)
+    projection.check(out_dir)
+    return projection.record()
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run (or resume) the experiment ``argv`` names (None reads sys.argv), then print where its report is."""
     args = parse_args(argv)
@@ -117,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.shard is not None and settings.executor != "local":
         raise TaskHetError("--shard splits a grid over processes without a cluster: use it with --executor local "
                            "(a Ray cluster spreads the runs itself)")
+    disk = disk_check(args, settings, config, out_dir)  # before anything is written: a refusal leaves nothing
     # A second run of the experiment is refused; shards lock their own folder, so n of them (and the final call)
     # share the experiment, each stage guarded by its stage lock and each run by its own folder lock.
     lock_dir = out_dir if args.shard is None else out_dir / "shards" / args.shard.folder_name
@@ -125,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
         with open_executor(settings, out_dir, config["use_accelerator"]) as executor:
             # what was run: the file, its overrides and every key as checked (every run folder has its own config.json too)
             record = {"experiment": str(args.experiment), "overrides": args.overrides, "resolved": config,
-                      **{key: value for key, value in vars(args).items() if key not in ("experiment", "overrides")}}
+                      **{key: value for key, value in vars(args).items() if key not in ("experiment", "overrides")},
+                      "disk": disk}
             shard_flags = [] if args.shard is None else ["--shard", args.shard.label]
             table = run_experiment(config, out_dir, command_line([str(args.experiment), *args.overrides, *shard_flags]),
                                    jobs=settings.jobs or 1, threads=args.threads, show_progress=show_progress,

@@ -59,6 +59,14 @@ SUMS_GRADIENTS = (step2, step3c, step4)
 GRADIENT_THREADS = 1
 
 
+def centralized_params(config: dict[str, Any], task: str, root: Path | str, manifest: Path | str,
+                       seed: int) -> dict[str, Any]:
+    """Step 2's parameters for ``task`` with ``seed`` (the disk projection, pipeline/disk_projection.py, matches a
+    finished step 2 on them too)."""
+    return {"task": task, "data_path": str(root), "manifest": str(manifest), "seed": seed,
+            "use_accelerator": config["use_accelerator"], **config["model"], **config["centralized"]}
+
+
 @dataclass
 class Pipeline:
     """The steps of one experiment (a validated config from ``pipeline.experiment.load_experiment``), skip-if-done,
@@ -218,11 +226,8 @@ class Pipeline:
     def centralized_stage(self, task: str, root: Path, manifest: Path, seed: int | None = None) -> PoolStage:
         """Step 2's stage for ``task`` with ``seed`` (default: the experiment's first seed), to run here
         (:meth:`centralized`) or in the pool beside other seeds' (:meth:`run_pooled`)."""
-        params = {
-            "task": task, "data_path": str(root), "manifest": str(manifest),
-            "seed": self.config["seeds"][0] if seed is None else seed,
-            "use_accelerator": self.config["use_accelerator"], **self.config["model"], **self.config["centralized"],
-        }
+        chosen = self.config["seeds"][0] if seed is None else seed
+        params = centralized_params(self.config, task, root, manifest, chosen)
         stage_dir = self.stage_root / "centralized" / f"{task}-{stage_key(params, [manifest], self.stage_root)}"
         name = f"step 2: train {task}" + ("" if seed is None else f" seed {params['seed']}")
         return PoolStage(name, stage_dir, params, ["--out", str(stage_dir), *flags(params)], script=step2.__name__)
@@ -277,6 +282,8 @@ class Pipeline:
         if self.record is not None:  # only a file that passed every check leaves a folder behind
             write_config(self.out_dir, self.record)
             self.log(f"started: {self.command}")
+            if self.record.get("disk"):  # run_pipeline.py's projection (pipeline/disk_projection.py)
+                self.log(self.record["disk"]["line"])
 
     def progress_bar(self, total: int, desc: str) -> tqdm | StepLines:
         """The top-level bar over ``total`` steps; without ``show_progress`` (``--no-progress``, or stdout not a

@@ -38,6 +38,8 @@ class StudyKind:
         types: every dotted key of ``schema`` -> its check (pipeline/schema.py), which ``load`` applies; the
             documentation's experiment-file reference reads it too.
         help: every dotted key of ``types`` -> one line on what it does, for that reference page.
+        disk_plan: ``(config, experiment folder) -> pipeline.disk_projection.DiskPlan``: every stage the grid will
+            write with its size, for run_pipeline.py's disk check before step 0 (None: the kind is not projected).
     """
 
     name: str
@@ -49,6 +51,7 @@ class StudyKind:
     free_form: frozenset[str] = frozenset()
     types: Mapping[str, Any] = field(default_factory=dict)
     help: Mapping[str, str] = field(default_factory=dict)
+    disk_plan: Callable[[dict[str, Any], Path], Any] | None = None
 
 
 STUDIES: Registry[StudyKind] = Registry("study kind")

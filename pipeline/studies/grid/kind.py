@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from pipeline.schema import Check
 from pipeline.studies.grid.config import GRID_HELP, GRID_TYPES, Extra, grid_schema, load_grid_study
+from pipeline.studies.grid.disk import disk_plan
 from pipeline.studies.grid.runner import GridStudy
 from pipeline.studies.registry import StudyKind, register
 
@@ -50,4 +51,4 @@ def register_grid_kind(name: str, summary: str, write_report: WriteReport, repor
                             **extra)
 
     return register(StudyKind(name=name, summary=summary, schema=schema, load=load, run=run,
-                              report_unit=report_unit, types=types, help=help_lines))
+                              report_unit=report_unit, types=types, help=help_lines, disk_plan=disk_plan))

@@ -5,7 +5,7 @@ then the gap report (config: the file's keys; runner: the steps; report, iid, me
 The package also registers the ``mechanism`` kind (mechanism.py): the main job once per knob level, which runs this
 package's runner, so it lives here rather than importing one kind from another."""
 
-from pipeline.studies.main_job import config, mechanism, runner  # noqa: F401  (mechanism registers itself)
+from pipeline.studies.main_job import config, disk, mechanism, runner  # noqa: F401  (mechanism registers itself)
 from pipeline.studies.registry import MAIN_JOB, StudyKind, register
 
 register(StudyKind(
@@ -18,4 +18,5 @@ register(StudyKind(
     types=config.TYPES,
     help=config.HELP,
     free_form=config.FREE_FORM,  # an override may name a key inside federated.privacy, federated.algorithms, ...
+    disk_plan=disk.disk_plan,
 ))

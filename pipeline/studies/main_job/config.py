@@ -237,6 +237,15 @@ def assignment_params(config: dict[str, Any], grouping: str, alpha: float, seed:
     return params
 
 
+def embedding_params(config: dict[str, Any], seed: int, checkpoint: Path | str, manifest: Path | str,
+                     root: Path | str) -> dict[str, Any]:
+    """Step 3's parameters for the step-2 model ``checkpoint`` of ``seed`` (``allow_untrained`` is a flag outside
+    them: it changes no output)."""
+    embeddings = {key: value for key, value in config["embeddings"].items() if key != "allow_untrained"}
+    return {"checkpoint": str(checkpoint), "manifest": str(manifest), "data_path": str(root), "seed": seed,
+            **embeddings}
+
+
 def federated_params(config: dict[str, Any], combination: Combination, root: Path | str, manifest: Path | str,
                      assignments_csv: Path | str, centralized_checkpoint: Path | str) -> dict[str, Any]:
     """Step 4's parameters for one combination."""

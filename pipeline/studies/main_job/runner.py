@@ -27,8 +27,8 @@ from pipeline.pool import PoolStage
 from pipeline.run_results import (centralized_reference, final_personal_loss, global_test_history, personal_test_history,
                                   trivial_losses)
 from pipeline.runner import Pipeline
-from pipeline.studies.main_job.config import (Combination, assignment_params, combinations, federated_params,
-                                              partition_key)
+from pipeline.studies.main_job.config import (Combination, assignment_params, combinations, embedding_params,
+                                              federated_params, partition_key)
 from pipeline.studies.main_job.meter import partition_distances_row
 from pipeline.studies.main_job.report import write_report
 from steps import assign as step3b
@@ -122,13 +122,9 @@ class MainJob:
     def clusters(self, task: str, seed: int, root: Path, manifest: Path, model_dir: Path) -> Path:
         """Step 3: the embeddings of ``task``'s centralized model of ``seed`` and their KMeans clusters (KMeans
         started from ``seed``)."""
-        embeddings = dict(self.config["embeddings"])
         # whether an untrained best.pt is refused changes no output: a flag outside the stage key
-        allowed = ["--allow_untrained"] if embeddings.pop("allow_untrained") else []
-        params = {
-            "checkpoint": str(model_dir / "best.pt"), "manifest": str(manifest), "data_path": str(root),
-            "seed": seed, **embeddings,
-        }
+        allowed = ["--allow_untrained"] if self.config["embeddings"]["allow_untrained"] else []
+        params = embedding_params(self.config, seed, model_dir / "best.pt", manifest, root)
         stage_dir = self.stage_root / "embeddings" / f"{task}-{stage_key(params, [manifest, model_dir / 'best.pt'], self.stage_root)}"
         return self.pipeline.step(f"step 3: embed + cluster {task} seed {seed}", stage_dir, params, step3,
                                   ["--out", str(stage_dir), *flags(params), *allowed])
