@@ -197,7 +197,10 @@ def clip_norm(text: str) -> float:
     """argparse type of --dp_clip: a number in (0, 1e6] or ``inf``."""
     if isinstance(text, str) and text.strip().lower() == "inf":
         return math.inf
-    return CLIP_NORMS.parse(text)
+    try:
+        return CLIP_NORMS.parse(text)
+    except ValueError as error:  # argparse would print only "invalid clip_norm value"
+        raise argparse.ArgumentTypeError(f"{error} (or inf: no clipping)") from None
 
 
 def check_arguments(argv: list[str], *, n_clients: int | None = None,

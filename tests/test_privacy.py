@@ -329,7 +329,7 @@ def test_the_engine_writes_epsilon_after_every_round(tmp_path):
     (["--dp_clip", "1", "--dp_noise_multiplier", "1", "--weighting", "samples"], "--weighting uniform"),
     (["--dp_clip", "1", "--dp_noise_multiplier", "1", "--method", "qfedavg", "--weighting", "none"], "not offered for qfedavg"),
 ])
-def test_bad_dp_settings_are_one_line_naming_the_flag(extra, message):
+def test_bad_dp_settings_are_one_line_naming_the_flag(extra, message, capsys):
     from steps.federated import check_arguments
 
     weighting = [] if "--weighting" in extra else ["--weighting", "uniform"]
@@ -338,6 +338,9 @@ def test_bad_dp_settings_are_one_line_naming_the_flag(extra, message):
         check_arguments(["--task", "normal", *weighting, *extra])
     if caught.type is TaskHetError:
         assert message in str(caught.value) and "\n" not in str(caught.value)
+    else:  # argparse's own line, on stderr: the flag and its range
+        printed = capsys.readouterr().err.strip().splitlines()
+        assert len(printed) == 1 and printed[0].startswith(f"error: argument {message}: must be a number in"), printed
 
 
 def test_a_delta_of_one_over_n_or_more_gets_a_warning():
