@@ -48,12 +48,23 @@ def section(name: str) -> str:
              f"{escape(first_paragraph(algorithm_class.__doc__))} Source: `{module.__name__.replace('.', '/')}.py`."]
     if algorithm_class.use_when:
         parts.append(f"Use it when: {escape(algorithm_class.use_when)}.")
+    parts.append(escape(client_dp_line(algorithm_class)))
     traits = _traits(algorithm_class)
     if traits:
         parts.append(escape(traits))
     rows = settings_rows(algorithm_class.Settings)
     parts.append(table(["setting", "type", "default", "allowed", "help"], rows) if rows else "No settings.")
     return "\n\n".join(parts)
+
+
+def client_dp_line(algorithm_class: type) -> str:
+    """How client-level DP (``--dp_clip``, network/privacy.py) applies to what the algorithm uploads, or why not."""
+    if algorithm_class.dp_groups:
+        groups = " and ".join(f"`{group}`" for group in algorithm_class.dp_groups)
+        return (f"Client-level DP: its upload group{'s' if len(algorithm_class.dp_groups) > 1 else ''} {groups} "
+                "clipped together to C on the client and noised once per round on the server (with "
+                "`weighting uniform`); private entries never leave the client.")
+    return f"Client-level DP: refused, because {algorithm_class.dp_refusal}."
 
 
 def page() -> str:

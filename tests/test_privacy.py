@@ -248,9 +248,14 @@ def test_every_algorithm_offering_dp_trains_under_it_with_bounded_uploads(tmp_pa
 
 
 @pytest.mark.parametrize("name", ALGORITHMS.names())
-def test_every_algorithm_offers_dp_or_says_why_not(name):
+def test_every_algorithm_offers_dp_or_says_why_not_on_its_reference_page(name):
+    from docsgen.algorithms import section
+
     algorithm = ALGORITHMS.get(name)
     assert algorithm.dp_groups or len(algorithm.dp_refusal) > 20
+    line = next(part for part in section(name).split("\n\n") if part.startswith("Client-level DP:"))
+    assert ("refused" in line) != bool(algorithm.dp_groups)
+    assert all(f"`{group}`" in line for group in algorithm.dp_groups)
 
 
 # ----- the accountant -----
