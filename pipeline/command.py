@@ -116,16 +116,16 @@ def disk_check(args: argparse.Namespace, settings: ExecutorSettings, config: dic
     record for config.json (``line``: what run.log keeps)."""
     if not args.disk_check:
         return {"line": "disk: not checked (--no-disk_check)"}
+    if get_study(config["study"]).disk_plan is None:  # a kind without a plan (mechanism) has no data section either
+        line = f"disk: not projected for study kind {config['study']!r}"
+        print(line, flush=True)
+        return {"line": line}
     check_input_files(config)  # a missing input is its own line, before a projection that would read around it
     # Runs in flight at once: --jobs local workers in each shard process (every shard may run at once); a Ray
     # cluster without --jobs may start every run still to do.
     jobs = settings.jobs if settings.executor != "local" else (settings.jobs or 1)
     in_flight = None if jobs is None else jobs * (args.shard.count if args.shard is not None else 1)
     projection = experiment_projection(config, out_dir, in_flight)
-    if projection is None:
-        line = f"disk: not projected for study kind {config['study']!r}"
-        print(line, flush=True)
-        return {"line": line}
     print(projection.line(), flush=True)
     projection.check(out_dir)
     return projection.record()

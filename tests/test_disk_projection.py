@@ -218,3 +218,16 @@ def test_a_grid_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, 
 def test_no_disk_check_projects_nothing(tmp_path):
     args = argparse.Namespace(disk_check=False, shard=None)
     assert disk_check(args, None, {}, tmp_path) == {"line": "disk: not checked (--no-disk_check)"}
+
+
+def test_a_study_kind_without_a_plan_says_so_in_one_line(tmp_path, capsys):
+    """The mechanism kind has no disk plan (and no data section): one line, not a KeyError from the input checks."""
+    import argparse
+
+    from pipeline.command import disk_check
+    from pipeline.executors import ExecutorSettings
+
+    args = argparse.Namespace(disk_check=True, shard=None)
+    record = disk_check(args, ExecutorSettings(), {"study": "mechanism"}, tmp_path / "out")
+    assert record == {"line": "disk: not projected for study kind 'mechanism'"}
+    assert capsys.readouterr().out.strip() == record["line"]
