@@ -23,7 +23,9 @@ PASTES = [("README.md", "demo", "experiments/demo.yaml", "make demo"),
           ("README.md", "mechanism", "experiments/mechanism.yaml", "make mechanism"),
           ("docs/results/main-job.md", "demo", "experiments/demo.yaml", "make demo"),
           ("docs/results/paper-cpu.md", "demo", "experiments/paper_cpu.yaml", "make paper-cpu"),
-          ("docs/results/mechanism.md", "demo", "experiments/mechanism.yaml", "make mechanism")]
+          ("docs/results/mechanism.md", "demo", "experiments/mechanism.yaml", "make mechanism"),
+          ("docs/results/privacy.md", "privacy", "experiments/privacy.yaml", "make privacy"),
+          ("docs/results/privacy.md", "digits_privacy", "experiments/digits_privacy.yaml", "make privacy")]
 
 
 @pytest.mark.parametrize("page, block, experiment, command", PASTES)
