@@ -156,3 +156,16 @@ def test_a_tiny_map_reads_each_settings_own_answer_and_shares_stages(tmp_path):
     assert "setting 3 of 3 done" in (out / "run.log").read_text()
     assert list((out / "federated").rglob("metrics.csv")) and not list((out / "federated").rglob("curves.png"))
     assert not math.isnan(table["detectable_percent"].iloc[0])
+
+
+def test_a_task_that_did_not_learn_is_marked_on_its_own_panel_only(tmp_path, figures):
+    """Panels are per algorithm × task: keypoints2d did not learn at ε = 50, edges did; only keypoints' panel says so."""
+    rows = [{"knob": knob, "level": level, "task": task, "algorithm": "fedavg", "paper_percent": 60.0,
+             "role": "did not learn: ..." if (task, level) == ("keypoints2d", "50") else "headline",
+             "change_percent": 1.0, "change_low": 0.0, "change_high": 2.0, "control_percent": 1.0, "control_low": 0.0,
+             "control_high": 2.0} for knob, level in (("base", "base"), ("privacy", "50"))
+            for task in ("edge_texture", "keypoints2d")]
+    report.plot_map(pd.DataFrame(rows), tmp_path / "map.png")
+    edges, keypoints = figures[0].axes[:2]
+    assert [tick.get_text() for tick in edges.get_xticklabels()] == ["base", "privacy\n= 50"]
+    assert [tick.get_text() for tick in keypoints.get_xticklabels()] == ["base", "privacy\n= 50\n(did not learn)"]

@@ -228,14 +228,14 @@ def plot_map(table: pd.DataFrame, path: Path) -> None:
     paper's size as a dashed line and 0 as a grey one."""
     panels = list(dict.fromkeys(zip(table["algorithm"], table["task"])))
     settings = list(dict.fromkeys(zip(table["knob"], table["level"])))
-    silent = set(zip(table.loc[~learned(table), "knob"], table.loc[~learned(table), "level"]))
-    names = [("base" if knob == BASE_SETTING else f"{knob}\n= {level}") + ("\n(did not learn)" if (knob, level) in silent
-                                                                          else "") for knob, level in settings]
     figure, axes = plt.subplots(len(panels), 1, figsize=(max(6.0, 1.1 * len(settings) + 2), 3.2 * len(panels)),
                                 squeeze=False, layout="constrained")
     handles, labels = [], []
     for axis, (algorithm, task) in zip(axes[:, 0], panels):
         rows = table[(table["algorithm"] == algorithm) & (table["task"] == task)]
+        silent = set(zip(rows.loc[~learned(rows), "knob"], rows.loc[~learned(rows), "level"]))  # this task's own
+        names = [("base" if knob == BASE_SETTING else f"{knob}\n= {level}")
+                 + ("\n(did not learn)" if (knob, level) in silent else "") for knob, level in settings]
         for offset, (column, low, high, label, style) in enumerate((
                 ("change_percent", "change_low", "change_high", "embedding- vs label-based", "o"),
                 ("control_percent", "control_low", "control_high", "control: property- vs label-based", "s"))):
