@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pipeline.argv import command_line
 from pipeline.checks import check_input_files
-from pipeline.disk_projection import experiment_projection
+from pipeline.disk_projection import Projection, project
 from pipeline.executors import (CPUS_PER_RUN, DEFAULT_MAX_RETRIES, EXECUTORS, GPU_FRACTIONS, RETRIES, ExecutorSettings,
                                  open_executor)
 from pipeline.experiment import load_experiment, run_experiment
@@ -129,6 +129,13 @@ def disk_check(args: argparse.Namespace, settings: ExecutorSettings, config: dic
     print(projection.line(), flush=True)
     projection.check(out_dir)
     return projection.record()
+
+
+def experiment_projection(config: dict, out_dir: Path, runs_in_flight: int | None) -> Projection:
+    """The disk projection of a validated experiment (``load_experiment``) whose study kind has a disk plan, into
+    ``out_dir`` (pipeline/disk_projection.py); here, above both the projection and the study kinds that use it."""
+    plan = get_study(config["study"]).disk_plan
+    return project(plan(config, Path(out_dir)), Path(out_dir), runs_in_flight)
 
 
 def main(argv: list[str] | None = None) -> None:

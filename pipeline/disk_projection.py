@@ -230,12 +230,3 @@ def existing_parent(folder: Path) -> Path:
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     return folder
-
-
-def experiment_projection(config: dict[str, Any], out_dir: Path, runs_in_flight: int | None) -> Projection | None:
-    """The projection of a validated experiment (``load_experiment``) into ``out_dir``; None for a study kind
-    without a disk plan."""
-    from pipeline.studies import get_study
-
-    plan = get_study(config["study"]).disk_plan
-    return None if plan is None else project(plan(config, Path(out_dir)), Path(out_dir), runs_in_flight)

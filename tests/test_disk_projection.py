@@ -13,10 +13,10 @@ import yaml
 
 import run_pipeline
 from pipeline.argv import flags
-from pipeline.command import disk_check
+from pipeline.command import disk_check, experiment_projection
 from pipeline.disk_plans import STAGE_FILES
 from pipeline.disk_projection import (MARGIN_FLOOR, Bytes, DiskPlan, PlannedCache, PlannedStage, existing_parent,
-                                      experiment_projection, project)
+                                      project)
 from pipeline.disk_sizes import AlgorithmShape, Footprint, ModelCells, ModelSpec, run_bytes, run_files
 from pipeline.experiment import load_experiment
 from steps import federated as step4

@@ -43,7 +43,7 @@ def test_a_list_item_of_a_grid_study_is_overridden_in_place():
 
 
 FEDERATED_KEYS = ("algorithms, batch_size, checkpoint_every, client_fraction, eval_every, init_from, init_lr, local_steps, "
-                  "lr_schedule, momentum, n_rounds, per_task, task_init_lr, weight_decay")
+                  "lr_schedule, momentum, n_rounds, per_task, privacy, task_init_lr, weight_decay")
 PLAIN = "write a plain decimal number (10, -3, 0.1, 1e-3), true or false, or a quoted string"
 N_ROUNDS = "federated.n_rounds must be an integer >= 1 <= 10000"
 
@@ -177,7 +177,7 @@ def test_the_experiment_folder_records_the_file_and_its_overrides(tmp_path, caps
 
     monkeypatch.setattr("pipeline.command.run_experiment", checks_only)
     monkeypatch.setattr("pipeline.runner.check_input_files", lambda config: None)  # the data is no subject here
-    run_main(run_pipeline.main, argv)
+    run_main(run_pipeline.main, [*argv, "--no-disk_check"])  # nor the disk, which the projection reads the data for
     record = json.loads((tmp_path / "results" / "over" / "config.json").read_text())
     assert record["args"]["overrides"] == ["federated.n_rounds=3", "seeds=[5]"]
     assert record["args"]["resolved"]["federated"]["n_rounds"] == 3 and record["args"]["resolved"]["seeds"] == [5]
@@ -203,7 +203,7 @@ def test_overrides_may_follow_a_flag_on_the_command_line(tmp_path, capsys, monke
     monkeypatch.setattr("pipeline.command.run_experiment", checks_only)
     monkeypatch.setattr("pipeline.runner.check_input_files", lambda config: None)  # the data is no subject here
     ran = run_script("run_pipeline.py", [experiment, "seeds=[4]", "--threads", "1", "federated.n_rounds=2", "--results",
-                                         results, "federated.local_steps=3"], capsys, monkeypatch)
+                                         results, "federated.local_steps=3", "--no-disk_check"], capsys, monkeypatch)
     assert ran.returncode == 0, ran.stderr
     record = json.loads((results / "mixed" / "config.json").read_text())["args"]
     assert record["overrides"] == ["seeds=[4]", "federated.n_rounds=2", "federated.local_steps=3"]
