@@ -536,11 +536,12 @@ def test_a_lost_raylet_is_rerun_elsewhere_and_a_lost_head_is_one_line(local_grid
     assert said < 15, f"the line came {said:.1f} s after the kill"
     assert ray_lines(out) == [], out
     line = out.splitlines()[-1]  # the last line: Ray's exit says nothing after it
-    finished = done_names(out)
-    assert len(finished) == 1
-    others = [name for name in names if name != finished[0]]
+    finished = done_names(out)  # run 1, and on a loaded machine maybe another before the kill landed
+    assert 1 <= len(finished) <= 3, out
+    others = [name for name in names if name not in finished]
     assert line.startswith(f"error: the Ray cluster at {address} lost its head (its GCS at {address} stopped "
-                           f"answering): of 4 run(s), 1 finished ({finished[0]}), 3 were running or queued (")
+                           f"answering): of 4 run(s), {len(finished)} finished ({', '.join(finished)}), "
+                           f"{len(others)} were running or queued (")
     assert all(f"{name}, " in line or f"{name})" in line for name in others), line
     assert line.endswith("; rerun the same command to resume once the cluster is back (`ray start --head` again, "
                          "then the other nodes): finished runs are kept, the others go on from their checkpoints")
