@@ -1,4 +1,4 @@
-"""The Ray task of the results-folder check (pipeline/ray_executor.check_shared_storage), alone in a module that
+"""The Ray task of the results-folder check (pipeline/ray_checks.check_shared_storage), alone in a module that
 imports only the standard library.
 
 Ray imports a task's module in the worker that runs it: from pipeline/ray_executor.py, whose imports reach torch,

@@ -30,7 +30,8 @@ from ray.cluster_utils import Cluster  # noqa: E402
 import run_pipeline  # noqa: E402
 from pipeline import ray_executor  # noqa: E402
 from pipeline.pool import PLACEMENT_FILE, PoolStage  # noqa: E402
-from pipeline.ray_executor import RayExecutor, check_resources, lost_head_message  # noqa: E402
+from pipeline.ray_checks import check_resources  # noqa: E402
+from pipeline.ray_executor import RayExecutor, lost_head_message  # noqa: E402
 from tests.test_digits import tiny_digits_experiment  # noqa: E402
 from tests.test_worker_death import parent_of, stat_fields  # noqa: E402
 from utils.errors import TaskHetError  # noqa: E402
