@@ -72,7 +72,8 @@ def run_bytes_written(setting: "PaperSetting", method: str) -> int:
     it is kept, every write between at its size during the run (every client holding a state: an upper bound for the
     first rounds), and best.pt at every evaluation (each one an improvement: an upper bound)."""
     from bench.gpu_stage_kit import DENSE_TASK
-    from pipeline.disk_sizes import ModelSpec, run_bytes
+    from pipeline.disk_probe import run_bytes
+    from pipeline.disk_sizes import ModelSpec
 
     spec = ModelSpec(DENSE_TASK, setting.encoder, "none", False, None, setting.image)
     size = run_bytes(spec, method, setting.algorithms[method] or {}, setting.n_clients, False, {})

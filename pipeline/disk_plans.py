@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from pipeline.disk_projection import Bytes, PlannedCache, PlannedStage
+from pipeline.disk_probe import run_bytes
 from pipeline.disk_sizes import (ModelSpec, RunBytes, centralized_bytes, decoded_bytes_per_sample, embedding_width,
-                                 feature_bytes_per_sample, run_bytes)
+                                 feature_bytes_per_sample)
 from pipeline.runner import centralized_params
 from utils.stages import is_done
 

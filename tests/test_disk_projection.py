@@ -17,7 +17,8 @@ from pipeline.command import disk_check, experiment_projection
 from pipeline.disk_plans import STAGE_FILES
 from pipeline.disk_projection import (MARGIN_FLOOR, Bytes, DiskPlan, PlannedCache, PlannedStage, existing_parent,
                                       project)
-from pipeline.disk_sizes import AlgorithmShape, Footprint, ModelCells, ModelSpec, run_bytes, run_files
+from pipeline.disk_probe import run_bytes
+from pipeline.disk_sizes import AlgorithmShape, Footprint, ModelCells, ModelSpec, run_files
 from pipeline.experiment import load_experiment
 from steps import federated as step4
 from utils.cli import run_main
