@@ -45,11 +45,11 @@ from network.diagnostics import PLOT_FILE as DIAGNOSTICS_PLOT, DriftMeter, plot_
 from network.engine_config import EngineConfig
 from network.engine_evaluation import RoundEvaluation
 from network.local_train import NonFiniteLossError
-from network.run_outputs import (CURVES_FILE, GLOBAL_CLIENT, GLOBAL_VAL_SPLIT, METRICS_COLUMNS, METRICS_FILE, LOG_ONLY,
-                                 ROUND_LINE, TRAIN_SPLIT, mean_train_loss, metric_row, not_a_round_line, not_log_only,
-                                 plot_curves, run_title)
-from network.privacy import DP_GROUP, PRIVACY_SPLIT, SERVER_CLIENT, ServerPrivacy
-from network.sampling import client_seed, clients_per_round, sample_clients
+from network.run_outputs import (CURVES_FILE, METRICS_COLUMNS, METRICS_FILE, LOG_ONLY, ROUND_LINE, TRAIN_SPLIT,
+                                 mean_train_loss, metric_row, not_a_round_line, not_log_only, plot_curves, run_title,
+                                 validation_loss)
+from network.privacy import DP_GROUP, PRIVACY_SPLIT, SERVER_CLIENT, server_privacy
+from network.sampling import client_seed, sample_clients
 from network.schedule import client_at, holding_clients
 from network.vectorized import require_vectorizable
 from utils.errors import TaskHetError
@@ -122,7 +122,7 @@ class SequentialEngine(RoundEvaluation):
                 if not config.round_lines:
                     handler.addFilter(not_a_round_line)
         self.drift = DriftMeter(self.out_dir, algorithm.federation.layout.param_keys) if config.diagnostics else None
-        self.privacy = server_privacy(config, algorithm, len(ids))
+        self.privacy = server_privacy(config.privacy, algorithm, len(ids), config.client_fraction, config.seed)
         # Private entries never leave a client: the gradient diagnostics read the shared parameters only.
         self.private_params = algorithm.private_keys()
         self.shares_parameters = any(param.requires_grad and name not in self.private_params
@@ -379,21 +379,6 @@ class SequentialEngine(RoundEvaluation):
         return run_fingerprint(self.algorithm, self.config, list(self.clients))
 
 
-def server_privacy(config: EngineConfig, algorithm: Algorithm, num_clients: int) -> ServerPrivacy | None:
-    """The server's client-level DP over the run (network/privacy.py), or None without DP."""
-    if config.privacy is None:
-        return None
-    # RunConfig refuses these first; an engine built directly (a test, a benchmark) refuses them too.
-    if not algorithm.dp_groups:
-        raise TaskHetError(f"client-level DP is not offered for {algorithm.name}: {algorithm.dp_refusal}")
-    if getattr(algorithm.settings, "weighting", None) != "uniform":
-        raise TaskHetError(f"client-level DP needs --weighting uniform, {algorithm.name} has "
-                           f"{getattr(algorithm.settings, 'weighting', None)}")
-    return ServerPrivacy(config.privacy, algorithm.dp_groups, num_clients,
-                         clients_per_round(num_clients, config.client_fraction), config.seed,
-                         config.privacy.noise_multiplier or 0.0)
-
-
 def unseen_by_id(unseen: list[ClientData], seen_ids: list[str], algorithm: Algorithm) -> dict[str, ClientData]:
     """The unseen clients by id, after checking that no id is twice, a seen client's or one the algorithm's
     federation counts (an unseen client must never weigh in an aggregate)."""
@@ -410,9 +395,3 @@ def check_vectorizable(model: nn.Module, algorithm: Algorithm) -> None:
     """One clear error unless ``algorithm`` declares vectorised clients and ``model`` can train vectorised."""
     require_vectorizable(model, algorithm.name, algorithm.vectorizable,
                          [name for name in ALGORITHMS.names() if ALGORITHMS.get(name).vectorizable])
-
-
-def validation_loss(rows: list[dict[str, Any]]) -> float | None:
-    """The global model's loss on the validation rows among an evaluation's metric ``rows`` (None: no such row)."""
-    return next((float(row["value"]) for row in rows if row["split"] == GLOBAL_VAL_SPLIT
-                 and row["client"] == GLOBAL_CLIENT and row["metric"] == "loss"), None)

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 import torch
 from torch import Tensor
 
+from network.sampling import clients_per_round
 from utils.errors import TaskHetError
 from utils.seeding import torch_generator
 
@@ -127,6 +128,17 @@ def delta_warning(delta: float, num_clients: int) -> str | None:
         return (f"--dp_delta {delta:g} is at least 1/N = 1/{num_clients}: a δ that large allows releasing one "
                 f"client's update in the clear; use δ well below 1/N (e.g. {0.1 / num_clients:.2g})")
     return None
+
+
+def check_dp_algorithm(algorithm: Any, settings: Any) -> None:
+    """Client-level DP's conditions on an algorithm (its class or object) and its settings, one line each: it names
+    the upload groups DP clips (``dp_groups``), and it weighs every client alike."""
+    if not algorithm.dp_groups:
+        raise TaskHetError(f"--dp_clip: client-level DP is not offered for {algorithm.name}: {algorithm.dp_refusal}")
+    weighting = getattr(settings, "weighting", None)
+    if weighting != "uniform":
+        raise TaskHetError(f"--dp_clip: client-level DP weighs every client alike (pass --weighting uniform): a weight "
+                           f"n_i would scale a clipped update past C; {algorithm.name} has --weighting {weighting}")
 
 
 # ----- the client's half -----
@@ -254,6 +266,17 @@ class ServerPrivacy:
 
     def load_state(self, state: Mapping[str, float]) -> None:
         self.clip, self.rounds = float(state["clip"]), int(state["rounds"])
+
+
+def server_privacy(settings: PrivacySettings | None, algorithm: Any, num_clients: int, client_fraction: float,
+                   seed: int) -> ServerPrivacy | None:
+    """The server's client-level DP over a run of ``algorithm`` (None without DP). The run config checks the
+    algorithm first; an engine built directly (a test, a benchmark) is checked here too."""
+    if settings is None:
+        return None
+    check_dp_algorithm(algorithm, algorithm.settings)
+    return ServerPrivacy(settings, algorithm.dp_groups, num_clients, clients_per_round(num_clients, client_fraction),
+                         seed, settings.noise_multiplier or 0.0)
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import Any
 
 from network.client_data import LOCAL_TESTS
 from network.diagnostics import check_diagnostics_options
-from network.privacy import DEFAULT_CLIP_LR, PrivacySettings
+from network.privacy import DEFAULT_CLIP_LR, PrivacySettings, check_dp_algorithm
 from network.local_work import LocalWork, check_not_lockstep, client_step_budgets, parse_steps_range
 from partitioning.assignments import UNSEEN_KEY
 from partitioning.groupings import EMBEDDING_BASED, LABEL_BASED
@@ -231,13 +231,7 @@ def check_private_run(config: RunConfig, settings: Any) -> None:
             raise TaskHetError(f"--{given[0]} needs --dp_clip C (client-level DP is on when a clipping norm is given)")
         return
     privacy_settings(config)
-    algorithm = ALGORITHMS.get(config.method)
-    if not algorithm.dp_groups:
-        raise TaskHetError(f"--dp_clip: client-level DP is not offered for {config.method}: {algorithm.dp_refusal}")
-    if getattr(settings, "weighting", None) != "uniform":
-        raise TaskHetError(f"--dp_clip: client-level DP weighs every client alike (pass --weighting uniform): a weight "
-                           f"n_i would scale a clipped update past C; {config.method} has --weighting "
-                           f"{getattr(settings, 'weighting', None)}")
+    check_dp_algorithm(ALGORITHMS.get(config.method), settings)
 
 
 def local_work(config: RunConfig) -> LocalWork:

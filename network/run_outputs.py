@@ -142,3 +142,9 @@ def round_axis_label(evaluated: "pd.Series") -> str:
     curve of 4 points is then read as 4 measurements, not as a straight trend."""
     rounds = sorted({int(value) for value in evaluated})
     return f"round (evaluated at {', '.join(map(str, rounds))})" if 1 < len(rounds) <= 8 else "round"
+
+
+def validation_loss(rows: list[dict[str, Any]]) -> float | None:
+    """The global model's loss on the validation rows among an evaluation's metric ``rows`` (None: no such row)."""
+    return next((float(row["value"]) for row in rows if row["split"] == GLOBAL_VAL_SPLIT
+                 and row["client"] == GLOBAL_CLIENT and row["metric"] == "loss"), None)
